@@ -1,0 +1,193 @@
+"""The one storage interface every hybrid-offload backend implements.
+
+A backend stores opaque, self-describing page bytes (see ``hybrid_offload.page_format``)
+under keys made by the planner. It never interprets page bytes: verification happens in the
+page decoder of whoever reads them.
+
+Contract (every backend, checked by ``tests/contract``):
+
+* **Keys** are ASCII strings matching :data:`KEY_PATTERN` (lowercase hex, ``-`` separated
+  namespace and digest). Anything else raises :class:`InvalidKeyError` before any I/O, so no
+  key can reach outside the backend's storage (paths, Redis key space).
+* **Batch calls.** ``put_batch``, ``get_batch``, ``get_into``, ``contains_batch`` and
+  ``delete_batch`` take many keys at once and answer per key, in input order. Backends batch
+  their I/O (one pipeline, one lock acquisition, one thread-pool round) per call.
+* **Atomic pages.** A page is either fully visible with the exact bytes put, or absent. A
+  reader never sees a partial page, also after a crash mid-write.
+* **Puts never raise for capacity.** A page that does not fit (larger than the capacity) is
+  refused (``False``); otherwise older pages are evicted (LRU by last put/get) to make room.
+  Re-putting an existing key replaces its bytes and refreshes it.
+* **Misses are normal.** ``get_batch`` returns ``None`` for an absent key; evicted, expired or
+  deleted keys are misses. Only a broken backend (server down, I/O error on the medium) raises
+  :class:`BackendUnavailableError`; callers turn that into misses and back off.
+* **Blocking.** Every method may block on I/O. The connector calls them from its own I/O
+  thread on the worker side, and ``contains_batch`` from the scheduler's lookup path; none of
+  them is called on vLLM's forward path.
+* **Threading.** All methods are thread-safe; a backend may be used from several threads.
+* **Ownership.** ``put_batch`` copies what it needs before returning: the caller may reuse
+  its buffers at once. ``get_into`` writes into caller-owned buffers and keeps no reference.
+* **Visibility across processes.** ``shared_index`` says whether another process (vLLM's
+  scheduler process) opening the same backend config sees the pages this process put. When
+  it is False (the in-process cpu pool), the connector mirrors the index from worker reports.
+* ``close()`` releases resources, is idempotent and bounded in time; later calls raise
+  :class:`BackendClosedError`.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+# ``\Z``, not ``$``: ``$`` also matches before a trailing newline ("...\n" would pass).
+KEY_PATTERN = re.compile(r"\A[0-9a-f]{8,64}-[0-9a-f]{8,64}\Z")
+
+Buffer = bytes | bytearray | memoryview
+
+
+class BackendError(Exception):
+    """Base class of backend errors."""
+
+
+class InvalidKeyError(BackendError, ValueError):
+    """A key does not match :data:`KEY_PATTERN`."""
+
+
+class BackendUnavailableError(BackendError):
+    """The medium or server cannot be reached or failed; the call's pages are misses."""
+
+
+class BackendClosedError(BackendError):
+    """The backend was used after ``close()``."""
+
+
+class BackendConfigError(ValueError):
+    """A backend's configuration is invalid; the message names the offending key."""
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """Validated configuration of one backend instance.
+
+    ``options`` holds the type-specific keys, already checked by the backend class's
+    :meth:`Backend.validate_options`.
+    """
+
+    type: str
+    name: str
+    capacity_bytes: int
+    load_weight: float = 1.0
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class BackendStats:
+    """Plain counters a backend keeps about itself (never negative)."""
+
+    puts: int = 0
+    put_bytes: int = 0
+    put_refused: int = 0
+    gets: int = 0
+    hits: int = 0
+    get_bytes: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+    errors: int = 0
+
+
+def check_keys(keys: Sequence[str]) -> None:
+    """Raise :class:`InvalidKeyError` naming the first key that is not well formed."""
+    for key in keys:
+        if not isinstance(key, str) or KEY_PATTERN.fullmatch(key) is None:
+            raise InvalidKeyError(f"invalid page key {key!r}: expected <hex>-<hex>")
+
+
+class Backend(ABC):
+    """A page store. See the module docstring for the full contract."""
+
+    #: registry name, the ``type`` in config
+    type_name: ClassVar[str]
+    #: whether another process opening the same config sees this process's pages
+    shared_index: ClassVar[bool] = True
+    #: type-specific option names and their defaults; anything else is rejected
+    option_defaults: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, config: BackendConfig) -> None:
+        self.config = config
+        self.stats = BackendStats()
+
+    @classmethod
+    def validate_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """Return options with defaults filled in; raise BackendConfigError naming a bad key."""
+        unknown = sorted(set(options) - set(cls.option_defaults))
+        if unknown:
+            allowed = ", ".join(sorted(cls.option_defaults)) or "none"
+            raise BackendConfigError(
+                f"backend type {cls.type_name!r}: unknown key(s) {unknown} (allowed: {allowed})"
+            )
+        return {**cls.option_defaults, **options}
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.config.capacity_bytes
+
+    @abstractmethod
+    def put_batch(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
+        """Store pages; per item True if stored, False if refused (too large, backend full)."""
+
+    @abstractmethod
+    def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Return each page's bytes, or None for a miss."""
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+        """Read each page into the caller's buffer; return its length, or None for a miss.
+
+        A page larger than its buffer is a miss (the caller sized buffers from the expected
+        page size, so a larger page is not the page it wants).
+        """
+        if len(keys) != len(buffers):
+            raise ValueError("get_into: keys and buffers differ in length")
+        sizes: list[int | None] = []
+        for data, buf in zip(self.get_batch(keys), buffers, strict=True):
+            if data is None or len(data) > len(buf):
+                sizes.append(None)
+                continue
+            buf[: len(data)] = data
+            sizes.append(len(data))
+        return sizes
+
+    @abstractmethod
+    def contains_batch(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is stored now (a later get may still miss after eviction)."""
+
+    @abstractmethod
+    def delete_batch(self, keys: Sequence[str]) -> int:
+        """Delete pages; return how many existed."""
+
+    @abstractmethod
+    def used_bytes(self) -> int:
+        """Bytes of page data held now."""
+
+    def take_evicted(self) -> list[str]:
+        """Keys evicted or deleted since the last call (for index mirrors; may be empty).
+
+        Backends with ``shared_index = False`` must implement it: the connector forwards these
+        keys to the scheduler process so its mirror of this backend's index stays exact.
+        """
+        return []
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release resources; idempotent; bounded in time."""
+
+    def __enter__(self) -> Backend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,161 @@
+"""In-process CPU memory pool: the fastest backend, private to one process.
+
+Role: hold pages in this process's memory, bounded by ``capacity_bytes``, evicting the least
+recently used page (by last put or get) to make room.
+
+Contract beyond :mod:`hybrid_offload.backends.base`:
+
+* **Visibility.** ``shared_index = False``: the pool lives in the worker process, so the
+  scheduler process cannot see it. The connector mirrors the index from worker reports; this
+  backend reports every key it evicts or deletes through :meth:`CpuBackend.take_evicted`.
+  A key may be reported after it was put again (evict, then re-put before the next
+  ``take_evicted``): the mirror then forgets a page that is stored, which only costs a hit,
+  never a wrong load.
+* **Ownership.** ``put_batch`` stores ``bytes(buf)`` (its own copy), taken before the lock;
+  ``get_batch`` returns the stored immutable ``bytes`` object itself (no copy).
+* **Threading / blocking.** One ``threading.Lock`` guards the pool and the counters; each
+  batch call takes it once. Nothing blocks beyond that lock and memory copies.
+* **Batches.** Items are applied in input order, so a later item of the same batch may evict
+  an earlier one (it was stored: its answer stays True).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from .base import Backend, BackendClosedError, BackendConfig, Buffer, check_keys
+
+__all__ = ["CpuBackend"]
+
+
+class CpuBackend(Backend):
+    """LRU page pool in this process's memory (see the module docstring)."""
+
+    type_name: ClassVar[str] = "cpu"
+    shared_index: ClassVar[bool] = False
+    option_defaults: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, config: BackendConfig) -> None:
+        super().__init__(config)
+        self.validate_options(dict(config.options))
+        self._lock = threading.Lock()
+        self._pages: OrderedDict[str, bytes] = OrderedDict()  # LRU first, MRU last
+        self._used = 0
+        self._evicted: list[str] = []
+        self._closed = False
+
+    # -- helpers (call with the lock held) -------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendClosedError(f"cpu backend {self.name!r} is closed")
+
+    def _drop(self, key: str) -> int:
+        """Remove ``key`` if present; return the bytes freed."""
+        data = self._pages.pop(key, None)
+        if data is None:
+            return 0
+        self._used -= len(data)
+        return len(data)
+
+    def _make_room(self, size: int) -> None:
+        """Evict least recently used pages until ``size`` more bytes fit."""
+        while self._pages and self._used + size > self.capacity_bytes:
+            key, data = self._pages.popitem(last=False)
+            self._used -= len(data)
+            self._evicted.append(key)
+            self.stats.evictions += 1
+            self.stats.evicted_bytes += len(data)
+
+    # -- Backend API -----------------------------------------------------------------------
+
+    def put_batch(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
+        check_keys([key for key, _ in items])
+        copies = [(key, bytes(buf)) for key, buf in items]  # copy outside the lock
+        results: list[bool] = []
+        with self._lock:
+            self._check_open()
+            for key, data in copies:
+                if len(data) > self.capacity_bytes:
+                    self.stats.put_refused += 1
+                    results.append(False)
+                    continue
+                self._drop(key)  # a re-put replaces, without counting as an eviction
+                self._make_room(len(data))
+                self._pages[key] = data
+                self._used += len(data)
+                self.stats.puts += 1
+                self.stats.put_bytes += len(data)
+                results.append(True)
+        return results
+
+    def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
+        check_keys(keys)
+        results: list[bytes | None] = []
+        with self._lock:
+            self._check_open()
+            for key in keys:
+                data = self._pages.get(key)
+                if data is not None:
+                    self._pages.move_to_end(key)
+                    self.stats.hits += 1
+                    self.stats.get_bytes += len(data)
+                results.append(data)
+            self.stats.gets += len(keys)
+        return results
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+        """As :meth:`Backend.get_into`; the copies into ``buffers`` happen outside the lock."""
+        if len(keys) != len(buffers):
+            raise ValueError("get_into: keys and buffers differ in length")
+        sizes: list[int | None] = []
+        for data, buf in zip(self.get_batch(keys), buffers, strict=True):
+            view = memoryview(buf).cast("B")
+            if data is None or len(data) > view.nbytes:
+                sizes.append(None)
+                continue
+            view[: len(data)] = data
+            sizes.append(len(data))
+        return sizes
+
+    def contains_batch(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is stored; does not refresh recency."""
+        check_keys(keys)
+        with self._lock:
+            self._check_open()
+            return [key in self._pages for key in keys]
+
+    def delete_batch(self, keys: Sequence[str]) -> int:
+        check_keys(keys)
+        deleted = 0
+        with self._lock:
+            self._check_open()
+            for key in keys:
+                if key in self._pages:
+                    self._drop(key)
+                    self._evicted.append(key)
+                    deleted += 1
+        return deleted
+
+    def used_bytes(self) -> int:
+        with self._lock:
+            self._check_open()
+            return self._used
+
+    def take_evicted(self) -> list[str]:
+        """Keys evicted or deleted since the last call, oldest first."""
+        with self._lock:
+            self._check_open()
+            evicted, self._evicted = self._evicted, []
+        return evicted
+
+    def close(self) -> None:
+        """Drop all pages; idempotent, never blocks beyond the lock."""
+        with self._lock:
+            self._closed = True
+            self._pages.clear()
+            self._used = 0
+            self._evicted = []

@@ -1,0 +1,493 @@
+"""Local-disk page store: one file per page, shared by every process opening the same path.
+
+Contract beyond :mod:`hybrid_offload.backends.base`:
+
+* **Layout.** Key ``<namespace>-<digest>`` lives at ``<path>/<namespace>/<digest[:2]>/
+  <digest>.page`` (keys are validated first, so none leaves ``path``). Directories get mode
+  ``0o700``, files ``0o600``. ``path`` is never re-created after start: if it vanishes (disk
+  unmounted) the medium has failed.
+* **Atomic pages.** A put writes ``.<digest>.<pid>.<random>.tmp`` beside the page (fsynced if
+  ``fsync``), then ``os.replace``-s it onto the page name, so a crash mid-write leaves only a
+  temp file, never a visible page. Temp files of dead writers, or older than ten minutes, are
+  removed at start. Without ``fsync`` a power loss may leave a page with wrong bytes; the page
+  decoder's verification catches that.
+* **Index and LRU.** Each instance keeps an index (key -> size, LRU order) rebuilt at start
+  by scanning the tree in file-mtime order; puts and gets stamp the file's mtime, so the order
+  survives restarts. Capacity is enforced over that index: pages another process puts later
+  are not counted here (one writing process per path is the intended set-up).
+* **Cross-process visibility** (``shared_index = True``). ``contains_batch`` stats the files
+  and gets read them, so pages written or deleted by other processes (the worker, seen from
+  vLLM's scheduler process) show at once.
+* **Threading / blocking.** One lock guards the index and counters. Page data moves outside
+  it, through a small thread pool (``io_threads``) for batches of more than a few pages,
+  synchronously otherwise. Renames and evicting unlinks run under the lock, so this process's
+  index always matches its files. ``get_into`` reads straight into the caller's buffers.
+* **Errors.** An ``OSError`` other than "not found" counts in ``stats.errors`` and is logged
+  once per (operation, errno); that page is a miss (get) or refused (put, e.g. ``ENOSPC``;
+  later puts keep trying). Only when ``path`` itself is gone or unusable does a put or get
+  raise :class:`BackendUnavailableError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import secrets
+import stat
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, ClassVar, TypeVar
+
+from .base import (
+    KEY_PATTERN,
+    Backend,
+    BackendClosedError,
+    BackendConfig,
+    BackendConfigError,
+    BackendUnavailableError,
+    Buffer,
+    check_keys,
+)
+
+__all__ = ["DiskBackend"]
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+_PAGE_SUFFIX = ".page"
+_TMP_SUFFIX = ".tmp"
+_POOL_MIN_BATCH = 4  # batches with more pages than this go through the thread pool
+_STALE_TMP_NS = 600 * 10**9  # a temp file this old is garbage even if its pid is alive
+_OPEN_FLAGS = getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+_NAMESPACE_DIR = re.compile(r"[0-9a-f]{8,64}")
+_FANOUT_DIR = re.compile(r"[0-9a-f]{2}")
+
+_stamp_lock = threading.Lock()
+_last_stamp = 0
+
+
+def _next_stamp() -> int:
+    """Wall-clock ns, strictly increasing within this process (file clocks are coarse)."""
+    global _last_stamp
+    with _stamp_lock:
+        _last_stamp = max(time.time_ns(), _last_stamp + 1)
+        return _last_stamp
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, owned by someone else
+        return True
+    return True
+
+
+def _read_exact(fd: int, size: int) -> bytes | None:
+    """Read ``size`` bytes; None if the file ends early."""
+    parts: list[bytes] = []
+    got = 0
+    while got < size:
+        chunk = os.read(fd, size - got)
+        if not chunk:
+            return None
+        parts.append(chunk)
+        got += len(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _readinto_exact(fd: int, view: memoryview) -> bool:
+    """readinto ``view`` until full (no intermediate copy); False if the file ends early."""
+    got = 0
+    while got < len(view):
+        n = os.readv(fd, [view[got:]])
+        if n == 0:
+            return False
+        got += n
+    return True
+
+
+def _subdirs(path: str, pattern: re.Pattern[str]) -> list[os.DirEntry[str]]:
+    try:
+        with os.scandir(path) as it:
+            return [e for e in it if pattern.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return []
+
+
+def _unlink_quietly(*paths: str) -> None:
+    for path in paths:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+class DiskBackend(Backend):
+    """LRU page store on a local file system (see the module docstring)."""
+
+    type_name: ClassVar[str] = "disk"
+    shared_index: ClassVar[bool] = True
+    option_defaults: ClassVar[dict[str, Any]] = {"path": None, "fsync": False, "io_threads": 4}
+
+    @classmethod
+    def validate_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        opts = super().validate_options(options)
+        path = opts["path"]
+        path = os.fspath(path) if isinstance(path, os.PathLike) else path
+        if not isinstance(path, str) or not path:
+            raise BackendConfigError(
+                f"backend type 'disk': option 'path' is required (a directory), got {path!r}"
+            )
+        if not isinstance(opts["fsync"], bool):
+            raise BackendConfigError(
+                f"backend type 'disk': option 'fsync' must be true or false, got {opts['fsync']!r}"
+            )
+        threads = opts["io_threads"]
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise BackendConfigError(
+                f"backend type 'disk': option 'io_threads' must be an integer >= 1, got {threads!r}"
+            )
+        return {**opts, "path": path}
+
+    def __init__(self, config: BackendConfig) -> None:
+        """Open ``path`` (created if missing) and index it; blocks for the scan."""
+        super().__init__(config)
+        opts = self.validate_options(dict(config.options))
+        self._root = os.path.abspath(opts["path"])
+        self._fsync: bool = opts["fsync"]
+        self._io_threads: int = opts["io_threads"]
+        self._lock = threading.RLock()
+        self._index: OrderedDict[str, int] = OrderedDict()  # key -> size, LRU first
+        self._used = 0
+        self._dirs: set[str] = set()  # page directories known to exist
+        self._pool: ThreadPoolExecutor | None = None
+        self._logged: set[tuple[str, int | None]] = set()
+        self._closed = False
+        try:
+            os.makedirs(self._root, mode=0o700, exist_ok=True)
+            with self._lock:
+                for _, key, size in sorted(self._scan()):
+                    self._index[key] = size
+                    self._used += size
+                self._evict_to(0)  # the capacity may be smaller than last run's
+        except OSError as exc:
+            raise BackendUnavailableError(
+                f"disk backend {self.name!r}: cannot open {self._root!r}: {exc}"
+            ) from exc
+        logger.info("disk backend %r: %d pages in %s", self.name, len(self._index), self._root)
+
+    # -- start-up --------------------------------------------------------------------------
+
+    def _scan(self) -> Iterator[tuple[int, str, int]]:
+        """Yield (mtime_ns, key, size) of every page file; remove dead writers' temp files."""
+        now = time.time_ns()
+        for ns_dir in _subdirs(self._root, _NAMESPACE_DIR):
+            for fan_dir in _subdirs(ns_dir.path, _FANOUT_DIR):
+                self._dirs.add(fan_dir.path)
+                with os.scandir(fan_dir.path) as entries:
+                    for entry in entries:
+                        name = entry.name
+                        if name.startswith(".") and name.endswith(_TMP_SUFFIX):
+                            self._remove_stale_tmp(entry, now)
+                            continue
+                        key = f"{ns_dir.name}-{name.removesuffix(_PAGE_SUFFIX)}"
+                        if (
+                            not name.endswith(_PAGE_SUFFIX)
+                            or not name.startswith(fan_dir.name)
+                            or KEY_PATTERN.fullmatch(key) is None
+                        ):
+                            continue
+                        with contextlib.suppress(FileNotFoundError):
+                            st = entry.stat(follow_symlinks=False)
+                            if stat.S_ISREG(st.st_mode):
+                                yield st.st_mtime_ns, key, st.st_size
+
+    def _remove_stale_tmp(self, entry: os.DirEntry[str], now_ns: int) -> None:
+        """Remove a crashed writer's temp file; keep one a live writer may still rename."""
+        parts = entry.name.split(".")  # ["", digest, pid, random, "tmp"]
+        pid = int(parts[2]) if len(parts) == 5 and parts[2].isdigit() else 0
+        with contextlib.suppress(FileNotFoundError):  # its writer renamed or removed it
+            age_ns = now_ns - entry.stat(follow_symlinks=False).st_mtime_ns
+            if pid > 0 and age_ns < _STALE_TMP_NS and _pid_alive(pid):
+                return
+            os.unlink(entry.path)
+            logger.info("disk backend %r: removed unfinished write %s", self.name, entry.path)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendClosedError(f"disk backend {self.name!r} is closed")
+
+    def _paths(self, key: str) -> tuple[str, str]:
+        """(directory, page file) of a validated key."""
+        namespace, digest = key.split("-", 1)
+        directory = os.path.join(self._root, namespace, digest[:2])
+        return directory, os.path.join(directory, digest + _PAGE_SUFFIX)
+
+    def _map(self, fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
+        """Apply ``fn`` to each item, in the pool for larger batches; results in input order."""
+        if len(items) <= _POOL_MIN_BATCH or self._io_threads == 1:
+            return [fn(item) for item in items]
+        with self._lock:
+            self._check_open()
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._io_threads, f"disk-{self.name}")
+            pool = self._pool
+        try:
+            return list(pool.map(fn, items))
+        except RuntimeError:  # the pool was shut down by a concurrent close()
+            self._check_open()
+            raise
+
+    def _note_error(self, op: str, path: str, exc: OSError) -> None:
+        with self._lock:
+            self.stats.errors += 1
+            first = (op, exc.errno) not in self._logged
+            self._logged.add((op, exc.errno))
+        log = logger.warning if first else logger.debug
+        log("disk backend %r: %s of %s failed: %s", self.name, op, path, exc)
+
+    def _fail_if_medium_gone(self, outcomes: Sequence[object], access: int) -> None:
+        """Raise BackendUnavailableError if an item failed and ``path`` itself is unusable."""
+        errors = [o for o in outcomes if isinstance(o, OSError)]
+        if not errors:
+            return
+        try:
+            usable = stat.S_ISDIR(os.stat(self._root).st_mode) and os.access(self._root, access)
+        except OSError:
+            usable = False
+        if not usable:
+            raise BackendUnavailableError(
+                f"disk backend {self.name!r}: {self._root!r} failed: {errors[0]}"
+            )
+
+    def _exists(self, key: str) -> bool:
+        path = self._paths(key)[1]
+        try:
+            return stat.S_ISREG(os.stat(path, follow_symlinks=False).st_mode)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            self._note_error("stat", path, exc)
+            return False
+
+    def _forget_missing(self, keys: Sequence[str]) -> None:
+        """Drop indexed keys whose files are gone (deleted by another process)."""
+        if keys:
+            with self._lock:
+                for key in keys:
+                    if key in self._index and not self._exists(key):
+                        self._used -= self._index.pop(key)
+
+    def _unlink_page(self, key: str, op: str) -> bool:
+        path = self._paths(key)[1]
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            self._note_error(op, path, exc)
+            return False
+        return True
+
+    def _evict_to(self, incoming: int) -> None:
+        """Delete least recently used pages until ``incoming`` more bytes fit (lock held)."""
+        while self._index and self._used + incoming > self.capacity_bytes:
+            key, size = self._index.popitem(last=False)
+            self._used -= size
+            self.stats.evictions += 1
+            self.stats.evicted_bytes += size
+            self._unlink_page(key, "evict")
+
+    @staticmethod
+    def _touch(fd: int) -> None:
+        """Stamp the file's mtime, its LRU position after a restart (best effort)."""
+        stamp = _next_stamp()
+        with contextlib.suppress(OSError):
+            os.utime(fd, ns=(stamp, stamp))
+
+    # -- put -------------------------------------------------------------------------------
+
+    def _open_temp(self, directory: str, tmp: str) -> int:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS
+        if directory in self._dirs:
+            with contextlib.suppress(FileNotFoundError):  # else removed behind our back
+                return os.open(tmp, flags, 0o600)
+        for path in (os.path.dirname(directory), directory):  # never re-creates the root
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(path, 0o700)
+        self._dirs.add(directory)
+        return os.open(tmp, flags, 0o600)
+
+    def _write_temp(self, job: tuple[str, memoryview]) -> str | OSError:
+        """Write one page to a fresh temp file beside its final name (no lock held)."""
+        key, view = job
+        directory = self._paths(key)[0]
+        digest = key.split("-", 1)[1]
+        name = f".{digest}.{os.getpid()}.{secrets.token_hex(6)}{_TMP_SUFFIX}"
+        tmp = os.path.join(directory, name)
+        try:
+            fd = self._open_temp(directory, tmp)
+            try:
+                while view:
+                    view = view[os.write(fd, view) :]
+                self._touch(fd)
+                if self._fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            _unlink_quietly(tmp)
+            self._note_error("put", tmp, exc)
+            return exc
+        return tmp
+
+    def _commit(self, key: str, tmp: str, size: int) -> bool:
+        """Evict for room, then rename the temp file onto the page (lock held)."""
+        old = self._index.pop(key, None)
+        if old is not None:
+            self._used -= old
+        self._evict_to(size)
+        final = self._paths(key)[1]
+        try:
+            os.replace(tmp, final)
+        except OSError as exc:
+            # keep index and files in step: the key is no longer indexed, so no old page
+            _unlink_quietly(tmp, *([final] if old is not None else []))
+            self._note_error("put", final, exc)
+            return False
+        self._index[key] = size
+        self._used += size
+        self.stats.puts += 1
+        self.stats.put_bytes += size
+        return True
+
+    def put_batch(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
+        """Store pages: data written in parallel, renames in input order under the lock."""
+        check_keys([key for key, _ in items])
+        self._check_open()
+        views = [memoryview(buf).cast("B") for _, buf in items]
+        todo = [i for i, view in enumerate(views) if view.nbytes <= self.capacity_bytes]
+        temps = self._map(self._write_temp, [(items[i][0], views[i]) for i in todo])
+        results = [False] * len(items)
+        with self._lock:
+            try:
+                self._check_open()
+                self._fail_if_medium_gone(temps, os.W_OK | os.X_OK)
+            except (BackendClosedError, BackendUnavailableError):
+                _unlink_quietly(*[t for t in temps if isinstance(t, str)])
+                raise
+            for i, tmp in zip(todo, temps, strict=True):
+                if isinstance(tmp, str):
+                    results[i] = self._commit(items[i][0], tmp, views[i].nbytes)
+            self.stats.put_refused += results.count(False)
+        return results
+
+    # -- get -------------------------------------------------------------------------------
+
+    def _read(self, job: tuple[str, memoryview | None]) -> bytes | int | OSError | None:
+        """Read one page: its bytes, or (given a buffer) the length read into it; None: miss."""
+        key, buf = job
+        path = self._paths(key)[1]
+        try:
+            fd = os.open(path, os.O_RDONLY | _OPEN_FLAGS)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            self._note_error("get", path, exc)
+            return exc
+        try:
+            size = os.fstat(fd).st_size
+            got: bytes | int | None = None
+            if buf is None:
+                got = _read_exact(fd, size)
+            elif size <= buf.nbytes and _readinto_exact(fd, buf[:size]):
+                got = size
+            if got is not None:
+                self._touch(fd)
+            return got
+        except OSError as exc:
+            self._note_error("get", path, exc)
+            return exc
+        finally:
+            os.close(fd)
+
+    def _read_batch(
+        self, keys: Sequence[str], buffers: Sequence[memoryview | None]
+    ) -> list[bytes | int | None]:
+        """Read pages, count them, refresh hits' recency, forget pages deleted elsewhere."""
+        check_keys(keys)
+        self._check_open()
+        outcomes = self._map(self._read, list(zip(keys, buffers, strict=True)))
+        with self._lock:
+            self.stats.gets += len(keys)
+            for key, got in zip(keys, outcomes, strict=True):
+                if isinstance(got, bytes | int):
+                    self.stats.hits += 1
+                    self.stats.get_bytes += got if isinstance(got, int) else len(got)
+                    if key in self._index:
+                        self._index.move_to_end(key)
+            self._forget_missing([k for k, got in zip(keys, outcomes, strict=True) if got is None])
+        self._fail_if_medium_gone(outcomes, os.R_OK | os.X_OK)
+        return [None if isinstance(got, OSError) else got for got in outcomes]
+
+    def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
+        found = self._read_batch(keys, [None] * len(keys))
+        return [got if isinstance(got, bytes) else None for got in found]
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+        """Read pages straight into ``buffers`` (readinto); a page too large is a miss."""
+        if len(keys) != len(buffers):
+            raise ValueError("get_into: keys and buffers differ in length")
+        found = self._read_batch(keys, [memoryview(buf).cast("B") for buf in buffers])
+        return [got if isinstance(got, int) else None for got in found]
+
+    # -- the rest --------------------------------------------------------------------------
+
+    def contains_batch(self, keys: Sequence[str]) -> list[bool]:
+        """Stat each page file (sees other processes' pages); no recency refresh.
+
+        Synchronous: a stat is cheaper than a thread-pool round trip on a local disk.
+        """
+        check_keys(keys)
+        self._check_open()
+        found = [self._exists(key) for key in keys]
+        self._forget_missing([k for k, f in zip(keys, found, strict=True) if not f])
+        return found
+
+    def delete_batch(self, keys: Sequence[str]) -> int:
+        check_keys(keys)
+        deleted = 0
+        with self._lock:
+            self._check_open()
+            for key in keys:
+                size = self._index.pop(key, None)
+                if size is not None:
+                    self._used -= size
+                deleted += self._unlink_page(key, "delete")
+        return deleted
+
+    def used_bytes(self) -> int:
+        with self._lock:
+            self._check_open()
+            return self._used
+
+    def close(self) -> None:
+        """Stop the I/O pool (waits for in-flight page I/O); pages stay on disk. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pool, self._pool = self._pool, None
+            self._index.clear()
+            self._used = 0
+        if pool is not None:
+            pool.shutdown(wait=True)

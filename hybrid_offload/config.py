@@ -1,0 +1,107 @@
+"""Parse and validate ``kv_connector_extra_config`` into frozen dataclasses.
+
+Every problem raises one :class:`ConfigError` whose message names the offending key path
+(``kv_connector_extra_config.backends[1].load_weight``), at connector construction, before
+anything is stored or loaded.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from hybrid_offload.backends.base import BackendConfig, BackendConfigError
+from hybrid_offload.backends.registry import backend_class
+
+ROOT = "kv_connector_extra_config"
+DEFAULT_CAPACITY_BYTES = 1 << 30
+DEFAULT_MAX_PENDING_STORE_BYTES = 256 << 20
+_TOP_KEYS = frozenset({"chunk_tokens", "backends", "max_pending_store_bytes"})
+_COMMON_BACKEND_KEYS = frozenset({"type", "name", "load_weight", "capacity_bytes"})
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+
+
+class ConfigError(ValueError):
+    """Invalid connector configuration; the message names the key."""
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """The connector's validated configuration."""
+
+    backends: tuple[BackendConfig, ...]
+    chunk_tokens: int | None = None
+    max_pending_store_bytes: int = DEFAULT_MAX_PENDING_STORE_BYTES
+
+
+def parse_size(value: Any, key: str) -> int:
+    """Bytes from an int or a string like ``"512MiB"``; must be positive."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a byte count, got {value!r}")
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, str) and (m := _SIZE_RE.match(value)):
+        size = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
+    else:
+        raise ConfigError(f"{key}: expected a byte count like 1073741824 or '1GiB', got {value!r}")
+    if size <= 0:
+        raise ConfigError(f"{key}: must be positive, got {value!r}")
+    return size
+
+
+def _positive_int(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{key}: expected a positive integer, got {value!r}")
+    return value
+
+
+def _parse_backend(raw: Any, index: int) -> BackendConfig:
+    key = f"{ROOT}.backends[{index}]"
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{key}: expected a mapping with a 'type', got {raw!r}")
+    type_name = raw.get("type")
+    if not isinstance(type_name, str):
+        raise ConfigError(f"{key}.type: missing or not a string")
+    try:
+        cls = backend_class(type_name)
+    except BackendConfigError as exc:
+        raise ConfigError(f"{key}.type: {exc}") from exc
+    weight = raw.get("load_weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not weight > 0:
+        raise ConfigError(f"{key}.load_weight: must be a number > 0, got {weight!r}")
+    name = raw.get("name", f"{type_name}{index}")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{key}.name: expected a non-empty string, got {name!r}")
+    capacity = parse_size(raw.get("capacity_bytes", DEFAULT_CAPACITY_BYTES), f"{key}.capacity_bytes")
+    options = {k: v for k, v in raw.items() if k not in _COMMON_BACKEND_KEYS}
+    try:
+        options = cls.validate_options(options)
+    except BackendConfigError as exc:
+        raise ConfigError(f"{key}: {exc}") from exc
+    return BackendConfig(type=type_name, name=name, capacity_bytes=capacity,
+                         load_weight=float(weight), options=options)
+
+
+def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
+    """Validate ``kv_connector_extra_config``; raise ConfigError naming the first bad key."""
+    extra = dict(extra or {})
+    unknown = sorted(set(extra) - _TOP_KEYS)
+    if unknown:
+        raise ConfigError(f"{ROOT}: unknown key(s) {unknown} (allowed: {sorted(_TOP_KEYS)})")
+    raw_backends = extra.get("backends")
+    if not isinstance(raw_backends, list) or not raw_backends:
+        raise ConfigError(f"{ROOT}.backends: expected a non-empty list of backends")
+    backends = tuple(_parse_backend(raw, i) for i, raw in enumerate(raw_backends))
+    names = [b.name for b in backends]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{ROOT}.backends: duplicate backend names {names}")
+    chunk = extra.get("chunk_tokens")
+    if chunk is not None:
+        chunk = _positive_int(chunk, f"{ROOT}.chunk_tokens")
+    pending = parse_size(extra.get("max_pending_store_bytes", DEFAULT_MAX_PENDING_STORE_BYTES),
+                         f"{ROOT}.max_pending_store_bytes")
+    return OffloadConfig(backends=backends, chunk_tokens=chunk, max_pending_store_bytes=pending)

@@ -1,0 +1,154 @@
+"""The vLLM connector facade: ``kv_connector_module_path="hybrid_offload.connector"``,
+``kv_connector="HybridOffloadConnector"``.
+
+A thin :class:`KVConnectorBase_V1` + :class:`SupportsHMA` that translates vLLM's config once,
+then delegates every call to :class:`OffloadScheduler` (scheduler role) or
+:class:`OffloadWorker` (worker role).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from hybrid_offload.config import parse_offload_config
+from hybrid_offload.connector.metadata import OffloadMetadata
+from hybrid_offload.connector.scheduler import OffloadScheduler
+from hybrid_offload.connector.worker import OffloadWorker
+from hybrid_offload.engine_spec import model_spec_from_vllm
+from hybrid_offload.planner import HybridOffloadPlanner
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+#: live connectors of this process, for in-process introspection (tests, demo, benchmarks)
+ACTIVE_CONNECTORS: weakref.WeakSet[HybridOffloadConnector] = weakref.WeakSet()
+
+
+class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
+    """External KV cache for hybrid models: attention KV and Mamba/GDN state, many backends."""
+
+    _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        config = parse_offload_config(self._kv_transfer_config.kv_connector_extra_config)
+        spec = model_spec_from_vllm(vllm_config, kv_cache_config)
+        self.planner = HybridOffloadPlanner(spec, config.chunk_tokens)
+        self.scheduler: OffloadScheduler | None = None
+        self.worker: OffloadWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._require_recompute_on_failure()
+            self.scheduler = OffloadScheduler(self.planner, config.backends)
+        else:
+            self.worker = OffloadWorker(spec, self.planner, config.backends, config.max_pending_store_bytes)
+        ACTIVE_CONNECTORS.add(self)
+        logger.info(
+            "hybrid-offload %s: chunk_tokens=%d, groups=%s, backends=%s",
+            role.name.lower(), self.planner.chunk_tokens,
+            [(g.kind.value, g.block_size) for g in spec.groups], [b.name for b in config.backends],
+        )
+
+    def _require_recompute_on_failure(self) -> None:
+        """A cache miss at load time must mean recompute, never a failed request."""
+        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            logger.info("hybrid-offload sets kv_load_failure_policy=recompute (a failed cache "
+                        "load falls back to recomputation)")
+            self._kv_transfer_config.kv_load_failure_policy = "recompute"
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False
+
+    # ---- worker side ------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker is not None
+        self.worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert self.worker is not None and isinstance(meta, OffloadMetadata)
+        self.worker.start_loads(meta.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert self.worker is not None and isinstance(meta, OffloadMetadata)
+        self.worker.copy_out(meta.stores)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self.worker is not None
+        sending, recving, failed = self.worker.finished(finished_req_ids)
+        return KVConnectorTransferResults(sending, recving, failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending, results.finished_recving
+
+    def build_connector_worker_meta(self) -> Any:
+        assert self.worker is not None
+        return self.worker.worker_meta()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+        if self.scheduler is not None:
+            self.scheduler.shutdown()
+
+    # ---- scheduler side ---------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_state_after_alloc(request, blocks.get_block_ids(), num_external_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        return self._kv_cache_config.transfer_group_ids
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_connector_output(
+            connector_output.kv_connector_worker_meta,
+            connector_output.finished_recving,
+            connector_output.failed_recving,
+        )
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request), None
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request), None

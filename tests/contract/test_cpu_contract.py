@@ -1,0 +1,15 @@
+"""The cpu pool runs the shared backend contract."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from backend_contract import BackendContract
+from hybrid_offload.backends import Backend, BackendConfig, create_backend
+
+
+class TestCpuContract(BackendContract):
+    def make_backend(self, tmp_path: Path, capacity_bytes: int) -> Backend:
+        return create_backend(
+            BackendConfig(type="cpu", name="cpu-test", capacity_bytes=capacity_bytes)
+        )

@@ -1,0 +1,287 @@
+"""Disk-backend behaviour beyond the shared contract: crashes, other processes, the tree."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from backend_contract import key, page
+from hybrid_offload.backends import (
+    BackendConfig,
+    BackendConfigError,
+    BackendUnavailableError,
+    create_backend,
+)
+from hybrid_offload.backends.disk import DiskBackend
+
+HERE = Path(__file__).resolve().parent
+
+# A separate process using the backend on the same path: put, delete, or crash mid-put.
+_CHILD = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+from backend_contract import key, page
+from hybrid_offload.backends import BackendConfig, create_backend
+root, command, ids = sys.argv[2], sys.argv[3], [int(i) for i in sys.argv[4].split(",")]
+backend = create_backend(BackendConfig("disk", "child", 1 << 30, options={"path": root}))
+if command == "put":
+    assert backend.put_batch([(key(i), page(i, 1000 + i)) for i in ids]) == [True] * len(ids)
+elif command == "delete":
+    assert backend.delete_batch([key(i) for i in ids]) == len(ids)
+elif command == "crash":
+    os.replace = lambda *args, **kwargs: os._exit(3)  # die between write and rename
+    backend.put_batch([(key(i), page(i, 1000 + i)) for i in ids])
+backend.close()
+"""
+
+
+def run_child(root: Path, command: str, ids: list[int]) -> subprocess.Popen[str]:
+    args = [str(HERE), str(root), command, ",".join(map(str, ids))]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, *args], stderr=subprocess.PIPE, text=True
+    )
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == (3 if command == "crash" else 0), stderr
+    return proc
+
+
+def make_disk(root: Path, capacity: int = 1 << 30, **options: Any) -> DiskBackend:
+    config = BackendConfig("disk", "disk-test", capacity, options={"path": str(root), **options})
+    backend = create_backend(config)
+    assert isinstance(backend, DiskBackend)
+    return backend
+
+
+def page_path(root: Path, k: str) -> Path:
+    namespace, digest = k.split("-")
+    return root / namespace / digest[:2] / f"{digest}.page"
+
+
+def temp_files(root: Path) -> list[Path]:
+    return sorted(root.rglob(".*.tmp"))
+
+
+def page_files(root: Path) -> list[Path]:
+    return sorted(root.rglob("*.page"))
+
+
+def test_layout_one_file_per_page(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    with make_disk(root) as backend:
+        backend.put_batch([(key(1), page(1, 123)), (key(2), b"")])
+    assert page_path(root, key(1)).read_bytes() == page(1, 123)
+    assert page_path(root, key(2)).read_bytes() == b""
+    assert page_files(root) == sorted([page_path(root, key(1)), page_path(root, key(2))])
+    assert temp_files(root) == []
+
+
+def test_crash_mid_write_never_visible_and_cleaned_at_start(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    with make_disk(root) as backend:
+        backend.put_batch([(key(0), page(0, 1000))])
+    child = run_child(root, "crash", [1, 2])
+    assert len(temp_files(root)) == 2  # full pages, written but never renamed
+    # a truncated temp file of the dead writer, an old one and a fresh one of a live pid
+    leftovers = {}
+    for i, pid, name in [(3, child.pid, "dead"), (4, os.getpid(), "old"), (5, os.getpid(), "live")]:
+        directory = page_path(root, key(i)).parent
+        directory.mkdir(parents=True, exist_ok=True)
+        digest = key(i).split("-")[1]
+        leftovers[name] = directory / f".{digest}.{pid}.{name.encode().hex():0>12}.tmp"
+        leftovers[name].write_bytes(page(i, 1000)[:300])
+    hour_ago = time.time() - 3600
+    os.utime(leftovers["old"], (hour_ago, hour_ago))
+
+    with make_disk(root) as backend:
+        assert backend.contains_batch([key(i) for i in range(6)]) == [True] + [False] * 5
+        assert backend.get_batch([key(i) for i in range(6)]) == [page(0, 1000)] + [None] * 5
+        assert backend.used_bytes() == 1000
+    assert temp_files(root) == [leftovers["live"]]  # a live writer may still rename it
+    assert page_files(root) == [page_path(root, key(0))]
+
+
+def test_pages_of_another_process_are_seen(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    ids = list(range(10))
+    keys = [key(i) for i in ids]
+    with make_disk(root) as scheduler:  # like vLLM's scheduler process: it only looks up
+        assert scheduler.contains_batch(keys) == [False] * 10
+        run_child(root, "put", ids)
+        assert scheduler.contains_batch(keys) == [True] * 10
+        assert scheduler.get_batch(keys) == [page(i, 1000 + i) for i in ids]
+        buffers = [memoryview(bytearray(2000)) for _ in ids]
+        assert scheduler.get_into(keys, buffers) == [1000 + i for i in ids]
+        assert bytes(buffers[3][:1003]) == page(3, 1003)
+        run_child(root, "delete", ids[:5])
+        assert scheduler.contains_batch(keys) == [False] * 5 + [True] * 5
+        assert scheduler.get_batch(keys[:5]) == [None] * 5
+
+
+def test_directory_and_file_modes(tmp_path: Path) -> None:
+    root = tmp_path / "parent" / "store"
+    old_umask = os.umask(0o022)
+    try:
+        with make_disk(root) as backend:
+            backend.put_batch([(key(1), b"page")])
+    finally:
+        os.umask(old_umask)
+    path = page_path(root, key(1))
+    for directory in (root, path.parent.parent, path.parent):
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+@pytest.mark.parametrize("fsync", [True, False])
+def test_fsync_option(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fsync: bool) -> None:
+    synced: list[int] = []
+    real_fsync = os.fsync
+
+    def counting_fsync(fd: int) -> None:
+        synced.append(fd)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", counting_fsync)
+    with make_disk(tmp_path / "store", fsync=fsync) as backend:
+        assert backend.put_batch([(key(i), page(i, 100)) for i in range(10)]) == [True] * 10
+        assert backend.put_batch([(key(10), page(10, 100))]) == [True]
+        assert backend.get_batch([key(10)]) == [page(10, 100)]
+    assert len(synced) == (11 if fsync else 0)
+
+
+def test_lru_order_survives_reopen(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    keys = [key(i) for i in range(4)]
+    with make_disk(root, 3000) as backend:
+        for i in range(3):
+            backend.put_batch([(keys[i], page(i, 1000))])
+        backend.get_batch([keys[0]])  # k1 is now least recently used
+    with make_disk(root, 3000) as backend:
+        backend.put_batch([(keys[3], page(3, 1000))])
+        assert backend.contains_batch(keys) == [True, False, True, True]
+        assert backend.stats.evictions == 1
+    assert len(page_files(root)) == 3
+
+
+def test_reopen_with_smaller_capacity_evicts_oldest(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    keys = [key(i) for i in range(5)]
+    with make_disk(root, 10_000) as backend:
+        for i, k in enumerate(keys):
+            backend.put_batch([(k, page(i, 1000))])
+    with make_disk(root, 2000) as backend:
+        assert backend.used_bytes() == 2000
+        assert backend.contains_batch(keys) == [False, False, False, True, True]
+    assert page_files(root) == sorted(page_path(root, k) for k in keys[3:])
+
+
+def test_page_deleted_by_someone_else_is_a_miss(tmp_path: Path) -> None:
+    with make_disk(tmp_path / "store") as backend:
+        backend.put_batch([(key(1), page(1, 100)), (key(2), page(2, 200))])
+        page_path(tmp_path / "store", key(1)).unlink()
+        assert backend.get_batch([key(1), key(2)]) == [None, page(2, 200)]
+        assert backend.used_bytes() == 200
+        assert backend.stats.errors == 0
+
+
+def test_symlinked_page_is_not_followed(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"not a page")
+    with make_disk(root) as backend:
+        path = page_path(root, key(7))
+        path.parent.mkdir(parents=True)
+        path.symlink_to(secret)
+        assert backend.contains_batch([key(7)]) == [False]
+        assert backend.get_batch([key(7)]) == [None]
+    with make_disk(root) as backend:
+        assert backend.used_bytes() == 0
+
+
+def test_no_space_refuses_put_and_later_puts_work(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def no_space(fd: int, data: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    root = tmp_path / "store"
+    with make_disk(root) as backend:
+        with monkeypatch.context() as patch, caplog.at_level(logging.WARNING):
+            patch.setattr(os, "write", no_space)
+            assert backend.put_batch([(key(1), page(1, 100))]) == [False]
+            assert backend.put_batch([(key(i), page(i, 100)) for i in range(2, 8)]) == [False] * 6
+        assert backend.stats.errors == 7
+        assert backend.stats.put_refused == 7
+        assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+        assert temp_files(root) == []
+        assert backend.put_batch([(key(1), page(1, 100))]) == [True]
+        assert backend.get_batch([key(1)]) == [page(1, 100)]
+
+
+def test_read_error_is_a_miss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def io_error(*args: object) -> int:
+        raise OSError(errno.EIO, "Input/output error")
+
+    with make_disk(tmp_path / "store") as backend:
+        backend.put_batch([(key(1), page(1, 100))])
+        with monkeypatch.context() as patch:
+            patch.setattr(os, "read", io_error)
+            patch.setattr(os, "readv", io_error)
+            assert backend.get_batch([key(1)]) == [None]
+            assert backend.get_into([key(1)], [memoryview(bytearray(100))]) == [None]
+        assert backend.stats.errors == 2
+        assert backend.get_batch([key(1)]) == [page(1, 100)]
+
+
+def test_vanished_directory_is_unavailable_until_back(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    with make_disk(root) as backend:
+        backend.put_batch([(key(1), page(1, 100))])
+        shutil.rmtree(root)
+        with pytest.raises(BackendUnavailableError):
+            backend.put_batch([(key(2), page(2, 100))])
+        assert backend.get_batch([key(1)]) == [None]
+        assert backend.used_bytes() == 0
+        root.mkdir()
+        assert backend.put_batch([(key(2), page(2, 100))]) == [True]
+        assert backend.get_batch([key(2)]) == [page(2, 100)]
+
+
+def test_single_io_thread_round_trip(tmp_path: Path) -> None:
+    with make_disk(tmp_path / "store", io_threads=1) as backend:
+        items = [(key(i), page(i, 5000)) for i in range(20)]
+        assert backend.put_batch(items) == [True] * 20
+        assert backend.get_batch([k for k, _ in items]) == [data for _, data in items]
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({}, "path"),
+        ({"path": ""}, "path"),
+        ({"path": 3}, "path"),
+        ({"path": "x", "fsync": "yes"}, "fsync"),
+        ({"path": "x", "io_threads": 0}, "io_threads"),
+        ({"path": "x", "io_threads": True}, "io_threads"),
+        ({"path": "x", "io_threads": "4"}, "io_threads"),
+        ({"path": "x", "colour": "red"}, "colour"),
+    ],
+)
+def test_bad_options_name_the_key(options: dict[str, Any], named: str) -> None:
+    with pytest.raises(BackendConfigError, match=named):
+        DiskBackend.validate_options(options)
+    with pytest.raises(BackendConfigError, match=named):
+        create_backend(BackendConfig("disk", "d", 1000, options=options))
+
+
+def test_defaults_filled_in(tmp_path: Path) -> None:
+    options = DiskBackend.validate_options({"path": tmp_path})
+    assert options == {"path": str(tmp_path), "fsync": False, "io_threads": 4}
