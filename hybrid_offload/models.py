@@ -29,6 +29,9 @@ ATTN_HEAD_DIM = 64
 MAMBA_HEAD_DIM = 64
 MAMBA_STATE = 64
 GDN_HEAD_DIM = 128
+# Weight init std. HF's default 0.02 makes tiny random models repeat one token forever (the
+# output depends only on the last token); 0.1 gives varied, context-dependent greedy output.
+INIT_STD = 0.1
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<pad>", "<s>", "</s>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)  # ids 0, 1, 2 as the configs expect
@@ -98,12 +101,14 @@ def _qwen3_next(dims: Dims) -> Any:
     return Qwen3NextConfig(
         **dims.common(),
         head_dim=ATTN_HEAD_DIM,
-        layer_types=_pattern(dims.layers, lambda i: i % 4 == 3, "full_attention",
-                             "linear_attention"),
+        layer_types=_pattern(
+            dims.layers, lambda i: i % 4 == 3, "full_attention", "linear_attention"
+        ),
         linear_key_head_dim=GDN_HEAD_DIM,
         linear_value_head_dim=GDN_HEAD_DIM,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
+        # As in Qwen3-Next-80B: value heads * 128 = 2 * hidden, half as many key heads.
+        linear_num_key_heads=dims.hidden // (2 * ATTN_HEAD_DIM),
+        linear_num_value_heads=dims.hidden // ATTN_HEAD_DIM,
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=dims.hidden // 2,
@@ -156,8 +161,9 @@ def _granite_hybrid(dims: Dims) -> Any:
     m = _mamba2(dims)
     return GraniteMoeHybridConfig(
         **dims.common(),
-        layer_types=_pattern(dims.layers, lambda i: i % 4 == 1, "full_attention",
-                             "linear_attention"),
+        layer_types=_pattern(
+            dims.layers, lambda i: i % 4 == 1, "full_attention", "linear_attention"
+        ),
         num_local_experts=0,
         shared_intermediate_size=dims.mlp,
         mamba_n_heads=m["heads"],
@@ -179,8 +185,7 @@ def _zamba2(dims: Dims) -> Any:
     m = _mamba2(dims)
     return Zamba2Config(
         **common,
-        layers_block_type=_pattern(dims.layers, lambda i: i % 3 == 1, "hybrid",
-                                   "linear_attention"),
+        layers_block_type=_pattern(dims.layers, lambda i: i % 3 == 1, "hybrid", "linear_attention"),
         n_mamba_heads=m["heads"],
         mamba_d_state=MAMBA_STATE,
         mamba_ngroups=1,
@@ -219,16 +224,19 @@ def make_config(arch: str, *, layers: int | None = None, hidden: int | None = No
     if dims.layers < 1:
         raise ValueError(f"layers must be >= 1, got {dims.layers}")
     if dims.hidden < 2 * ATTN_HEAD_DIM or dims.hidden % ATTN_HEAD_DIM:
-        raise ValueError(f"hidden must be a multiple of {ATTN_HEAD_DIM} and >= "
-                         f"{2 * ATTN_HEAD_DIM}, got {dims.hidden}")
+        raise ValueError(
+            f"hidden must be a multiple of {ATTN_HEAD_DIM} and >= "
+            f"{2 * ATTN_HEAD_DIM}, got {dims.hidden}"
+        )
     config = factory(dims)
     config.dtype = "bfloat16"
+    config.initializer_range = INIT_STD
     return config
 
 
 # ---------------------------------------------------------------------------- tokenizer
 
-_WORDS = """
+_WORDS_TEXT = """
 the of and to in is was for on that with as by at from his her it an are were which this
 be or has had not but have they one their all been also its new more who after first two
 can will would about there other when into time over only some than them these people year
@@ -239,18 +247,44 @@ life family work him being high same government water power north south east wes
 hello data model memory cache block token state layer hybrid mamba attention query key
 value page store load save offload prefix request engine server client disk redis node
 zero one two three four five six seven eight nine ten hundred thousand million
-""".split()
+"""
+_WORDS = _WORDS_TEXT.split()
 
 
 def _tokenizer_corpus() -> list[str]:
     """A fixed training corpus: real words plus pseudo-words from a fixed-seed RNG."""
     rng = random.Random(1234)
-    syllables = ["ka", "lo", "mi", "ne", "ru", "sa", "to", "vi", "ze", "qu", "ph", "st",
-                 "an", "er", "in", "on", "ar", "el", "ic", "um", "tr", "ch", "sh", "bl"]
+    syllables = [
+        "ka",
+        "lo",
+        "mi",
+        "ne",
+        "ru",
+        "sa",
+        "to",
+        "vi",
+        "ze",
+        "qu",
+        "ph",
+        "st",
+        "an",
+        "er",
+        "in",
+        "on",
+        "ar",
+        "el",
+        "ic",
+        "um",
+        "tr",
+        "ch",
+        "sh",
+        "bl",
+    ]
     lines = [" ".join(_WORDS)] * 20
     for _ in range(3000):
-        words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4)))
-                 for _ in range(12)]
+        words = [
+            "".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(12)
+        ]
         lines.append(" ".join(words + rng.sample(_WORDS, 4)) + f" {rng.randint(0, 9999)}.")
     return lines
 
@@ -289,6 +323,7 @@ def _write_weights(config: Any, out_dir: Path, seed: int) -> None:
     """Instantiate the HF model from `config` with seeded init and save it as bf16."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
@@ -296,8 +331,13 @@ def _write_weights(config: Any, out_dir: Path, seed: int) -> None:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     finally:
         torch.set_default_dtype(previous)
-    model.eval()
-    model.save_pretrained(out_dir)
+    bars_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(out_dir)
+    finally:
+        if bars_on:
+            hf_logging.enable_progress_bar()
 
 
 def build_model(
@@ -322,6 +362,12 @@ def build_model(
     out_dir.mkdir(parents=True, exist_ok=True)
     _write_weights(config, out_dir, seed)
     tokenizer.save_pretrained(out_dir)
-    logger.info("built %s model (layers=%d, hidden=%d, seed=%d) in %s",
-                arch, config.num_hidden_layers, config.hidden_size, seed, out_dir)
+    logger.info(
+        "built %s model (layers=%d, hidden=%d, seed=%d) in %s",
+        arch,
+        config.num_hidden_layers,
+        config.hidden_size,
+        seed,
+        out_dir,
+    )
     return out_dir

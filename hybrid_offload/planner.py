@@ -89,7 +89,8 @@ def default_chunk_tokens(groups: Sequence[GroupSpec], max_model_len: int = 0) ->
     if not sizes:
         return DEFAULT_MIN_CHUNK_TOKENS
     chunk = math.lcm(*sizes)
-    if not any(g.kind is GroupKind.MAMBA for g in groups):
+    if not any(g.kind is GroupKind.MAMBA and not _is_unsplittable(g, max_model_len)
+               for g in groups):
         chunk *= max(1, math.ceil(DEFAULT_MIN_CHUNK_TOKENS / chunk))
     return chunk
 

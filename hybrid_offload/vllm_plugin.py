@@ -34,6 +34,7 @@ from typing import Any
 logger = logging.getLogger("vllm.hybrid_offload.vllm_plugin")
 
 _PATCH_MARKER = "_hybrid_offload_cpu_fix"
+_logged = False
 
 
 def _no_prefill_checkpoint(
@@ -46,6 +47,7 @@ def _no_prefill_checkpoint(
     def get_kv_cache_spec(self: Any, vllm_config: Any) -> Any:
         spec = original(self, vllm_config)
         if isinstance(spec, MambaSpec) and spec.num_prefill_checkpoint_blocks:
+            _log_once(spec.num_prefill_checkpoint_blocks)
             return dataclasses.replace(
                 spec, num_prefill_checkpoint_blocks=0, prefill_checkpoint_alignment=None
             )
@@ -53,6 +55,23 @@ def _no_prefill_checkpoint(
 
     setattr(get_kv_cache_spec, _PATCH_MARKER, True)
     return get_kv_cache_spec
+
+
+def _log_once(old_blocks: int) -> None:
+    """Log the first effective patch in this process.
+
+    Logged here rather than in `register`: vLLM loads plugins before it configures its
+    loggers, so an info record emitted from `register` would be dropped.
+    """
+    global _logged
+    if not _logged:
+        _logged = True
+        logger.info(
+            "hybrid_offload: CPU platform, MambaMixer2 KV cache spec num_prefill_checkpoint_"
+            "blocks %d -> 0 (works around the CPU chunk-scan IndexError at "
+            "mamba_mixer2.py:880)",
+            old_blocks,
+        )
 
 
 def register() -> None:
@@ -67,7 +86,4 @@ def register() -> None:
     if getattr(current, _PATCH_MARKER, False):
         return
     MambaMixer2.get_kv_cache_spec = _no_prefill_checkpoint(current)  # type: ignore[method-assign]
-    logger.info(
-        "hybrid_offload: CPU platform, MambaMixer2 KV cache spec patched to "
-        "num_prefill_checkpoint_blocks=0 (works around the CPU chunk-scan IndexError)"
-    )
+    logger.debug("hybrid_offload: patched MambaMixer2.get_kv_cache_spec")

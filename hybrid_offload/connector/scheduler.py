@@ -239,7 +239,8 @@ class OffloadScheduler:
             return
         chunk = self.planner.chunk_tokens
         if state.store_from_chunk is None:
-            state.store_from_chunk = computed // chunk + (1 if computed % chunk else 0)
+            # A chunk partly covered by vLLM's local hit is still whole in the request's blocks.
+            state.store_from_chunk = computed // chunk
             state.next_store_chunk = state.store_from_chunk
         after = min(computed + scheduled, state.prompt_len)
         first = max(state.next_store_chunk, state.store_from_chunk)

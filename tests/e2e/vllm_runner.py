@@ -33,9 +33,11 @@ DEFAULT_LLM_KWARGS: dict[str, Any] = {"max_model_len": 4096, "dtype": "bfloat16"
 
 @dataclass(frozen=True)
 class RunResult:
-    """Token ids per prompt (prompt order), the child's combined log, and its wall time."""
+    """Per prompt (prompt order): generated token ids and prefix-cache hit tokens; the
+    child's combined stdout+stderr log and its wall time."""
 
     token_ids: list[list[int]]
+    cached_tokens: list[int]
     log: str
     seconds: float
 
@@ -81,8 +83,13 @@ def run_engine(
             raise RuntimeError(
                 f"vLLM child failed (rc={proc.returncode}); log tail:\n{proc.stdout[-6000:]}"
             )
-        token_ids = json.loads(out_path.read_text())["token_ids"]
-    return RunResult(token_ids=token_ids, log=proc.stdout, seconds=seconds)
+        result = json.loads(out_path.read_text())
+    return RunResult(
+        token_ids=result["token_ids"],
+        cached_tokens=result["cached_tokens"],
+        log=proc.stdout,
+        seconds=seconds,
+    )
 
 
 def run_generate(
@@ -93,7 +100,7 @@ def run_generate(
 
 
 def _child(spec_path: str, out_path: str) -> None:
-    """Child side: build the engine, generate, write {"token_ids": [...]} to out_path."""
+    """Child side: build the engine, generate, write the result JSON to out_path."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -107,8 +114,11 @@ def _child(spec_path: str, out_path: str) -> None:
         outputs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
     else:
         outputs = llm.generate(prompts, params, use_tqdm=False)
-    token_ids = [list(out.outputs[0].token_ids) for out in outputs]
-    Path(out_path).write_text(json.dumps({"token_ids": token_ids}))
+    result = {
+        "token_ids": [list(out.outputs[0].token_ids) for out in outputs],
+        "cached_tokens": [out.num_cached_tokens or 0 for out in outputs],
+    }
+    Path(out_path).write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

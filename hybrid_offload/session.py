@@ -1,0 +1,151 @@
+"""Run one offline vLLM engine through several passes over the same prompts, and report.
+
+Used by ``hybrid-offload demo``, the end-to-end tests and benchmarks. A session runs in its
+own Python process (:func:`run_session_subprocess`): one process is one engine lifetime, so
+starting a second session on the same disk directory is a restart. Specs and results travel
+as JSON files, never pickles.
+
+Spec (JSON)::
+
+    {"model": DIR, "prompts": [[token ids], ...], "max_tokens": 8,
+     "connector": {... kv_connector_extra_config ...} | null,
+     "passes": 2, "reset_prefix_cache": "pass" | "request" | "never",
+     "llm_kwargs": {...}}
+
+``reset_prefix_cache`` empties vLLM's own prefix cache after every pass (default) or before
+every request, so that hits can only come from the connector.
+
+Result: per pass, per prompt: output token ids, time to first token, cached tokens; and per
+pass the connector's scheduler counters (tokens loaded per backend, aligned prompt tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ENGINE_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+CONNECTOR_NAME = "HybridOffloadConnector"
+CONNECTOR_MODULE = "hybrid_offload.connector"
+
+
+def kv_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
+    """The ``kv_transfer_config`` that loads our connector with ``extra`` as its config."""
+    return {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def _scheduler_counters() -> dict[str, Any]:
+    from hybrid_offload.connector import ACTIVE_CONNECTORS
+
+    for conn in list(ACTIVE_CONNECTORS):
+        if conn.scheduler is not None:
+            return conn.scheduler.stats.snapshot()
+    return {}
+
+
+def _flush_workers() -> dict[str, Any]:
+    from hybrid_offload.connector import ACTIVE_CONNECTORS
+
+    for conn in list(ACTIVE_CONNECTORS):
+        if conn.worker is not None:
+            conn.worker.flush(timeout=60)
+            return conn.worker.stats.snapshot()
+    return {}
+
+
+def _diff(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in after.items():
+        if isinstance(value, dict):
+            out[key] = _diff(value, before.get(key, {}))
+        elif isinstance(value, int | float):
+            out[key] = value - before.get(key, 0)
+    return out
+
+
+def run_session(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run the spec in this process (vLLM in-process) and return the result dict."""
+    from vllm import LLM, SamplingParams
+
+    kwargs = {"max_model_len": 4096, "dtype": "bfloat16", "disable_log_stats": False,
+              "enforce_eager": True, **spec.get("llm_kwargs", {})}
+    if spec.get("connector") is not None:
+        kwargs["kv_transfer_config"] = kv_transfer_config(spec["connector"])
+    llm = LLM(model=spec["model"], **kwargs)
+    params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0, ignore_eos=True)
+    reset = spec.get("reset_prefix_cache", "pass")
+    passes = []
+    for _ in range(spec.get("passes", 1)):
+        before = _scheduler_counters()
+        rows = []
+        for prompt in spec["prompts"]:
+            if reset == "request":
+                llm.reset_prefix_cache()
+            start = time.perf_counter()
+            out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+            wall = time.perf_counter() - start
+            metrics = out.metrics
+            ttft = getattr(metrics, "first_token_latency", 0.0) if metrics is not None else 0.0
+            rows.append({"tokens": list(out.outputs[0].token_ids), "ttft_s": ttft or wall,
+                         "wall_s": wall, "cached_tokens": out.num_cached_tokens or 0,
+                         "prompt_tokens": len(prompt)})
+        worker = _flush_workers()
+        passes.append({"requests": rows, "scheduler": _diff(_scheduler_counters(), before),
+                       "worker_total": worker})
+        if reset != "never":
+            llm.reset_prefix_cache()
+    result = {"passes": passes}
+    del llm
+    return result
+
+
+def run_session_subprocess(spec: dict[str, Any], timeout: float = 900.0,
+                           env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run a session in a fresh Python process; raise RuntimeError with its log on failure."""
+    with tempfile.TemporaryDirectory(prefix="hybrid-offload-session-") as tmp:
+        spec_path, out_path = Path(tmp, "spec.json"), Path(tmp, "out.json")
+        spec_path.write_text(json.dumps(spec))
+        proc = subprocess.run(
+            [sys.executable, "-m", "hybrid_offload.session", str(spec_path), str(out_path)],
+            env={**os.environ, **ENGINE_ENV, **(env or {})},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            timeout=timeout, check=False,
+        )
+        if proc.returncode != 0 or not out_path.exists():
+            raise RuntimeError(f"session failed (exit {proc.returncode}):\n{proc.stdout[-6000:]}")
+        result = json.loads(out_path.read_text())
+        result["log"] = proc.stdout
+        return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    spec = json.loads(Path(args[0]).read_text())
+    result = run_session(spec)
+    Path(args[1]).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    # vLLM may leave non-daemon threads behind; the result is written, so leave promptly.
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)

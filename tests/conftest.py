@@ -1,0 +1,33 @@
+"""Shared fixtures: tiny random-weight models built once per test session."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from hybrid_offload.models import build_model
+
+ModelFactory = Callable[..., Path]
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> ModelFactory:
+    """Factory `model_dir(arch, *, layers=None, hidden=None, seed=0) -> Path`.
+
+    Builds each distinct model once per session (per xdist worker) and returns its directory.
+    Treat the directory as read-only: other tests share it.
+    """
+    cache: dict[tuple[str, int | None, int | None, int], Path] = {}
+
+    def get(
+        arch: str, *, layers: int | None = None, hidden: int | None = None, seed: int = 0
+    ) -> Path:
+        key = (arch, layers, hidden, seed)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"model-{arch}")
+            cache[key] = build_model(arch, out, layers=layers, hidden=hidden, seed=seed)
+        return cache[key]
+
+    return get

@@ -1,0 +1,591 @@
+"""HybridOffloadPlanner: default chunk, validation, keys, coverage and the loadable prefix.
+
+The property tests compare ``loadable_prefix`` (and ``lookup``) against a brute-force reference
+written from the coverage rules stated in token terms, not from the planner's own helpers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+import subprocess
+import sys
+from collections.abc import Sequence
+
+import pytest
+import xxhash
+from hybrid_offload.backends.base import KEY_PATTERN, check_keys
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hybrid_offload.engine_spec import GroupKind, GroupSpec, ModelSpec, make_model_spec
+from hybrid_offload.planner import (
+    DEFAULT_MIN_CHUNK_TOKENS,
+    HybridOffloadPlanner,
+    LoadablePrefix,
+    PlannerConfigError,
+    chain_chunk_hashes,
+    default_chunk_tokens,
+)
+
+MODEL_FIELDS = {"name": "test/hybrid-tiny", "revision": None, "dtype": "bfloat16"}
+PROPERTY_SETTINGS = settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+# ---- hand-built specs ------------------------------------------------------------------------
+def fa(index: int, block: int = 16, layers: int = 2) -> GroupSpec:
+    return GroupSpec(
+        index=index, kind=GroupKind.FULL_ATTENTION, block_size=block,
+        layer_names=tuple(f"model.layers.{index}.{i}.attn" for i in range(layers)),
+        page_bytes=block * 2 * 64 * 2 * 2, num_kv_heads=2, head_size=64, head_size_v=64,
+    )
+
+
+def sw(index: int, block: int = 16, window: int = 128, layers: int = 2) -> GroupSpec:
+    return GroupSpec(
+        index=index, kind=GroupKind.SLIDING_WINDOW, block_size=block,
+        layer_names=tuple(f"model.layers.{index}.{i}.swa" for i in range(layers)),
+        page_bytes=block * 2 * 64 * 2 * 2, num_kv_heads=2, head_size=64, head_size_v=64,
+        sliding_window=window,
+    )
+
+
+def mamba(index: int, block: int = 128, mode: str = "align", layers: int = 2) -> GroupSpec:
+    return GroupSpec(
+        index=index, kind=GroupKind.MAMBA, block_size=block,
+        layer_names=tuple(f"model.layers.{index}.{i}.mixer" for i in range(layers)),
+        page_bytes=65536, dtype="bfloat16",
+        state_shapes=((3, 288), (4, 64, 16)), state_dtypes=("bfloat16", "float32"),
+        mamba_cache_mode=mode, mamba_type="MAMBA2",
+    )
+
+
+def model(*groups: GroupSpec, fields: dict | None = None, **kw: int) -> ModelSpec:
+    return make_model_spec(tuple(groups), dict(fields or MODEL_FIELDS), **kw)
+
+
+def planner(*groups: GroupSpec, chunk: int | None = None, **kw: int) -> HybridOffloadPlanner:
+    return HybridOffloadPlanner(model(*groups, **kw), chunk)
+
+
+def tokens(n: int, seed: int = 0) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 151_936 for i in range(n)]
+
+
+# ---- default chunk ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("groups", "expected"),
+    [
+        ((fa(0, 128), mamba(1, 128)), 128),
+        # qwen3-next-like: vLLM raises the attention block to the GDN page size
+        ((fa(0, 640), mamba(1, 640)), 640),
+        ((fa(0, 16), mamba(1, 64)), 64),  # lcm, not rounded up: Mamba caps the chunk
+        ((fa(0, 48), mamba(1, 32)), 96),
+        ((fa(0, 16), sw(1, 16), mamba(2, 128)), 128),
+        ((fa(0, 16),), 256),
+        ((fa(0, 16), sw(1, 32)), 256),
+        ((fa(0, 96),), 288),  # lcm 96 rounded up to a multiple >= 256
+        ((fa(0, 48), sw(1, 80)), 480),  # lcm 240 -> 480
+        ((fa(0, 512),), 512),
+        ((fa(0, 1024), sw(1, 16)), 1024),
+    ],
+)
+def test_default_chunk(groups: tuple[GroupSpec, ...], expected: int) -> None:
+    assert default_chunk_tokens(groups) == expected
+    p = HybridOffloadPlanner(model(*groups))
+    assert p.chunk_tokens == expected
+    for g in groups:  # the default is always valid for every group
+        assert expected % g.block_size == 0 or g.block_size % expected == 0
+
+
+@pytest.mark.parametrize("mode", ["none", None, "all"])
+def test_default_chunk_ignores_unsplittable_mamba(mode: str | None) -> None:
+    # Its block (one per request, max_model_len tokens) must not enter the lcm, and a model
+    # whose only Mamba group is unsplittable chunks like an attention-only model.
+    assert default_chunk_tokens((fa(0, 128), mamba(1, 40_000, mode))) == 256
+    assert default_chunk_tokens((fa(0, 640), mamba(1, 40_000, mode))) == 640
+    assert default_chunk_tokens((fa(0, 128), mamba(1, 40_000, mode), mamba(2, 128))) == 128
+    assert default_chunk_tokens((mamba(0, 40_000, mode),)) == DEFAULT_MIN_CHUNK_TOKENS
+    p = planner(fa(0, 64), mamba(1, 40_000, mode))
+    assert p.plans[1].unsplittable
+    assert p.mamba_state_block_index(p.plans[1], 3 * p.chunk_tokens) == 0
+
+
+def test_default_chunk_no_groups() -> None:
+    assert default_chunk_tokens(()) == DEFAULT_MIN_CHUNK_TOKENS
+
+
+# ---- validation ------------------------------------------------------------------------------
+def test_block_dividing_chunk() -> None:
+    p = planner(fa(0, 16), sw(1, 32), mamba(2, 64), chunk=128)
+    ratios = [(pl.blocks_per_chunk, pl.chunks_per_block) for pl in p.plans]
+    assert ratios == [(8, 1), (4, 1), (2, 1)]
+    assert [pl.state_interval for pl in p.plans] == [128, 128, 128]
+    assert not any(pl.unsplittable for pl in p.plans)
+
+
+def test_block_split_into_chunks() -> None:
+    p = planner(fa(0, 512), mamba(1, 512), sw(2, 256, window=300), chunk=128)
+    ratios = [(pl.blocks_per_chunk, pl.chunks_per_block) for pl in p.plans]
+    assert ratios == [(1, 4), (1, 4), (1, 2)]
+    assert p.plans[1].state_interval == 512  # Mamba states only at its block boundaries
+    assert p.plans[2].window_chunks == 3  # 299 tokens before N -> 3 chunks of 128
+    assert p.mamba_state_block_index(p.plans[1], 1024) == 1
+    assert p.mamba_state_block_index(p.plans[1], 512) == 0
+
+
+@pytest.mark.parametrize(
+    ("groups", "chunk", "bad_index", "block"),
+    [
+        ((fa(0, 16),), 40, 0, 16),  # block < chunk, does not divide
+        ((fa(0, 16), sw(1, 48)), 64, 1, 48),
+        ((fa(0, 16), mamba(1, 128)), 96, 1, 128),  # block > chunk, not a multiple
+        ((fa(0, 640), mamba(1, 640)), 256, 0, 640),
+        ((sw(0, 16), fa(1, 100)), 64, 1, 100),
+    ],
+)
+def test_incompatible_chunk_names_group_and_sizes(
+    groups: tuple[GroupSpec, ...], chunk: int, bad_index: int, block: int
+) -> None:
+    with pytest.raises(PlannerConfigError) as info:
+        HybridOffloadPlanner(model(*groups), chunk)
+    message = str(info.value)
+    assert f"group {bad_index}" in message
+    assert str(chunk) in message and str(block) in message
+    assert groups[bad_index].kind.value in message
+    assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize("chunk", [0, -1, -256])
+def test_non_positive_chunk(chunk: int) -> None:
+    with pytest.raises(PlannerConfigError, match="chunk_tokens"):
+        planner(fa(0, 16), chunk=chunk)
+
+
+def test_unsplittable_mamba_accepts_any_chunk() -> None:
+    p = planner(fa(0, 16), mamba(1, 40_003, "none"), chunk=48)
+    assert p.plans[1].unsplittable and p.plans[1].state_interval == 48
+
+
+def test_sliding_window_chunks() -> None:
+    def window_chunks(window: int, chunk: int) -> int | None:
+        return planner(sw(0, 16, window=window), chunk=chunk).plans[0].window_chunks
+
+    # vLLM keeps the last window - 1 tokens before the next position
+    assert window_chunks(128, 128) == 1
+    assert window_chunks(129, 128) == 1
+    assert window_chunks(130, 128) == 2
+    assert window_chunks(4096, 256) == 16
+    assert window_chunks(4097, 256) == 16
+    assert window_chunks(4098, 256) == 17
+    assert window_chunks(2, 64) == 1
+
+
+# ---- keys ------------------------------------------------------------------------------------
+def test_chunk_hashes_match_reference() -> None:
+    p = planner(fa(0, 16), mamba(1, 64), chunk=64)
+    toks = tokens(64 * 3 + 17)
+    hashes = p.chunk_hashes(toks, b"lora:a")
+    assert len(hashes) == 3  # the partial chunk has no hash
+    prev = xxhash.xxh3_128_digest(p.spec.fingerprint_bytes + b"\x00" + b"lora:a")
+    for i, h in enumerate(hashes):
+        prev = xxhash.xxh3_128_digest(prev + struct.pack("<64q", *toks[i * 64 : (i + 1) * 64]))
+        assert h == prev and len(h) == 16
+    assert chain_chunk_hashes(b"seed", toks, 64) == chain_chunk_hashes(b"seed", tuple(toks), 64)
+    assert chain_chunk_hashes(b"seed", toks[:63], 64) == []
+    assert p.chunk_hashes([]) == []
+
+
+def test_large_token_ids_are_not_truncated() -> None:
+    p = planner(fa(0, 16), chunk=16)
+    a = [1] * 16
+    b = [1 + (1 << 32)] * 16
+    assert p.chunk_hashes(a) != p.chunk_hashes(b)
+
+
+_SUBPROCESS_KEYS = """
+import json, sys
+from hybrid_offload.engine_spec import GroupKind, GroupSpec, make_model_spec
+from hybrid_offload.planner import HybridOffloadPlanner
+args = json.loads(sys.argv[1])
+groups = tuple(
+    GroupSpec(**{**g, "kind": GroupKind(g["kind"]), "layer_names": tuple(g["layer_names"]),
+                 "state_shapes": tuple(tuple(s) for s in g["state_shapes"]),
+                 "state_dtypes": tuple(g["state_dtypes"])})
+    for g in args["groups"]
+)
+p = HybridOffloadPlanner(make_model_spec(groups, args["fields"], tp_size=2), 128)
+hashes = p.chunk_hashes(args["tokens"], b"salt")
+print(json.dumps({"fp": p.spec.fingerprint, "keys": p.group_keys(hashes, tp_rank=1)}))
+"""
+
+
+def test_keys_deterministic_across_processes_and_hash_seeds() -> None:
+    groups = (fa(0, 16), sw(1, 32, window=100), mamba(2, 128))
+    toks = tokens(128 * 5 + 3)
+    p = planner(*groups, chunk=128, tp_size=2)
+    keys = p.group_keys(p.chunk_hashes(toks, b"salt"), tp_rank=1)
+    here = {"fp": p.spec.fingerprint, "keys": keys}
+    assert len(here["keys"]) == 3 and all(len(k) == 5 for k in here["keys"])
+    args = json.dumps({"groups": [dataclasses.asdict(g) for g in groups],
+                       "fields": MODEL_FIELDS, "tokens": toks})
+    for seed in ("0", "12345"):
+        out = subprocess.run(
+            [sys.executable, "-c", _SUBPROCESS_KEYS, args],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True, text=True, timeout=60, check=False,
+        )
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout) == here
+
+
+def test_keys_chained() -> None:
+    p = planner(fa(0, 16), mamba(1, 64), chunk=64)
+    base = tokens(64 * 6)
+    base_keys = p.group_keys(p.chunk_hashes(base))
+    for i in range(6):
+        for pos in (i * 64, i * 64 + 31, i * 64 + 63):
+            changed = list(base)
+            changed[pos] += 1
+            keys = p.group_keys(p.chunk_hashes(changed))
+            for g in range(2):
+                assert keys[g][:i] == base_keys[g][:i]
+                assert all(a != b for a, b in zip(keys[g][i:], base_keys[g][i:], strict=True))
+    # tokens after the last full chunk do not matter
+    assert p.group_keys(p.chunk_hashes([*base, 5, 6, 7])) == base_keys
+
+
+def test_keys_scoped_by_fingerprint_scope_group_and_rank() -> None:
+    toks = tokens(64 * 4)
+    a = planner(fa(0, 16), mamba(1, 64), chunk=64)
+    other = model(fa(0, 16), mamba(1, 64), fields={**MODEL_FIELDS, "name": "x"})
+    b = HybridOffloadPlanner(other, 64)
+    assert a.namespace != b.namespace
+    all_keys: list[str] = []
+    for p in (a, b):
+        for scope in (b"", b"lora:adapter-1", b"salt:abc", b"lora:adapter-2"):
+            hashes = p.chunk_hashes(toks, scope)
+            for rank in (0, 1, 2):
+                keys = p.group_keys(hashes, tp_rank=rank)
+                assert len(keys) == 2 and all(len(k) == 4 for k in keys)
+                for group_keys in keys:
+                    for key in group_keys:
+                        assert key.startswith(p.namespace + "-")
+                        assert KEY_PATTERN.fullmatch(key), key
+                    check_keys(group_keys)
+                    all_keys.extend(group_keys)
+    # 2 fingerprints x 4 scopes x 3 ranks x 2 groups x 4 chunks, all distinct
+    assert len(set(all_keys)) == len(all_keys) == 2 * 4 * 3 * 2 * 4
+
+
+def test_page_key_tail() -> None:
+    p = planner(fa(0, 16), chunk=16)
+    h = bytes(range(16))
+    keys = {p.page_key(h, g, r) for g in (0, 1, 255, 256, 65535) for r in (0, 1, 7, 65535)}
+    assert len(keys) == 20
+    assert p.page_key(h, 3, 1) == p.page_key(h, 3, 1)
+    assert p.page_key(h, 0) == p.page_key(h, 0, 0)
+
+
+def test_tp_rank_shares_namespace_tp_size_does_not() -> None:
+    groups = (fa(0, 16), mamba(1, 64))
+    r0 = planner(*groups, chunk=64, tp_size=2, tp_rank=0)
+    r1 = planner(*groups, chunk=64, tp_size=2, tp_rank=1)
+    t1 = planner(*groups, chunk=64, tp_size=1)
+    assert r0.namespace == r1.namespace != t1.namespace
+    toks = tokens(128)
+    assert r0.chunk_hashes(toks) == r1.chunk_hashes(toks)
+
+
+# ---- coverage: explicit cases ----------------------------------------------------------------
+C = 128
+
+
+def hybrid() -> HybridOffloadPlanner:
+    """FA + sliding window 256 (2 chunks) + Mamba align, all block 128, chunk 128."""
+    return planner(fa(0, C), sw(1, C, window=256), mamba(2, C), chunk=C)
+
+
+def present(n: int, missing: Sequence[int] = ()) -> list[bool]:
+    return [i not in missing for i in range(n)]
+
+
+def test_all_present_stops_below_prompt_end() -> None:
+    p = hybrid()
+    full = [present(10)] * 3
+    assert p.loadable_prefix(full, 1000).tokens == 7 * C
+    assert p.loadable_prefix(full, 8 * C).tokens == 7 * C  # never k chunks for k * chunk tokens
+    assert p.loadable_prefix(full, 8 * C + 1).tokens == 8 * C
+    assert p.loadable_prefix(full, C + 1).tokens == C
+    assert p.loadable_prefix(full, C).tokens == 0
+    for n in (0, 1, 2, C - 1):
+        assert p.loadable_prefix(full, n) == LoadablePrefix(0, (0, 0, 0))
+    assert p.max_boundary_chunks(8 * C) == 7
+    assert p.max_boundary_chunks(0) == 0
+
+
+def test_full_attention_needs_every_chunk() -> None:
+    p = planner(fa(0, C), mamba(1, C), chunk=C)
+    for hole in range(8):
+        r = p.loadable_prefix([present(10, [hole]), present(10)], 10 * C)
+        assert r.tokens == hole * C
+    assert p.loadable_prefix([present(10, [0]), present(10)], 10 * C).tokens == 0
+
+
+def test_sliding_window_needs_only_window_chunks() -> None:
+    p = planner(sw(0, C, window=256), mamba(1, C), chunk=C)
+    sparse = [i in (5, 6) for i in range(10)]
+    assert p.loadable_prefix([sparse, present(10)], 1000).tokens == 7 * C
+    sparse = [i == 6 for i in range(10)]  # window chunk 5 missing
+    assert p.loadable_prefix([sparse, present(10)], 1000).tokens == 0
+    # a window of 257 tokens needs 256 tokens before N: still 2 chunks; 258 needs 3
+    p3 = planner(sw(0, C, window=258), mamba(1, C), chunk=C)
+    assert p3.loadable_prefix([[i in (5, 6) for i in range(10)], present(10)], 1000).tokens == 0
+    window3 = [i in (4, 5, 6) for i in range(10)]
+    assert p3.loadable_prefix([window3, present(10)], 1000).tokens == 7 * C
+
+
+def test_mamba_needs_only_the_state_at_n() -> None:
+    p = hybrid()
+    only3 = [i == 2 for i in range(10)]
+    r = p.loadable_prefix([present(10), present(10), only3], 1000)
+    assert r.tokens == 3 * C
+    assert r.per_group_tokens == (7 * C, 7 * C, 3 * C)
+    assert r.groups_disagree
+    none = [False] * 10
+    r = p.loadable_prefix([present(10), present(10), none], 1000)
+    assert r.tokens == 0 and r.groups_disagree
+
+
+def test_mamba_state_interval() -> None:
+    # Mamba block 256 with chunk 128: states only at multiples of 256
+    p = planner(fa(0, C), mamba(1, 2 * C), chunk=C)
+    full = [present(10), present(10)]
+    assert p.loadable_prefix(full, 1000).tokens == 6 * C  # k=7 is odd
+    assert p.loadable_prefix(full, 6 * C + 1).tokens == 6 * C
+    assert p.loadable_prefix(full, 6 * C).tokens == 4 * C
+    assert p.loadable_prefix(full, 2 * C).tokens == 0  # k=1 is not a state boundary
+    odd = [i in (2, 4) for i in range(10)]  # states at k=3, k=5: not boundaries
+    assert p.loadable_prefix([present(10), odd], 1000).tokens == 0
+
+
+def test_unsplittable_mamba_any_boundary() -> None:
+    p = planner(fa(0, C), mamba(1, 40_000, "none"), chunk=C)
+    assert p.loadable_prefix([present(10), [i == 4 for i in range(10)]], 1000).tokens == 5 * C
+
+
+def test_start_tokens() -> None:
+    p = planner(fa(0, C), mamba(1, C), chunk=C)
+    holes = [present(10, [0, 1]), present(10)]
+    assert p.loadable_prefix(holes, 1000).tokens == 0
+    assert p.loadable_prefix(holes, 1000, start_tokens=2 * C).tokens == 7 * C
+    # vLLM's local hit need not be chunk-aligned: chunk 2 holds tokens 256..383
+    assert p.loadable_prefix(holes, 1000, start_tokens=2 * C + 44).tokens == 7 * C
+    assert p.loadable_prefix(holes, 1000, start_tokens=2 * C - 1).tokens == 0  # needs chunk 1
+    # nothing beyond the local hit
+    assert p.loadable_prefix(holes, 1000, start_tokens=7 * C).tokens == 0
+    assert p.loadable_prefix(holes, 1000, start_tokens=7 * C - 1).tokens == 7 * C
+    assert p.loadable_prefix(holes, 1000, start_tokens=5000) == LoadablePrefix(0, (0, 0))
+    # the result is always beyond start_tokens
+    for start in range(0, 1000, 37):
+        r = p.loadable_prefix([present(10), present(10)], 1000, start_tokens=start)
+        assert r.tokens == 0 or start < r.tokens < 1000
+
+
+def test_sliding_window_window_clipped_by_start() -> None:
+    p = planner(sw(0, C, window=4 * C), mamba(1, C), chunk=C)
+    pres = [present(10, [0, 1, 2, 3]), present(10)]
+    assert p.loadable_prefix(pres, 6 * C + 1, start_tokens=0).tokens == 0
+    # N=6 chunks needs chunks 2..5 of the window; from start 4 only 4..5 are needed
+    assert p.loadable_prefix(pres, 6 * C + 1, start_tokens=4 * C).tokens == 6 * C
+
+
+def test_presence_shorter_than_prompt() -> None:
+    p = hybrid()
+    r = p.loadable_prefix([present(3), present(5), present(4)], 10_000)
+    assert r.tokens == 3 * C
+    assert r.per_group_tokens == (3 * C, 3 * C, 3 * C)
+    assert p.loadable_prefix([[], [], []], 10_000) == LoadablePrefix(0, (0, 0, 0))
+
+
+def test_groups_disagree_flag() -> None:
+    p = hybrid()
+    full = [present(10)] * 3
+    assert not p.loadable_prefix(full, 1000).groups_disagree
+    r = p.loadable_prefix([present(10, [4]), present(10), present(10)], 1000)
+    assert r.tokens == 4 * C and r.per_group_tokens == (4 * C, 7 * C, 7 * C)
+    assert r.groups_disagree
+
+
+@pytest.mark.parametrize("prompt_len", [-5, 0, 1, 127, 128, 129, 10**9])
+@pytest.mark.parametrize("start_tokens", [0, 1, 128, 10**9])
+def test_never_raises_on_odd_inputs(prompt_len: int, start_tokens: int) -> None:
+    p = hybrid()
+    for pres in ([[], [], []], [present(4)] * 3, [[True], [False], [True]]):
+        r = p.loadable_prefix(pres, prompt_len, start_tokens)
+        assert r.tokens % C == 0 and r.tokens >= 0
+        assert r.tokens == 0 or start_tokens < r.tokens < prompt_len
+        r2 = p.lookup([["00000000-00000000"] * len(g) for g in pres],
+                      lambda keys: [True] * len(keys), prompt_len, start_tokens)
+        assert r2.tokens % C == 0
+
+
+def test_lookup_asks_once() -> None:
+    p = hybrid()
+    keys = p.group_keys(p.chunk_hashes(tokens(10 * C)))
+    calls: list[list[str]] = []
+
+    def contains(batch: list[str]) -> list[bool]:
+        calls.append(list(batch))
+        return [k != keys[0][5] for k in batch]
+
+    r = p.lookup(keys, contains, 1000, start_tokens=C)
+    assert r.tokens == 5 * C
+    assert len(calls) == 1
+    # asks for chunks [start, k_max) of every group, nothing before the local hit
+    assert sorted(calls[0]) == sorted(k for g in keys for k in g[1:7])
+    calls.clear()
+    assert p.lookup(keys, contains, C).tokens == 0
+    assert calls == []  # nothing to ask for
+
+
+# ---- property tests against a brute-force reference -----------------------------------------
+def reference(
+    groups: Sequence[GroupSpec], chunk: int, presence: Sequence[Sequence[bool]],
+    prompt_len: int, start_tokens: int,
+) -> tuple[int, tuple[int, ...]]:
+    """Largest N = k * chunk with start_tokens < N < prompt_len that every group can restore."""
+    n_chunks = min((len(p) for p in presence), default=0)
+
+    def chunks_covering(lo: int, hi: int) -> range:
+        """Chunks that hold any token in [lo, hi)."""
+        if lo >= hi:
+            return range(0)
+        return range(lo // chunk, (hi - 1) // chunk + 1)
+
+    def ok(g: GroupSpec, k: int) -> bool:
+        n = k * chunk
+        pres = presence[g.index]
+        if g.kind is GroupKind.FULL_ATTENTION:
+            return all(pres[c] for c in chunks_covering(start_tokens, n))
+        if g.kind is GroupKind.SLIDING_WINDOW:
+            assert g.sliding_window is not None
+            lo = max(start_tokens, n - (g.sliding_window - 1))
+            return all(pres[c] for c in chunks_covering(lo, n))
+        if g.mamba_cache_mode == "align" and n % g.block_size:
+            return False
+        return pres[k - 1]  # the state after chunk k-1, i.e. at N
+
+    candidates = [k for k in range(1, n_chunks + 1) if start_tokens < k * chunk < prompt_len]
+    best = max((k for k in candidates if all(ok(g, k) for g in groups)), default=0)
+    per_group = tuple(max((k for k in candidates if ok(g, k)), default=0) * chunk for g in groups)
+    return best * chunk, per_group
+
+
+CHUNKS = (16, 32, 48, 64, 128)
+KINDS = ("fa", "sw", "mamba", "mamba_multi", "mamba_none")
+# module-level strategies: building strategies inside a composite dominates the run time
+_CHUNK = st.sampled_from(CHUNKS)
+_KIND = st.sampled_from(KINDS)
+_SMALL = st.integers(0, 15)
+_N_GROUPS = st.integers(1, 4)
+# hypothesis favours small integers: count chunks down from 12 so most prompts are long
+_N_CHUNKS = st.integers(0, 12).map(lambda x: 12 - x)
+_MASK = st.integers(0, (1 << 12) - 1)
+_BIG = st.integers(0, 1 << 20)
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> tuple:
+    chunk = draw(_CHUNK)
+    divisors = [d for d in range(4, chunk + 1) if chunk % d == 0]
+
+    def block_dividing_or_multiple() -> int:
+        pick = draw(_SMALL)
+        return divisors[pick % len(divisors)] if pick < 10 else chunk * (pick - 9)
+
+    groups: list[GroupSpec] = []
+    for i in range(draw(_N_GROUPS)):
+        kind = draw(_KIND)
+        if kind == "fa":
+            groups.append(fa(i, block_dividing_or_multiple(), layers=1))
+        elif kind == "sw":
+            # windows near chunk multiples are where off-by-one errors live
+            m, pick, r = 1 + draw(_SMALL) % 5, draw(_SMALL), draw(_BIG)
+            windows = (m * chunk + 1, m * chunk, m * chunk - 1, m * chunk + 2, 2 + r % (6 * chunk))
+            window = windows[pick % 5]
+            groups.append(sw(i, block_dividing_or_multiple(), window=window, layers=1))
+        elif kind == "mamba":  # block divides the chunk or equals it
+            groups.append(mamba(i, divisors[draw(_SMALL) % len(divisors)], layers=1))
+        elif kind == "mamba_multi":  # one block is several chunks
+            groups.append(mamba(i, chunk * (2 + draw(_SMALL) % 3), layers=1))
+        else:
+            groups.append(mamba(i, 1 + draw(_BIG) % 100_000, "none", layers=1))
+    n_chunks = draw(_N_CHUNKS)
+    presence = []
+    for _ in groups:
+        short = draw(_SMALL)
+        length = n_chunks if short < 12 else short % (n_chunks + 1)
+        # a chunk is missing where all drawn masks have a 1: 1/2, 1/4 or 1/8 of the chunks,
+        # so that long prefixes occur too; sometimes (short == 15) nothing is missing at all
+        holes = 0 if short == 15 else draw(_MASK)
+        for _ in range(draw(_SMALL) % 3):
+            holes &= draw(_MASK)
+        presence.append([not (holes >> i) & 1 for i in range(length)])
+    # prompt lengths at, just below and just above chunk boundaries, or anywhere
+    mode, raw = draw(_SMALL), draw(_BIG)
+    boundary = (n_chunks + 1 - raw % (n_chunks + 2)) * chunk
+    prompt_len = max(0, (boundary, boundary - 1, boundary + 1)[mode % 3] if mode < 12
+                     else raw % ((n_chunks + 2) * chunk + 1))
+    mode, raw = draw(_SMALL), draw(_BIG)
+    if mode < 6:
+        start_tokens = 0
+    elif mode < 10:
+        start_tokens = raw % (prompt_len + chunk + 1)
+    else:
+        start_tokens = (raw % (n_chunks + 2)) * chunk
+    return chunk, tuple(groups), presence, prompt_len, start_tokens
+
+
+@PROPERTY_SETTINGS
+@given(scenarios())
+def test_loadable_prefix_matches_reference(scenario: tuple) -> None:
+    chunk, groups, presence, prompt_len, start_tokens = scenario
+    p = planner(*groups, chunk=chunk)
+    result = p.loadable_prefix(presence, prompt_len, start_tokens)
+    want_tokens, want_per_group = reference(groups, chunk, presence, prompt_len, start_tokens)
+    assert result.tokens == want_tokens
+    assert result.per_group_tokens == want_per_group
+    assert result.groups_disagree == any(t != want_tokens for t in want_per_group)
+    if result.tokens:
+        assert result.tokens % chunk == 0 and start_tokens < result.tokens < prompt_len
+        k, start = result.tokens // chunk, start_tokens // chunk
+        for plan in p.plans:  # everything the connector will load is present
+            assert all(presence[plan.index][c] for c in p.needed_chunks(plan, k, start))
+
+
+@PROPERTY_SETTINGS
+@given(scenarios(), st.binary(max_size=8))
+def test_lookup_matches_loadable_prefix(scenario: tuple, scope: bytes) -> None:
+    chunk, groups, presence, prompt_len, start_tokens = scenario
+    p = planner(*groups, chunk=chunk)
+    n_chunks = max((len(g) for g in presence), default=0)
+    hashes = p.chunk_hashes(tokens(n_chunks * chunk + 3), scope)
+    all_keys = p.group_keys(hashes)
+    keys = [all_keys[g][: len(presence[g])] for g in range(len(groups))]
+    stored = {key: bit for gk, gp in zip(keys, presence, strict=True)
+              for key, bit in zip(gk, gp, strict=True)}
+    calls: list[list[str]] = []
+
+    def contains(batch: list[str]) -> list[bool]:
+        calls.append(list(batch))
+        return [stored[key] for key in batch]
+
+    got = p.lookup(keys, contains, prompt_len, start_tokens)
+    assert got == p.loadable_prefix(presence, prompt_len, start_tokens)
+    k_max = min(p.max_boundary_chunks(prompt_len), *(len(g) for g in presence))
+    assert len(calls) == (1 if k_max > start_tokens // chunk else 0)
