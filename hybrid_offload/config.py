@@ -21,8 +21,17 @@ DEFAULT_MAX_PENDING_STORE_BYTES = 256 << 20
 _TOP_KEYS = frozenset({"chunk_tokens", "backends", "max_pending_store_bytes"})
 _COMMON_BACKEND_KEYS = frozenset({"type", "name", "load_weight", "capacity_bytes"})
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 1 << 10,
+    "MIB": 1 << 20,
+    "GIB": 1 << 30,
+    "TIB": 1 << 40,
+}
 
 
 class ConfigError(ValueError):
@@ -82,8 +91,9 @@ def _parse_backend(raw: Any, index: int) -> BackendConfig:
         options = cls.validate_options(options)
     except BackendConfigError as exc:
         raise ConfigError(f"{key}: {exc}") from exc
-    return BackendConfig(type=type_name, name=name, capacity_bytes=capacity,
-                         load_weight=float(weight), options=options)
+    return BackendConfig(
+        type=type_name, name=name, capacity_bytes=capacity, load_weight=float(weight), options=options
+    )
 
 
 def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
@@ -102,6 +112,8 @@ def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
     chunk = extra.get("chunk_tokens")
     if chunk is not None:
         chunk = _positive_int(chunk, f"{ROOT}.chunk_tokens")
-    pending = parse_size(extra.get("max_pending_store_bytes", DEFAULT_MAX_PENDING_STORE_BYTES),
-                         f"{ROOT}.max_pending_store_bytes")
+    pending = parse_size(
+        extra.get("max_pending_store_bytes", DEFAULT_MAX_PENDING_STORE_BYTES),
+        f"{ROOT}.max_pending_store_bytes",
+    )
     return OffloadConfig(backends=backends, chunk_tokens=chunk, max_pending_store_bytes=pending)

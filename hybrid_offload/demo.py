@@ -50,8 +50,9 @@ def _connector(disk_dir: Path, with_cpu: bool) -> dict[str, Any]:
     backends: list[dict[str, Any]] = []
     if with_cpu:
         backends.append({"type": "cpu", "name": "cpu", "capacity_bytes": "512MiB", "load_weight": 1.0})
-    backends.append({"type": "disk", "name": "disk", "path": str(disk_dir),
-                     "capacity_bytes": "2GiB", "load_weight": 0.5})
+    backends.append(
+        {"type": "disk", "name": "disk", "path": str(disk_dir), "capacity_bytes": "2GiB", "load_weight": 0.5}
+    )
     return {"backends": backends}
 
 
@@ -85,8 +86,13 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     llm_kwargs: dict[str, Any] = {}
     if options.async_scheduling is not None:
         llm_kwargs["async_scheduling"] = options.async_scheduling
-    base = {"model": str(model_dir), "prompts": prompts, "max_tokens": options.max_tokens,
-            "llm_kwargs": llm_kwargs, "reset_prefix_cache": "request"}
+    base = {
+        "model": str(model_dir),
+        "prompts": prompts,
+        "max_tokens": options.max_tokens,
+        "llm_kwargs": llm_kwargs,
+        "reset_prefix_cache": "request",
+    }
     baseline = run_session_subprocess({**base, "connector": None, "passes": 1})
     engine_a = run_session_subprocess({**base, "connector": _connector(disk_dir, True), "passes": 2})
     engine_b = run_session_subprocess({**base, "connector": _connector(disk_dir, False), "passes": 1})
@@ -111,19 +117,25 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
 
 
 def format_summary(summary: dict[str, Any]) -> str:
-    lines = [f"hybrid-offload demo: {summary['arch']}, {summary['prompts']} prompts of "
-             f"{min(summary['prompt_tokens'])}-{max(summary['prompt_tokens'])} tokens"]
+    lines = [
+        f"hybrid-offload demo: {summary['arch']}, {summary['prompts']} prompts of "
+        f"{min(summary['prompt_tokens'])}-{max(summary['prompt_tokens'])} tokens"
+    ]
     lines.append(f"  baseline (no connector) TTFT mean: {summary['baseline_ttft_mean_s'] * 1000:.1f} ms")
     for p in summary["passes"]:
         loaded = ", ".join(f"{k}={v}" for k, v in p["loaded_tokens"].items()) or "none"
         lines.append(f"  {p['pass']}")
         lines.append(f"    tokens loaded per backend: {loaded}")
-        lines.append(f"    hit rate over chunk-aligned prefix: {p['hit_rate'] * 100:.1f}% "
-                     f"of {p['aligned_prefix_tokens']} tokens")
+        lines.append(
+            f"    hit rate over chunk-aligned prefix: {p['hit_rate'] * 100:.1f}% "
+            f"of {p['aligned_prefix_tokens']} tokens"
+        )
         lines.append(f"    TTFT mean: {p['ttft_mean_s'] * 1000:.1f} ms")
     cold, hit = summary["ttft_cold_s"], summary["ttft_hit_s"]
-    lines.append(f"  TTFT cold vs hit: {cold * 1000:.1f} ms vs {hit * 1000:.1f} ms "
-                 f"({cold / hit if hit else float('inf'):.2f}x; cold = requests that found nothing, "
-                 "hit = the second pass and the restart)")
+    lines.append(
+        f"  TTFT cold vs hit: {cold * 1000:.1f} ms vs {hit * 1000:.1f} ms "
+        f"({cold / hit if hit else float('inf'):.2f}x; cold = requests that found nothing, "
+        "hit = the second pass and the restart)"
+    )
     lines.append(f"  outputs identical: {'yes' if summary['outputs_identical'] else 'NO'}")
     return "\n".join(lines)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from math import prod
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +42,7 @@ DTYPE_SIZES: dict[str, int] = {
 _VOLATILE_HF_KEYS = frozenset({"_name_or_path", "transformers_version", "_commit_hash"})
 
 
-class GroupKind(str, Enum):
+class GroupKind(StrEnum):
     """How a KV cache group's pages relate to a token prefix."""
 
     FULL_ATTENTION = "full_attention"
@@ -217,6 +217,11 @@ def _group_from_vllm(index: int, group: Any) -> GroupSpec:
     if isinstance(spec, MambaSpec):
         from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
 
+        if get_conv_state_layout() != "SD":
+            raise ValueError(
+                "hybrid-offload stores Mamba conv states in the SD layout; "
+                "VLLM_SSM_CONV_STATE_LAYOUT=DS is not supported"
+            )
         return GroupSpec(
             index=index,
             kind=GroupKind.MAMBA,
@@ -228,11 +233,14 @@ def _group_from_vllm(index: int, group: Any) -> GroupSpec:
             state_dtypes=tuple(_dtype_name(d) for d in spec.dtypes),
             mamba_cache_mode=spec.mamba_cache_mode,
             mamba_type=getattr(spec.mamba_type, "name", str(spec.mamba_type)),
-            conv_layout=get_conv_state_layout(),
+            conv_layout="SD",
         )
-    if isinstance(spec, SlidingWindowSpec | FullAttentionSpec):
+    # Exact types: vLLM's subclasses (MLA, sink, R-SWA, sliding-window MLA, ...) store other
+    # page layouts or drop blocks, so they must not pass as plain attention.
+    if type(spec) in (SlidingWindowSpec, FullAttentionSpec):
         window = getattr(spec, "sliding_window", None)
-        kind = GroupKind.SLIDING_WINDOW if isinstance(spec, SlidingWindowSpec) else GroupKind.FULL_ATTENTION
+        is_window = type(spec) is SlidingWindowSpec
+        kind = GroupKind.SLIDING_WINDOW if is_window else GroupKind.FULL_ATTENTION
         return GroupSpec(
             index=index,
             kind=kind,

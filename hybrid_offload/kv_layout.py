@@ -59,8 +59,9 @@ def _probe_cpu_attn(heads: int, block: int, dim: int, dtype: torch.dtype) -> tor
         key_cache, value_cache = cache.view(1, heads, block * 2, dim).chunk(2, dim=2)
         key = _marks(coords[axis] + 1, dtype)
         value = _marks(coords[axis] + 1 + (1 << 12), dtype)
-        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache,
-                                       torch.arange(block, dtype=torch.long), isa)
+        ops.cpu_attn_reshape_and_cache(
+            key, value, key_cache, value_cache, torch.arange(block, dtype=torch.long), isa
+        )
         found.append(_unmarks(cache.reshape(-1), dtype))
     is_value = found[0] >= (1 << 12) + 1
     t, h, d = ((f - 1 - is_value.to(torch.int64) * (1 << 12)) for f in found)

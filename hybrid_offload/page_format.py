@@ -168,7 +168,9 @@ def decode_header(data: bytes | bytearray | memoryview) -> tuple[PageHeader, int
     return header, hlen, payload_checksum
 
 
-def decode_page(data: bytes | bytearray | memoryview, expected: PageHeader | None = None) -> tuple[PageHeader, memoryview]:
+def decode_page(
+    data: bytes | bytearray | memoryview, expected: PageHeader | None = None
+) -> tuple[PageHeader, memoryview]:
     """Verify a whole page and return its header and payload (a view into ``data``).
 
     With ``expected``, every identifying field and the tensor shapes/dtypes must match it,

@@ -85,8 +85,13 @@ def run_session(spec: dict[str, Any]) -> dict[str, Any]:
     """Run the spec in this process (vLLM in-process) and return the result dict."""
     from vllm import LLM, SamplingParams
 
-    kwargs = {"max_model_len": 4096, "dtype": "bfloat16", "disable_log_stats": False,
-              "enforce_eager": True, **spec.get("llm_kwargs", {})}
+    kwargs = {
+        "max_model_len": 4096,
+        "dtype": "bfloat16",
+        "disable_log_stats": False,
+        "enforce_eager": True,
+        **spec.get("llm_kwargs", {}),
+    }
     if spec.get("connector") is not None:
         kwargs["kv_transfer_config"] = kv_transfer_config(spec["connector"])
     llm = LLM(model=spec["model"], **kwargs)
@@ -104,12 +109,19 @@ def run_session(spec: dict[str, Any]) -> dict[str, Any]:
             wall = time.perf_counter() - start
             metrics = out.metrics
             ttft = getattr(metrics, "first_token_latency", 0.0) if metrics is not None else 0.0
-            rows.append({"tokens": list(out.outputs[0].token_ids), "ttft_s": ttft or wall,
-                         "wall_s": wall, "cached_tokens": out.num_cached_tokens or 0,
-                         "prompt_tokens": len(prompt)})
+            rows.append(
+                {
+                    "tokens": list(out.outputs[0].token_ids),
+                    "ttft_s": ttft or wall,
+                    "wall_s": wall,
+                    "cached_tokens": out.num_cached_tokens or 0,
+                    "prompt_tokens": len(prompt),
+                }
+            )
         worker = _flush_workers()
-        passes.append({"requests": rows, "scheduler": _diff(_scheduler_counters(), before),
-                       "worker_total": worker})
+        passes.append(
+            {"requests": rows, "scheduler": _diff(_scheduler_counters(), before), "worker_total": worker}
+        )
         if reset != "never":
             llm.reset_prefix_cache()
     result = {"passes": passes}
@@ -117,8 +129,9 @@ def run_session(spec: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def run_session_subprocess(spec: dict[str, Any], timeout: float = 900.0,
-                           env: dict[str, str] | None = None) -> dict[str, Any]:
+def run_session_subprocess(
+    spec: dict[str, Any], timeout: float = 900.0, env: dict[str, str] | None = None
+) -> dict[str, Any]:
     """Run a session in a fresh Python process; raise RuntimeError with its log on failure."""
     with tempfile.TemporaryDirectory(prefix="hybrid-offload-session-") as tmp:
         spec_path, out_path = Path(tmp, "spec.json"), Path(tmp, "out.json")
@@ -126,8 +139,11 @@ def run_session_subprocess(spec: dict[str, Any], timeout: float = 900.0,
         proc = subprocess.run(
             [sys.executable, "-m", "hybrid_offload.session", str(spec_path), str(out_path)],
             env={**os.environ, **ENGINE_ENV, **(env or {})},
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            timeout=timeout, check=False,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=timeout,
+            check=False,
         )
         if proc.returncode != 0 or not out_path.exists():
             raise RuntimeError(f"session failed (exit {proc.returncode}):\n{proc.stdout[-6000:]}")

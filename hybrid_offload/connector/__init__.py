@@ -41,6 +41,21 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+
+def _log_like_vllm() -> None:
+    """Send hybrid_offload's log records where vLLM's go, unless the application set up ours."""
+    package = logging.getLogger("hybrid_offload")
+    vllm_logger = logging.getLogger("vllm")
+    if package.handlers or not vllm_logger.handlers:
+        return
+    for handler in vllm_logger.handlers:
+        package.addHandler(handler)
+    package.setLevel(vllm_logger.level or logging.INFO)
+    package.propagate = False
+
+
+_log_like_vllm()
+
 #: live connectors of this process, for in-process introspection (tests, demo, benchmarks)
 ACTIVE_CONNECTORS: weakref.WeakSet[HybridOffloadConnector] = weakref.WeakSet()
 
@@ -50,7 +65,9 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         config = parse_offload_config(self._kv_transfer_config.kv_connector_extra_config)
         spec = model_spec_from_vllm(vllm_config, kv_cache_config)
@@ -65,15 +82,19 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         ACTIVE_CONNECTORS.add(self)
         logger.info(
             "hybrid-offload %s: chunk_tokens=%d, groups=%s, backends=%s",
-            role.name.lower(), self.planner.chunk_tokens,
-            [(g.kind.value, g.block_size) for g in spec.groups], [b.name for b in config.backends],
+            role.name.lower(),
+            self.planner.chunk_tokens,
+            [(g.kind.value, g.block_size) for g in spec.groups],
+            [b.name for b in config.backends],
         )
 
     def _require_recompute_on_failure(self) -> None:
         """A cache miss at load time must mean recompute, never a failed request."""
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
-            logger.info("hybrid-offload sets kv_load_failure_policy=recompute (a failed cache "
-                        "load falls back to recomputation)")
+            logger.info(
+                "hybrid-offload sets kv_load_failure_policy=recompute (a failed cache "
+                "load falls back to recomputation)"
+            )
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
 
     @property
@@ -93,8 +114,9 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
-                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
         return
 
     def wait_for_save(self) -> None:
@@ -122,11 +144,15 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler.shutdown()
 
     # ---- scheduler side ---------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         assert self.scheduler is not None
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         assert self.scheduler is not None
         self.scheduler.update_state_after_alloc(request, blocks.get_block_ids(), num_external_tokens)
 
@@ -149,6 +175,8 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.scheduler is not None
         return self.scheduler.request_finished(request), None
 
-    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
         return self.scheduler.request_finished(request), None

@@ -156,11 +156,16 @@ class OffloadScheduler:
         if result.groups_disagree and result.tokens:
             logger.warning(
                 "request %s: groups disagree on the loadable prefix in %s %s; loading %d tokens",
-                state.req_id, view.name, list(result.per_group_tokens), result.tokens,
+                state.req_id,
+                view.name,
+                list(result.per_group_tokens),
+                result.tokens,
             )
         return result.tokens
 
-    def update_state_after_alloc(self, request: Request, block_ids: tuple[list[int], ...], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, block_ids: tuple[list[int], ...], num_external_tokens: int
+    ) -> None:
         state = self._requests.get(request.request_id)
         if state is None or num_external_tokens <= 0 or state.load_backend is None:
             return
@@ -179,8 +184,9 @@ class OffloadScheduler:
             if state is None:
                 continue
             state.block_ids = [list(ids) for ids in new.block_ids]
-            self._plan_stores(state, new.num_computed_tokens,
-                              scheduler_output.num_scheduled_tokens[new.req_id], meta)
+            self._plan_stores(
+                state, new.num_computed_tokens, scheduler_output.num_scheduled_tokens[new.req_id], meta
+            )
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self._requests.get(req_id)
@@ -193,8 +199,9 @@ class OffloadScheduler:
             elif new_ids is not None:
                 for group_ids, more in zip(state.block_ids, new_ids, strict=True):
                     group_ids.extend(more)
-            self._plan_stores(state, cached.num_computed_tokens[i],
-                              scheduler_output.num_scheduled_tokens[req_id], meta)
+            self._plan_stores(
+                state, cached.num_computed_tokens[i], scheduler_output.num_scheduled_tokens[req_id], meta
+            )
         return meta
 
     def _load_job(self, state: RequestState) -> LoadJob:
@@ -215,7 +222,9 @@ class OffloadScheduler:
             self.stats.counters.external_tokens += state.load_end - state.load_start
         return LoadJob(state.req_id, state.load_backend, tuple(pages))
 
-    def _page_job(self, plan: GroupPlan, state: RequestState, c: int, load_boundary: int | None = None) -> PageJob:
+    def _page_job(
+        self, plan: GroupPlan, state: RequestState, c: int, load_boundary: int | None = None
+    ) -> PageJob:
         chunk = self.planner.chunk_tokens
         table = state.block_ids[plan.index]
         key, chunk_hash = state.keys[plan.index][c], state.chunk_hashes[c]
@@ -229,8 +238,9 @@ class OffloadScheduler:
         bs = plan.group.block_size
         first, last = c * chunk, (c + 1) * chunk - 1
         skip = max(0, state.load_start - first) if load_boundary is not None else 0
-        return PageJob(key, plan.index, c, chunk_hash, tuple(table[first // bs : last // bs + 1]),
-                       first % bs, skip)
+        return PageJob(
+            key, plan.index, c, chunk_hash, tuple(table[first // bs : last // bs + 1]), first % bs, skip
+        )
 
     def _plan_stores(self, state: RequestState, computed: int, scheduled: int, meta: OffloadMetadata) -> None:
         """Store pages that this step completes: attention chunks fully computed, and the Mamba
@@ -258,15 +268,14 @@ class OffloadScheduler:
         state.next_store_chunk = max(state.next_store_chunk, last_full)
 
     def _emit_store(self, meta: OffloadMetadata, page: PageJob, state: RequestState) -> None:
-        targets = tuple(
-            v.name for v in self.views if page.key not in state.known_present.get(v.name, ())
-        )
+        targets = tuple(v.name for v in self.views if page.key not in state.known_present.get(v.name, ()))
         if targets:
             meta.stores.append(StoreJob(page, targets))
 
     # ---- worker feedback and request end ---------------------------------------------
-    def update_connector_output(self, worker_meta: Any, finished_recving: set[str] | None,
-                                failed_recving: set[str] | None) -> None:
+    def update_connector_output(
+        self, worker_meta: Any, finished_recving: set[str] | None, failed_recving: set[str] | None
+    ) -> None:
         if isinstance(worker_meta, OffloadWorkerMetadata):
             for name, view in self._by_name.items():
                 view.apply_report(worker_meta.stored.get(name, []), worker_meta.evicted.get(name, []))

@@ -53,9 +53,17 @@ class PageCodec:
         self.page_len = page_len(self.tensors)
 
     def header(self, page: PageJob) -> PageHeader:
-        return PageHeader(self.spec.fingerprint_bytes, page.chunk_hash, self.group.index,
-                          self.group.kind, page.chunk_index, self.chunk_tokens, self.tensors,
-                          self.spec.tp_rank, self.spec.tp_size)
+        return PageHeader(
+            self.spec.fingerprint_bytes,
+            page.chunk_hash,
+            self.group.index,
+            self.group.kind,
+            page.chunk_index,
+            self.chunk_tokens,
+            self.tensors,
+            self.spec.tp_rank,
+            self.spec.tp_size,
+        )
 
     def layer_views(self, payload: torch.Tensor) -> list[torch.Tensor]:
         """Per layer, the page payload as (2, T, H, D) for attention or raw bytes for Mamba."""
@@ -79,8 +87,13 @@ class PageCodec:
 class OffloadWorker:
     """Worker-side logic behind the connector facade."""
 
-    def __init__(self, spec: ModelSpec, planner: HybridOffloadPlanner,
-                 backends: tuple[BackendConfig, ...], max_pending_store_bytes: int) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        planner: HybridOffloadPlanner,
+        backends: tuple[BackendConfig, ...],
+        max_pending_store_bytes: int,
+    ) -> None:
         self.spec = spec
         self.codecs = {g.index: PageCodec(spec, g, planner.chunk_tokens) for g in spec.groups}
         self.backends: dict[str, Backend] = {c.name: create_backend(c) for c in backends}
@@ -91,7 +104,9 @@ class OffloadWorker:
         self._lock = threading.Lock()
         self._stored: dict[str, list[str]] = {}
         self._store_queue: queue.Queue = queue.Queue()
-        self._store_thread = threading.Thread(target=self._store_loop, name="hybrid-offload-store", daemon=True)
+        self._store_thread = threading.Thread(
+            target=self._store_loop, name="hybrid-offload-store", daemon=True
+        )
         self._store_thread.start()
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="hybrid-offload-load")
         self._loads: dict[str, Future] = {}
@@ -218,8 +233,9 @@ class OffloadWorker:
         views = codec.layer_views(payload)
         if isinstance(layout, AttentionGroupLayout):
             skip = page.skip_tokens
-            index = layout.element_index(list(page.block_ids), page.first_token + skip,
-                                         codec.chunk_tokens - skip)
+            index = layout.element_index(
+                list(page.block_ids), page.first_token + skip, codec.chunk_tokens - skip
+            )
             layout.scatter(index, [v[:, skip:] for v in views])
         else:
             layout.scatter(list(page.block_ids), views)

@@ -454,31 +454,37 @@ def test_lookup_asks_once() -> None:
 
 
 # ---- property tests against a brute-force reference -----------------------------------------
+def reference_allows(
+    g: GroupSpec, chunk: int, pres: Sequence[bool], k: int, start_tokens: int
+) -> bool:
+    """Whether group ``g`` alone can be restored to N = k * chunk tokens, stated in tokens."""
+    n = k * chunk
+
+    def chunks_covering(lo: int, hi: int) -> range:
+        """Chunks that hold any token in [lo, hi)."""
+        return range(lo // chunk, (hi - 1) // chunk + 1) if lo < hi else range(0)
+
+    if g.kind is GroupKind.FULL_ATTENTION:  # every token vLLM does not already have
+        return all(pres[c] for c in chunks_covering(start_tokens, n))
+    if g.kind is GroupKind.SLIDING_WINDOW:  # the window - 1 tokens before position N
+        assert g.sliding_window is not None
+        lo = max(start_tokens, n - (g.sliding_window - 1))
+        return all(pres[c] for c in chunks_covering(lo, n))
+    if g.mamba_cache_mode == "align" and n % g.block_size:
+        return False  # vLLM holds states only at its block boundaries
+    return pres[k - 1]  # the state after chunk k-1, i.e. at N
+
+
 def reference(
     groups: Sequence[GroupSpec], chunk: int, presence: Sequence[Sequence[bool]],
     prompt_len: int, start_tokens: int,
 ) -> tuple[int, tuple[int, ...]]:
-    """Largest N = k * chunk with start_tokens < N < prompt_len that every group can restore."""
+    """Largest N = k * chunk with start_tokens < N < prompt_len that every group can restore,
+    and per group the largest N that group alone allows."""
     n_chunks = min((len(p) for p in presence), default=0)
 
-    def chunks_covering(lo: int, hi: int) -> range:
-        """Chunks that hold any token in [lo, hi)."""
-        if lo >= hi:
-            return range(0)
-        return range(lo // chunk, (hi - 1) // chunk + 1)
-
     def ok(g: GroupSpec, k: int) -> bool:
-        n = k * chunk
-        pres = presence[g.index]
-        if g.kind is GroupKind.FULL_ATTENTION:
-            return all(pres[c] for c in chunks_covering(start_tokens, n))
-        if g.kind is GroupKind.SLIDING_WINDOW:
-            assert g.sliding_window is not None
-            lo = max(start_tokens, n - (g.sliding_window - 1))
-            return all(pres[c] for c in chunks_covering(lo, n))
-        if g.mamba_cache_mode == "align" and n % g.block_size:
-            return False
-        return pres[k - 1]  # the state after chunk k-1, i.e. at N
+        return reference_allows(g, chunk, presence[g.index], k, start_tokens)
 
     candidates = [k for k in range(1, n_chunks + 1) if start_tokens < k * chunk < prompt_len]
     best = max((k for k in candidates if all(ok(g, k) for g in groups)), default=0)
@@ -566,6 +572,13 @@ def test_loadable_prefix_matches_reference(scenario: tuple) -> None:
         k, start = result.tokens // chunk, start_tokens // chunk
         for plan in p.plans:  # everything the connector will load is present
             assert all(presence[plan.index][c] for c in p.needed_chunks(plan, k, start))
+    # every boundary, not just the answer: the per-group rule itself
+    start = start_tokens // chunk
+    for plan in p.plans:
+        pres = presence[plan.index]
+        for k in range(start + 1, len(pres) + 1):
+            want = reference_allows(plan.group, chunk, pres, k, start_tokens)
+            assert p.group_allows(plan, k, pres, start) == want, (plan.index, k)
 
 
 @PROPERTY_SETTINGS

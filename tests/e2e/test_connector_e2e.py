@@ -1,0 +1,134 @@
+"""End to end: real offline vLLM (CPU) with the connector, real cpu and disk tiers.
+
+For each arch: a baseline engine without the connector; engine A (cpu + disk) runs the prompts
+twice (the second pass must load >= 99 % of the chunk-aligned prefix from the cpu tier); then
+engine B, a new process with only the disk tier on the same directory (a restart), must load
+>= 99 % from disk. Every pass must give the baseline's greedy tokens. vLLM's own prefix cache
+is reset before every request, so hits can only come from the connector. Async scheduling is
+on in engine A and off in engine B (and the other way round for qwen3_next).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hybrid_offload.session import ENGINE_ENV, run_session_subprocess
+
+pytestmark = pytest.mark.e2e
+
+CHUNK_TOKENS = {"qwen3_next": 640, "falcon_h1": 384, "llama": 256}
+VOCAB = 2048
+
+
+def shared_prefix_prompts(chunk: int, seed: int = 0) -> list[list[int]]:
+    """Two documents of 3 chunks and a few tokens, each followed by two short questions.
+
+    The recomputed tail after the last chunk boundary stays short (5 and 33 tokens), so the
+    loaded Mamba/GDN state decides the output.
+    """
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(2):
+        doc = [rng.randrange(3, VOCAB) for _ in range(3 * chunk + 4)]
+        for n in (1, 29):
+            prompts.append(doc + [rng.randrange(3, VOCAB) for _ in range(n)])
+    return prompts
+
+
+def connector(disk: Path, with_cpu: bool) -> dict[str, Any]:
+    backends: list[dict[str, Any]] = [
+        {"type": "disk", "name": "disk", "path": str(disk), "capacity_bytes": "1GiB", "load_weight": 0.5}
+    ]
+    if with_cpu:
+        backends.insert(0, {"type": "cpu", "name": "cpu", "capacity_bytes": "256MiB"})
+    return {"backends": backends}
+
+
+def tokens(result: dict[str, Any], index: int) -> list[list[int]]:
+    return [r["tokens"] for r in result["passes"][index]["requests"]]
+
+
+def hit_rate(result: dict[str, Any], index: int, backend: str) -> float:
+    sched = result["passes"][index]["scheduler"]
+    loaded = sched["backends"].get(backend, {}).get("loaded_tokens", 0)
+    return loaded / sched["aligned_prompt_tokens"]
+
+
+@pytest.mark.parametrize(
+    ("arch", "async_a"),
+    [("qwen3_next", True), ("qwen3_next", False), ("falcon_h1", True), ("llama", False)],
+)
+def test_cpu_then_disk_after_restart(arch: str, async_a: bool, model_dir, tmp_path: Path) -> None:
+    model = model_dir(arch)
+    prompts = shared_prefix_prompts(CHUNK_TOKENS[arch])
+    base = {"model": str(model), "prompts": prompts, "max_tokens": 12, "reset_prefix_cache": "request"}
+    baseline = run_session_subprocess({**base, "connector": None, "passes": 1})
+    expected = tokens(baseline, 0)
+
+    disk = tmp_path / "disk"
+    engine_a = run_session_subprocess(
+        {**base, "connector": connector(disk, True), "passes": 2, "llm_kwargs": {"async_scheduling": async_a}}
+    )
+    assert f"chunk_tokens={CHUNK_TOKENS[arch]}" in engine_a["log"]
+    assert tokens(engine_a, 0) == expected
+    assert tokens(engine_a, 1) == expected
+    assert hit_rate(engine_a, 1, "cpu") >= 0.99
+
+    engine_b = run_session_subprocess(
+        {
+            **base,
+            "connector": connector(disk, False),
+            "passes": 1,
+            "llm_kwargs": {"async_scheduling": not async_a},
+        }
+    )
+    assert tokens(engine_b, 0) == expected
+    assert hit_rate(engine_b, 0, "disk") >= 0.99
+    worker = engine_b["passes"][0]["worker_total"]
+    assert worker["bad_pages"] == 0 and worker["missing_pages"] == 0
+
+
+ZEROING_CHILD = """
+import sys
+import hybrid_offload.kv_layout as kv_layout
+def zero_scatter(self, block_ids, src):
+    for layer in self.layers:
+        for b in block_ids:
+            layer[b].zero_()
+kv_layout.MambaGroupLayout.scatter = zero_scatter
+from hybrid_offload.session import main
+main(sys.argv[1:])
+"""
+
+
+def test_wrong_mamba_state_changes_output(model_dir, tmp_path: Path) -> None:
+    """Negative control: the e2e comparison is sensitive to the Mamba/GDN state we restore.
+
+    A child engine loads the same pages but writes zeros instead of the recurrent state; its
+    output must differ from the baseline, or the identical-output tests above prove nothing.
+    """
+    model = model_dir("qwen3_next")
+    prompts = shared_prefix_prompts(CHUNK_TOKENS["qwen3_next"])
+    base = {"model": str(model), "prompts": prompts, "max_tokens": 12, "reset_prefix_cache": "request"}
+    baseline = run_session_subprocess({**base, "connector": None, "passes": 1})
+    spec = {**base, "connector": connector(tmp_path / "disk", True), "passes": 2}
+    spec_path, out_path = tmp_path / "spec.json", tmp_path / "out.json"
+    spec_path.write_text(json.dumps(spec))
+    subprocess.run(
+        [sys.executable, "-c", ZEROING_CHILD, str(spec_path), str(out_path)],
+        env={**os.environ, **ENGINE_ENV},
+        check=True,
+        capture_output=True,
+        timeout=900,
+    )
+    result = json.loads(out_path.read_text())
+    assert hit_rate(result, 1, "cpu") >= 0.99
+    assert tokens(result, 1) != tokens(baseline, 0)

@@ -1,0 +1,204 @@
+"""kv_connector_extra_config parsing: the happy path and one clear error per bad input."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+from hybrid_offload.backends.base import BackendConfig
+
+from hybrid_offload.config import (
+    DEFAULT_CAPACITY_BYTES,
+    DEFAULT_MAX_PENDING_STORE_BYTES,
+    ConfigError,
+    OffloadConfig,
+    parse_offload_config,
+    parse_size,
+)
+
+ROOT = "kv_connector_extra_config"
+
+
+def good() -> dict[str, Any]:
+    return {
+        "chunk_tokens": 256,
+        "backends": [
+            {"type": "cpu", "capacity_bytes": "1GiB"},
+            {"type": "disk", "name": "ssd", "path": "/var/cache/kv", "capacity_bytes": "10 GiB",
+             "load_weight": 0.5, "io_threads": 8},
+        ],
+    }
+
+
+def test_happy_path() -> None:
+    cfg = parse_offload_config(good())
+    assert isinstance(cfg, OffloadConfig)
+    assert cfg.chunk_tokens == 256
+    assert cfg.max_pending_store_bytes == DEFAULT_MAX_PENDING_STORE_BYTES
+    cpu, disk = cfg.backends
+    assert cpu == BackendConfig(type="cpu", name="cpu0", capacity_bytes=1 << 30, load_weight=1.0,
+                                options={})
+    assert disk.type == "disk" and disk.name == "ssd"
+    assert disk.capacity_bytes == 10 << 30
+    assert disk.load_weight == 0.5 and isinstance(disk.load_weight, float)
+    assert disk.options == {"path": "/var/cache/kv", "fsync": False, "io_threads": 8}
+
+
+def test_defaults() -> None:
+    cfg = parse_offload_config({"backends": [{"type": "cpu"}, {"type": "cpu"}]})
+    assert cfg.chunk_tokens is None  # the planner picks it from the model
+    assert [b.name for b in cfg.backends] == ["cpu0", "cpu1"]
+    assert all(b.capacity_bytes == DEFAULT_CAPACITY_BYTES for b in cfg.backends)
+    assert all(b.load_weight == 1.0 for b in cfg.backends)
+    assert cfg.max_pending_store_bytes == DEFAULT_MAX_PENDING_STORE_BYTES
+    disk = parse_offload_config({"backends": [{"type": "disk", "path": "/x"}]}).backends[0]
+    assert disk.name == "disk0" and disk.options == {"path": "/x", "fsync": False, "io_threads": 4}
+    cfg = parse_offload_config({"backends": [{"type": "cpu"}], "chunk_tokens": None,
+                                "max_pending_store_bytes": "64MiB"})
+    assert cfg.chunk_tokens is None and cfg.max_pending_store_bytes == 64 << 20
+
+
+def test_input_is_not_mutated() -> None:
+    raw = good()
+    before = copy.deepcopy(raw)
+    parse_offload_config(raw)
+    assert raw == before
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (4096, 4096),
+        ("4096", 4096),
+        ("1GiB", 1 << 30),
+        ("1gib", 1 << 30),
+        ("1 GiB", 1 << 30),
+        (" 512MiB ", 512 << 20),
+        ("1.5GiB", 3 << 29),
+        ("2KiB", 2048),
+        ("1TiB", 1 << 40),
+        ("2GB", 2 * 10**9),
+        ("3MB", 3 * 10**6),
+        ("7KB", 7000),
+        ("100B", 100),
+    ],
+)
+def test_sizes(value: object, expected: int) -> None:
+    assert parse_size(value, "k") == expected
+    cfg = parse_offload_config({"backends": [{"type": "cpu", "capacity_bytes": value}]})
+    assert cfg.backends[0].capacity_bytes == expected
+
+
+def _with(path: str, value: object) -> dict[str, Any]:
+    """good() with one backend key set (``backends[i].key``) or a top-level key."""
+    raw = good()
+    if path.startswith("backends["):
+        index, key = int(path[9]), path.split(".", 1)[1]
+        raw["backends"][index][key] = value
+    else:
+        raw[path] = value
+    return raw
+
+
+def _without(index: int, key: str) -> dict[str, Any]:
+    raw = good()
+    del raw["backends"][index][key]
+    return raw
+
+
+BAD: dict[str, tuple[dict[str, Any] | None, str, tuple[str, ...]]] = {
+    # id: (extra config, key path the message must contain, other words it must contain)
+    "unknown-top-level-key": (_with("chunk_size", 256), ROOT, ("'chunk_size'", "backends")),
+    "none": (None, f"{ROOT}.backends", ()),
+    "missing-backends": ({"chunk_tokens": 256}, f"{ROOT}.backends", ()),
+    "empty-backends": ({"backends": []}, f"{ROOT}.backends", ("non-empty",)),
+    "backends-not-a-list": ({"backends": {"type": "cpu"}}, f"{ROOT}.backends", ()),
+    "backend-not-a-mapping": ({"backends": [{"type": "cpu"}, "disk"]}, f"{ROOT}.backends[1]",
+                              ("'disk'",)),
+    "backend-none": ({"backends": [None]}, f"{ROOT}.backends[0]", ()),
+    "missing-type": (_without(1, "type"), f"{ROOT}.backends[1].type", ("missing",)),
+    "type-not-a-string": (_with("backends[0].type", 3), f"{ROOT}.backends[0].type", ()),
+    "unknown-type": (_with("backends[1].type", "tape"), f"{ROOT}.backends[1].type",
+                     ("'tape'", "cpu", "disk")),
+    "load-weight-zero": (_with("backends[1].load_weight", 0), f"{ROOT}.backends[1].load_weight",
+                         ("0",)),
+    "load-weight-negative": (_with("backends[1].load_weight", -1.5),
+                             f"{ROOT}.backends[1].load_weight", ("-1.5",)),
+    "load-weight-bool": (_with("backends[1].load_weight", True),
+                         f"{ROOT}.backends[1].load_weight", ("True",)),
+    "load-weight-string": (_with("backends[0].load_weight", "1"),
+                           f"{ROOT}.backends[0].load_weight", ("'1'",)),
+    "load-weight-nan": (_with("backends[0].load_weight", float("nan")),
+                        f"{ROOT}.backends[0].load_weight", ()),
+    "load-weight-none": (_with("backends[0].load_weight", None),
+                         f"{ROOT}.backends[0].load_weight", ()),
+    "capacity-negative": (_with("backends[1].capacity_bytes", -1),
+                          f"{ROOT}.backends[1].capacity_bytes", ("-1",)),
+    "capacity-zero": (_with("backends[0].capacity_bytes", 0),
+                      f"{ROOT}.backends[0].capacity_bytes", ("positive",)),
+    "capacity-zero-string": (_with("backends[0].capacity_bytes", "0GiB"),
+                             f"{ROOT}.backends[0].capacity_bytes", ()),
+    "capacity-negative-string": (_with("backends[0].capacity_bytes", "-1GiB"),
+                                 f"{ROOT}.backends[0].capacity_bytes", ("'-1GiB'",)),
+    "capacity-garbage": (_with("backends[1].capacity_bytes", "lots"),
+                         f"{ROOT}.backends[1].capacity_bytes", ("'lots'", "1GiB")),
+    "capacity-bad-unit": (_with("backends[1].capacity_bytes", "10 GiBs"),
+                          f"{ROOT}.backends[1].capacity_bytes", ()),
+    "capacity-float": (_with("backends[1].capacity_bytes", 1.5e9),
+                       f"{ROOT}.backends[1].capacity_bytes", ()),
+    "capacity-bool": (_with("backends[1].capacity_bytes", True),
+                      f"{ROOT}.backends[1].capacity_bytes", ()),
+    "capacity-rounds-to-zero": (_with("backends[1].capacity_bytes", "0.1B"),
+                                f"{ROOT}.backends[1].capacity_bytes", ()),
+    "unknown-option": (_with("backends[1].pathh", "/x"), f"{ROOT}.backends[1]",
+                       ("'pathh'", "path")),
+    "cpu-has-no-options": (_with("backends[0].path", "/x"), f"{ROOT}.backends[0]", ("'path'",)),
+    "disk-without-path": (_without(1, "path"), f"{ROOT}.backends[1]", ("'path'", "required")),
+    "disk-empty-path": (_with("backends[1].path", ""), f"{ROOT}.backends[1]", ("'path'",)),
+    "disk-bad-io-threads": (_with("backends[1].io_threads", 0), f"{ROOT}.backends[1]",
+                            ("io_threads",)),
+    "empty-name": (_with("backends[1].name", ""), f"{ROOT}.backends[1].name", ()),
+    "name-not-a-string": (_with("backends[1].name", 7), f"{ROOT}.backends[1].name", ()),
+    "chunk-zero": (_with("chunk_tokens", 0), f"{ROOT}.chunk_tokens", ("0",)),
+    "chunk-negative": (_with("chunk_tokens", -256), f"{ROOT}.chunk_tokens", ("-256",)),
+    "chunk-float": (_with("chunk_tokens", 256.0), f"{ROOT}.chunk_tokens", ("256.0",)),
+    "chunk-bool": (_with("chunk_tokens", True), f"{ROOT}.chunk_tokens", ("True",)),
+    "chunk-string": (_with("chunk_tokens", "256"), f"{ROOT}.chunk_tokens", ("'256'",)),
+    "duplicate-names": ({"backends": [{"type": "cpu", "name": "a"},
+                                      {"type": "disk", "name": "a", "path": "/x"}]},
+                        f"{ROOT}.backends", ("duplicate", "'a'")),
+    "duplicate-default-names": ({"backends": [{"type": "cpu", "name": "cpu1"}, {"type": "cpu"}]},
+                                f"{ROOT}.backends", ("duplicate", "cpu1")),
+    "pending-zero": (_with("max_pending_store_bytes", 0), f"{ROOT}.max_pending_store_bytes", ()),
+    "pending-garbage": (_with("max_pending_store_bytes", "x"),
+                        f"{ROOT}.max_pending_store_bytes", ()),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_config_names_the_key(case: str) -> None:
+    extra, key_path, words = BAD[case]
+    with pytest.raises(ConfigError) as info:
+        parse_offload_config(extra)
+    message = str(info.value)
+    assert key_path in message, message
+    for word in words:
+        assert word in message, (word, message)
+    assert isinstance(info.value, ValueError)
+
+
+def test_backend_index_is_the_failing_one() -> None:
+    """An error in backend 2 names backends[2], not another index."""
+    raw = {"backends": [{"type": "cpu"}, {"type": "cpu"}, {"type": "cpu", "load_weight": -1}]}
+    with pytest.raises(ConfigError) as info:
+        parse_offload_config(raw)
+    message = str(info.value)
+    assert f"{ROOT}.backends[2].load_weight" in message
+    assert "backends[0]" not in message and "backends[1]" not in message
+
+
+def test_errors_chain_the_backend_error() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_offload_config(_with("backends[1].type", "tape"))
+    assert info.value.__cause__ is not None

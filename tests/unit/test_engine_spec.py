@@ -1,0 +1,346 @@
+"""Translation of real vLLM KV cache specs into GroupSpec/ModelSpec, and the fingerprint.
+
+Importing vLLM takes several seconds, so it happens once, in the module-scoped ``vllm_kv``
+fixture, and only tests that need real vLLM objects use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from hybrid_offload import FORMAT_VERSION, engine_spec
+from hybrid_offload.engine_spec import (
+    DTYPE_SIZES,
+    GroupKind,
+    GroupSpec,
+    ModelSpec,
+    TensorSpec,
+    _group_from_vllm,
+    compute_fingerprint,
+    make_model_spec,
+    model_spec_from_vllm,
+)
+
+MODEL = {"name": "tiiuae/Falcon-H1-0.5B", "revision": "main", "architectures": ["FalconH1"],
+         "hf_config": "0123", "dtype": "bfloat16", "kv_cache_dtype": "auto"}
+FALCON_SHAPES = ((3, 288), (4, 64, 16))
+
+
+@pytest.fixture(scope="module")
+def vllm_kv() -> SimpleNamespace:
+    """torch plus vLLM's kv_cache_interface, imported once for this module."""
+    torch = pytest.importorskip("torch")
+    kv = pytest.importorskip("vllm.v1.kv_cache_interface")
+    return SimpleNamespace(torch=torch, kv=kv)
+
+
+def attn_layers(n: int, start: int = 0) -> list[str]:
+    return [f"model.layers.{i}.self_attn.attn" for i in range(start, start + n)]
+
+
+def mamba_layers(n: int, start: int = 0) -> list[str]:
+    return [f"model.layers.{i}.mamba" for i in range(start, start + n)]
+
+
+def fa_spec(v: SimpleNamespace, block: int = 16, dtype: str = "bfloat16", **kw: Any) -> Any:
+    kw.setdefault("num_kv_heads", 2)
+    kw.setdefault("head_size", 64)
+    return v.kv.FullAttentionSpec(block_size=block, dtype=getattr(v.torch, dtype), **kw)
+
+
+def mamba_spec(v: SimpleNamespace, block: int = 128, padded: int | None = 65536,
+               shapes: tuple = FALCON_SHAPES, dtypes: tuple = ("bfloat16", "float32"),
+               **kw: Any) -> Any:
+    kw.setdefault("mamba_cache_mode", "align")
+    return v.kv.MambaSpec(block_size=block, shapes=shapes,
+                          dtypes=tuple(getattr(v.torch, d) for d in dtypes),
+                          page_size_padded=padded, **kw)
+
+
+def translate(v: SimpleNamespace, index: int, spec: Any, layers: list[str]) -> GroupSpec:
+    return _group_from_vllm(index, v.kv.KVCacheGroupSpec(layer_names=layers, kv_cache_spec=spec))
+
+
+def hybrid_groups(v: SimpleNamespace, attn_block: int = 16, mamba_block: int = 128,
+                  padded: int | None = 65536) -> tuple[GroupSpec, ...]:
+    return (
+        translate(v, 0, mamba_spec(v, mamba_block, padded), mamba_layers(4)),
+        translate(v, 1, fa_spec(v, attn_block), attn_layers(2, 4)),
+    )
+
+
+# ---- translation -----------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("block", [16, 128])
+def test_full_attention(vllm_kv: SimpleNamespace, dtype: str, block: int) -> None:
+    spec = fa_spec(vllm_kv, block, dtype)
+    g = translate(vllm_kv, 3, spec, attn_layers(3))
+    assert g.index == 3 and g.kind is GroupKind.FULL_ATTENTION and g.is_attention
+    assert g.block_size == block
+    assert g.layer_names == tuple(attn_layers(3))
+    assert g.dtype == dtype
+    assert (g.num_kv_heads, g.head_size, g.head_size_v) == (2, 64, 64)
+    assert g.sliding_window is None and g.state_shapes == () and g.state_bytes == 0
+    assert g.page_bytes == spec.page_size_bytes == block * 2 * 2 * 64 * DTYPE_SIZES[dtype]
+    # the canonical page of one block holds exactly vLLM's bytes for every layer
+    assert g.token_bytes() * block == g.page_bytes
+    tensors = g.page_tensors(block)
+    assert sum(t.nbytes for t in tensors) == 3 * g.page_bytes
+    assert tensors[0] == TensorSpec("L0.k", (block, 2, 64), dtype)
+    assert tensors[1] == TensorSpec("L0.v", (block, 2, 64), dtype)
+
+
+def test_head_size_v(vllm_kv: SimpleNamespace) -> None:
+    spec = fa_spec(vllm_kv, 16, head_size=64, head_size_v=32, num_kv_heads=4)
+    g = translate(vllm_kv, 0, spec, attn_layers(1))
+    assert (g.num_kv_heads, g.head_size, g.head_size_v) == (4, 64, 32)
+    assert g.page_bytes == spec.page_size_bytes == 16 * 4 * (64 + 32) * 2
+    assert g.token_bytes() * 16 == g.page_bytes
+    assert [t.shape for t in g.page_tensors(16)] == [(16, 4, 64), (16, 4, 32)]
+
+
+def test_sliding_window(vllm_kv: SimpleNamespace) -> None:
+    spec = vllm_kv.kv.SlidingWindowSpec(block_size=32, num_kv_heads=1, head_size=128,
+                                        dtype=vllm_kv.torch.bfloat16, sliding_window=4096)
+    g = translate(vllm_kv, 2, spec, attn_layers(2))
+    assert g.kind is GroupKind.SLIDING_WINDOW and g.is_attention
+    assert g.sliding_window == 4096 and g.block_size == 32
+    assert g.page_bytes == spec.page_size_bytes == 32 * 1 * 2 * 128 * 2
+    assert g.layout_fields()["sliding_window"] == 4096
+
+
+def test_full_attention_with_window_field_stays_full(vllm_kv: SimpleNamespace) -> None:
+    # vLLM uses FullAttentionSpec(sliding_window=...) when it keeps every block of an SWA
+    # layer (hybrid allocator off): all chunks are stored, so it is full attention to us.
+    g = translate(vllm_kv, 0, fa_spec(vllm_kv, sliding_window=1024), attn_layers(1))
+    assert g.kind is GroupKind.FULL_ATTENTION and g.sliding_window is None
+
+
+def test_falcon_like_mamba(vllm_kv: SimpleNamespace) -> None:
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+    spec = mamba_spec(vllm_kv, block=256)
+    g = translate(vllm_kv, 0, spec, mamba_layers(4))
+    assert g.kind is GroupKind.MAMBA and not g.is_attention
+    assert g.block_size == 256
+    assert g.state_shapes == FALCON_SHAPES
+    assert all(isinstance(s, tuple) for s in g.state_shapes)
+    assert g.state_dtypes == ("bfloat16", "float32")
+    assert g.dtype == "bfloat16"
+    assert g.page_bytes == spec.page_size_bytes == 65536  # vLLM's padded page
+    assert g.state_bytes == 3 * 288 * 2 + 4 * 64 * 16 * 4 == 18112  # ours is unpadded
+    assert g.mamba_cache_mode == "align"
+    assert g.mamba_type == "MAMBA2"
+    assert g.conv_layout == get_conv_state_layout()
+    assert g.token_bytes() == 0 and g.num_kv_heads == 0
+    tensors = g.page_tensors(256)  # state pages do not depend on the token count
+    assert tensors == g.page_tensors(1)
+    assert [t.name for t in tensors[:3]] == ["L0.s0", "L0.s1", "L1.s0"]
+    assert sum(t.nbytes for t in tensors) == 4 * 18112
+    assert g.layout_fields()["state_shapes"] == [[3, 288], [4, 64, 16]]
+
+
+def test_gdn_mamba(vllm_kv: SimpleNamespace) -> None:
+    enum = type(vllm_kv.kv.MambaSpec.__dataclass_fields__["mamba_type"].default)
+    spec = mamba_spec(vllm_kv, block=640, padded=None, shapes=((3, 768), (2, 128, 128)),
+                      dtypes=("bfloat16", "bfloat16"), mamba_type=enum.GDN_ATTN)
+    g = translate(vllm_kv, 1, spec, ["model.layers.0.linear_attn"])
+    assert g.kind is GroupKind.MAMBA and g.mamba_type == "GDN_ATTN"
+    assert g.page_bytes == g.state_bytes == (3 * 768 + 2 * 128 * 128) * 2
+    assert g.layout_fields()["mamba_type"] == "GDN_ATTN"
+
+
+def test_mamba_none_mode_kept(vllm_kv: SimpleNamespace) -> None:
+    g = translate(vllm_kv, 0, mamba_spec(vllm_kv, mamba_cache_mode="none"), mamba_layers(1))
+    assert g.mamba_cache_mode == "none"
+
+
+def _unsupported_specs(v: SimpleNamespace) -> dict[str, Any]:
+    kv, bf16 = v.kv, v.torch.bfloat16
+    common = {"block_size": 16, "num_kv_heads": 1, "head_size": 64, "dtype": bf16}
+    return {
+        "CrossAttentionSpec": kv.CrossAttentionSpec(**common),
+        "ChunkedLocalAttentionSpec": kv.ChunkedLocalAttentionSpec(**common,
+                                                                  attention_chunk_size=64),
+        # subclasses of FullAttentionSpec with other page layouts or block lifetimes
+        "MLAAttentionSpec": kv.MLAAttentionSpec(**{**common, "head_size": 576}),
+        "SinkFullAttentionSpec": kv.SinkFullAttentionSpec(**common),
+    }
+
+
+def test_unsupported_spec_types(vllm_kv: SimpleNamespace) -> None:
+    for name, spec in _unsupported_specs(vllm_kv).items():
+        assert type(spec).__name__ == name
+        with pytest.raises(ValueError, match=name) as info:
+            translate(vllm_kv, 5, spec, attn_layers(1))
+        assert "group 5" in str(info.value)
+
+
+def test_unsupported_dtype(vllm_kv: SimpleNamespace) -> None:
+    spec = fa_spec(vllm_kv, dtype="complex64")
+    with pytest.raises(ValueError, match="complex64"):
+        translate(vllm_kv, 0, spec, attn_layers(1))
+
+
+# ---- fingerprint -----------------------------------------------------------------------------
+def test_fingerprint_is_a_stable_digest() -> None:
+    a = compute_fingerprint({"b": [1, 2], "a": {"y": None, "x": "s"}})
+    b = compute_fingerprint({"a": {"x": "s", "y": None}, "b": [1, 2]})  # key order is irrelevant
+    assert a == b and len(a) == 32 and int(a, 16) >= 0
+    assert compute_fingerprint({"b": [2, 1], "a": {"x": "s", "y": None}}) != a
+    spec = make_model_spec((), MODEL)
+    assert isinstance(spec, ModelSpec) and spec.fingerprint_bytes == bytes.fromhex(spec.fingerprint)
+    assert spec.fingerprint_fields["format_version"] == FORMAT_VERSION
+
+
+def test_translated_fingerprint_is_stable(vllm_kv: SimpleNamespace) -> None:
+    first = make_model_spec(hybrid_groups(vllm_kv), MODEL)
+    again = make_model_spec(hybrid_groups(vllm_kv), dict(MODEL))
+    assert first.fingerprint == again.fingerprint
+    assert first == again
+
+
+_SUBPROCESS_FP = """
+import json, sys
+from hybrid_offload.engine_spec import GroupKind, GroupSpec, make_model_spec
+args = json.loads(sys.argv[1])
+groups = tuple(
+    GroupSpec(**{**g, "kind": GroupKind(g["kind"]), "layer_names": tuple(g["layer_names"]),
+                 "state_shapes": tuple(tuple(s) for s in g["state_shapes"]),
+                 "state_dtypes": tuple(g["state_dtypes"])})
+    for g in args["groups"]
+)
+print(make_model_spec(groups, args["model"], tp_size=2).fingerprint)
+"""
+
+
+def test_fingerprint_same_in_another_process(vllm_kv: SimpleNamespace) -> None:
+    groups = hybrid_groups(vllm_kv)
+    here = make_model_spec(groups, MODEL, tp_size=2).fingerprint
+    args = json.dumps({"groups": [dataclasses.asdict(g) for g in groups], "model": MODEL})
+    for seed in ("0", "4242"):
+        out = subprocess.run([sys.executable, "-c", _SUBPROCESS_FP, args],
+                             env={**os.environ, "PYTHONHASHSEED": seed},
+                             capture_output=True, text=True, timeout=60, check=False)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == here
+
+
+def test_fingerprint_ignores_block_size_and_padding(vllm_kv: SimpleNamespace) -> None:
+    base = make_model_spec(hybrid_groups(vllm_kv), MODEL).fingerprint
+    same = [
+        hybrid_groups(vllm_kv, attn_block=32),
+        hybrid_groups(vllm_kv, attn_block=128, mamba_block=256),
+        hybrid_groups(vllm_kv, padded=None),
+        hybrid_groups(vllm_kv, padded=1 << 20),
+    ]
+    for groups in same:
+        assert make_model_spec(groups, MODEL).fingerprint == base
+    # nor engine sizes and the TP rank (scheduler and workers share one namespace)
+    assert make_model_spec(hybrid_groups(vllm_kv), MODEL, max_model_len=4096, num_blocks=7,
+                           tp_rank=0).fingerprint == base
+
+
+def test_fingerprint_changes_with_what_pages_depend_on(vllm_kv: SimpleNamespace,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    v = vllm_kv
+    mamba, attn = hybrid_groups(v)
+    base = make_model_spec((mamba, attn), MODEL).fingerprint
+
+    def fp(groups: tuple[GroupSpec, ...] = (mamba, attn), model: dict = MODEL, **kw: int) -> str:
+        return make_model_spec(groups, model, **kw).fingerprint
+
+    variants = {
+        "model name": fp(model={**MODEL, "name": "other/model"}),
+        "revision": fp(model={**MODEL, "revision": "v2"}),
+        "hf config": fp(model={**MODEL, "hf_config": "4567"}),
+        "model dtype": fp(model={**MODEL, "dtype": "float16"}),
+        "kv cache dtype": fp(model={**MODEL, "kv_cache_dtype": "fp8"}),
+        "attention dtype": fp((mamba, translate(v, 1, fa_spec(v, dtype="float16"),
+                                                attn_layers(2, 4)))),
+        "kv heads": fp((mamba, translate(v, 1, fa_spec(v, num_kv_heads=4), attn_layers(2, 4)))),
+        "head size": fp((mamba, translate(v, 1, fa_spec(v, head_size=128), attn_layers(2, 4)))),
+        "attention layers": fp((mamba, translate(v, 1, fa_spec(v), attn_layers(3, 4)))),
+        "layer names": fp((mamba, translate(v, 1, fa_spec(v), attn_layers(2, 5)))),
+        "sliding window": fp((mamba, translate(
+            v, 1, v.kv.SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64,
+                                         dtype=v.torch.bfloat16, sliding_window=512),
+            attn_layers(2, 4)))),
+        "state dtype": fp((translate(v, 0, mamba_spec(v, dtypes=("bfloat16", "bfloat16")),
+                                     mamba_layers(4)), attn)),
+        "state shape": fp((translate(v, 0, mamba_spec(v, shapes=((3, 288), (4, 64, 32))),
+                                     mamba_layers(4)), attn)),
+        "group order": fp((attn, mamba)),
+        "extra group": fp((mamba, attn, attn)),
+        "fewer groups": fp((attn,)),
+        "tp size": fp(tp_size=2),
+    }
+    monkeypatch.setattr(engine_spec, "FORMAT_VERSION", FORMAT_VERSION + 1)
+    variants["format version"] = fp()
+    monkeypatch.undo()
+    assert fp() == base
+    for what, digest in variants.items():
+        assert digest != base, what
+    assert len(set(variants.values())) == len(variants)
+
+
+# ---- model_spec_from_vllm with a stand-in VllmConfig -----------------------------------------
+class _HFConfig:
+    def __init__(self, **fields: Any) -> None:
+        self._fields = fields
+        self.architectures = fields.get("architectures")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self._fields)
+
+
+def _vllm_config(v: SimpleNamespace, hf: dict[str, Any], tp: int = 1) -> SimpleNamespace:
+    return SimpleNamespace(
+        model_config=SimpleNamespace(model="/models/tiny", revision=None,
+                                     hf_config=_HFConfig(**hf), dtype=v.torch.bfloat16,
+                                     max_model_len=8192),
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+    )
+
+
+def test_model_spec_from_vllm(vllm_kv: SimpleNamespace) -> None:
+    v = vllm_kv
+    groups = [v.kv.KVCacheGroupSpec(layer_names=mamba_layers(2), kv_cache_spec=mamba_spec(v)),
+              v.kv.KVCacheGroupSpec(layer_names=attn_layers(1, 2), kv_cache_spec=fa_spec(v))]
+    kv_config = v.kv.KVCacheConfig(num_blocks=123, kv_cache_tensors=[], kv_cache_groups=groups)
+    hf = {"architectures": ["FalconH1ForCausalLM"], "hidden_size": 256,
+          "_name_or_path": "/a/b", "transformers_version": "4.57.0"}
+    spec = model_spec_from_vllm(_vllm_config(v, hf), kv_config)
+    assert [g.kind for g in spec.groups] == [GroupKind.MAMBA, GroupKind.FULL_ATTENTION]
+    assert [g.index for g in spec.groups] == [0, 1]
+    assert (spec.max_model_len, spec.num_blocks, spec.tp_rank, spec.tp_size) == (8192, 123, 0, 1)
+    model = spec.fingerprint_fields["model"]
+    assert model["architectures"] == ["FalconH1ForCausalLM"]
+    assert model["dtype"] == "bfloat16" and model["kv_cache_dtype"] == "auto"
+    # where the model lives and which transformers wrote it do not matter; its config does
+    moved = {**hf, "_name_or_path": "/elsewhere", "transformers_version": "5.0.0"}
+    assert model_spec_from_vllm(_vllm_config(v, moved), kv_config).fingerprint == spec.fingerprint
+    changed = {**hf, "hidden_size": 512}
+    assert model_spec_from_vllm(_vllm_config(v, changed), kv_config).fingerprint != spec.fingerprint
+
+
+def test_model_spec_from_vllm_tensor_parallel(vllm_kv: SimpleNamespace) -> None:
+    """The scheduler process has no TP group: rank 0, but the TP size is in the fingerprint."""
+    v = vllm_kv
+    groups = [v.kv.KVCacheGroupSpec(layer_names=attn_layers(1), kv_cache_spec=fa_spec(v))]
+    kv_config = v.kv.KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+    hf = {"architectures": ["LlamaForCausalLM"]}
+    tp1 = model_spec_from_vllm(_vllm_config(v, hf, tp=1), kv_config)
+    tp2 = model_spec_from_vllm(_vllm_config(v, hf, tp=2), kv_config)
+    assert (tp2.tp_rank, tp2.tp_size) == (0, 2)
+    assert tp2.fingerprint != tp1.fingerprint
+    assert tp2.fingerprint_fields["tp_size"] == 2
