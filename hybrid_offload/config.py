@@ -7,6 +7,7 @@ anything is stored or loaded.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -80,8 +81,8 @@ def _parse_backend(raw: Any, index: int) -> BackendConfig:
     except BackendConfigError as exc:
         raise ConfigError(f"{key}.type: {exc}") from exc
     weight = raw.get("load_weight", 1.0)
-    if isinstance(weight, bool) or not isinstance(weight, int | float) or not weight > 0:
-        raise ConfigError(f"{key}.load_weight: must be a number > 0, got {weight!r}")
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight < math.inf:
+        raise ConfigError(f"{key}.load_weight: must be a finite number > 0, got {weight!r}")
     name = raw.get("name", f"{type_name}{index}")
     if not isinstance(name, str) or not name:
         raise ConfigError(f"{key}.name: expected a non-empty string, got {name!r}")

@@ -80,6 +80,7 @@ class RequestState:
     load_end: int = 0
     load_pending: bool = False
     loading: bool = False
+    load_failed: bool = False
     store_from_chunk: int | None = None
     next_store_chunk: int = 0
     known_present: dict[str, set[str]] = field(default_factory=dict)
@@ -119,7 +120,7 @@ class OffloadScheduler:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens loadable beyond ``num_computed_tokens`` from the best backend; loads are async."""
         state = self._request_state(request)
-        if state is None or state.loading:
+        if state is None or state.loading or state.load_failed:
             return 0, False
         best_name, best_tokens, best_score = None, 0, 0.0
         for view in self.views:
@@ -289,7 +290,8 @@ class OffloadScheduler:
                 self.stats.counters.failed_loads += len(failed_recving)
             for req_id in failed_recving:
                 state = self._requests.get(req_id)
-                if state is not None:
+                if state is not None:  # recompute from scratch, store good pages again
+                    state.load_failed = True
                     state.store_from_chunk = None
                     state.known_present.clear()
 

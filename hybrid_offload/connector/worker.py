@@ -218,7 +218,8 @@ class OffloadWorker:
                 _, payload = decode_page(memoryview(buf)[:size], codec.header(page))
             except PageFormatError as exc:
                 self._count("bad_pages")
-                logger.warning("bad page %s from %s: %s (treated as a miss)", page.key, job.backend, exc)
+                logger.warning("bad page %s from %s: %s (a miss; deleted)", page.key, job.backend, exc)
+                self._delete_quietly(backend, page.key)
                 return False
             decoded.append((page, codec, payload))
         for page, codec, payload in decoded:
@@ -278,6 +279,13 @@ class OffloadWorker:
         return None if meta.is_empty() else meta
 
     # ---- helpers ----------------------------------------------------------------------
+    def _delete_quietly(self, backend: Backend, key: str) -> None:
+        """Remove a page that failed verification, so that a later store rewrites it."""
+        try:
+            backend.delete_batch([key])
+        except BackendError as exc:
+            self._backend_error(backend.name, "delete", exc)
+
     def _count(self, field_name: str) -> None:
         with self.stats.lock:
             setattr(self.stats.counters, field_name, getattr(self.stats.counters, field_name) + 1)

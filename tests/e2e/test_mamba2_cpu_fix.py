@@ -9,14 +9,38 @@ shared prefix) must equal the output with prefix caching off.
 from __future__ import annotations
 
 import random
+from pathlib import Path
+from typing import Any
 
 import pytest
-from vllm_runner import run_engine
+
+from hybrid_offload.session import run_session_subprocess
 
 MAMBA2_ARCHS = ("falcon_h1", "nemotron_h", "granite_hybrid", "zamba2")
 # Tiny models: Mamba block 384 tokens (falcon_h1, nemotron_h, granite_hybrid), 128 (zamba2).
 # enforce_eager: the bug is in the kernel path, not compilation, and eager saves ~20 s a run.
 ENGINE_KWARGS = {"enforce_eager": True, "max_model_len": 2048}
+
+
+def run_engine(model: Path, prompts: list[list[int]], max_tokens: int, **llm_kwargs: Any) -> dict[str, Any]:
+    """One engine, prompts sent one at a time without resetting vLLM's prefix cache, so later
+    prompts hit the prefix cache (and Mamba state) of earlier ones."""
+    spec = {
+        "model": str(model),
+        "prompts": prompts,
+        "max_tokens": max_tokens,
+        "connector": None,
+        "passes": 1,
+        "reset_prefix_cache": "never",
+        "llm_kwargs": llm_kwargs,
+    }
+    result = run_session_subprocess(spec)
+    requests = result["passes"][0]["requests"]
+    return {
+        "tokens": [r["tokens"] for r in requests],
+        "cached": [r["cached_tokens"] for r in requests],
+        "log": result["log"],
+    }
 
 
 def _prompts() -> list[list[int]]:
@@ -32,17 +56,14 @@ def _prompts() -> list[list[int]]:
 def test_prefix_caching_matches_no_caching(arch: str, model_dir) -> None:
     directory = model_dir(arch)
     prompts = _prompts()
-    # sequential: later prompts hit the prefix cache (and Mamba state) of earlier ones.
-    cached = run_engine(directory, prompts, 8, sequential=True, **ENGINE_KWARGS)
-    plain = run_engine(
-        directory, prompts, 8, sequential=True, enable_prefix_caching=False, **ENGINE_KWARGS
-    )
-    assert "num_prefill_checkpoint_blocks 1 -> 0" in cached.log
-    assert "Mamba cache mode is set to 'align'" in cached.log
-    assert all(len(ids) == 8 for ids in cached.token_ids)
-    assert cached.token_ids == plain.token_ids
-    assert max(cached.cached_tokens) > 0 and max(plain.cached_tokens) == 0
-    assert len({tuple(ids) for ids in cached.token_ids}) > 1  # output depends on the prompt
+    cached = run_engine(directory, prompts, 8, **ENGINE_KWARGS)
+    plain = run_engine(directory, prompts, 8, enable_prefix_caching=False, **ENGINE_KWARGS)
+    assert "num_prefill_checkpoint_blocks 1 -> 0" in cached["log"]
+    assert "Mamba cache mode is set to 'align'" in cached["log"]
+    assert all(len(ids) == 8 for ids in cached["tokens"])
+    assert cached["tokens"] == plain["tokens"]
+    assert max(cached["cached"]) > 0 and max(plain["cached"]) == 0
+    assert len({tuple(ids) for ids in cached["tokens"]}) > 1  # output depends on the prompt
 
 
 @pytest.mark.e2e

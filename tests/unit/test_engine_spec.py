@@ -344,3 +344,22 @@ def test_model_spec_from_vllm_tensor_parallel(vllm_kv: SimpleNamespace) -> None:
     assert (tp2.tp_rank, tp2.tp_size) == (0, 2)
     assert tp2.fingerprint != tp1.fingerprint
     assert tp2.fingerprint_fields["tp_size"] == 2
+
+
+def test_ds_conv_layout_rejected(vllm_kv: SimpleNamespace,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pages store conv states in vLLM's default SD layout; DS engines must not share them."""
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+    get_conv_state_layout.cache_clear()  # vLLM caches the layout per process
+    try:
+        if get_conv_state_layout() != "DS":
+            pytest.skip("this vLLM does not read VLLM_SSM_CONV_STATE_LAYOUT at call time")
+        with pytest.raises(ValueError, match="DS"):
+            translate(vllm_kv, 0, mamba_spec(vllm_kv), mamba_layers(1))
+        translate(vllm_kv, 1, fa_spec(vllm_kv), attn_layers(1))  # attention does not care
+    finally:
+        monkeypatch.undo()
+        get_conv_state_layout.cache_clear()
+    assert get_conv_state_layout() == "SD"

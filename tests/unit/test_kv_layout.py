@@ -1,0 +1,163 @@
+"""kv_layout against vLLM's real CPU cache-write op: canonical order whatever the kernel layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybrid_offload import kv_layout
+from hybrid_offload.engine_spec import GroupKind, GroupSpec
+
+HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 2, 64, 128, 6
+
+
+def attention_group(block_size: int = BLOCK) -> GroupSpec:
+    return GroupSpec(
+        index=0,
+        kind=GroupKind.FULL_ATTENTION,
+        block_size=block_size,
+        layer_names=("l0", "l1"),
+        page_bytes=0,
+        num_kv_heads=HEADS,
+        head_size=HEAD_DIM,
+        head_size_v=HEAD_DIM,
+    )
+
+
+def write_tokens(
+    cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, isa: str
+) -> None:
+    from vllm import _custom_ops as ops
+
+    nb, heads, block, _ = cache.shape
+    key_cache, value_cache = cache.view(nb, heads, block * 2, HEAD_DIM).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+
+
+@pytest.fixture(params=["amx", "vec"])
+def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    import vllm.v1.attention.backends.cpu_attn as cpu_attn
+
+    if request.param == "amx" and not torch.cpu._is_amx_tile_supported():
+        pytest.skip("no AMX on this CPU")
+    monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *a, **k: request.param)
+    return request.param
+
+
+def test_gather_returns_tokens_in_canonical_order(isa: str) -> None:
+    torch.manual_seed(0)
+    caches = {
+        n: torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM, dtype=torch.bfloat16) for n in ("l0", "l1")
+    }
+    table = [4, 1, 5]  # a request's block table
+    tokens = 3 * BLOCK
+    slots = torch.tensor([table[t // BLOCK] * BLOCK + t % BLOCK for t in range(tokens)])
+    keys = {n: torch.randn(tokens, HEADS, HEAD_DIM).to(torch.bfloat16) for n in caches}
+    values = {n: torch.randn(tokens, HEADS, HEAD_DIM).to(torch.bfloat16) for n in caches}
+    for n, cache in caches.items():
+        write_tokens(cache, keys[n], values[n], slots, isa)
+
+    layout = kv_layout.build_layouts((attention_group(),), caches, NUM_BLOCKS)[0]
+    assert isinstance(layout, kv_layout.AttentionGroupLayout)
+    first, count = 100, 200  # crosses a block boundary, starts mid-block
+    index = layout.element_index(table, first, count)
+    out = [torch.empty(2, count, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in caches]
+    layout.gather(index, out)
+    for n, got in zip(caches, out, strict=True):
+        assert torch.equal(got[0], keys[n][first : first + count])
+        assert torch.equal(got[1], values[n][first : first + count])
+
+
+def test_scatter_then_gather_round_trips_and_touches_nothing_else(isa: str) -> None:
+    torch.manual_seed(1)
+    caches = {n: torch.randn(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM).to(torch.bfloat16) for n in ("l0", "l1")}
+    before = {n: c.clone() for n, c in caches.items()}
+    layout = kv_layout.build_layouts((attention_group(),), caches, NUM_BLOCKS)[0]
+    table = [2, 3]
+    index = layout.element_index(table, 0, 2 * BLOCK)
+    data = [torch.randn(2, 2 * BLOCK, HEADS, HEAD_DIM).to(torch.bfloat16) for _ in caches]
+    layout.scatter(index, data)
+    out = [torch.empty_like(d) for d in data]
+    layout.gather(index, out)
+    for d, o in zip(data, out, strict=True):
+        assert torch.equal(d, o)
+    for n, cache in caches.items():
+        untouched = [b for b in range(NUM_BLOCKS) if b not in table]
+        assert torch.equal(cache[untouched], before[n][untouched])
+
+
+def test_pages_identical_across_kernel_layouts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same K/V written by two kernels with different block layouts gathers identically."""
+    import vllm.v1.attention.backends.cpu_attn as cpu_attn
+
+    if not torch.cpu._is_amx_tile_supported():
+        pytest.skip("no AMX on this CPU: only one layout to compare")
+    torch.manual_seed(2)
+    key = torch.randn(BLOCK, HEADS, HEAD_DIM).to(torch.bfloat16)
+    value = torch.randn(BLOCK, HEADS, HEAD_DIM).to(torch.bfloat16)
+    gathered, raw = [], []
+    for isa in ("amx", "vec"):
+        monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *a, _isa=isa, **k: _isa)
+        cache = torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM, dtype=torch.bfloat16)
+        write_tokens(cache, key, value, torch.arange(BLOCK) + 3 * BLOCK, isa)
+        group = GroupSpec(
+            0,
+            GroupKind.FULL_ATTENTION,
+            BLOCK,
+            ("l0",),
+            0,
+            num_kv_heads=HEADS,
+            head_size=HEAD_DIM,
+            head_size_v=HEAD_DIM,
+        )
+        layout = kv_layout.build_layouts((group,), {"l0": cache}, NUM_BLOCKS)[0]
+        out = torch.empty(2, BLOCK, HEADS, HEAD_DIM, dtype=torch.bfloat16)
+        layout.gather(layout.element_index([3], 0, BLOCK), [out])
+        gathered.append(out)
+        raw.append(cache[3].clone())
+    assert not torch.equal(raw[0], raw[1]), "kernels should lay the block out differently"
+    assert torch.equal(gathered[0], gathered[1])
+
+
+def test_manager_block_spanning_several_kernel_blocks() -> None:
+    """A 256-token manager block over 128-token kernel blocks (kernel block ids 2b, 2b+1)."""
+    caches = {
+        n: torch.zeros(2 * NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM, dtype=torch.bfloat16) for n in ("l0", "l1")
+    }
+    layout = kv_layout.build_layouts((attention_group(2 * BLOCK),), caches, NUM_BLOCKS)[0]
+    assert isinstance(layout, kv_layout.AttentionGroupLayout)
+    assert layout.kernel_blocks_per_block == 2
+    data = [torch.randn(2, 2 * BLOCK, HEADS, HEAD_DIM).to(torch.bfloat16) for _ in caches]
+    layout.scatter(layout.element_index([1], 0, 2 * BLOCK), data)
+    assert caches["l0"][[2, 3]].abs().sum() > 0
+    assert caches["l0"][[0, 1, 4, 5]].abs().sum() == 0
+
+
+def test_mamba_views_address_unpadded_state_in_place() -> None:
+    group = GroupSpec(
+        1,
+        GroupKind.MAMBA,
+        BLOCK,
+        ("m0",),
+        4096,
+        state_shapes=((3, 8), (4, 4)),
+        state_dtypes=("bfloat16", "float32"),
+        mamba_cache_mode="align",
+    )
+    storage = torch.zeros(NUM_BLOCKS * 4096, dtype=torch.int8)
+    page_view = storage.as_strided((NUM_BLOCKS, 1, 1, group.state_bytes), (4096, 1, 1, 1))
+    layout = kv_layout.build_layouts((group,), {"m0": page_view}, NUM_BLOCKS)[1]
+    assert isinstance(layout, kv_layout.MambaGroupLayout)
+    state = torch.arange(group.state_bytes, dtype=torch.int64).remainder(251).to(torch.uint8)
+    layout.scatter([2, 5], [state])
+    assert torch.equal(storage.view(torch.uint8)[2 * 4096 : 2 * 4096 + group.state_bytes], state)
+    assert storage.view(torch.uint8)[2 * 4096 + group.state_bytes : 3 * 4096].sum() == 0
+    out = torch.empty(group.state_bytes, dtype=torch.uint8)
+    layout.gather(5, [out])
+    assert torch.equal(out, state)
+
+
+def test_unknown_attention_shape_is_refused() -> None:
+    bad = {"l0": torch.zeros(NUM_BLOCKS, 3, BLOCK, HEAD_DIM, dtype=torch.bfloat16), "l1": torch.zeros(1)}
+    with pytest.raises(kv_layout.LayoutError, match="not a known layout"):
+        kv_layout.build_layouts((attention_group(),), bad, NUM_BLOCKS)
