@@ -125,6 +125,19 @@ class GroupSpec:
                     tensors.append(TensorSpec(f"L{layer}.s{i}", shape, dtype))
         return tuple(tensors)
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GroupSpec:
+        """Inverse of ``dataclasses.asdict`` after a JSON round trip (lists back to tuples)."""
+        return cls(
+            **{
+                **data,
+                "kind": GroupKind(data["kind"]),
+                "layer_names": tuple(data["layer_names"]),
+                "state_shapes": tuple(tuple(s) for s in data.get("state_shapes", ())),
+                "state_dtypes": tuple(data.get("state_dtypes", ())),
+            }
+        )
+
     def layout_fields(self) -> dict[str, Any]:
         """What must match for two engines to exchange this group's pages (no block size)."""
         return {
@@ -275,9 +288,7 @@ def _model_fields(vllm_config: VllmConfig) -> dict[str, Any]:
 
 def model_spec_from_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> ModelSpec:
     """Translate vLLM's configs into a ModelSpec (call once per connector)."""
-    groups = tuple(
-        _group_from_vllm(i, g) for i, g in enumerate(kv_cache_config.kv_cache_groups)
-    )
+    groups = tuple(_group_from_vllm(i, g) for i, g in enumerate(kv_cache_config.kv_cache_groups))
     parallel = vllm_config.parallel_config
     tp_size = parallel.tensor_parallel_size
     tp_rank = 0

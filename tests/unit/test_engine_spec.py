@@ -210,14 +210,9 @@ def test_translated_fingerprint_is_stable(vllm_kv: SimpleNamespace) -> None:
 
 _SUBPROCESS_FP = """
 import json, sys
-from hybrid_offload.engine_spec import GroupKind, GroupSpec, make_model_spec
+from hybrid_offload.engine_spec import GroupSpec, make_model_spec
 args = json.loads(sys.argv[1])
-groups = tuple(
-    GroupSpec(**{**g, "kind": GroupKind(g["kind"]), "layer_names": tuple(g["layer_names"]),
-                 "state_shapes": tuple(tuple(s) for s in g["state_shapes"]),
-                 "state_dtypes": tuple(g["state_dtypes"])})
-    for g in args["groups"]
-)
+groups = tuple(GroupSpec.from_dict(g) for g in args["groups"])
 print(make_model_spec(groups, args["model"], tp_size=2).fingerprint)
 """
 

@@ -212,12 +212,7 @@ import json, sys
 from hybrid_offload.engine_spec import GroupKind, GroupSpec, make_model_spec
 from hybrid_offload.planner import HybridOffloadPlanner
 args = json.loads(sys.argv[1])
-groups = tuple(
-    GroupSpec(**{**g, "kind": GroupKind(g["kind"]), "layer_names": tuple(g["layer_names"]),
-                 "state_shapes": tuple(tuple(s) for s in g["state_shapes"]),
-                 "state_dtypes": tuple(g["state_dtypes"])})
-    for g in args["groups"]
-)
+groups = tuple(GroupSpec.from_dict(g) for g in args["groups"])
 p = HybridOffloadPlanner(make_model_spec(groups, args["fields"], tp_size=2), 128)
 hashes = p.chunk_hashes(args["tokens"], b"salt")
 print(json.dumps({"fp": p.spec.fingerprint, "keys": p.group_keys(hashes, tp_rank=1)}))
