@@ -126,8 +126,8 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self.worker is not None
-        sending, recving, failed = self.worker.finished(finished_req_ids)
-        return KVConnectorTransferResults(sending, recving, failed)
+        recving, failed = self.worker.finished()
+        return KVConnectorTransferResults(set(), recving, failed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)

@@ -81,6 +81,7 @@ class RequestState:
     load_pending: bool = False
     loading: bool = False
     load_failed: bool = False
+    warned_disagreement: bool = False
     store_from_chunk: int | None = None
     next_store_chunk: int = 0
     known_present: dict[str, set[str]] = field(default_factory=dict)
@@ -96,7 +97,6 @@ class OffloadScheduler:
         self._weights = {c.name: c.load_weight for c in backends}
         self._requests: dict[str, RequestState] = {}
         self._loading: set[str] = set()
-        self._finished_while_loading: set[str] = set()
         self.stats = Locked(SchedulerCounters())
 
     # ---- lookup -----------------------------------------------------------------------
@@ -154,7 +154,8 @@ class OffloadScheduler:
             counters.hit_tokens += result.tokens
             if result.groups_disagree and result.tokens:
                 self.stats.counters.group_disagreements += 1
-        if result.groups_disagree and result.tokens:
+        if result.groups_disagree and result.tokens and not state.warned_disagreement:
+            state.warned_disagreement = True
             logger.warning(
                 "request %s: groups disagree on the loadable prefix in %s %s; loading %d tokens",
                 state.req_id,
@@ -296,7 +297,8 @@ class OffloadScheduler:
                     state.known_present.clear()
 
     def request_finished(self, request: Request) -> bool:
-        """Forget the request; True while a load into its blocks is still in flight."""
+        """Forget the request; True while a load into its blocks is still in flight (vLLM then
+        frees them when the worker reports that load finished)."""
         self._requests.pop(request.request_id, None)
         return request.request_id in self._loading
 

@@ -110,7 +110,6 @@ class OffloadWorker:
         self._store_thread.start()
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="hybrid-offload-load")
         self._loads: dict[str, Future] = {}
-        self._finished_unreported: set[str] = set()
         self._errors_logged: set[tuple[str, str]] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -241,14 +240,15 @@ class OffloadWorker:
         else:
             layout.scatter(list(page.block_ids), views)
 
-    def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
-        """(finished sending, finished receiving, failed receiving) since the last call.
+    def finished(self) -> tuple[set[str], set[str]]:
+        """(finished receiving, failed receiving) since the last call; failed ones are in both.
 
-        A request that finished while its load was in flight is also reported as finished
-        sending once the load is done, which releases the blocks vLLM held back for it.
+        Nothing is ever reported as finished sending: stores copy out synchronously, and when a
+        request finishes while its load is in flight, vLLM frees its blocks on the
+        finished-receiving report itself.
         """
-        self._finished_unreported |= finished_req_ids & set(self._loads)
-        recving, failed, sending = set(), set(), set()
+        recving: set[str] = set()
+        failed: set[str] = set()
         for req_id, future in list(self._loads.items()):
             if not future.done():
                 continue
@@ -261,10 +261,7 @@ class OffloadWorker:
                 logger.exception("hybrid-offload load of request %s failed", req_id)
             if not ok:
                 failed.add(req_id)
-            if req_id in self._finished_unreported:
-                self._finished_unreported.discard(req_id)
-                sending.add(req_id)
-        return sending, recving, failed
+        return recving, failed
 
     def worker_meta(self) -> OffloadWorkerMetadata | None:
         with self._lock:

@@ -1,0 +1,541 @@
+"""OffloadScheduler scenarios with fake vLLM requests/scheduler outputs and real backends.
+
+The fakes follow vLLM 0.32 (hybrid align mode): ``block_ids[group]`` is a request's block
+table per KV cache group, the Mamba state after N tokens lives at block index N/bs - 1 of the
+Mamba table, id 0 is the null block, and async loads go get_num_new_matched_tokens ->
+update_state_after_alloc -> build_connector_meta (LoadJob) -> update_connector_output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from hybrid_offload.backends import BackendConfig, create_backend
+from hybrid_offload.connector.metadata import (
+    LoadJob,
+    OffloadMetadata,
+    OffloadWorkerMetadata,
+    PageJob,
+    StoreJob,
+)
+from hybrid_offload.connector.scheduler import OffloadScheduler
+from hybrid_offload.engine_spec import GroupKind, GroupSpec, ModelSpec, make_model_spec
+from hybrid_offload.planner import HybridOffloadPlanner
+
+ATTN, MAMBA = 0, 1
+
+
+# ---- fakes and builders -------------------------------------------------------------------
+def make_spec(attn_block: int, mamba_block: int) -> ModelSpec:
+    attn = GroupSpec(
+        ATTN,
+        GroupKind.FULL_ATTENTION,
+        attn_block,
+        ("model.layers.0.attn",),
+        page_bytes=attn_block * 2 * 2 * 32 * 2,
+        num_kv_heads=2,
+        head_size=32,
+        head_size_v=32,
+    )
+    mamba = GroupSpec(
+        MAMBA,
+        GroupKind.MAMBA,
+        mamba_block,
+        ("model.layers.1.mixer",),
+        page_bytes=128,
+        state_shapes=((3, 8), (4, 4)),
+        state_dtypes=("bfloat16", "float32"),
+        mamba_cache_mode="align",
+        mamba_type="mamba2",
+    )
+    return make_model_spec((attn, mamba), {"name": "fake-hybrid"}, max_model_len=4096, num_blocks=64)
+
+
+@dataclass
+class FakeRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    mm_features: list[Any] | None = None
+    prompt_embeds: Any = None
+    lora_request: Any = None
+    cache_salt: str | None = None
+
+
+def prompt(n: int, offset: int = 0) -> list[int]:
+    return [1000 + offset + i for i in range(n)]
+
+
+def new_req(req_id: str, block_ids: tuple[list[int], ...], computed: int) -> SimpleNamespace:
+    return SimpleNamespace(req_id=req_id, block_ids=block_ids, num_computed_tokens=computed)
+
+
+def step(
+    new: list[SimpleNamespace] | None = None,
+    cached: list[tuple[str, tuple[list[int], ...] | None, int]] | None = None,
+    scheduled: dict[str, int] | None = None,
+    resumed: set[str] | None = None,
+) -> SimpleNamespace:
+    """A SchedulerOutput; ``cached`` holds (req_id, new_block_ids or None, num_computed_tokens)."""
+    cached = cached or []
+    return SimpleNamespace(
+        scheduled_new_reqs=new or [],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[c[0] for c in cached],
+            resumed_req_ids=resumed or set(),
+            new_block_ids=[c[1] for c in cached],
+            num_computed_tokens=[c[2] for c in cached],
+        ),
+        num_scheduled_tokens=scheduled or {},
+    )
+
+
+def cpu_config(name: str = "cpu", weight: float = 1.0) -> BackendConfig:
+    return BackendConfig("cpu", name, 1 << 30, load_weight=weight)
+
+
+def disk_config(tmp_path: Path, name: str = "disk", weight: float = 1.0) -> BackendConfig:
+    return BackendConfig("disk", name, 1 << 30, load_weight=weight, options={"path": str(tmp_path / name)})
+
+
+class World:
+    """A planner plus a scheduler; keys of prompts; ways to make backends hold pages."""
+
+    def __init__(self, spec: ModelSpec, chunk: int, backends: tuple[BackendConfig, ...]) -> None:
+        self.planner = HybridOffloadPlanner(spec, chunk)
+        self.sched = OffloadScheduler(self.planner, backends)
+        self.configs = {c.name: c for c in backends}
+        self._writers: dict[str, Any] = {}
+
+    def keys(self, tokens: list[int], scope: bytes = b"") -> list[list[str]]:
+        return self.planner.group_keys(self.planner.chunk_hashes(tokens, scope))
+
+    def chunk_keys(self, tokens: list[int], chunks: range, groups: tuple[int, ...] = (ATTN, MAMBA)) -> list[str]:
+        keys = self.keys(tokens)
+        return [keys[g][c] for g in groups for c in chunks]
+
+    def hold(self, name: str, keys: list[str]) -> None:
+        """Make backend ``name`` hold ``keys``: a worker report for cpu, real pages for disk."""
+        config = self.configs[name]
+        if config.type == "cpu":
+            self.sched.update_connector_output(OffloadWorkerMetadata(stored={name: keys}), None, None)
+        else:
+            if name not in self._writers:
+                self._writers[name] = create_backend(config)
+            assert all(self._writers[name].put_batch([(k, b"page") for k in keys]))
+
+    def close(self) -> None:
+        self.sched.shutdown()
+        for backend in self._writers.values():
+            backend.close()
+
+
+@pytest.fixture
+def worlds():
+    made: list[World] = []
+
+    def make(spec: ModelSpec, chunk: int, backends: tuple[BackendConfig, ...] = (cpu_config(),)) -> World:
+        made.append(World(spec, chunk, backends))
+        return made[-1]
+
+    yield make
+    for w in made:
+        w.close()
+
+
+def store_summary(meta: OffloadMetadata) -> list[tuple[int, int, tuple[int, ...], int]]:
+    """(group, chunk, block_ids, first_token) of every StoreJob, in emitted order."""
+    return [(s.page.group, s.page.chunk_index, s.page.block_ids, s.page.first_token) for s in meta.stores]
+
+
+def attn_page(w: World, tokens: list[int], c: int, blocks: tuple[int, ...], first: int = 0, skip: int = 0) -> PageJob:
+    hashes = w.planner.chunk_hashes(tokens)
+    return PageJob(w.planner.page_key(hashes[c], ATTN), ATTN, c, hashes[c], blocks, first, skip)
+
+
+def mamba_page(w: World, tokens: list[int], c: int, blocks: tuple[int, ...]) -> PageJob:
+    hashes = w.planner.chunk_hashes(tokens)
+    return PageJob(w.planner.page_key(hashes[c], MAMBA), MAMBA, c, hashes[c], blocks)
+
+
+def start_load(w: World, req: FakeRequest, computed: int, tables: tuple[list[int], ...]) -> LoadJob:
+    n, is_async = w.sched.get_num_new_matched_tokens(req, computed)
+    assert is_async and n > 0
+    w.sched.update_state_after_alloc(req, tables, n)
+    meta = w.sched.build_connector_meta(step())
+    assert len(meta.loads) == 1 and not meta.stores
+    return meta.loads[0]
+
+
+# ---- store planning -------------------------------------------------------------------------
+def test_stores_follow_chunk_completion_and_mamba_boundaries(worlds) -> None:
+    """Prompt of 3.5 chunks (28 tokens, chunk = block = 8): one chunk, then the rest, then decode."""
+    w = worlds(make_spec(8, 8), 8)
+    tokens = prompt(28)
+    req = FakeRequest("r1", tokens)
+    assert w.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    w.sched.update_state_after_alloc(req, ([10], [20]), 0)
+
+    meta = w.sched.build_connector_meta(step(new=[new_req("r1", ([10], [20]), 0)], scheduled={"r1": 8}))
+    assert not meta.loads
+    assert meta.stores == [
+        StoreJob(attn_page(w, tokens, 0, (10,)), ("cpu",)),
+        StoreJob(mamba_page(w, tokens, 0, (20,)), ("cpu",)),  # step ended on 8: state at index 0
+    ]
+
+    # 8 -> 28: chunks 1 and 2 complete; 28 is not a chunk boundary, so no Mamba state.
+    meta = w.sched.build_connector_meta(
+        step(cached=[("r1", ([11, 12, 13], [21, 22, 23]), 8)], scheduled={"r1": 20})
+    )
+    assert store_summary(meta) == [(ATTN, 1, (11,), 0), (ATTN, 2, (12,), 0)]
+
+    # decode: 28 -> 29 -> 32; 32 is a chunk boundary but beyond the prompt: nothing is stored.
+    for computed, n in ((28, 1), (29, 3), (32, 1), (33, 7)):
+        meta = w.sched.build_connector_meta(step(cached=[("r1", None, computed)], scheduled={"r1": n}))
+        assert meta.stores == [], computed
+
+
+def test_mamba_state_stored_at_every_step_that_ends_on_a_boundary(worlds) -> None:
+    w = worlds(make_spec(8, 8), 8)
+    tokens = prompt(28)
+    req = FakeRequest("r1", tokens)
+    w.sched.get_num_new_matched_tokens(req, 0)
+    attn, mamba = [10, 11, 12, 13], [20, 21, 22, 23]
+    summaries = [
+        store_summary(w.sched.build_connector_meta(step(new=[new_req("r1", ([10], [20]), 0)], scheduled={"r1": 8}))),
+        store_summary(
+            w.sched.build_connector_meta(step(cached=[("r1", ([11], [21]), 8)], scheduled={"r1": 8}))
+        ),
+        store_summary(
+            w.sched.build_connector_meta(step(cached=[("r1", ([12, 13], [22, 23]), 16)], scheduled={"r1": 12}))
+        ),
+    ]
+    assert summaries == [
+        [(ATTN, 0, (attn[0],), 0), (MAMBA, 0, (mamba[0],), 0)],
+        [(ATTN, 1, (attn[1],), 0), (MAMBA, 1, (mamba[1],), 0)],  # ends on 16 -> index 1
+        [(ATTN, 2, (attn[2],), 0)],  # ends on 28: no state
+    ]
+
+
+def test_prompt_ending_on_a_boundary_stores_its_last_state(worlds) -> None:
+    w = worlds(make_spec(8, 8), 8)
+    tokens = prompt(32)
+    w.sched.get_num_new_matched_tokens(FakeRequest("r1", tokens), 0)
+    tables = ([10, 11, 12, 13], [0, 0, 0, 23])  # align mode: earlier Mamba blocks may be null
+    meta = w.sched.build_connector_meta(step(new=[new_req("r1", tables, 0)], scheduled={"r1": 32}))
+    assert store_summary(meta) == [
+        (ATTN, 0, (10,), 0),
+        (ATTN, 1, (11,), 0),
+        (ATTN, 2, (12,), 0),
+        (ATTN, 3, (13,), 0),
+        (MAMBA, 3, (23,), 0),
+    ]
+
+
+def test_mamba_state_in_a_null_block_is_not_stored(worlds) -> None:
+    w = worlds(make_spec(8, 8), 8)
+    w.sched.get_num_new_matched_tokens(FakeRequest("r1", prompt(20)), 0)
+    meta = w.sched.build_connector_meta(step(new=[new_req("r1", ([10, 11], [21, 0]), 0)], scheduled={"r1": 16}))
+    assert store_summary(meta) == [(ATTN, 0, (10,), 0), (ATTN, 1, (11,), 0)]
+
+
+def test_split_blocks_chunk_smaller_than_block(worlds) -> None:
+    """chunk 4 < block 8: two chunks per attention block; Mamba states only every 8 tokens."""
+    w = worlds(make_spec(8, 8), 4)
+    tokens = prompt(22)
+    w.sched.get_num_new_matched_tokens(FakeRequest("r1", tokens), 0)
+    s1 = w.sched.build_connector_meta(step(new=[new_req("r1", ([10], [20]), 0)], scheduled={"r1": 4}))
+    s2 = w.sched.build_connector_meta(step(cached=[("r1", ([11], [21]), 4)], scheduled={"r1": 12}))
+    s3 = w.sched.build_connector_meta(step(cached=[("r1", ([12], [22]), 16)], scheduled={"r1": 6}))
+    assert store_summary(s1) == [(ATTN, 0, (10,), 0)]  # 4 is a chunk boundary, not a state boundary
+    assert store_summary(s2) == [
+        (ATTN, 1, (10,), 4),
+        (ATTN, 2, (11,), 0),
+        (ATTN, 3, (11,), 4),
+        (MAMBA, 3, (21,), 0),  # state after 16 tokens: block index 16 / 8 - 1 = 1
+    ]
+    assert store_summary(s3) == [(ATTN, 4, (12,), 0)]  # tokens 20..21 are not a full chunk
+
+
+def test_partial_local_hit_still_stores_the_partly_local_chunk(worlds) -> None:
+    """chunk 8 > attention block 4: vLLM's local hit of 4 tokens covers half of chunk 0."""
+    w = worlds(make_spec(4, 8), 8)
+    tokens = prompt(20)
+    req = FakeRequest("r1", tokens)
+    assert w.sched.get_num_new_matched_tokens(req, 4) == (0, False)
+    tables = ([30, 31, 32, 33], [40, 41])
+    meta = w.sched.build_connector_meta(step(new=[new_req("r1", tables, 4)], scheduled={"r1": 12}))
+    assert store_summary(meta) == [
+        (ATTN, 0, (30, 31), 0),  # the whole chunk, local half included
+        (ATTN, 1, (32, 33), 0),
+        (MAMBA, 1, (41,), 0),
+    ]
+
+
+def test_no_backends_plans_nothing(worlds) -> None:
+    w = worlds(make_spec(8, 8), 8, backends=())
+    req = FakeRequest("r1", prompt(24))
+    assert w.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    meta = w.sched.build_connector_meta(step(new=[new_req("r1", ([1, 2, 3], [4, 5, 6]), 0)], scheduled={"r1": 24}))
+    assert meta.stores == [] and meta.loads == []
+
+
+def test_store_targets_skip_backends_known_to_hold_the_page(worlds, tmp_path: Path) -> None:
+    w = worlds(make_spec(8, 8), 8, backends=(cpu_config(), disk_config(tmp_path)))
+    tokens = prompt(28)
+    w.hold("disk", w.chunk_keys(tokens, range(2), (ATTN,)))  # attention only: nothing loadable
+    req = FakeRequest("r1", tokens)
+    assert w.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    meta = w.sched.build_connector_meta(step(new=[new_req("r1", ([1, 2, 3], [4, 5, 6]), 0)], scheduled={"r1": 24}))
+    targets = {(s.page.group, s.page.chunk_index): s.backends for s in meta.stores}
+    assert targets == {
+        (ATTN, 0): ("cpu",),
+        (ATTN, 1): ("cpu",),
+        (ATTN, 2): ("cpu", "disk"),
+        (MAMBA, 2): ("cpu", "disk"),
+    }
+
+
+# ---- lookup and backend selection -----------------------------------------------------------
+def test_best_backend_by_weighted_matched_tokens(worlds, tmp_path: Path) -> None:
+    spec = make_spec(8, 8)
+    tokens = prompt(44)
+
+    def load_backend(cpu_weight: float, disk_weight: float) -> tuple[int, str]:
+        w = worlds(spec, 8, backends=(cpu_config(weight=cpu_weight), disk_config(tmp_path, weight=disk_weight)))
+        w.hold("cpu", w.chunk_keys(tokens, range(4)))  # N = 32
+        w.hold("disk", w.chunk_keys(tokens, range(2)))  # N = 16
+        req = FakeRequest(f"r-{cpu_weight}-{disk_weight}", tokens)
+        n, _ = w.sched.get_num_new_matched_tokens(req, 0)
+        job = start_load(w, FakeRequest(req.request_id + "b", tokens), 0, ([1] * 5, [2] * 5))
+        return n, job.backend
+
+    assert load_backend(1.0, 1.0) == (32, "cpu")
+    assert load_backend(1.0, 2.5) == (16, "disk")  # 16 x 2.5 = 40 > 32
+    assert load_backend(1.0, 2.0) == (32, "cpu")  # 16 x 2 = 32: tie -> the earlier backend
+
+
+def test_ties_go_to_the_earlier_backend(worlds, tmp_path: Path) -> None:
+    tokens = prompt(30)
+    for order in (("cpu", "disk"), ("disk", "cpu")):
+        configs = {"cpu": cpu_config(), "disk": disk_config(tmp_path / "-".join(order))}
+        w = worlds(make_spec(8, 8), 8, backends=tuple(configs[n] for n in order))
+        for name in order:
+            w.hold(name, w.chunk_keys(tokens, range(3)))
+        req = FakeRequest("r1", tokens)
+        assert start_load(w, req, 0, ([1] * 4, [2] * 4)).backend == order[0]
+
+
+def test_matched_tokens_stay_below_the_prompt_and_exclude_local_hits(worlds) -> None:
+    w = worlds(make_spec(8, 8), 8)
+    tokens = prompt(48)
+    w.hold("cpu", w.chunk_keys(tokens, range(6)))
+    cases = {32: 24, 33: 32, 40: 32, 41: 40, 48: 40}  # prompt length -> loadable N
+    for length, n in cases.items():
+        req = FakeRequest(f"len{length}", tokens[:length])
+        assert w.sched.get_num_new_matched_tokens(req, 0) == (n, True), length
+        assert n < length
+    # vLLM already holds 16 tokens (aligned) or 12 tokens (not aligned): count what is new.
+    assert w.sched.get_num_new_matched_tokens(FakeRequest("local16", tokens[:41]), 16) == (24, True)
+    assert w.sched.get_num_new_matched_tokens(FakeRequest("local12", tokens[:41]), 12) == (28, True)
+    assert w.sched.get_num_new_matched_tokens(FakeRequest("local40", tokens[:41]), 40) == (0, False)
+
+
+def test_mamba_state_is_required_at_the_boundary(worlds) -> None:
+    w = worlds(make_spec(8, 8), 8)
+    tokens = prompt(40)
+    w.hold("cpu", w.chunk_keys(tokens, range(4), (ATTN,)))
+    assert w.sched.get_num_new_matched_tokens(FakeRequest("a", tokens), 0) == (0, False)
+    w.hold("cpu", w.chunk_keys(tokens, range(1, 2), (MAMBA,)))
+    assert w.sched.get_num_new_matched_tokens(FakeRequest("b", tokens), 0) == (16, True)
+
+
+def test_cpu_backend_is_seen_only_through_the_mirror(worlds) -> None:
+    w = worlds(make_spec(8, 8), 8)
+    tokens = prompt(40)
+    keys = w.keys(tokens)
+    assert w.sched.get_num_new_matched_tokens(FakeRequest("a", tokens), 0) == (0, False)
+
+    # the scheduler never opens the cpu pool: only a worker report makes pages visible
+    assert w.sched.views[0].shared is False
+    w.hold("cpu", w.chunk_keys(tokens, range(4)))
+    assert w.sched.get_num_new_matched_tokens(FakeRequest("b", tokens), 0) == (32, True)
+
+    w.sched.update_connector_output(OffloadWorkerMetadata(evicted={"cpu": [keys[MAMBA][3]]}), None, None)
+    assert w.sched.get_num_new_matched_tokens(FakeRequest("c", tokens), 0) == (24, True)
+    w.sched.update_connector_output(OffloadWorkerMetadata(evicted={"cpu": [keys[ATTN][1]]}), None, None)
+    assert w.sched.get_num_new_matched_tokens(FakeRequest("d", tokens), 0) == (8, True)
+    # reports for other backend names do not touch this mirror; None / other objects are ignored
+    w.sched.update_connector_output(OffloadWorkerMetadata(stored={"other": [keys[ATTN][1]]}), None, None)
+    w.sched.update_connector_output(None, None, None)
+    assert w.sched.get_num_new_matched_tokens(FakeRequest("e", tokens), 0) == (8, True)
+
+
+def test_mirror_forgets_a_page_stored_and_evicted_within_one_report(worlds) -> None:
+    """The cpu pool may put and then evict a key between two reports; the mirror must not keep it
+    (a phantom page would send vLLM into a load that fails). cpu.py: a mirror may only forget a
+    page that is stored, never remember one that is not."""
+    w = worlds(make_spec(8, 8), 8)
+    tokens = prompt(40)
+    keys = w.keys(tokens)
+    stored = w.chunk_keys(tokens, range(4))
+    report = OffloadWorkerMetadata(stored={"cpu": stored}, evicted={"cpu": [keys[ATTN][0]]})
+    w.sched.update_connector_output(report, None, None)
+    assert w.sched.get_num_new_matched_tokens(FakeRequest("a", tokens), 0) == (0, False)
+
+
+def test_scope_separates_lora_and_cache_salt(worlds) -> None:
+    w = worlds(make_spec(8, 8), 8)
+    tokens = prompt(40)
+    w.hold("cpu", w.chunk_keys(tokens, range(4)))
+    assert w.sched.get_num_new_matched_tokens(FakeRequest("salted", tokens, cache_salt="s"), 0) == (0, False)
+    lora = SimpleNamespace(lora_name="adapter", lora_int_id=1)
+    assert w.sched.get_num_new_matched_tokens(FakeRequest("lora", tokens, lora_request=lora), 0) == (0, False)
+    assert w.sched.get_num_new_matched_tokens(FakeRequest("plain", tokens), 0) == (32, True)
+
+
+@pytest.mark.parametrize(
+    "extra", [{"mm_features": [object()]}, {"prompt_embeds": object()}], ids=["mm", "embeds"]
+)
+def test_multimodal_and_embedding_requests_are_ignored(worlds, extra: dict[str, Any]) -> None:
+    w = worlds(make_spec(8, 8), 8)
+    tokens = prompt(40)
+    w.hold("cpu", w.chunk_keys(tokens, range(4)))
+    req = FakeRequest("r1", tokens, **extra)
+    assert w.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    w.sched.update_state_after_alloc(req, ([1] * 5, [2] * 5), 0)
+    meta = w.sched.build_connector_meta(step(new=[new_req("r1", ([1] * 5, [2] * 5), 0)], scheduled={"r1": 40}))
+    assert meta.loads == [] and meta.stores == []
+    assert w.sched.request_finished(req) is False
+
+
+# ---- load jobs ------------------------------------------------------------------------------
+def test_load_job_pages_for_an_unaligned_start(worlds) -> None:
+    """chunk 8 > attention block 4, local hit 4 tokens: chunk 0 loads with skip_tokens 4."""
+    w = worlds(make_spec(4, 8), 8)
+    tokens = prompt(40)
+    w.hold("cpu", w.chunk_keys(tokens, range(4)))
+    req = FakeRequest("r1", tokens)
+    assert w.sched.get_num_new_matched_tokens(req, 4) == (28, True)
+    attn_table = [10, 11, 12, 13, 14, 15, 16, 17]
+    mamba_table = [0, 0, 0, 33, 0, 34]  # non-null blocks from index 32 / 8 - 1 = 3 on: 33, 34
+    w.sched.update_state_after_alloc(req, (attn_table, mamba_table), 28)
+    meta = w.sched.build_connector_meta(step())
+    assert meta.loads == [
+        LoadJob(
+            "r1",
+            "cpu",
+            (
+                attn_page(w, tokens, 0, (10, 11), 0, 4),
+                attn_page(w, tokens, 1, (12, 13)),
+                attn_page(w, tokens, 2, (14, 15)),
+                attn_page(w, tokens, 3, (16, 17)),
+                mamba_page(w, tokens, 3, (33, 34)),
+            ),
+        )
+    ]
+    assert w.sched.build_connector_meta(step()).loads == []  # one LoadJob per load
+
+
+def test_load_job_for_split_blocks_and_aligned_start(worlds) -> None:
+    """chunk 4 < block 8 with a local hit of 8 tokens: chunks 2..5, two per block."""
+    w = worlds(make_spec(8, 8), 4)
+    tokens = prompt(30)
+    w.hold("cpu", w.chunk_keys(tokens, range(7)))
+    req = FakeRequest("r1", tokens)
+    # 28 would be the last chunk boundary below 30, but Mamba states exist only every 8 tokens
+    assert w.sched.get_num_new_matched_tokens(req, 8) == (16, True)
+    job = start_load(w, req, 8, ([10, 11, 12, 13], [20, 21, 22, 23]))
+    assert job.pages == (
+        attn_page(w, tokens, 2, (11,), 0),
+        attn_page(w, tokens, 3, (11,), 4),
+        attn_page(w, tokens, 4, (12,), 0),
+        attn_page(w, tokens, 5, (12,), 4),
+        mamba_page(w, tokens, 5, (22, 23)),
+    )
+
+
+def test_stores_resume_after_the_loaded_prefix(worlds) -> None:
+    w = worlds(make_spec(8, 8), 8)
+    tokens = prompt(40)
+    w.hold("cpu", w.chunk_keys(tokens, range(4)))
+    req = FakeRequest("r1", tokens)
+    tables = ([10, 11, 12, 13, 14], [0, 0, 0, 23, 24])
+    start_load(w, req, 0, tables)
+    # while loading, vLLM does not schedule it; once finished_recving is seen it comes back as new
+    w.sched.update_connector_output(None, {"r1"}, None)
+    meta = w.sched.build_connector_meta(step(new=[new_req("r1", tables, 32)], scheduled={"r1": 8}))
+    assert store_summary(meta) == [(ATTN, 4, (14,), 0), (MAMBA, 4, (24,), 0)]
+
+
+def test_failed_load_is_not_retried_and_recompute_stores_from_chunk_zero(worlds) -> None:
+    w = worlds(make_spec(8, 8), 8)
+    tokens = prompt(40)
+    w.hold("cpu", w.chunk_keys(tokens, range(4)))
+    req = FakeRequest("r1", tokens)
+    tables = ([10, 11, 12, 13, 14], [20, 21, 22, 23, 24])
+    start_load(w, req, 0, tables)
+    w.sched.update_connector_output(None, {"r1"}, {"r1"})
+    assert w.sched.stats.snapshot()["failed_loads"] == 1
+    # vLLM resets num_computed_tokens to 0 and asks again: no second load of the same pages
+    assert w.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert w.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    w.sched.update_state_after_alloc(req, tables, 0)
+    meta = w.sched.build_connector_meta(step(new=[new_req("r1", tables, 0)], scheduled={"r1": 40}))
+    assert meta.loads == []
+    assert store_summary(meta) == [
+        (ATTN, 0, (10,), 0),
+        (ATTN, 1, (11,), 0),
+        (ATTN, 2, (12,), 0),
+        (ATTN, 3, (13,), 0),
+        (ATTN, 4, (14,), 0),
+        (MAMBA, 4, (24,), 0),
+    ]
+    assert all(s.backends == ("cpu",) for s in meta.stores)  # also the pages the mirror "had"
+
+
+def test_request_finished_holds_blocks_only_while_a_load_is_in_flight(worlds) -> None:
+    w = worlds(make_spec(8, 8), 8)
+    tokens = prompt(40)
+    w.hold("cpu", w.chunk_keys(tokens, range(4)))
+    tables = ([10, 11, 12, 13, 14], [20, 21, 22, 23, 24])
+
+    aborted = FakeRequest("aborted", tokens)
+    start_load(w, aborted, 0, tables)
+    assert w.sched.request_finished(aborted) is True  # load still writing into its blocks
+    w.sched.update_connector_output(None, {"aborted"}, None)  # state already gone: no error
+
+    done = FakeRequest("done", tokens)
+    start_load(w, done, 0, tables)
+    w.sched.update_connector_output(None, {"done"}, None)
+    assert w.sched.request_finished(done) is False
+
+    failed = FakeRequest("failed", tokens)
+    start_load(w, failed, 0, tables)
+    w.sched.update_connector_output(None, {"failed"}, {"failed"})
+    assert w.sched.request_finished(failed) is False
+
+    assert w.sched.request_finished(FakeRequest("never-loaded", tokens)) is False
+
+
+def test_alloc_without_external_tokens_plans_no_load(worlds) -> None:
+    w = worlds(make_spec(8, 8), 8)
+    tokens = prompt(40)
+    w.hold("cpu", w.chunk_keys(tokens, range(4)))
+    req = FakeRequest("r1", tokens)
+    assert w.sched.get_num_new_matched_tokens(req, 0) == (32, True)
+    w.sched.update_state_after_alloc(req, ([], []), 0)  # vLLM could not allocate: retried later
+    assert w.sched.build_connector_meta(step()).loads == []
+    assert w.sched.request_finished(req) is False
+
+
+def test_disk_lookup_sees_pages_written_by_another_process(worlds, tmp_path: Path) -> None:
+    w = worlds(make_spec(8, 8), 8, backends=(disk_config(tmp_path),))
+    tokens = prompt(40)
+    assert w.sched.get_num_new_matched_tokens(FakeRequest("a", tokens), 0) == (0, False)
+    w.hold("disk", w.chunk_keys(tokens, range(3)))  # a separate DiskBackend instance writes
+    assert w.sched.get_num_new_matched_tokens(FakeRequest("b", tokens), 0) == (24, True)
