@@ -58,8 +58,10 @@ class BackendView:
 
     def apply_report(self, stored: list[str], evicted: list[str]) -> None:
         if self._backend is None:
-            self._mirror.difference_update(evicted)
+            # Stored first, then evicted: a key put and evicted since the last report is gone.
+            # (A key evicted and put again is forgotten too: that costs a hit, never a bad load.)
             self._mirror.update(stored)
+            self._mirror.difference_update(evicted)
 
     def close(self) -> None:
         if self._backend is not None:

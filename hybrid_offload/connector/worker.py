@@ -153,6 +153,7 @@ class OffloadWorker:
         while True:
             item = self._store_queue.get()
             if item is _STOP:
+                self._store_queue.task_done()  # or a later flush() would wait for it forever
                 return
             batch, nbytes = item
             try:
@@ -294,9 +295,10 @@ class OffloadWorker:
             logger.warning("backend %s failed on %s (%s); continuing without it", name, op, exc)
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        self.flush(timeout)
-        self._store_queue.put(_STOP)
-        self._store_thread.join(timeout)
+        if self._store_thread.is_alive():  # idempotent: a second call must not wait on the queue
+            self.flush(timeout)
+            self._store_queue.put(_STOP)
+            self._store_thread.join(timeout)
         self._loader.shutdown(wait=True)
         for backend in self.backends.values():
             backend.close()

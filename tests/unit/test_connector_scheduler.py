@@ -14,8 +14,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-
 from hybrid_offload.backends import BackendConfig, create_backend
+
 from hybrid_offload.connector.metadata import (
     LoadJob,
     OffloadMetadata,
@@ -114,7 +114,9 @@ class World:
     def keys(self, tokens: list[int], scope: bytes = b"") -> list[list[str]]:
         return self.planner.group_keys(self.planner.chunk_hashes(tokens, scope))
 
-    def chunk_keys(self, tokens: list[int], chunks: range, groups: tuple[int, ...] = (ATTN, MAMBA)) -> list[str]:
+    def chunk_keys(
+        self, tokens: list[int], chunks: range, groups: tuple[int, ...] = (ATTN, MAMBA)
+    ) -> list[str]:
         keys = self.keys(tokens)
         return [keys[g][c] for g in groups for c in chunks]
 
@@ -152,7 +154,9 @@ def store_summary(meta: OffloadMetadata) -> list[tuple[int, int, tuple[int, ...]
     return [(s.page.group, s.page.chunk_index, s.page.block_ids, s.page.first_token) for s in meta.stores]
 
 
-def attn_page(w: World, tokens: list[int], c: int, blocks: tuple[int, ...], first: int = 0, skip: int = 0) -> PageJob:
+def attn_page(
+    w: World, tokens: list[int], c: int, blocks: tuple[int, ...], first: int = 0, skip: int = 0
+) -> PageJob:
     hashes = w.planner.chunk_hashes(tokens)
     return PageJob(w.planner.page_key(hashes[c], ATTN), ATTN, c, hashes[c], blocks, first, skip)
 
@@ -206,12 +210,16 @@ def test_mamba_state_stored_at_every_step_that_ends_on_a_boundary(worlds) -> Non
     w.sched.get_num_new_matched_tokens(req, 0)
     attn, mamba = [10, 11, 12, 13], [20, 21, 22, 23]
     summaries = [
-        store_summary(w.sched.build_connector_meta(step(new=[new_req("r1", ([10], [20]), 0)], scheduled={"r1": 8}))),
+        store_summary(
+            w.sched.build_connector_meta(step(new=[new_req("r1", ([10], [20]), 0)], scheduled={"r1": 8}))
+        ),
         store_summary(
             w.sched.build_connector_meta(step(cached=[("r1", ([11], [21]), 8)], scheduled={"r1": 8}))
         ),
         store_summary(
-            w.sched.build_connector_meta(step(cached=[("r1", ([12, 13], [22, 23]), 16)], scheduled={"r1": 12}))
+            w.sched.build_connector_meta(
+                step(cached=[("r1", ([12, 13], [22, 23]), 16)], scheduled={"r1": 12})
+            )
         ),
     ]
     assert summaries == [
@@ -239,7 +247,9 @@ def test_prompt_ending_on_a_boundary_stores_its_last_state(worlds) -> None:
 def test_mamba_state_in_a_null_block_is_not_stored(worlds) -> None:
     w = worlds(make_spec(8, 8), 8)
     w.sched.get_num_new_matched_tokens(FakeRequest("r1", prompt(20)), 0)
-    meta = w.sched.build_connector_meta(step(new=[new_req("r1", ([10, 11], [21, 0]), 0)], scheduled={"r1": 16}))
+    meta = w.sched.build_connector_meta(
+        step(new=[new_req("r1", ([10, 11], [21, 0]), 0)], scheduled={"r1": 16})
+    )
     assert store_summary(meta) == [(ATTN, 0, (10,), 0), (ATTN, 1, (11,), 0)]
 
 
@@ -280,7 +290,9 @@ def test_no_backends_plans_nothing(worlds) -> None:
     w = worlds(make_spec(8, 8), 8, backends=())
     req = FakeRequest("r1", prompt(24))
     assert w.sched.get_num_new_matched_tokens(req, 0) == (0, False)
-    meta = w.sched.build_connector_meta(step(new=[new_req("r1", ([1, 2, 3], [4, 5, 6]), 0)], scheduled={"r1": 24}))
+    meta = w.sched.build_connector_meta(
+        step(new=[new_req("r1", ([1, 2, 3], [4, 5, 6]), 0)], scheduled={"r1": 24})
+    )
     assert meta.stores == [] and meta.loads == []
 
 
@@ -290,7 +302,9 @@ def test_store_targets_skip_backends_known_to_hold_the_page(worlds, tmp_path: Pa
     w.hold("disk", w.chunk_keys(tokens, range(2), (ATTN,)))  # attention only: nothing loadable
     req = FakeRequest("r1", tokens)
     assert w.sched.get_num_new_matched_tokens(req, 0) == (0, False)
-    meta = w.sched.build_connector_meta(step(new=[new_req("r1", ([1, 2, 3], [4, 5, 6]), 0)], scheduled={"r1": 24}))
+    meta = w.sched.build_connector_meta(
+        step(new=[new_req("r1", ([1, 2, 3], [4, 5, 6]), 0)], scheduled={"r1": 24})
+    )
     targets = {(s.page.group, s.page.chunk_index): s.backends for s in meta.stores}
     assert targets == {
         (ATTN, 0): ("cpu",),
@@ -306,7 +320,9 @@ def test_best_backend_by_weighted_matched_tokens(worlds, tmp_path: Path) -> None
     tokens = prompt(44)
 
     def load_backend(cpu_weight: float, disk_weight: float) -> tuple[int, str]:
-        w = worlds(spec, 8, backends=(cpu_config(weight=cpu_weight), disk_config(tmp_path, weight=disk_weight)))
+        w = worlds(
+            spec, 8, backends=(cpu_config(weight=cpu_weight), disk_config(tmp_path, weight=disk_weight))
+        )
         w.hold("cpu", w.chunk_keys(tokens, range(4)))  # N = 32
         w.hold("disk", w.chunk_keys(tokens, range(2)))  # N = 16
         req = FakeRequest(f"r-{cpu_weight}-{disk_weight}", tokens)
@@ -408,7 +424,9 @@ def test_multimodal_and_embedding_requests_are_ignored(worlds, extra: dict[str, 
     req = FakeRequest("r1", tokens, **extra)
     assert w.sched.get_num_new_matched_tokens(req, 0) == (0, False)
     w.sched.update_state_after_alloc(req, ([1] * 5, [2] * 5), 0)
-    meta = w.sched.build_connector_meta(step(new=[new_req("r1", ([1] * 5, [2] * 5), 0)], scheduled={"r1": 40}))
+    meta = w.sched.build_connector_meta(
+        step(new=[new_req("r1", ([1] * 5, [2] * 5), 0)], scheduled={"r1": 40})
+    )
     assert meta.loads == [] and meta.stores == []
     assert w.sched.request_finished(req) is False
 

@@ -1,0 +1,612 @@
+"""OffloadWorker with real torch KV tensors and real backends, no vLLM engine.
+
+Attention layers are vLLM CPU attention tensors ``(num_blocks, kv_heads, block_size,
+2 * head_size)`` bf16, written through vLLM's own cache-write op so that the expected K/V per
+token is known independently of ``kv_layout``; Mamba layers are int8 page views
+``(num_blocks, 1, 1, state_bytes)`` with a block stride of the padded page size. All groups
+index their blocks by the same global block ids.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from hybrid_offload.backends import (
+    BackendClosedError,
+    BackendConfig,
+    BackendUnavailableError,
+    create_backend,
+    register_backend,
+)
+from hybrid_offload.backends.cpu import CpuBackend
+
+from hybrid_offload.connector.metadata import LoadJob, PageJob, StoreJob
+from hybrid_offload.connector.worker import OffloadWorker, PageCodec
+from hybrid_offload.engine_spec import GroupKind, GroupSpec, ModelSpec, make_model_spec
+from hybrid_offload.page_format import decode_page
+from hybrid_offload.planner import HybridOffloadPlanner
+
+ATTN, MAMBA = 0, 1
+HEADS, DIM, BS, NUM_BLOCKS = 2, 32, 8, 16
+ATTN_LAYERS = ("model.layers.0.attn", "model.layers.2.attn")
+MAMBA_LAYERS = ("model.layers.1.mixer", "model.layers.3.mixer")
+STATE_SHAPES, STATE_DTYPES = ((3, 8), (4, 4)), ("bfloat16", "float32")
+MAMBA_PAGE = 128  # padded page: 112 state bytes + 16 padding
+
+
+class UnavailableBackend(CpuBackend):
+    """A cpu pool whose medium can be switched off: every call then raises ``error``."""
+
+    type_name: ClassVar[str] = "test_unavailable"
+    error: Exception | None = None
+
+    def _maybe_fail(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def put_batch(self, items):  # type: ignore[no-untyped-def]
+        self._maybe_fail()
+        return super().put_batch(items)
+
+    def get_batch(self, keys):  # type: ignore[no-untyped-def]
+        self._maybe_fail()
+        return super().get_batch(keys)
+
+    def get_into(self, keys, buffers):  # type: ignore[no-untyped-def]
+        self._maybe_fail()
+        return super().get_into(keys, buffers)
+
+    def delete_batch(self, keys):  # type: ignore[no-untyped-def]
+        self._maybe_fail()
+        return super().delete_batch(keys)
+
+
+register_backend("test_unavailable", UnavailableBackend)
+
+
+def make_spec() -> ModelSpec:
+    attn = GroupSpec(
+        ATTN,
+        GroupKind.FULL_ATTENTION,
+        BS,
+        ATTN_LAYERS,
+        page_bytes=BS * HEADS * 2 * DIM * 2,
+        num_kv_heads=HEADS,
+        head_size=DIM,
+        head_size_v=DIM,
+    )
+    mamba = GroupSpec(
+        MAMBA,
+        GroupKind.MAMBA,
+        BS,
+        MAMBA_LAYERS,
+        page_bytes=MAMBA_PAGE,
+        state_shapes=STATE_SHAPES,
+        state_dtypes=STATE_DTYPES,
+        mamba_cache_mode="align",
+        mamba_type="mamba2",
+    )
+    return make_model_spec((attn, mamba), {"name": "fake-hybrid"}, max_model_len=1024, num_blocks=NUM_BLOCKS)
+
+
+class KVCache:
+    """The tensors vLLM would register, plus ways to write and read them independently."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.gen = torch.Generator().manual_seed(seed)
+        self.attn = {
+            n: torch.zeros(NUM_BLOCKS, HEADS, BS, 2 * DIM, dtype=torch.bfloat16) for n in ATTN_LAYERS
+        }
+        self.storage = {n: torch.zeros(NUM_BLOCKS * MAMBA_PAGE, dtype=torch.int8) for n in MAMBA_LAYERS}
+        self.state_bytes = make_spec().groups[MAMBA].state_bytes
+        views = {
+            n: s.as_strided((NUM_BLOCKS, 1, 1, self.state_bytes), (MAMBA_PAGE, 1, 1, 1))
+            for n, s in self.storage.items()
+        }
+        self.tensors: dict[str, torch.Tensor] = {**self.attn, **views}
+
+    def write_tokens(
+        self, table: list[int], first: int, count: int
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Write random K/V for tokens [first, first + count) of a request with block table
+        ``table`` through vLLM's cache-write op; return them per layer as (T, H, D)."""
+        from vllm import _custom_ops as ops
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = _get_attn_isa(torch.bfloat16, BS, DIM)
+        slots = torch.tensor([table[t // BS] * BS + t % BS for t in range(first, first + count)])
+        written = {}
+        for name, cache in self.attn.items():
+            k = torch.randn(count, HEADS, DIM, generator=self.gen).to(torch.bfloat16)
+            v = torch.randn(count, HEADS, DIM, generator=self.gen).to(torch.bfloat16)
+            key_cache, value_cache = cache.view(NUM_BLOCKS, HEADS, BS * 2, DIM).chunk(2, dim=2)
+            ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa)
+            written[name] = (k, v)
+        return written
+
+    def block_bytes(self, layer: str, block: int) -> torch.Tensor:
+        """The whole padded Mamba page of ``block`` (a view)."""
+        return self.storage[layer].view(torch.uint8)[block * MAMBA_PAGE : (block + 1) * MAMBA_PAGE]
+
+    def fill_states(self, blocks: list[int]) -> None:
+        """Random bytes in the whole padded page (padding included) of every Mamba layer."""
+        for layer in MAMBA_LAYERS:
+            for b in blocks:
+                self.block_bytes(layer, b).copy_(torch.randint(0, 256, (MAMBA_PAGE,), generator=self.gen))
+
+    def state(self, layer: str, block: int) -> bytes:
+        return self.block_bytes(layer, block)[: self.state_bytes].numpy().tobytes()
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        return {n: t.clone() for n, t in {**self.attn, **self.storage}.items()}
+
+
+class World:
+    """A worker over a KVCache, and PageJobs for one prompt built the way the scheduler does."""
+
+    def __init__(
+        self, backends: tuple[BackendConfig, ...], chunk: int = BS, max_pending: int = 1 << 30, seed: int = 0
+    ) -> None:
+        self.spec = make_spec()
+        self.planner = HybridOffloadPlanner(self.spec, chunk)
+        self.chunk = chunk
+        self.worker = OffloadWorker(self.spec, self.planner, backends, max_pending)
+        self.cache = KVCache(seed)
+        self.worker.register_kv_caches(self.cache.tensors)
+        self.tokens = [7 + 3 * i for i in range(64)]
+        self.hashes = self.planner.chunk_hashes(self.tokens)
+
+    def attn_page(self, c: int, table: list[int], skip: int = 0) -> PageJob:
+        first, last = c * self.chunk, (c + 1) * self.chunk - 1
+        key = self.planner.page_key(self.hashes[c], ATTN)
+        return PageJob(
+            key, ATTN, c, self.hashes[c], tuple(table[first // BS : last // BS + 1]), first % BS, skip
+        )
+
+    def mamba_page(self, c: int, blocks: tuple[int, ...]) -> PageJob:
+        return PageJob(self.planner.page_key(self.hashes[c], MAMBA), MAMBA, c, self.hashes[c], blocks)
+
+    def backend(self, name: str) -> Any:
+        return self.worker.backends[name]
+
+    def finish(self, req_id: str, timeout: float = 10.0) -> tuple[set[str], set[str]]:
+        """Poll ``finished()`` until ``req_id`` is reported; return everything reported."""
+        recving: set[str] = set()
+        failed: set[str] = set()
+        deadline = time.monotonic() + timeout
+        while req_id not in recving:
+            assert time.monotonic() < deadline, f"load of {req_id} did not finish"
+            r, f = self.worker.finished()
+            recving |= r
+            failed |= f
+            time.sleep(0.002)
+        return recving, failed
+
+    def counters(self) -> dict[str, Any]:
+        return self.worker.stats.snapshot()
+
+
+def cpu(name: str = "cpu", capacity: int = 1 << 30) -> BackendConfig:
+    return BackendConfig("cpu", name, capacity)
+
+
+def attn_page_len() -> int:
+    spec = make_spec()
+    return PageCodec(spec, spec.groups[ATTN], BS).page_len
+
+
+@pytest.fixture
+def world() -> Iterator[Callable[..., World]]:
+    made: list[World] = []
+
+    def make(*backends: BackendConfig, **kwargs: Any) -> World:
+        made.append(World(backends or (cpu(),), **kwargs))
+        return made[-1]
+
+    yield make
+    for w in made:
+        w.worker.shutdown(timeout=10)
+
+
+def gate(backend: Any, method: str) -> threading.Event:
+    """Make ``backend.<method>`` wait until the returned event is set."""
+    opened = threading.Event()
+    original = getattr(backend, method)
+
+    def gated(*args: Any, **kwargs: Any) -> Any:
+        assert opened.wait(10), "gate never opened"
+        return original(*args, **kwargs)
+
+    setattr(backend, method, gated)
+    return opened
+
+
+def expected_attn_payload(written: dict[str, tuple[torch.Tensor, torch.Tensor]], first: int, n: int) -> bytes:
+    """Canonical payload: per layer K [token][head][dim], then V."""
+    parts = []
+    for layer in ATTN_LAYERS:
+        k, v = written[layer]
+        parts.append(torch.stack([k[first : first + n], v[first : first + n]]).contiguous().view(torch.uint8))
+    return b"".join(p.numpy().tobytes() for p in parts)
+
+
+def read_tokens(w: World, table: list[int], first: int, n: int) -> list[torch.Tensor]:
+    """K/V of tokens [first, first + n) per layer as (2, T, H, D), read through the layout."""
+    layout = w.worker.layouts[ATTN]
+    out = [torch.empty(2, n, HEADS, DIM, dtype=torch.bfloat16) for _ in ATTN_LAYERS]
+    layout.gather(layout.element_index(table, first, n), out)  # type: ignore[union-attr]
+    return out
+
+
+def assert_only_blocks_changed(before: dict[str, torch.Tensor], w: World, allowed: set[int]) -> None:
+    for name, tensor in {**w.cache.attn, **w.cache.storage}.items():
+        for b in range(NUM_BLOCKS):
+            if b in allowed:
+                continue
+            if name in w.cache.attn:
+                same = torch.equal(tensor[b], before[name][b])
+            else:
+                same = torch.equal(
+                    tensor[b * MAMBA_PAGE : (b + 1) * MAMBA_PAGE],
+                    before[name][b * MAMBA_PAGE : (b + 1) * MAMBA_PAGE],
+                )
+            assert same, f"{name} block {b} was written"
+
+
+# ---- stores -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("chunk", [BS, BS // 2], ids=["chunk=block", "chunk=block/2"])
+def test_stored_pages_decode_to_the_blocks_contents_in_canonical_order(world, chunk: int) -> None:
+    w = world(chunk=chunk)
+    table, mamba_table = [3, 7, 5], [4, 9, 2]
+    written = w.cache.write_tokens(table, 0, 24)
+    w.cache.fill_states(mamba_table)
+    pages = [w.attn_page(c, table) for c in range(24 // chunk)]
+    pages += [
+        w.mamba_page(8 // chunk - 1, (mamba_table[0],)),
+        w.mamba_page(24 // chunk - 1, (mamba_table[2],)),
+    ]
+    expected_states = {
+        p.key: b"".join(w.cache.state(layer, p.block_ids[0]) for layer in MAMBA_LAYERS) for p in pages[-2:]
+    }
+
+    w.worker.copy_out([StoreJob(p, ("cpu",)) for p in pages])
+    for tensor in [*w.cache.attn.values(), *w.cache.storage.values()]:
+        tensor.zero_()  # the copy is taken in copy_out, not later on the store thread
+    w.worker.flush(10)
+
+    stored = w.backend("cpu").get_batch([p.key for p in pages])
+    for page, data in zip(pages, stored, strict=True):
+        assert data is not None, page
+        codec = w.worker.codecs[page.group]
+        header, payload = decode_page(data, codec.header(page))
+        assert (header.group_index, header.chunk_index, header.num_tokens) == (
+            page.group,
+            page.chunk_index,
+            chunk,
+        )
+        if page.group == ATTN:
+            assert bytes(payload) == expected_attn_payload(written, page.chunk_index * chunk, chunk)
+        else:
+            assert bytes(payload) == expected_states[page.key]
+    counters = w.counters()
+    assert counters["pages_copied_out"] == len(pages)
+    assert counters["backends"]["cpu"]["stored_pages"] == len(pages)
+    assert counters["stores_dropped"] == 0
+
+
+def test_copy_out_before_kv_caches_are_registered_is_a_no_op() -> None:
+    spec = make_spec()
+    planner = HybridOffloadPlanner(spec, BS)
+    worker = OffloadWorker(spec, planner, (cpu(),), 1 << 30)
+    try:
+        hashes = planner.chunk_hashes(list(range(8)))
+        page = PageJob(planner.page_key(hashes[0], ATTN), ATTN, 0, hashes[0], (1,))
+        worker.copy_out([StoreJob(page, ("cpu",))])
+        worker.flush(10)
+        assert worker.worker_meta() is None
+    finally:
+        worker.shutdown(10)
+
+
+# ---- loads --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("chunk", [BS, BS // 2], ids=["chunk=block", "chunk=block/2"])
+def test_load_round_trip_into_other_blocks(world, chunk: int) -> None:
+    w = world(chunk=chunk)
+    src, src_state = [3, 7, 5], 2
+    w.cache.write_tokens(src, 0, 24)
+    w.cache.fill_states([src_state])
+    k = 24 // chunk
+    w.worker.copy_out(
+        [StoreJob(w.attn_page(c, src), ("cpu",)) for c in range(k)]
+        + [StoreJob(w.mamba_page(k - 1, (src_state,)), ("cpu",))]
+    )
+    w.worker.flush(10)
+
+    dst, dst_states = [11, 6, 13], (12, 14, 15)
+    w.cache.fill_states(list(dst_states))  # stale contents, padding included
+    before = w.cache.snapshot()
+    job = LoadJob("req", "cpu", (*(w.attn_page(c, dst) for c in range(k)), w.mamba_page(k - 1, dst_states)))
+    w.worker.start_loads([job])
+    recving, failed = w.finish("req")
+    assert recving == {"req"} and failed == set()
+
+    for name, cache in w.cache.attn.items():
+        for s, d in zip(src, dst, strict=True):
+            assert torch.equal(cache[d], cache[s]), (name, d)
+    for layer in MAMBA_LAYERS:
+        for d in dst_states:
+            assert w.cache.state(layer, d) == w.cache.state(layer, src_state)
+            pad = w.cache.block_bytes(layer, d)[w.cache.state_bytes :]
+            assert torch.equal(
+                pad, before[layer].view(torch.uint8)[d * MAMBA_PAGE : (d + 1) * MAMBA_PAGE][-len(pad) :]
+            )
+    assert_only_blocks_changed(before, w, set(dst) | set(dst_states))
+    counters = w.counters()
+    assert counters["pages_loaded"] == k + 1
+    assert counters["missing_pages"] == counters["bad_pages"] == 0
+    assert w.worker.finished() == (set(), set())  # reported once
+
+
+def test_load_leaves_skipped_tokens_alone(world) -> None:
+    """skip_tokens: vLLM already holds the first tokens of the chunk (partial local hit)."""
+    w = world()
+    src, dst = [3, 7], [9, 10]
+    written = w.cache.write_tokens(src, 0, 16)
+    w.worker.copy_out([StoreJob(w.attn_page(c, src), ("cpu",)) for c in range(2)])
+    w.worker.flush(10)
+    local = w.cache.write_tokens(dst, 0, 3)  # what vLLM computed itself
+    job = LoadJob("req", "cpu", (w.attn_page(0, dst, skip=3), w.attn_page(1, dst)))
+    w.worker.start_loads([job])
+    assert w.finish("req")[1] == set()
+    for layer, got in zip(ATTN_LAYERS, read_tokens(w, dst, 0, 16), strict=True):
+        assert torch.equal(got[0, :3], local[layer][0]) and torch.equal(got[1, :3], local[layer][1])
+        assert torch.equal(got[0, 3:], written[layer][0][3:16]) and torch.equal(
+            got[1, 3:], written[layer][1][3:16]
+        )
+
+
+def stored_world(world, *backends: BackendConfig) -> tuple[World, list[PageJob], dict[str, torch.Tensor]]:
+    """Pages of 3 chunks stored from blocks [3, 7, 5] (+ state of block 2); a snapshot."""
+    w = world(*backends)
+    w.cache.write_tokens([3, 7, 5], 0, 24)
+    w.cache.fill_states([2])
+    names = tuple(b.name for b in backends) or ("cpu",)
+    pages = [w.attn_page(c, [3, 7, 5]) for c in range(3)] + [w.mamba_page(2, (2,))]
+    w.worker.copy_out([StoreJob(p, names) for p in pages])
+    w.worker.flush(10)
+    return w, pages, w.cache.snapshot()
+
+
+# Contract of a failed load (worker docstring; vLLM runs with kv_load_failure_policy=recompute):
+# the request is reported in finished_recving *and* failed_recving, never raises, and vLLM
+# recomputes it. The target blocks may have been written partially (the current implementation
+# verifies every page before scattering, but nothing relies on that): only blocks outside the job
+# are guaranteed untouched.
+def test_missing_page_fails_the_load(world) -> None:
+    w, _, before = stored_world(world)
+    dst = [11, 6, 13, 14]
+    job = LoadJob("req", "cpu", (*(w.attn_page(c, dst) for c in range(4)), w.mamba_page(3, (12,))))
+    w.worker.start_loads([job])
+    recving, failed = w.finish("req")
+    assert recving == failed == {"req"}
+    assert w.counters()["missing_pages"] == 1
+    assert_only_blocks_changed(before, w, {*dst, 12})
+
+
+@pytest.mark.parametrize("damage", ["payload-byte", "header-byte", "truncated", "other-page"])
+def test_corrupt_page_fails_the_load_and_is_deleted(world, damage: str) -> None:
+    w, pages, before = stored_world(world)
+    backend = w.backend("cpu")
+    victim = pages[1]
+    data = bytearray(backend.get_batch([victim.key])[0])
+    if damage == "payload-byte":
+        data[-1] ^= 0x40
+    elif damage == "header-byte":
+        data[40] ^= 0x01
+    elif damage == "truncated":
+        data = data[:-2]
+    else:  # a valid page, stored under the wrong key
+        data = bytearray(backend.get_batch([pages[0].key])[0])
+    assert backend.put_batch([(victim.key, bytes(data))]) == [True]
+    w.worker.worker_meta()  # drain the stores
+
+    dst = [11, 6, 13]
+    job = LoadJob("req", "cpu", (*(w.attn_page(c, dst) for c in range(3)), w.mamba_page(2, (12, 14))))
+    w.worker.start_loads([job])
+    recving, failed = w.finish("req")
+    assert recving == failed == {"req"}
+    assert w.counters()["bad_pages"] == 1
+    assert backend.contains_batch([p.key for p in pages]) == [True, False, True, True]
+    assert w.worker.worker_meta().evicted == {"cpu": [victim.key]}  # the scheduler's mirror forgets it
+    assert_only_blocks_changed(before, w, {*dst, 12, 14})
+
+
+def test_request_finished_during_its_load_is_reported_once_as_received(world) -> None:
+    """Only finished_recving: vLLM frees a finished request's blocks on that report itself, and a
+    second report as finished_sending would make vLLM free them twice."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import RequestStatus
+
+    from hybrid_offload.connector import HybridOffloadConnector
+
+    w, pages, _ = stored_world(world)
+    opened = gate(w.backend("cpu"), "get_into")
+    job = LoadJob(
+        "req", "cpu", tuple(replace(p, block_ids=(b,)) for p, b in zip(pages, (11, 6, 13, 12), strict=True))
+    )
+    w.worker.start_loads([job])
+    assert w.worker.finished() == (set(), set())  # in flight while vLLM finishes the request
+    facade = SimpleNamespace(worker=w.worker)
+    results = HybridOffloadConnector.get_transfer_results(facade, {"req"})  # type: ignore[arg-type]
+    assert (results.finished_sending, results.finished_recving) == (set(), set())
+    opened.set()
+    deadline = time.monotonic() + 10
+    while not results.finished_recving:
+        assert time.monotonic() < deadline
+        results = HybridOffloadConnector.get_transfer_results(facade, set())  # type: ignore[arg-type]
+        time.sleep(0.002)
+    assert results.finished_sending == set() and results.failed_recving == set()
+    assert results.finished_recving == {"req"}
+
+    # vLLM 0.32's scheduler frees the aborted request on finished_recving and asserts on a second free
+    freed: list[str] = []
+    request = SimpleNamespace(request_id="req", status=RequestStatus.FINISHED_ABORTED)
+    sched = SimpleNamespace(
+        connector=SimpleNamespace(update_connector_output=lambda output: None),
+        requests={"req": request},
+        finished_recving_kv_req_ids=set(),
+        _set_kv_fetch_stage=lambda *args: None,
+    )
+    sched._free_blocks = lambda r: (freed.append(r.request_id), sched.requests.pop(r.request_id))
+    Scheduler._update_from_kv_xfer_finished(sched, results)  # type: ignore[arg-type]
+    assert freed == ["req"]
+
+
+# ---- bounded store queue ---------------------------------------------------------------------------
+def test_stores_beyond_max_pending_bytes_are_dropped(world) -> None:
+    w = world(max_pending=1)
+    w.cache.write_tokens([3, 7, 5], 0, 24)
+    pages = [w.attn_page(c, [3, 7, 5]) for c in range(3)]
+    w.worker.copy_out([StoreJob(p, ("cpu",)) for p in pages])
+    w.worker.flush(10)
+    assert w.counters()["stores_dropped"] == 3
+    assert w.counters()["pages_copied_out"] == 0
+    assert w.worker.worker_meta() is None
+    assert w.backend("cpu").contains_batch([p.key for p in pages]) == [False] * 3
+
+
+def test_full_store_queue_drops_without_blocking(world) -> None:
+    page_len = attn_page_len()
+    w = world(max_pending=page_len + page_len // 2)
+    w.cache.write_tokens([3, 7, 5], 0, 24)
+    p0, p1, p2 = (w.attn_page(c, [3, 7, 5]) for c in range(3))
+    opened = gate(w.backend("cpu"), "put_batch")
+    start = time.monotonic()
+    w.worker.copy_out([StoreJob(p0, ("cpu",)), StoreJob(p1, ("cpu",))])  # p1 does not fit beside p0
+    w.worker.copy_out([StoreJob(p2, ("cpu",))])  # p0 still pending: dropped, not waited for
+    assert time.monotonic() - start < 2
+    assert w.counters()["stores_dropped"] == 2
+    opened.set()
+    w.worker.flush(10)
+    assert w.backend("cpu").contains_batch([p0.key, p1.key, p2.key]) == [True, False, False]
+    w.worker.copy_out([StoreJob(p2, ("cpu",))])  # room again
+    w.worker.flush(10)
+    assert w.backend("cpu").contains_batch([p2.key]) == [True]
+    assert w.counters()["stores_dropped"] == 2
+
+
+# ---- reports to the scheduler -------------------------------------------------------------------
+def test_worker_meta_reports_stores_once_and_cpu_evictions(world, tmp_path: Path) -> None:
+    page_len = attn_page_len()
+    disk = BackendConfig("disk", "disk", 1 << 30, options={"path": str(tmp_path / "disk")})
+    w = world(cpu(capacity=2 * page_len + 10), disk)
+    w.cache.write_tokens([3, 7, 5], 0, 24)
+    pages = [w.attn_page(c, [3, 7, 5]) for c in range(3)]
+    keys = [p.key for p in pages]
+    w.worker.copy_out([StoreJob(p, ("cpu", "disk")) for p in pages[:2]])
+    w.worker.copy_out([StoreJob(pages[2], ("cpu", "disk"))])
+    w.worker.flush(10)
+    meta = w.worker.worker_meta()
+    assert meta is not None
+    assert meta.stored == {"cpu": keys, "disk": keys}
+    assert meta.evicted == {"cpu": [keys[0]]}  # LRU; the disk backend's index is shared: no report
+    assert w.worker.worker_meta() is None
+
+
+# ---- broken backends ---------------------------------------------------------------------------
+def test_unavailable_backend_never_raises_into_the_caller(world) -> None:
+    flaky = BackendConfig("test_unavailable", "flaky", 1 << 30)
+    w, pages, _ = stored_world(world, cpu(), flaky)  # both hold every page
+    broken = w.backend("flaky")
+    broken.error = BackendUnavailableError("medium gone")
+
+    w.cache.write_tokens([3, 7, 5, 8], 24, 8)
+    more = w.attn_page(3, [3, 7, 5, 8])
+    w.worker.copy_out([StoreJob(more, ("cpu", "flaky"))])
+    w.worker.flush(10)
+    counters = w.counters()
+    assert counters["backends"]["flaky"]["store_failures"] == 1
+    assert counters["backends"]["cpu"]["stored_pages"] == len(pages) + 1
+    assert counters["backend_errors"] >= 1
+    meta = w.worker.worker_meta()
+    assert meta is not None and meta.stored == {
+        "cpu": [*(p.key for p in pages), more.key],
+        "flaky": [p.key for p in pages],
+    }
+
+    dst = [11, 6, 13]
+    pages_dst = (*(w.attn_page(c, dst) for c in range(3)), w.mamba_page(2, (12,)))
+    w.worker.start_loads([LoadJob("from-flaky", "flaky", pages_dst)])
+    assert w.finish("from-flaky") == ({"from-flaky"}, {"from-flaky"})
+    w.worker.start_loads([LoadJob("from-cpu", "cpu", pages_dst)])
+    assert w.finish("from-cpu") == ({"from-cpu"}, set())
+
+    # anything else a backend raises is survived too: the store thread and the loads go on
+    broken.error = RuntimeError("bug in a backend")
+    w.worker.copy_out([StoreJob(more, ("flaky",))])
+    w.worker.flush(10)
+    w.worker.start_loads([LoadJob("crash", "flaky", pages_dst)])
+    assert w.finish("crash") == ({"crash"}, {"crash"})
+    w.worker.copy_out([StoreJob(w.attn_page(0, [3]), ("cpu",))])
+    w.worker.flush(10)
+    assert w.counters()["backends"]["cpu"]["stored_pages"] == len(pages) + 2
+
+
+def test_unavailable_backend_while_deleting_a_corrupt_page(world) -> None:
+    flaky = BackendConfig("test_unavailable", "flaky", 1 << 30)
+    w, pages, _ = stored_world(world, flaky)
+    backend = w.backend("flaky")
+    data = bytearray(backend.get_batch([pages[0].key])[0])
+    data[-1] ^= 1
+    backend.put_batch([(pages[0].key, bytes(data))])
+
+    def delete_fails(keys: list[str]) -> int:
+        raise BackendUnavailableError("medium gone")
+
+    backend.delete_batch = delete_fails
+    w.worker.start_loads([LoadJob("req", "flaky", (pages[0],))])
+    assert w.finish("req") == ({"req"}, {"req"})
+    assert w.counters()["bad_pages"] == 1
+    assert w.counters()["backend_errors"] == 1
+
+
+# ---- shutdown ---------------------------------------------------------------------------------------
+def test_shutdown_flushes_pending_stores_and_closes_backends(world, tmp_path: Path) -> None:
+    disk = BackendConfig("disk", "disk", 1 << 30, options={"path": str(tmp_path / "disk")})
+    w = world(cpu(), disk)
+    w.cache.write_tokens([3, 7, 5], 0, 24)
+    pages = [w.attn_page(c, [3, 7, 5]) for c in range(3)]
+    slow_disk = w.backend("disk")
+    put = slow_disk.put_batch
+    slow_disk.put_batch = lambda items: (time.sleep(0.2), put(items))[1]
+    for p in pages:
+        w.worker.copy_out([StoreJob(p, ("cpu", "disk"))])
+    w.worker.shutdown(timeout=10)
+
+    assert w.counters()["backends"]["disk"]["stored_pages"] == 3
+    assert w.counters()["backends"]["cpu"]["stored_pages"] == 3
+    for name in ("cpu", "disk"):
+        with pytest.raises(BackendClosedError):
+            w.backend(name).contains_batch([pages[0].key])
+    reopened = create_backend(disk)
+    try:
+        assert reopened.contains_batch([p.key for p in pages]) == [True] * 3
+    finally:
+        reopened.close()
+
+
+def test_shutdown_is_idempotent_and_flush_after_it_returns(world) -> None:
+    w = world()
+    w.worker.shutdown(timeout=10)
+    start = time.monotonic()
+    w.worker.shutdown(timeout=5)  # vLLM may shut a connector down twice
+    w.worker.flush()  # no timeout: must not wait for a stopped store thread
+    assert time.monotonic() - start < 2
