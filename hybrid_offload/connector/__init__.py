@@ -71,6 +71,11 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         config = parse_offload_config(self._kv_transfer_config.kv_connector_extra_config)
         spec = model_spec_from_vllm(vllm_config, kv_cache_config)
+        if spec.tp_size > 1:
+            raise ValueError(
+                "hybrid-offload: tensor_parallel_size > 1 is not supported yet (pages would be "
+                "keyed for rank 0 only); run with tensor_parallel_size=1"
+            )
         self.planner = HybridOffloadPlanner(spec, config.chunk_tokens)
         self.scheduler: OffloadScheduler | None = None
         self.worker: OffloadWorker | None = None
@@ -180,3 +185,8 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
         return self.scheduler.request_finished(request), None
+
+
+#: ``kv_connector: "MultiConnector"`` with this module path selects this connector too, so a vLLM
+#: MultiConnector config switches to hybrid-offload by changing the module path.
+MultiConnector = HybridOffloadConnector

@@ -127,7 +127,7 @@ class OffloadScheduler:
         best_name, best_tokens, best_score = None, 0, 0.0
         for view in self.views:
             tokens = self._lookup(view, state, num_computed_tokens)
-            score = (tokens - num_computed_tokens) * self._weights[view.name]
+            score = tokens * self._weights[view.name]
             if tokens > num_computed_tokens and score > best_score:
                 best_name, best_tokens, best_score = view.name, tokens, score
         state.load_backend, state.load_start, state.load_end = best_name, num_computed_tokens, best_tokens
