@@ -6,9 +6,9 @@ Threads and blocking:
   the forward): the only synchronous work is copying this step's completed chunks and
   boundary states out of the KV cache into page buffers. Sealing (checksums) and backend puts
   run on the store thread.
-* :meth:`OffloadWorker.start_loads` hands load jobs to the load thread, which reads pages,
-  verifies them and writes them into blocks vLLM allocated for requests that wait for them
-  (no forward touches those blocks until the load is reported finished).
+* :meth:`OffloadWorker.start_loads` hands load jobs to the load thread, which reads and
+  verifies pages; :meth:`OffloadWorker.finished` (model-runner thread, between forwards)
+  writes them into the blocks vLLM allocated for the waiting requests and reports them.
 * A backend error or a bad page never raises into vLLM: the page is a miss, the load fails
   as a whole, and vLLM recomputes the request.
 """
@@ -200,34 +200,33 @@ class OffloadWorker:
         for job in loads:
             self._loads[job.req_id] = self._loader.submit(self._load, job)
 
-    def _load(self, job: LoadJob) -> bool:
+    def _load(self, job: LoadJob) -> list[tuple[PageJob, PageCodec, memoryview]] | None:
+        """Load thread: read and verify every page of a job; None if any page is unusable."""
         backend = self.backends[job.backend]
         bufs = [bytearray(self.codecs[p.group].page_len) for p in job.pages]
         try:
             sizes = backend.get_into([p.key for p in job.pages], [memoryview(b) for b in bufs])
         except BackendError as exc:
             self._backend_error(job.backend, "get", exc)
-            return False
+            return None
         decoded = []
         for page, buf, size in zip(job.pages, bufs, sizes, strict=True):
             codec = self.codecs[page.group]
             if size is None:
                 self._count("missing_pages")
-                return False
+                return None
             try:
                 _, payload = decode_page(memoryview(buf)[:size], codec.header(page))
             except PageFormatError as exc:
                 self._count("bad_pages")
                 logger.warning("bad page %s from %s: %s (a miss; deleted)", page.key, job.backend, exc)
                 self._delete_quietly(backend, page.key)
-                return False
+                return None
             decoded.append((page, codec, payload))
-        for page, codec, payload in decoded:
-            self._scatter(page, codec, torch.frombuffer(payload, dtype=torch.uint8))
         with self.stats.lock:
             self.stats.counters.pages_loaded += len(decoded)
             self.stats.counters.bytes_loaded += sum(len(b) for b in bufs)
-        return True
+        return decoded
 
     def _scatter(self, page: PageJob, codec: PageCodec, payload: torch.Tensor) -> None:
         layout = self.layouts[page.group]
@@ -244,6 +243,10 @@ class OffloadWorker:
     def finished(self) -> tuple[set[str], set[str]]:
         """(finished receiving, failed receiving) since the last call; failed ones are in both.
 
+        Runs on the model-runner thread between forwards: verified pages of completed loads are
+        written into the KV cache here (torch work on the load thread competes with the
+        forward's OpenMP threads and measured ~10x slower), then reported.
+
         Nothing is ever reported as finished sending: stores copy out synchronously, and when a
         request finishes while its load is in flight, vLLM frees its blocks on the
         finished-receiving report itself.
@@ -255,12 +258,14 @@ class OffloadWorker:
                 continue
             del self._loads[req_id]
             recving.add(req_id)
-            ok = False
             try:
-                ok = future.result()
+                decoded = future.result()
+                for page, codec, payload in decoded or ():
+                    self._scatter(page, codec, torch.frombuffer(payload, dtype=torch.uint8))
             except Exception:
                 logger.exception("hybrid-offload load of request %s failed", req_id)
-            if not ok:
+                decoded = None
+            if decoded is None:
                 failed.add(req_id)
         return recving, failed
 
