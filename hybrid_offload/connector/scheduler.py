@@ -98,7 +98,6 @@ class OffloadScheduler:
         self._by_name = {v.name: v for v in self.views}
         self._weights = {c.name: c.load_weight for c in backends}
         self._requests: dict[str, RequestState] = {}
-        self._loading: set[str] = set()
         self.stats = Locked(SchedulerCounters())
 
     # ---- lookup -----------------------------------------------------------------------
@@ -219,7 +218,6 @@ class OffloadScheduler:
         state.load_pending = False
         state.loading = True
         state.store_from_chunk = end
-        self._loading.add(state.req_id)
         with self.stats.lock:
             counters = self.stats.counters.backend(state.load_backend)
             counters.loaded_tokens += state.load_end - state.load_start
@@ -284,7 +282,6 @@ class OffloadScheduler:
             for name, view in self._by_name.items():
                 view.apply_report(worker_meta.stored.get(name, []), worker_meta.evicted.get(name, []))
         for req_id in finished_recving or ():
-            self._loading.discard(req_id)
             state = self._requests.get(req_id)
             if state is not None:
                 state.loading = False
@@ -301,8 +298,8 @@ class OffloadScheduler:
     def request_finished(self, request: Request) -> bool:
         """Forget the request; True while a load into its blocks is still in flight (vLLM then
         frees them when the worker reports that load finished)."""
-        self._requests.pop(request.request_id, None)
-        return request.request_id in self._loading
+        state = self._requests.pop(request.request_id, None)
+        return state is not None and state.loading
 
     def shutdown(self) -> None:
         for view in self.views:

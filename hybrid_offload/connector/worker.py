@@ -223,9 +223,13 @@ class OffloadWorker:
                 self._delete_quietly(backend, page.key)
                 return None
             decoded.append((page, codec, payload))
+        nbytes = sum(len(b) for b in bufs)
         with self.stats.lock:
             self.stats.counters.pages_loaded += len(decoded)
-            self.stats.counters.bytes_loaded += sum(len(b) for b in bufs)
+            self.stats.counters.bytes_loaded += nbytes
+            counters = self.stats.counters.backend(job.backend)
+            counters.loaded_pages += len(decoded)
+            counters.loaded_bytes += nbytes
         return decoded
 
     def _scatter(self, page: PageJob, codec: PageCodec, payload: torch.Tensor) -> None:
