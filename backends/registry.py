@@ -23,7 +23,7 @@ from .base import Backend, BackendConfig, BackendConfigError
 
 __all__ = ["backend_class", "create_backend", "known_types", "register_backend"]
 
-_TYPE_NAME = re.compile(r"[a-z][a-z0-9_]*")
+_TYPE_NAME = re.compile(r"[a-z][a-z0-9_-]*")
 _TARGET = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
 _lock = threading.RLock()  # reentrant: an imported module may register more types
@@ -31,6 +31,10 @@ _lock = threading.RLock()  # reentrant: an imported module may register more typ
 _registry: dict[str, str | type[Backend]] = {
     "cpu": "hybrid_offload.backends.cpu:CpuBackend",
     "disk": "hybrid_offload.backends.disk:DiskBackend",
+    "redis": "hybrid_offload.backends.redis:RedisBackend",
+    "redis-cluster": "hybrid_offload.backends.redis:RedisClusterBackend",
+    "nixl_peer": "hybrid_offload.backends.nixl_peer.client:NixlPeerBackend",
+    "lmcache": "hybrid_offload.backends.lmcache:LMCacheBackend",
 }
 
 
