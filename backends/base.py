@@ -72,7 +72,8 @@ class BackendConfig:
     """Validated configuration of one backend instance.
 
     ``options`` holds the type-specific keys, already checked by the backend class's
-    :meth:`Backend.validate_options`.
+    :meth:`Backend.validate_options`. ``retry_after_s`` / ``retry_after_max_s`` are the
+    connector's backoff after the backend fails (see ``hybrid_offload.connector.health``).
     """
 
     type: str
@@ -80,6 +81,8 @@ class BackendConfig:
     capacity_bytes: int
     load_weight: float = 1.0
     options: dict[str, Any] = field(default_factory=dict)
+    retry_after_s: float = 1.0
+    retry_after_max_s: float = 30.0
 
 
 @dataclass

@@ -20,7 +20,9 @@ ROOT = "kv_connector_extra_config"
 DEFAULT_CAPACITY_BYTES = 1 << 30
 DEFAULT_MAX_PENDING_STORE_BYTES = 256 << 20
 _TOP_KEYS = frozenset({"chunk_tokens", "backends", "max_pending_store_bytes"})
-_COMMON_BACKEND_KEYS = frozenset({"type", "name", "load_weight", "capacity_bytes"})
+_COMMON_BACKEND_KEYS = frozenset(
+    {"type", "name", "load_weight", "capacity_bytes", "retry_after_s", "retry_after_max_s"}
+)
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {
     "B": 1,
@@ -69,6 +71,12 @@ def _positive_int(value: Any, key: str) -> int:
     return value
 
 
+def _positive_float(value: Any, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise ConfigError(f"{key}: must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
+
+
 def _parse_backend(raw: Any, index: int) -> BackendConfig:
     key = f"{ROOT}.backends[{index}]"
     if not isinstance(raw, Mapping):
@@ -87,13 +95,23 @@ def _parse_backend(raw: Any, index: int) -> BackendConfig:
     if not isinstance(name, str) or not name:
         raise ConfigError(f"{key}.name: expected a non-empty string, got {name!r}")
     capacity = parse_size(raw.get("capacity_bytes", DEFAULT_CAPACITY_BYTES), f"{key}.capacity_bytes")
+    retry = _positive_float(raw.get("retry_after_s", 1.0), f"{key}.retry_after_s")
+    retry_max = _positive_float(raw.get("retry_after_max_s", max(30.0, retry)), f"{key}.retry_after_max_s")
+    if retry_max < retry:
+        raise ConfigError(f"{key}.retry_after_max_s: must be >= retry_after_s ({retry}), got {retry_max}")
     options = {k: v for k, v in raw.items() if k not in _COMMON_BACKEND_KEYS}
     try:
         options = cls.validate_options(options)
     except BackendConfigError as exc:
         raise ConfigError(f"{key}: {exc}") from exc
     return BackendConfig(
-        type=type_name, name=name, capacity_bytes=capacity, load_weight=float(weight), options=options
+        type=type_name,
+        name=name,
+        capacity_bytes=capacity,
+        load_weight=float(weight),
+        options=options,
+        retry_after_s=retry,
+        retry_after_max_s=retry_max,
     )
 
 

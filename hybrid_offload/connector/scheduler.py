@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from hybrid_offload.backends.base import Backend, BackendConfig, BackendError
 from hybrid_offload.backends.registry import backend_class, create_backend
+from hybrid_offload.connector.health import BackendHealth
 from hybrid_offload.connector.metadata import (
     LoadJob,
     OffloadMetadata,
@@ -39,22 +40,36 @@ logger = logging.getLogger(__name__)
 
 
 class BackendView:
-    """Answers ``contains`` for one backend from the scheduler process."""
+    """Answers ``contains`` for one backend from the scheduler process.
+
+    A shared-index backend that fails is skipped (all misses) while its
+    :class:`BackendHealth` backs off; the first lookup after the wait probes it again.
+    """
 
     def __init__(self, config: BackendConfig) -> None:
         self.config = config
         self.shared = backend_class(config.type).shared_index
         self._backend: Backend | None = create_backend(config) if self.shared else None
         self._mirror: set[str] = set()
+        self.health = BackendHealth(config.name, config.retry_after_s, config.retry_after_max_s)
 
     @property
     def name(self) -> str:
         return self.config.name
 
     def contains(self, keys: list[str]) -> list[bool]:
+        """Presence per key; raises BackendError when the backend fails (after marking it down)."""
         if self._backend is None:
             return [k in self._mirror for k in keys]
-        return self._backend.contains_batch(keys)
+        if not self.health.available():
+            return [False] * len(keys)
+        try:
+            answers = self._backend.contains_batch(keys)
+        except BackendError as exc:
+            self.health.record_failure("lookup", exc)
+            raise
+        self.health.record_success()
+        return answers
 
     def apply_report(self, stored: list[str], evicted: list[str]) -> None:
         if self._backend is None:
@@ -144,8 +159,7 @@ class OffloadScheduler:
 
         try:
             result = self.planner.lookup(state.keys, contains, state.prompt_len, num_computed_tokens)
-        except BackendError as exc:
-            logger.warning("backend %s lookup failed (%s); treating as a miss", view.name, exc)
+        except BackendError:
             with self.stats.lock:
                 self.stats.counters.backend(view.name).unavailable += 1
             return 0
@@ -270,7 +284,11 @@ class OffloadScheduler:
         state.next_store_chunk = max(state.next_store_chunk, last_full)
 
     def _emit_store(self, meta: OffloadMetadata, page: PageJob, state: RequestState) -> None:
-        targets = tuple(v.name for v in self.views if page.key not in state.known_present.get(v.name, ()))
+        targets = tuple(
+            v.name
+            for v in self.views
+            if page.key not in state.known_present.get(v.name, ()) and not v.health.is_down
+        )
         if targets:
             meta.stores.append(StoreJob(page, targets))
 

@@ -24,6 +24,7 @@ import torch
 
 from hybrid_offload.backends.base import Backend, BackendConfig, BackendError
 from hybrid_offload.backends.registry import create_backend
+from hybrid_offload.connector.health import BackendHealth
 from hybrid_offload.connector.metadata import LoadJob, OffloadWorkerMetadata, PageJob, StoreJob
 from hybrid_offload.engine_spec import GroupSpec, ModelSpec
 from hybrid_offload.kv_layout import AttentionGroupLayout, MambaGroupLayout, build_layouts
@@ -84,6 +85,10 @@ class PageCodec:
         return views
 
 
+class _SkippedError(Exception):
+    """The backend is down and backing off: the call was not made."""
+
+
 class OffloadWorker:
     """Worker-side logic behind the connector facade."""
 
@@ -97,6 +102,9 @@ class OffloadWorker:
         self.spec = spec
         self.codecs = {g.index: PageCodec(spec, g, planner.chunk_tokens) for g in spec.groups}
         self.backends: dict[str, Backend] = {c.name: create_backend(c) for c in backends}
+        self.health = {
+            c.name: BackendHealth(c.name, c.retry_after_s, c.retry_after_max_s) for c in backends
+        }
         self.layouts: dict[int, AttentionGroupLayout | MambaGroupLayout] = {}
         self.stats = Locked(WorkerCounters())
         self._max_pending = max_pending_store_bytes
@@ -110,7 +118,6 @@ class OffloadWorker:
         self._store_thread.start()
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="hybrid-offload-load")
         self._loads: dict[str, Future] = {}
-        self._errors_logged: set[tuple[str, str]] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.layouts = build_layouts(self.spec.groups, kv_caches, self.spec.num_blocks)
@@ -174,12 +181,15 @@ class OffloadWorker:
         for name, items in per_backend.items():
             backend = self.backends[name]
             try:
+                if not self.health[name].available():
+                    raise _SkippedError
                 results = backend.put_batch(items)
-            except BackendError as exc:
+            except (BackendError, _SkippedError) as exc:
                 self._backend_error(name, "put", exc)
                 with self.stats.lock:
                     self.stats.counters.backend(name).store_failures += len(items)
                 continue
+            self.health[name].record_success()
             stored = [key for (key, _), ok in zip(items, results, strict=True) if ok]
             with self._lock:
                 self._stored.setdefault(name, []).extend(stored)
@@ -205,10 +215,13 @@ class OffloadWorker:
         backend = self.backends[job.backend]
         bufs = [bytearray(self.codecs[p.group].page_len) for p in job.pages]
         try:
+            if not self.health[job.backend].available():
+                raise _SkippedError
             sizes = backend.get_into([p.key for p in job.pages], [memoryview(b) for b in bufs])
-        except BackendError as exc:
+        except (BackendError, _SkippedError) as exc:
             self._backend_error(job.backend, "get", exc)
             return None
+        self.health[job.backend].record_success()
         decoded = []
         for page, buf, size in zip(job.pages, bufs, sizes, strict=True):
             codec = self.codecs[page.group]
@@ -292,16 +305,21 @@ class OffloadWorker:
             backend.delete_batch([key])
         except BackendError as exc:
             self._backend_error(backend.name, "delete", exc)
+        else:
+            self.health[backend.name].record_success()
 
     def _count(self, field_name: str) -> None:
         with self.stats.lock:
             setattr(self.stats.counters, field_name, getattr(self.stats.counters, field_name) + 1)
 
     def _backend_error(self, name: str, op: str, exc: Exception) -> None:
+        """Count a failed or skipped call; a real failure marks the backend down (backoff)."""
+        if isinstance(exc, _SkippedError):
+            with self.stats.lock:
+                self.stats.counters.backend(name).unavailable += 1
+            return
         self._count("backend_errors")
-        if (name, op) not in self._errors_logged:
-            self._errors_logged.add((name, op))
-            logger.warning("backend %s failed on %s (%s); continuing without it", name, op, exc)
+        self.health[name].record_failure(op, exc)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         if self._store_thread.is_alive():  # idempotent: a second call must not wait on the queue

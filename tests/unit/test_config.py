@@ -133,6 +133,14 @@ BAD: dict[str, tuple[dict[str, Any] | None, str, tuple[str, ...]]] = {
                         f"{ROOT}.backends[0].load_weight", ()),
     "load-weight-none": (_with("backends[0].load_weight", None),
                          f"{ROOT}.backends[0].load_weight", ()),
+    "retry-after-zero": (_with("backends[1].retry_after_s", 0), f"{ROOT}.backends[1].retry_after_s",
+                         ("> 0",)),
+    "retry-after-string": (_with("backends[0].retry_after_s", "1s"), f"{ROOT}.backends[0].retry_after_s",
+                           ("'1s'",)),
+    "retry-after-max-below-initial": (
+        _with("backends[1].retry_after_max_s", 0.5) | {"backends": [
+            {"type": "cpu"}, {"type": "cpu", "name": "b", "retry_after_s": 2, "retry_after_max_s": 0.5}]},
+        f"{ROOT}.backends[1].retry_after_max_s", (">= retry_after_s",)),
     "capacity-negative": (_with("backends[1].capacity_bytes", -1),
                           f"{ROOT}.backends[1].capacity_bytes", ("-1",)),
     "capacity-zero": (_with("backends[0].capacity_bytes", 0),
@@ -202,3 +210,11 @@ def test_errors_chain_the_backend_error() -> None:
     with pytest.raises(ConfigError) as info:
         parse_offload_config(_with("backends[1].type", "tape"))
     assert info.value.__cause__ is not None
+
+
+def test_retry_after_keys_reach_the_backend_config() -> None:
+    cfg = parse_offload_config({"backends": [{"type": "cpu", "retry_after_s": 0.25}, {"type": "cpu",
+                                "name": "b", "retry_after_s": 2, "retry_after_max_s": 4}]})
+    assert (cfg.backends[0].retry_after_s, cfg.backends[0].retry_after_max_s) == (0.25, 30.0)
+    assert (cfg.backends[1].retry_after_s, cfg.backends[1].retry_after_max_s) == (2.0, 4.0)
+    assert "retry_after_s" not in cfg.backends[0].options

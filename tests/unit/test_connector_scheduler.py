@@ -14,8 +14,15 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from hybrid_offload.backends import BackendConfig, create_backend
+from hybrid_offload.backends import (
+    BackendConfig,
+    BackendUnavailableError,
+    create_backend,
+    register_backend,
+)
+from hybrid_offload.backends.disk import DiskBackend
 
+from hybrid_offload.connector.health import BackendHealth
 from hybrid_offload.connector.metadata import (
     LoadJob,
     OffloadMetadata,
@@ -557,3 +564,48 @@ def test_disk_lookup_sees_pages_written_by_another_process(worlds, tmp_path: Pat
     assert w.sched.get_num_new_matched_tokens(FakeRequest("a", tokens), 0) == (0, False)
     w.hold("disk", w.chunk_keys(tokens, range(3)))  # a separate DiskBackend instance writes
     assert w.sched.get_num_new_matched_tokens(FakeRequest("b", tokens), 0) == (24, True)
+
+
+class FlakyDiskBackend(DiskBackend):
+    """A disk backend whose lookups fail while ``FlakyDiskBackend.error`` is set."""
+
+    type_name = "test_flaky_disk"
+    error: Exception | None = None
+    lookups = 0
+
+    def contains_batch(self, keys):  # type: ignore[no-untyped-def]
+        FlakyDiskBackend.lookups += 1
+        if FlakyDiskBackend.error is not None:
+            raise FlakyDiskBackend.error
+        return super().contains_batch(keys)
+
+
+register_backend("test_flaky_disk", FlakyDiskBackend)
+
+
+def test_unavailable_shared_backend_is_skipped_while_down_then_used_again(worlds, tmp_path: Path) -> None:
+    flaky = BackendConfig("test_flaky_disk", "redis", 1 << 30, options={"path": str(tmp_path / "r")})
+    w = worlds(make_spec(8, 8), 8, backends=(cpu_config(), flaky))
+    clock = [0.0]
+    view = w.sched.views[1]
+    view.health = BackendHealth("redis", 1.0, 8.0, lambda: clock[0])
+    tokens = prompt(28)
+    w.hold("redis", w.chunk_keys(tokens, range(3)))
+    FlakyDiskBackend.error, FlakyDiskBackend.lookups = BackendUnavailableError("down"), 0
+    try:
+        assert w.sched.get_num_new_matched_tokens(FakeRequest("r1", tokens), 0) == (0, False)
+        assert view.health.is_down and FlakyDiskBackend.lookups == 1
+        assert w.sched.stats.snapshot()["backends"]["redis"]["unavailable"] == 1
+        assert w.sched.get_num_new_matched_tokens(FakeRequest("r2", tokens), 0) == (0, False)
+        assert FlakyDiskBackend.lookups == 1  # skipped while backing off
+        meta = w.sched.build_connector_meta(
+            step(new=[new_req("r2", ([1, 2, 3], [4, 5, 6]), 0)], scheduled={"r2": 24})
+        )
+        assert meta.stores and all(s.backends == ("cpu",) for s in meta.stores)  # no stores to it
+
+        FlakyDiskBackend.error = None
+        clock[0] = 1.0  # the wait is over: the next lookup probes and finds the pages
+        assert w.sched.get_num_new_matched_tokens(FakeRequest("r3", tokens), 0) == (24, True)
+        assert not view.health.is_down and view.health.recoveries == 1
+    finally:
+        FlakyDiskBackend.error = None

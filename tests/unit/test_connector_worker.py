@@ -28,6 +28,7 @@ from hybrid_offload.backends import (
 )
 from hybrid_offload.backends.cpu import CpuBackend
 
+from hybrid_offload.connector.health import BackendHealth
 from hybrid_offload.connector.metadata import LoadJob, PageJob, StoreJob
 from hybrid_offload.connector.worker import OffloadWorker, PageCodec
 from hybrid_offload.engine_spec import GroupKind, GroupSpec, ModelSpec, make_model_spec
@@ -610,3 +611,31 @@ def test_shutdown_is_idempotent_and_flush_after_it_returns(world) -> None:
     w.worker.shutdown(timeout=5)  # vLLM may shut a connector down twice
     w.worker.flush()  # no timeout: must not wait for a stopped store thread
     assert time.monotonic() - start < 2
+
+
+def test_down_backend_is_skipped_while_backing_off_then_probed(world) -> None:
+    flaky = BackendConfig("test_unavailable", "flaky", 1 << 30)
+    w, pages, _ = stored_world(world, flaky)
+    broken = w.backend("flaky")
+    clock = [0.0]
+    health = w.worker.health["flaky"] = BackendHealth("flaky", 1.0, 8.0, lambda: clock[0])
+    calls = []
+    real_get_into = broken.get_into
+    broken.get_into = lambda keys, bufs: (calls.append(len(keys)), real_get_into(keys, bufs))[1]
+
+    broken.error = BackendUnavailableError("server down")
+    w.worker.start_loads([LoadJob("r1", "flaky", (pages[0],))])
+    assert w.finish("r1") == ({"r1"}, {"r1"})
+    assert health.is_down and health.failures == 1 and calls == [1]
+
+    broken.error = None  # back, but the worker only notices at the next probe
+    w.worker.start_loads([LoadJob("r2", "flaky", (pages[0],))])
+    assert w.finish("r2") == ({"r2"}, {"r2"})
+    w.worker.copy_out([StoreJob(pages[1], ("flaky",))])
+    w.worker.flush(10)
+    assert calls == [1] and w.counters()["backends"]["flaky"]["unavailable"] == 2
+
+    clock[0] = 1.0
+    w.worker.start_loads([LoadJob("r3", "flaky", (pages[0],))])
+    assert w.finish("r3") == ({"r3"}, set())
+    assert not health.is_down and health.recoveries == 1 and calls == [1, 1]
