@@ -10,10 +10,14 @@ Spec (JSON)::
     {"model": DIR, "prompts": [[token ids], ...], "max_tokens": 8,
      "connector": {... kv_connector_extra_config ...} | null,
      "passes": 2, "reset_prefix_cache": "pass" | "request" | "never",
-     "warmup": true, "llm_kwargs": {...}}
+     "warmup": true, "llm_kwargs": {...}, "pass_barrier": DIR | null}
 
 ``reset_prefix_cache`` empties vLLM's own prefix cache after every pass (default) or before
 every request, so that hits can only come from the connector.
+
+``pass_barrier`` lets a test act between passes (kill a server, restart it): after pass ``i``
+(its stores flushed) the session creates ``DIR/pass-<i>.done`` and waits until ``DIR/pass-<i>.go``
+exists (at most ``barrier_timeout_s``, default 300) before the next pass.
 
 Result: per pass, per prompt: output token ids, time to first token, cached tokens; and per
 pass the connector's scheduler counters (tokens loaded per backend, aligned prompt tokens).
@@ -81,6 +85,16 @@ def _diff(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _wait_at_barrier(directory: Path, index: int, timeout: float) -> None:
+    Path(directory, f"pass-{index}.done").touch()
+    go = Path(directory, f"pass-{index}.go")
+    deadline = time.monotonic() + timeout
+    while not go.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {go} within {timeout}s")
+        time.sleep(0.05)
+
+
 def run_session(spec: dict[str, Any]) -> dict[str, Any]:
     """Run the spec in this process (vLLM in-process) and return the result dict."""
     from vllm import LLM, SamplingParams
@@ -127,6 +141,8 @@ def run_session(spec: dict[str, Any]) -> dict[str, Any]:
         )
         if reset != "never":
             llm.reset_prefix_cache()
+        if spec.get("pass_barrier") and len(passes) < spec.get("passes", 1):
+            _wait_at_barrier(Path(spec["pass_barrier"]), len(passes) - 1, spec.get("barrier_timeout_s", 300))
     result = {"passes": passes}
     del llm
     return result

@@ -12,36 +12,17 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_runs import CHUNK_TOKENS, hit_rate, shared_prefix_prompts, tokens
 
 from hybrid_offload.session import ENGINE_ENV, run_session_subprocess
 
 pytestmark = pytest.mark.e2e
-
-CHUNK_TOKENS = {"qwen3_next": 640, "falcon_h1": 384, "llama": 256}
-VOCAB = 2048
-
-
-def shared_prefix_prompts(chunk: int, seed: int = 0) -> list[list[int]]:
-    """Two documents of 3 chunks and a few tokens, each followed by two short questions.
-
-    The recomputed tail after the last chunk boundary stays short (5 and 33 tokens), so the
-    loaded Mamba/GDN state decides the output.
-    """
-    rng = random.Random(seed)
-    prompts = []
-    for _ in range(2):
-        doc = [rng.randrange(3, VOCAB) for _ in range(3 * chunk + 4)]
-        for n in (1, 29):
-            prompts.append(doc + [rng.randrange(3, VOCAB) for _ in range(n)])
-    return prompts
-
 
 def connector(disk: Path, with_cpu: bool) -> dict[str, Any]:
     backends: list[dict[str, Any]] = [
@@ -50,16 +31,6 @@ def connector(disk: Path, with_cpu: bool) -> dict[str, Any]:
     if with_cpu:
         backends.insert(0, {"type": "cpu", "name": "cpu", "capacity_bytes": "256MiB"})
     return {"backends": backends}
-
-
-def tokens(result: dict[str, Any], index: int) -> list[list[int]]:
-    return [r["tokens"] for r in result["passes"][index]["requests"]]
-
-
-def hit_rate(result: dict[str, Any], index: int, backend: str) -> float:
-    sched = result["passes"][index]["scheduler"]
-    loaded = sched["backends"].get(backend, {}).get("loaded_tokens", 0)
-    return loaded / sched["aligned_prompt_tokens"]
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,66 @@
+"""End to end through shared tiers: a prefill engine stores, new decode engines load.
+
+Engine A (the prefill side of disaggregated serving, expressed as offload) runs every prompt
+with ``max_tokens=1`` and stores attention KV and Mamba/GDN state to a real Redis server and a
+real NIXL cache peer. Engine B, a new process whose only tier is Redis, and engine C, whose only
+tier is the peer, then decode the same prompts: each must load >= 99 % of the chunk-aligned
+prefix from its tier and produce the greedy tokens of a run without the connector.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from engine_runs import CHUNK_TOKENS, hit_rate, shared_prefix_prompts, tokens
+from peer_servers import start_peer
+from redis_servers import start_redis_server
+
+from hybrid_offload.session import run_session_subprocess
+
+pytestmark = pytest.mark.e2e
+
+
+def redis_backend(url: str, prefix: str) -> dict[str, Any]:
+    return {"type": "redis", "name": "redis", "url": url, "prefix": prefix, "capacity_bytes": "512MiB"}
+
+
+def peer_backend(address: str) -> dict[str, Any]:
+    return {"type": "nixl_peer", "name": "peer", "peers": [address], "capacity_bytes": "512MiB"}
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "falcon_h1"])
+def test_prefill_engine_stores_decode_engines_load_from_redis_and_peer(
+    arch: str, model_dir, tmp_path: Path
+) -> None:
+    model = model_dir(arch)
+    prompts = shared_prefix_prompts(CHUNK_TOKENS[arch], seed=1)
+    base = {"model": str(model), "prompts": prompts, "max_tokens": 12, "reset_prefix_cache": "request"}
+    expected = tokens(run_session_subprocess({**base, "connector": None}), 0)
+
+    (tmp_path / "redis").mkdir()
+    server = start_redis_server(tmp_path / "redis")
+    peer = start_peer(512 << 20)
+    try:
+        redis_cfg = redis_backend(server.url, f"e2e-{uuid.uuid4().hex[:8]}")
+        peer_cfg = peer_backend(peer.address)
+        prefill = run_session_subprocess(
+            {**base, "max_tokens": 1, "connector": {"backends": [redis_cfg, peer_cfg]}}
+        )
+        assert tokens(prefill, 0) == [t[:1] for t in expected]
+        stored = prefill["passes"][0]["worker_total"]["backends"]
+        assert stored["redis"]["stored_pages"] > 0 and stored["peer"]["stored_pages"] > 0
+        assert stored["redis"]["store_failures"] == 0 and stored["peer"]["store_failures"] == 0
+
+        for name, cfg in (("redis", redis_cfg), ("peer", peer_cfg)):
+            decode = run_session_subprocess({**base, "connector": {"backends": [cfg]}})
+            assert tokens(decode, 0) == expected, name
+            assert hit_rate(decode, 0, name) >= 0.99, name
+            worker = decode["passes"][0]["worker_total"]
+            assert worker["bad_pages"] == 0 and worker["missing_pages"] == 0, name
+            assert worker["backends"][name]["loaded_pages"] > 0, name
+    finally:
+        server.stop()
+        peer.kill()

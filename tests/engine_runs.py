@@ -1,0 +1,60 @@
+"""Helpers for tests that run real vLLM engines (importable as ``engine_runs``).
+
+Prompts share chunk-aligned prefixes; results come from :mod:`hybrid_offload.session`.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+CHUNK_TOKENS = {"qwen3_next": 640, "falcon_h1": 384, "llama": 256}
+VOCAB = 2048
+
+
+def shared_prefix_prompts(chunk: int, seed: int = 0) -> list[list[int]]:
+    """Two documents of 3 chunks and a few tokens, each followed by two short questions.
+
+    The recomputed tail after the last chunk boundary stays short (5 and 33 tokens), so the
+    loaded Mamba/GDN state decides the output.
+    """
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(2):
+        doc = [rng.randrange(3, VOCAB) for _ in range(3 * chunk + 4)]
+        for n in (1, 29):
+            prompts.append(doc + [rng.randrange(3, VOCAB) for _ in range(n)])
+    return prompts
+
+
+def tokens(result: dict[str, Any], index: int) -> list[list[int]]:
+    """Output token ids of every request of pass ``index``."""
+    return [r["tokens"] for r in result["passes"][index]["requests"]]
+
+
+def hit_rate(result: dict[str, Any], index: int, backend: str) -> float:
+    """Tokens loaded from ``backend`` in pass ``index`` / the chunk-aligned prompt tokens."""
+    sched = result["passes"][index]["scheduler"]
+    loaded = sched["backends"].get(backend, {}).get("loaded_tokens", 0)
+    return loaded / sched["aligned_prompt_tokens"]
+
+
+def wait_for_pass(barrier: Path, index: int, session: Future, timeout: float = 600.0) -> None:
+    """Block until a session with ``pass_barrier=barrier`` finished pass ``index``."""
+    deadline = time.monotonic() + timeout
+    done = barrier / f"pass-{index}.done"
+    while not done.exists():
+        if session.done():
+            session.result()  # raises the session's failure
+            raise AssertionError(f"session ended before pass {index} finished")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"pass {index} did not finish within {timeout}s")
+        time.sleep(0.1)
+
+
+def release_pass(barrier: Path, index: int) -> None:
+    """Let a session waiting after pass ``index`` go on."""
+    (barrier / f"pass-{index}.go").touch()
