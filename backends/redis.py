@@ -1,0 +1,480 @@
+"""Redis and Redis Cluster page stores, shared by every process using the same server.
+
+Role: hold pages in a Redis server (type ``redis``) or a Redis Cluster (type
+``redis-cluster``, or type ``redis`` with a ``redis+cluster://`` / ``rediss+cluster://`` url),
+bounded by ``capacity_bytes`` with an exact LRU shared by all clients of the same ``prefix``.
+
+Contract beyond :mod:`hybrid_offload.backends.base`:
+
+* **Layout.** One Redis string per page, the page bytes as given, at ``<prefix>:p:<key>``
+  (keys start with the model fingerprint, so pages are namespaced by fingerprint). The
+  capacity/LRU index lives in four keys with one hash tag, ``{<prefix>:idx}:lru|size|used|
+  tick`` (see :mod:`hybrid_offload.backends.redis_index`): in a cluster the index is one slot
+  while pages spread over all nodes. ``ttl_s`` sets an expiry on pages (from their last put).
+* **Atomic pages.** A page is one SET, so readers see all of it or nothing.
+* **Capacity and LRU** are shared (``shared_index = True``): a put SETs the pages, then one
+  script accounts them and evicts least recently used pages (of any client) until ``used <=
+  capacity_bytes``; this client then DELs the victims. The capacity enforced is that of the
+  client putting. Gets refresh recency; ``contains_batch`` does not. A page larger than the
+  capacity is refused before any I/O; a page the server refuses (``maxmemory`` with
+  ``noeviction``: OOM) is refused too, never raised.
+* **Misses heal the index.** Pages can vanish behind the index (server ``maxmemory`` eviction,
+  TTL expiry, another client's delete). A get that misses a page still indexed (and not
+  re-put since the get began) forgets it, so ``used_bytes`` recovers. Between clients (other
+  processes) a few races remain and are healed the same way, or leave a page readable but no
+  longer counted (a delete racing a re-put; a put whose connection dies between SET and
+  accounting): set ``ttl_s`` or a server ``maxmemory`` policy to bound those.
+* **Batches.** Every call pipelines its commands (in a cluster: one pipeline per node,
+  redis-py's ``ClusterPipeline``) in chunks of at most ``max_batch_bytes`` of values. A get is
+  three round trips (index snapshot, GETs, refresh), a put two or three (SETs, accounting,
+  DEL of victims), contains one, delete two.
+* **Failures.** Construction never connects (the cluster client is built on first use).
+  Connection errors, timeouts, cluster-down, loading, authentication (a wrong password is
+  only seen on first use, so it is reported as unavailable, the message says
+  "authentication failed") and any other server error raise :class:`BackendUnavailableError`
+  naming the backend and the url without password, count ``stats.errors``, and are logged
+  (warning on the first failure, info on recovery). redis-py reconnects on the next call.
+  A round trip is bounded by ``connect_timeout_s + socket_timeout_s``, with one immediate
+  retry on a dropped connection (a server that restarted); a call makes at most three.
+* **Threading / blocking.** Methods block on network I/O and are thread-safe (a pool of at
+  most ``max_connections`` connections per server; waiting for one is bounded too). Puts and
+  deletes of one instance hold one lock, so this process never DELs a page that another of
+  its threads just re-put. ``put_batch`` sends the caller's buffers before returning and keeps
+  no reference; ``get_batch`` returns fresh ``bytes``.
+* ``close()`` disconnects the pools (bounded, idempotent); later calls raise
+  :class:`BackendClosedError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any, ClassVar
+from urllib.parse import unquote, urlsplit, urlunsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import (
+    AuthenticationError,
+    OutOfMemoryError,
+    RedisClusterException,
+    RedisError,
+)
+from redis.retry import Retry
+
+from .base import (
+    Backend,
+    BackendClosedError,
+    BackendConfig,
+    BackendConfigError,
+    BackendUnavailableError,
+    Buffer,
+    check_keys,
+)
+from .redis_index import RedisIndex
+
+__all__ = ["RedisBackend", "RedisClusterBackend"]
+
+logger = logging.getLogger(__name__)
+
+MiB = 1 << 20
+_PREFIX = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+_SCHEMES = {"redis": False, "rediss": False, "redis+cluster": True, "rediss+cluster": True}
+_NODE = re.compile(r"(?P<host>[^\s:]+|\[[0-9A-Fa-f:]+\]):(?P<port>\d{1,5})")
+_MAX_KEYS_PER_PIPELINE = 4096
+
+_COMMON_DEFAULTS: dict[str, Any] = {
+    "url": "redis://127.0.0.1:6379/0",
+    "prefix": "hop",
+    "ttl_s": None,
+    "socket_timeout_s": 2.0,
+    "connect_timeout_s": 1.0,
+    "max_connections": 8,
+    "max_batch_bytes": 64 * MiB,
+    "ssl_ca_certs": None,
+}
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password replaced by ``***``."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def _bad(key: str, why: str) -> BackendConfigError:
+    return BackendConfigError(f"option {key!r}: {why}")
+
+
+def _check_url(url: Any, *, cluster_only: bool) -> bool:
+    """Validate ``url``; return whether it selects cluster mode."""
+    if not isinstance(url, str) or not url:
+        raise _bad("url", f"must be a non-empty string, got {url!r}")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise _bad("url", f"cannot parse {redact_url(url)!r}: {exc}") from exc
+    if parts.scheme not in _SCHEMES:
+        raise _bad("url", f"scheme must be one of {sorted(_SCHEMES)}, got {parts.scheme!r}")
+    if not parts.hostname:
+        raise _bad("url", f"{redact_url(url)!r} names no host")
+    cluster = cluster_only or _SCHEMES[parts.scheme]
+    db = parts.path.strip("/")
+    if db and not db.isdigit():
+        raise _bad("url", f"database must be a number, got {db!r}")
+    if cluster and db not in ("", "0"):
+        raise _bad("url", "a cluster has only database 0")
+    del port
+    return cluster
+
+
+def _positive_number(options: dict[str, Any], key: str, *, allow_none: bool = False) -> None:
+    value = options[key]
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise _bad(key, f"must be a number > 0{' or null' if allow_none else ''}, got {value!r}")
+
+
+def _positive_int(options: dict[str, Any], key: str) -> None:
+    value = options[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _bad(key, f"must be an integer >= 1, got {value!r}")
+
+
+class RedisBackend(Backend):
+    """Pages in Redis with a shared capacity/LRU index (see the module docstring)."""
+
+    type_name: ClassVar[str] = "redis"
+    shared_index: ClassVar[bool] = True
+    option_defaults: ClassVar[dict[str, Any]] = dict(_COMMON_DEFAULTS)
+    #: whether this type is always a cluster (else: only with a ``+cluster`` url scheme)
+    _cluster_type: ClassVar[bool] = False
+
+    @classmethod
+    def validate_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """Fill defaults and check every option; raise BackendConfigError naming the key."""
+        options = super().validate_options(options)
+        if options["url"] is not None or not cls._cluster_type:
+            _check_url(options["url"], cluster_only=cls._cluster_type)
+        prefix = options["prefix"]
+        if not isinstance(prefix, str) or not _PREFIX.fullmatch(prefix):
+            raise _bad("prefix", f"must match {_PREFIX.pattern} (no braces), got {prefix!r}")
+        _positive_number(options, "ttl_s", allow_none=True)
+        _positive_number(options, "socket_timeout_s")
+        _positive_number(options, "connect_timeout_s")
+        _positive_int(options, "max_connections")
+        _positive_int(options, "max_batch_bytes")
+        ca = options["ssl_ca_certs"]
+        if ca is not None and (not isinstance(ca, str) or not os.path.isfile(ca)):
+            raise _bad("ssl_ca_certs", f"must be the path of a CA bundle file, got {ca!r}")
+        return options
+
+    def __init__(self, config: BackendConfig) -> None:
+        super().__init__(config)
+        self._options = self.validate_options(dict(config.options))
+        opts = self._options
+        self._url: str | None = opts["url"]
+        self._cluster = self._cluster_type or _check_url(self._url, cluster_only=False)
+        self._safe_url = redact_url(self._url) if self._url else ",".join(opts["startup_nodes"])
+        self._prefix: str = opts["prefix"]
+        self._index = RedisIndex(self._prefix)
+        ttl = opts["ttl_s"]
+        self._ttl_ms: int | None = None if ttl is None else max(1, round(ttl * 1000))
+        self._max_batch_bytes: int = opts["max_batch_bytes"]
+        self._write_lock = threading.Lock()  # puts and deletes of this instance
+        self._client_lock = threading.Lock()
+        self._stats_lock = threading.Lock()
+        self._closed = False
+        self._failing = False
+        self._client: Any = None if self._cluster else self._make_standalone()
+
+    # -- clients ---------------------------------------------------------------------------
+
+    def _connection_kwargs(self) -> dict[str, Any]:
+        opts = self._options
+        kwargs: dict[str, Any] = {
+            "socket_timeout": float(opts["socket_timeout_s"]),
+            "socket_connect_timeout": float(opts["connect_timeout_s"]),
+            "max_connections": opts["max_connections"],
+            # waiting for a pooled connection is bounded like a round trip
+            "timeout": float(opts["socket_timeout_s"] + opts["connect_timeout_s"]),
+        }
+        if opts["ssl_ca_certs"] is not None:
+            kwargs["ssl_ca_certs"] = opts["ssl_ca_certs"]
+        return kwargs
+
+    def _make_standalone(self) -> redis.Redis:
+        """A client on a lazily connecting pool (nothing is sent until the first call)."""
+        assert self._url is not None
+        pool = redis.BlockingConnectionPool.from_url(
+            self._url,
+            # one immediate retry on a dropped connection (e.g. the server restarted)
+            retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
+            **self._connection_kwargs(),
+        )
+        return redis.Redis(connection_pool=pool)
+
+    def _make_cluster(self) -> RedisCluster:
+        """Connect to the cluster (reads its slot map): only called on first use."""
+        nodes = [_parse_node(n) for n in self._options.get("startup_nodes") or []]
+        url = self._url
+        if url is None:  # the first startup node as url: redis-py then uses our pool class
+            url = f"redis://{nodes[0].host}:{nodes[0].port}"
+        scheme, sep, rest = url.partition("://")
+        url = scheme.replace("+cluster", "") + sep + rest
+        return RedisCluster(
+            url=url,
+            startup_nodes=nodes,
+            retry=Retry(NoBackoff(), 1),
+            connection_pool_class=redis.BlockingConnectionPool,
+            **self._connection_kwargs(),
+        )
+
+    def _redis(self) -> Any:
+        """The client; the cluster client is created here, on first use (may raise)."""
+        client = self._client
+        if client is not None:
+            return client
+        with self._client_lock:
+            self._check_open()
+            if self._client is None:
+                self._client = self._make_cluster()
+            return self._client
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendClosedError(f"{self.type_name} backend {self.name!r} is closed")
+
+    def _page_key(self, key: str) -> str:
+        return f"{self._prefix}:p:{key}"
+
+    def _count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            for name, delta in deltas.items():
+                setattr(self.stats, name, getattr(self.stats, name) + delta)
+
+    @contextlib.contextmanager
+    def _guard(self, op: str) -> Iterator[None]:
+        """Turn redis-py failures of ``op`` into BackendUnavailableError (or Closed)."""
+        self._check_open()
+        try:
+            yield
+        except (RedisError, RedisClusterException, OSError) as exc:
+            if self._closed:
+                raise BackendClosedError(
+                    f"{self.type_name} backend {self.name!r} was closed during {op}"
+                ) from exc
+            self._count(errors=1)
+            what = (
+                "authentication failed (check user/password in 'url')"
+                if isinstance(exc, AuthenticationError)
+                else f"{type(exc).__name__}: {exc}"
+            )
+            message = f"{self.type_name} backend {self.name!r} ({self._safe_url}): {op}: {what}"
+            if not self._failing:
+                self._failing = True
+                logger.warning("%s", message)
+            else:
+                logger.debug("%s", message)
+            raise BackendUnavailableError(message) from exc
+        if self._failing:
+            self._failing = False
+            logger.info("%s backend %r (%s) is reachable again", self.type_name, self.name, self._safe_url)
+
+    def _pipeline(
+        self, client: Any, commands: Sequence[tuple[Any, ...]], *, raise_on_error: bool = True
+    ) -> list[Any]:
+        """Run ``(method, *args)`` commands in one pipeline (a cluster groups them per node)."""
+        pipe = client.pipeline(transaction=False)
+        for method, *args in commands:
+            getattr(pipe, method)(*args)
+        return pipe.execute(raise_on_error=raise_on_error)
+
+    def _chunks(self, sizes: Sequence[int]) -> Iterator[range]:
+        """Index ranges whose sizes sum to at most ``max_batch_bytes`` (a lone big one alone)."""
+        start, total = 0, 0
+        for i, size in enumerate(sizes):
+            if i > start and (total + size > self._max_batch_bytes or i - start >= _MAX_KEYS_PER_PIPELINE):
+                yield range(start, i)
+                start, total = i, 0
+            total += size
+        if start < len(sizes):
+            yield range(start, len(sizes))
+
+    # -- Backend API -----------------------------------------------------------------------
+
+    def put_batch(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
+        """Store pages in order; False for a page larger than the capacity or refused (OOM)."""
+        check_keys([key for key, _ in items])
+        self._check_open()
+        results = [False] * len(items)
+        views: list[tuple[int, str, memoryview]] = []
+        for i, (key, buf) in enumerate(items):
+            view = memoryview(buf).cast("B")
+            if view.nbytes > self.capacity_bytes:
+                results[i] = False
+            else:
+                views.append((i, key, view))
+        refused = len(items) - len(views)
+        with self._write_lock, self._guard("put"):
+            client = self._redis()
+            for chunk in self._chunks([view.nbytes for _, _, view in views]):
+                batch = [views[j] for j in chunk]
+                refused += self._put_chunk(client, batch, results)
+        self._count(put_refused=refused)
+        return results
+
+    def _put_chunk(self, client: Any, batch: list[tuple[int, str, memoryview]], results: list[bool]) -> int:
+        """SET, account and evict one chunk (write lock held); return how many were refused."""
+        px = {"px": self._ttl_ms} if self._ttl_ms is not None else {}
+        pipe = client.pipeline(transaction=False)
+        for _, key, view in batch:
+            pipe.set(self._page_key(key), view, **px)
+        replies = pipe.execute(raise_on_error=False)
+        stored: list[tuple[str, int]] = []
+        for (i, key, view), reply in zip(batch, replies, strict=True):
+            if isinstance(reply, OutOfMemoryError):
+                continue  # the server is full (noeviction): refused, not an error
+            if isinstance(reply, Exception):
+                raise reply
+            stored.append((key, view.nbytes))
+            results[i] = True
+        if not stored:
+            return len(batch)
+        victims = self._index.account(client, self.capacity_bytes, stored)
+        if victims:
+            self._pipeline(client, [("delete", self._page_key(key)) for key, _ in victims])
+            logger.debug("%s: evicted %d pages", self.name, len(victims))
+        self._count(
+            puts=len(stored),
+            put_bytes=sum(size for _, size in stored),
+            evictions=len(victims),
+            evicted_bytes=sum(size for _, size in victims),
+        )
+        return len(batch) - len(stored)
+
+    def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Each page's bytes or None; hits refresh recency, stale index entries are healed."""
+        check_keys(keys)
+        self._check_open()
+        if not keys:
+            return []
+        with self._guard("get"):
+            client = self._redis()
+            scores, sizes = self._index.snapshot(client, keys)
+            found: list[bytes | None] = []
+            for chunk in self._chunks([size or 0 for size in sizes]):
+                found += self._pipeline(client, [("get", self._page_key(keys[j])) for j in chunk])
+            hits = [key for key, data in zip(keys, found, strict=True) if data is not None]
+            heal = [
+                (key, score)
+                for key, data, score in zip(keys, found, scores, strict=True)
+                if data is None and score is not None
+            ]
+            if hits or heal:
+                healed, freed = self._index.touch(client, hits, heal)
+                if healed:
+                    logger.debug("%s: forgot %d vanished pages (%d bytes)", self.name, healed, freed)
+        self._count(gets=len(keys), hits=len(hits), get_bytes=sum(len(d) for d in found if d is not None))
+        return found
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+        """As :meth:`Backend.get_into`: a page larger than its buffer is a miss."""
+        if len(keys) != len(buffers):
+            raise ValueError("get_into: keys and buffers differ in length")
+        sizes: list[int | None] = []
+        for data, buf in zip(self.get_batch(keys), buffers, strict=True):
+            view = memoryview(buf).cast("B")
+            if data is None or len(data) > view.nbytes:
+                sizes.append(None)
+                continue
+            view[: len(data)] = data
+            sizes.append(len(data))
+        return sizes
+
+    def contains_batch(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each page exists now (EXISTS on the pages; does not refresh recency)."""
+        check_keys(keys)
+        self._check_open()
+        if not keys:
+            return []
+        with self._guard("contains"):
+            client = self._redis()
+            found: list[Any] = []
+            for chunk in self._chunks([0] * len(keys)):
+                found += self._pipeline(client, [("exists", self._page_key(keys[j])) for j in chunk])
+        return [bool(n) for n in found]
+
+    def delete_batch(self, keys: Sequence[str]) -> int:
+        """Delete pages and forget them; return how many pages existed."""
+        check_keys(keys)
+        self._check_open()
+        if not keys:
+            return 0
+        deleted = 0
+        with self._write_lock, self._guard("delete"):
+            client = self._redis()
+            for chunk in self._chunks([0] * len(keys)):
+                deleted += sum(self._pipeline(client, [("delete", self._page_key(keys[j])) for j in chunk]))
+            self._index.remove(client, list(dict.fromkeys(keys)))
+        return deleted
+
+    def used_bytes(self) -> int:
+        """Bytes accounted in the shared index (all clients of this prefix)."""
+        self._check_open()
+        with self._guard("used_bytes"):
+            return self._index.used_bytes(self._redis())
+
+    def close(self) -> None:
+        """Disconnect the pools; idempotent, bounded (no network round trip)."""
+        with self._client_lock:
+            if self._closed:
+                return
+            self._closed = True
+            client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.close()
+            with contextlib.suppress(Exception):
+                if not self._cluster:
+                    client.connection_pool.disconnect()
+
+
+class RedisClusterBackend(RedisBackend):
+    """Pages in a Redis Cluster: ``url`` (any node) and/or ``startup_nodes: [host:port]``."""
+
+    type_name: ClassVar[str] = "redis-cluster"
+    option_defaults: ClassVar[dict[str, Any]] = {**_COMMON_DEFAULTS, "url": None, "startup_nodes": None}
+    _cluster_type: ClassVar[bool] = True
+
+    @classmethod
+    def validate_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        options = super().validate_options(options)
+        nodes = options["startup_nodes"]
+        if nodes is not None:
+            if not isinstance(nodes, list | tuple) or not nodes:
+                raise _bad("startup_nodes", f"must be a non-empty list of 'host:port', got {nodes!r}")
+            for node in nodes:
+                _parse_node(node)
+        elif options["url"] is None:
+            raise _bad("url", "a redis-cluster backend needs 'url' or 'startup_nodes'")
+        return options
+
+
+def _parse_node(node: Any) -> ClusterNode:
+    match = _NODE.fullmatch(node) if isinstance(node, str) else None
+    if match is None or not 0 < int(match["port"]) < 65536:
+        raise _bad("startup_nodes", f"entries must be 'host:port', got {node!r}")
+    return ClusterNode(unquote(match["host"]).strip("[]"), int(match["port"]))
