@@ -1,0 +1,136 @@
+"""The redis-cluster backend: the shared contract on a real 3-node cluster, plus cluster layout.
+
+One cluster per test module (per xdist worker); each backend gets a unique ``prefix``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import redis.cluster
+from redis.crc import key_slot
+from backend_contract import BackendContract, key, page
+from hybrid_offload.backends import Backend, BackendConfig, create_backend
+from hybrid_offload.backends.redis import RedisBackend, RedisClusterBackend
+from redis_servers import RedisClusterProcess, start_redis_cluster
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterProcess]:
+    process = start_redis_cluster(tmp_path_factory.mktemp("redis-cluster"), n=3)
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+def unique_prefix() -> str:
+    return f"c{uuid.uuid4().hex[:12]}"
+
+
+def make_cluster_backend(
+    cluster: RedisClusterProcess, capacity: int = 64 << 20, **options: Any
+) -> RedisClusterBackend:
+    options = {"startup_nodes": cluster.startup_nodes, "prefix": unique_prefix(), **options}
+    backend = create_backend(BackendConfig("redis-cluster", "cluster-test", capacity, options=options))
+    assert isinstance(backend, RedisClusterBackend)
+    return backend
+
+
+def node_clients(cluster: RedisClusterProcess) -> list[redis.Redis]:
+    return [redis.Redis.from_url(node.url) for node in cluster.nodes]
+
+
+class TestRedisClusterContract(BackendContract):
+    @pytest.fixture(autouse=True)
+    def _cluster(self, cluster: RedisClusterProcess) -> None:
+        self.cluster = cluster
+
+    def make_backend(self, tmp_path: Path, capacity_bytes: int) -> Backend:
+        return make_cluster_backend(self.cluster, capacity_bytes)
+
+    def reopen(self, backend: Backend, tmp_path: Path) -> Backend | None:
+        return create_backend(backend.config)
+
+
+def test_pages_spread_over_all_nodes(cluster: RedisClusterProcess) -> None:
+    clients = node_clients(cluster)
+    with make_cluster_backend(cluster) as backend:
+        before = [client.dbsize() for client in clients]
+        n = 90
+        assert backend.put_batch([(key(i), page(i, 200)) for i in range(n)]) == [True] * n
+        added = [client.dbsize() - b for client, b in zip(clients, before, strict=True)]
+        # 90 pages over 3 nodes, plus the 4 index keys on one node
+        assert sum(added) == n + 4
+        assert all(count >= 15 for count in added), added
+        assert backend.get_batch([key(i) for i in range(n)]) == [page(i, 200) for i in range(n)]
+        slots = {key_slot(name.encode()) for name in backend._index.keys}
+        assert len(slots) == 1, "the index keys share one hash slot"
+        (slot,) = slots
+        in_slot = [c.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) for c in clients]
+        assert sorted(in_slot) == [0, 0, 4], in_slot
+    for client in clients:
+        client.close()
+
+
+def test_batch_get_is_one_pipeline_per_node(
+    cluster: RedisClusterProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clients = node_clients(cluster)
+    with make_cluster_backend(cluster) as backend:
+        n = 60
+        backend.put_batch([(key(i), page(i, 300)) for i in range(n)])
+        writes: Counter[str] = Counter()
+        original = redis.cluster.NodeCommands.write
+
+        def counting_write(self: Any) -> None:
+            writes[f"{self.connection.host}:{self.connection.port}"] += 1
+            original(self)
+
+        monkeypatch.setattr(redis.cluster.NodeCommands, "write", counting_write)
+        for client in clients:
+            client.config_resetstat()
+        assert backend.get_batch([key(i) for i in range(n)]) == [page(i, 300) for i in range(n)]
+        monkeypatch.undo()
+
+        gets = []
+        for client in clients:
+            stats = client.info("commandstats")
+            gets.append(stats.get("cmdstat_get", {}).get("calls", 0))
+        assert sum(gets) == n and all(g > 0 for g in gets), gets
+        # 3 nodes got one GET pipeline each; the index node also got the snapshot pipeline
+        # (ZMSCORE + HMGET). The refresh script is a single command, not a pipeline.
+        assert len(writes) == 3, writes
+        assert sorted(writes.values()) == [1, 1, 2], writes
+        # server side: each node read its GETs in very few socket reads, not one per GET
+        reads = [client.info("stats")["total_reads_processed"] for client in clients]
+        assert all(r <= 6 for r in reads), reads
+    for client in clients:
+        client.close()
+
+
+def test_redis_type_with_cluster_url(cluster: RedisClusterProcess) -> None:
+    assert cluster.url.startswith("redis+cluster://")
+    options = {"url": cluster.url, "prefix": unique_prefix()}
+    backend = create_backend(BackendConfig("redis", "cluster-url", 1 << 20, options=options))
+    assert type(backend) is RedisBackend
+    with backend:
+        n = 30
+        assert backend.put_batch([(key(i), page(i, 100)) for i in range(n)]) == [True] * n
+        assert backend.get_batch([key(i) for i in range(n)]) == [page(i, 100) for i in range(n)]
+        assert backend.used_bytes() == 100 * n
+        clients = node_clients(cluster)
+        assert all(client.dbsize() > 0 for client in clients)
+        for client in clients:
+            client.close()
+    # and the redis-cluster type accepts the same url form, without startup_nodes
+    options = {"url": cluster.url, "prefix": unique_prefix()}
+    with create_backend(BackendConfig("redis-cluster", "cluster-url2", 1 << 20, options=options)) as other:
+        assert other.put_batch([(key(1), b"x" * 10)]) == [True]
+        assert other.contains_batch([key(1), key(2)]) == [True, False]
