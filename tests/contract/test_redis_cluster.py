@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import redis
 import redis.cluster
-from redis.crc import key_slot
 from backend_contract import BackendContract, key, page
 from hybrid_offload.backends import Backend, BackendConfig, create_backend
 from hybrid_offload.backends.redis import RedisBackend, RedisClusterBackend
+from redis.crc import key_slot
 from redis_servers import RedisClusterProcess, start_redis_cluster
 
 
