@@ -79,7 +79,56 @@ def _add_demo(subparsers: Subparsers) -> None:
     p.set_defaults(handler=cmd_demo)
 
 
-_SUBCOMMANDS: list[Callable[[Subparsers], None]] = [_add_make_model, _add_demo]
+def _parse_listen(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"want HOST:PORT, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def cmd_peer(args: argparse.Namespace) -> int:
+    """Run a nixl_peer cache peer until SIGTERM/SIGINT; prints a ready line once it serves."""
+    from hybrid_offload.backends.nixl_peer.server import PeerOptions, run_peer
+
+    host, port = args.listen
+    options = PeerOptions(
+        host=host,
+        port=port,
+        capacity_bytes=args.capacity_bytes,
+        token=args.token,
+        pool_bytes=args.pool_bytes,
+        lease_timeout_s=args.lease_timeout_s,
+        alloc_timeout_s=args.alloc_timeout_s,
+    )
+    return run_peer(options)
+
+
+def _add_peer(subparsers: Subparsers) -> None:
+    p = subparsers.add_parser(
+        "peer",
+        help="run a cache peer for the nixl_peer backend",
+        description="Hold pages in one NIXL-registered memory pool (LRU, bounded by "
+        "--capacity-bytes); clients move page bytes with NIXL READ/WRITE and talk to the peer "
+        "over a small TCP control protocol. Prints 'hybrid-offload peer listening on HOST:PORT' "
+        "once it serves; SIGTERM/SIGINT stop it.",
+    )
+    p.add_argument("--listen", type=_parse_listen, required=True, help="HOST:PORT (port 0: any free port)")
+    p.add_argument("--capacity-bytes", type=int, required=True, help="page bytes held at most (LRU)")
+    p.add_argument("--token", default=None, help="shared secret clients must present (default: none)")
+    p.add_argument(
+        "--pool-bytes",
+        type=int,
+        default=None,
+        help="registered pool size (default: capacity + max(25%%, 64 MiB) of slack)",
+    )
+    p.add_argument("--lease-timeout-s", type=float, default=30.0, help="GET pins expire after this")
+    p.add_argument(
+        "--alloc-timeout-s", type=float, default=30.0, help="uncommitted ALLOCs are reclaimed after this"
+    )
+    p.set_defaults(handler=cmd_peer)
+
+
+_SUBCOMMANDS: list[Callable[[Subparsers], None]] = [_add_make_model, _add_demo, _add_peer]
 
 
 def build_parser() -> argparse.ArgumentParser:

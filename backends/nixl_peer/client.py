@@ -1,0 +1,605 @@
+"""``nixl_peer`` backend: pages held by cache peer processes, page bytes moved with NIXL (UCX).
+
+Role: a shared, remote page store. Each configured peer (``hybrid-offload peer``) owns one
+NIXL-registered memory pool and an index; this client asks it over a small TCP control
+protocol (:mod:`.protocol`) where pages are, and moves the bytes itself with one batched NIXL
+READ (load) or WRITE (store) per peer between the peer's pool and this process's registered
+staging buffer.
+
+Contract beyond :mod:`hybrid_offload.backends.base`:
+
+* **Options.** ``peers`` (required, list of ``"host:port"``), ``token`` (optional shared secret),
+  ``staging_bytes`` (64 MiB), ``timeout_s`` (2.0: every socket wait and every transfer poll),
+  ``retry_backoff_s`` (0.5, doubling up to ``max_backoff_s`` = 30 after each failure of a peer).
+* **Placement.** Keys are spread over peers by consistent hashing (:mod:`.ring`, xxh3, virtual
+  nodes): every process with the same ``peers`` list agrees, and a peer joining or leaving moves
+  only its share. Keys are never rerouted: a down peer's keys are misses and its puts refused.
+* **Visibility** (``shared_index = True``): the index lives in the peer, so vLLM's scheduler
+  process sees the worker's pages. That process only calls ``contains_batch``: the control
+  connection is made on first use, while the NIXL agent, the staging registration and the
+  metadata exchange are made lazily on the first data operation, once per peer incarnation
+  (a restarted peer has a new agent name: the client re-loads its metadata).
+* **Loads.** GET (pins the extents under a lease, refreshes LRU) -> one batched NIXL READ per
+  peer into staging -> copies into the caller's buffers -> RELEASE. **Stores.** ALLOC (reserves
+  extents, refuses pages larger than the peer's capacity) -> copies into staging -> one batched
+  WRITE per peer -> COMMIT with per-page success flags (pages become visible atomically; the
+  reply carries the evictions counted in ``stats``). Batches larger than staging go in rounds.
+* **Failures.** A refused connection, socket error, timeout or NIXL error (a dead peer raises
+  ``nixlRemoteDisconnectError``) marks that peer down for the backoff, counts ``stats.errors``
+  and turns its keys into misses / refused puts (counted in ``put_refused``). When every
+  configured peer is down the call raises :class:`BackendUnavailableError`. A peer that answers
+  again is re-handshaken. Construction never contacts a peer. A wrong token is refused by the
+  peer and reported as down with the reason ("wrong token").
+* **Threading.** One lock per peer serializes its control socket; one lock serializes the NIXL
+  agent and the staging buffer (the client agent has no progress thread: it polls its own
+  transfers). Counters have their own lock.
+* ``close()`` is idempotent and bounded: it closes sockets, forgets remote agents and
+  deregisters the staging buffer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ..base import (
+    Backend,
+    BackendClosedError,
+    BackendConfig,
+    BackendConfigError,
+    BackendUnavailableError,
+    Buffer,
+    check_keys,
+)
+from . import protocol as p
+from .ring import HashRing
+
+__all__ = ["NixlPeerBackend", "parse_address"]
+
+logger = logging.getLogger(__name__)
+
+_MiB = 1 << 20
+
+
+def parse_address(address: object) -> tuple[str, int]:
+    """``"host:port"`` -> ``(host, port)``; ValueError if malformed."""
+    if not isinstance(address, str):
+        raise ValueError(f"peer address must be a 'host:port' string, got {address!r}")
+    host, sep, port_text = address.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"peer address must be 'host:port', got {address!r}")
+    return host, int(port_text)
+
+
+class _PeerDownError(Exception):
+    """This peer cannot serve the call now (down, backing off, refused, failed)."""
+
+
+@dataclass
+class _Piece:
+    """A contiguous part of one page moved in one round."""
+
+    pos: int  # position in the caller's batch
+    peer: int
+    hello: p.HelloReply
+    remote: int  # address in the peer's pool
+    view: memoryview  # the caller's bytes (source or destination)
+    staging: int = 0  # offset in the staging buffer
+
+
+class _Peer:
+    def __init__(self, address: str, backoff: float) -> None:
+        self.address = address
+        self.host, self.port = parse_address(address)
+        self.lock = threading.Lock()  # the socket and request ids
+        self.sock: socket.socket | None = None
+        self.hello: p.HelloReply | None = None
+        self.request_id = 0
+        self.down_until = 0.0
+        self.backoff = backoff
+        self.last_error = ""
+        self.remote_agent: str | None = None  # loaded into our agent (under the xfer lock)
+
+    def is_down(self) -> bool:
+        return self.down_until > time.monotonic()
+
+
+class NixlPeerBackend(Backend):
+    """Client of one or more cache peers (see the module docstring)."""
+
+    type_name: ClassVar[str] = "nixl_peer"
+    shared_index: ClassVar[bool] = True
+    option_defaults: ClassVar[dict[str, Any]] = {
+        "peers": None,
+        "token": None,
+        "staging_bytes": 64 * _MiB,
+        "timeout_s": 2.0,
+        "retry_backoff_s": 0.5,
+        "max_backoff_s": 30.0,
+    }
+
+    @classmethod
+    def validate_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        opts = super().validate_options(options)
+        peers = opts["peers"]
+        if isinstance(peers, str) or not isinstance(peers, list | tuple) or not peers:
+            raise BackendConfigError("'peers' must be a non-empty list of 'host:port' strings")
+        for address in peers:
+            try:
+                parse_address(address)
+            except ValueError as exc:
+                raise BackendConfigError(f"'peers': {exc}") from exc
+        if len(set(peers)) != len(peers):
+            raise BackendConfigError(f"'peers' lists a peer twice: {peers}")
+        if opts["token"] is not None and not isinstance(opts["token"], str):
+            raise BackendConfigError("'token' must be a string")
+        staging = opts["staging_bytes"]
+        if isinstance(staging, bool) or not isinstance(staging, int) or staging < 4096:
+            raise BackendConfigError(f"'staging_bytes' must be an integer >= 4096, got {staging!r}")
+        for name in ("timeout_s", "retry_backoff_s", "max_backoff_s"):
+            value = opts[name]
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise BackendConfigError(f"{name!r} must be a number > 0, got {value!r}")
+        if opts["max_backoff_s"] < opts["retry_backoff_s"]:
+            raise BackendConfigError("'max_backoff_s' must be >= 'retry_backoff_s'")
+        return {**opts, "peers": list(peers)}
+
+    def __init__(self, config: BackendConfig) -> None:
+        super().__init__(config)
+        opts = self.validate_options(dict(config.options))
+        self._timeout = float(opts["timeout_s"])
+        self._backoff0 = float(opts["retry_backoff_s"])
+        self._backoff_max = float(opts["max_backoff_s"])
+        self._staging_bytes = int(opts["staging_bytes"])
+        self._token = (opts["token"] or "").encode()
+        self._peers = [_Peer(address, self._backoff0) for address in opts["peers"]]
+        self._ring = HashRing(opts["peers"])
+        self.agent_name = f"hybrid-offload-client-{uuid.uuid4().hex}"
+        self._xfer_lock = threading.Lock()  # agent, staging, remote agents
+        self._stats_lock = threading.Lock()
+        self._agent: Any = None
+        self._staging: np.ndarray | None = None
+        self._staging_view: memoryview | None = None
+        self._staging_reg: Any = None
+        self._closed = False
+
+    # -- control channel ----------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendClosedError(f"nixl_peer backend {self.name!r} is closed")
+
+    def _count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            for name, delta in deltas.items():
+                setattr(self.stats, name, getattr(self.stats, name) + delta)
+
+    def _disconnect(self, peer: _Peer) -> None:
+        if peer.sock is not None:
+            with contextlib.suppress(OSError):
+                peer.sock.close()
+        peer.sock = None
+
+    def _mark_down(self, peer: _Peer, reason: str) -> None:
+        """Call with ``peer.lock`` held."""
+        self._disconnect(peer)
+        if not peer.is_down():
+            logger.warning("nixl peer %s down for %.1fs: %s", peer.address, peer.backoff, reason)
+        peer.last_error = reason
+        peer.down_until = time.monotonic() + peer.backoff
+        peer.backoff = min(peer.backoff * 2, self._backoff_max)
+        self._count(errors=1)
+
+    def _exchange(self, peer: _Peer, request: p.Message) -> p.Message:
+        assert peer.sock is not None
+        peer.request_id = (peer.request_id + 1) & 0xFFFFFFFF
+        p.send_message(peer.sock, request, peer.request_id)
+        reply, request_id = p.recv_message(peer.sock)
+        if request_id != peer.request_id and not isinstance(reply, p.Error):
+            raise p.ProtocolError(p.ErrorCode.MALFORMED, f"reply to request {request_id}")
+        return reply
+
+    def _connect(self, peer: _Peer) -> None:
+        sock = socket.create_connection((peer.host, peer.port), timeout=self._timeout)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(self._timeout)
+            peer.sock = sock
+            reply = self._exchange(peer, p.Hello(self._token, self.agent_name))
+        except BaseException:
+            self._disconnect(peer)
+            raise
+        if isinstance(reply, p.Error):
+            self._disconnect(peer)
+            what = "wrong token" if reply.code == p.ErrorCode.AUTH_FAILED else "handshake refused"
+            raise ConnectionRefusedError(f"peer refused the connection ({what}): {reply.message}")
+        if not isinstance(reply, p.HelloReply):
+            self._disconnect(peer)
+            raise p.ProtocolError(p.ErrorCode.MALFORMED, f"HELLO answered by {type(reply).__name__}")
+        if peer.hello is None or peer.hello.agent_name != reply.agent_name:
+            logger.info("nixl peer %s is agent %s", peer.address, reply.agent_name)
+        peer.hello = reply
+        peer.backoff = self._backoff0
+
+    def _call(self, peer: _Peer, request: p.Message, *, retry: bool = True) -> tuple[Any, p.HelloReply]:
+        """Send ``request``; ``(reply, hello of the connection used)``. Raises _PeerDownError."""
+        with peer.lock:
+            self._check_open()
+            if peer.is_down():
+                raise _PeerDownError(f"{peer.address}: backing off after: {peer.last_error}")
+            for attempt in range(2):
+                fresh = peer.sock is None
+                try:
+                    if fresh:
+                        self._connect(peer)
+                    reply = self._exchange(peer, request)
+                except (OSError, p.ProtocolError) as exc:
+                    self._disconnect(peer)
+                    if fresh or not retry or attempt:
+                        reason = f"{type(exc).__name__}: {exc}"
+                        self._mark_down(peer, reason)
+                        raise _PeerDownError(f"{peer.address}: {reason}") from exc
+                    continue  # a stale connection (peer restarted): one fresh try
+                assert peer.hello is not None
+                if isinstance(reply, p.Error):
+                    raise _PeerDownError(f"{peer.address}: error {reply.code}: {reply.message}")
+                if reply.TYPE != request.TYPE | 0x80:
+                    self._disconnect(peer)
+                    raise _PeerDownError(f"{peer.address}: unexpected {type(reply).__name__}")
+                return reply, peer.hello
+        raise AssertionError("unreachable")
+
+    def _per_peer(self, keys: Sequence[str]) -> list[tuple[int, _Peer, list[int]]]:
+        return [(n, self._peers[n], idxs) for n, idxs in self._ring.group(keys).items()]
+
+    def _raise_if_all_down(self, what: str) -> None:
+        if all(peer.is_down() for peer in self._peers):
+            reasons = "; ".join(f"{peer.address}: {peer.last_error}" for peer in self._peers)
+            raise BackendUnavailableError(f"nixl_peer {self.name!r}: {what}: all peers down ({reasons})")
+
+    # -- NIXL -----------------------------------------------------------------------------------
+
+    def _ensure_agent(self) -> Any:
+        """Create the agent and register staging (call with the xfer lock held)."""
+        if self._agent is None:
+            from . import nixl_api
+
+            api = nixl_api()
+            config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+            agent = api.nixl_agent(self.agent_name, config)
+            staging = np.zeros(self._staging_bytes, dtype=np.uint8)
+            reg = agent.register_memory([(staging.ctypes.data, staging.nbytes, 0, "")], "DRAM")
+            self._staging, self._staging_view, self._staging_reg = staging, memoryview(staging), reg
+            self._agent = agent
+        return self._agent
+
+    def _ensure_remote(self, peer: _Peer, hello: p.HelloReply) -> None:
+        """Load ``hello``'s agent metadata once per peer incarnation (xfer lock held)."""
+        if peer.remote_agent == hello.agent_name:
+            return
+        agent = self._ensure_agent()
+        if peer.remote_agent is not None:
+            with contextlib.suppress(Exception):
+                agent.remove_remote_agent(peer.remote_agent)
+            peer.remote_agent = None
+        agent.add_remote_agent(hello.metadata)
+        peer.remote_agent = hello.agent_name
+
+    def _forget_remote(self, peer: _Peer) -> None:
+        if peer.remote_agent is not None and self._agent is not None:
+            with contextlib.suppress(Exception):
+                self._agent.remove_remote_agent(peer.remote_agent)
+        peer.remote_agent = None
+
+    def _plan_rounds(self, pieces: list[_Piece]) -> list[list[_Piece]]:
+        """Split pieces to fill staging exactly; each round fits in staging."""
+        rounds: list[list[_Piece]] = []
+        current: list[_Piece] = []
+        used = 0
+        for piece in pieces:
+            off, length = 0, piece.view.nbytes
+            while off < length:
+                take = min(self._staging_bytes - used, length - off)
+                part = _Piece(piece.pos, piece.peer, piece.hello, piece.remote + off,
+                              piece.view[off : off + take], used)  # fmt: skip
+                current.append(part)
+                used += take
+                off += take
+                if used == self._staging_bytes:
+                    rounds.append(current)
+                    current, used = [], 0
+        if current:
+            rounds.append(current)
+        return rounds
+
+    def _post(self, op: str, pieces: list[_Piece], failed: set[int]) -> dict[int, Any]:
+        """Start one transfer per peer of a round; returns peer -> handle."""
+        agent = self._agent
+        staging_base = self._staging.ctypes.data  # type: ignore[union-attr]
+        by_peer: dict[int, list[_Piece]] = {}
+        for piece in pieces:
+            by_peer.setdefault(piece.peer, []).append(piece)
+        handles: dict[int, Any] = {}
+        for n, group in by_peer.items():
+            peer = self._peers[n]
+            try:
+                self._ensure_remote(peer, group[0].hello)
+                local = np.array([(staging_base + x.staging, x.view.nbytes, 0) for x in group], np.uint64)
+                remote = np.array([(x.remote, x.view.nbytes, 0) for x in group], np.uint64)
+                handle = agent.initialize_xfer(
+                    op,
+                    agent.get_xfer_descs(local, "DRAM"),
+                    agent.get_xfer_descs(remote, "DRAM"),
+                    group[0].hello.agent_name,
+                )
+                handles[n] = handle
+                if agent.transfer(handle) == "ERR":
+                    raise RuntimeError("transfer could not be posted")
+            except Exception as exc:
+                self._transfer_failed(n, f"NIXL {op}: {type(exc).__name__}: {exc}", failed)
+        return handles
+
+    def _transfer_failed(self, n: int, reason: str, failed: set[int]) -> None:
+        failed.add(n)
+        peer = self._peers[n]
+        self._forget_remote(peer)
+        with peer.lock:
+            self._mark_down(peer, reason)
+
+    def _wait(self, handles: dict[int, Any], failed: set[int]) -> None:
+        """Poll until every handle is done, failed, or the timeout passed; release them."""
+        agent = self._agent
+        deadline = time.monotonic() + self._timeout
+        pending = {n: h for n, h in handles.items() if n not in failed}
+        for n in set(handles) - set(pending):
+            with contextlib.suppress(Exception):
+                handles[n].release()
+        while pending:
+            for n, handle in list(pending.items()):
+                try:
+                    state = agent.check_xfer_state(handle)
+                except Exception as exc:
+                    state, error = "ERR", f"{type(exc).__name__}: {exc}"
+                else:
+                    error = "transfer failed"
+                if state == "PROC":
+                    continue
+                del pending[n]
+                with contextlib.suppress(Exception):
+                    handle.release()
+                if state != "DONE":
+                    self._transfer_failed(n, f"NIXL: {error}", failed)
+            if pending and time.monotonic() > deadline:
+                for n, handle in pending.items():
+                    with contextlib.suppress(Exception):
+                        handle.release()
+                    self._transfer_failed(n, f"NIXL transfer timed out after {self._timeout}s", failed)
+                return
+
+    def _transfer(self, op: str, pieces: list[_Piece]) -> set[int]:
+        """Move all pieces (READ: pool -> views, WRITE: views -> pool); returns failed peers."""
+        failed: set[int] = set()
+        if not pieces:
+            return failed
+        with self._xfer_lock:
+            self._check_open()
+            try:
+                self._ensure_agent()
+            except Exception as exc:
+                msg = f"nixl_peer {self.name!r}: cannot create NIXL agent: {exc}"
+                raise BackendUnavailableError(msg) from exc
+            staging = self._staging_view
+            assert staging is not None
+            for round_ in self._plan_rounds(pieces):
+                round_ = [x for x in round_ if x.peer not in failed]
+                if op == "WRITE":
+                    for x in round_:
+                        staging[x.staging : x.staging + x.view.nbytes] = x.view
+                self._wait(self._post(op, round_, failed), failed)
+                if op == "READ":
+                    for x in round_:
+                        if x.peer not in failed:
+                            x.view[:] = staging[x.staging : x.staging + x.view.nbytes]
+        return failed
+
+    # -- Backend API ----------------------------------------------------------------------------
+
+    def _load(
+        self, keys: Sequence[str], dest_for: Callable[[int, int], memoryview | None]
+    ) -> list[int | None]:
+        """GET -> READ -> RELEASE; ``dest_for(pos, length)`` gives the destination or None."""
+        check_keys(keys)
+        self._check_open()
+        sizes: list[int | None] = [None] * len(keys)
+        if not keys:
+            return sizes
+        leases: list[tuple[_Peer, int]] = []
+        pieces: list[_Piece] = []
+        for n, peer, idxs in self._per_peer(keys):
+            try:
+                reply, hello = self._call(peer, p.Get([keys[i] for i in idxs]))
+            except _PeerDownError:
+                continue
+            if reply.lease_id:
+                leases.append((peer, reply.lease_id))
+            for i, extent in zip(idxs, reply.extents, strict=True):
+                if extent is None:
+                    continue
+                dest = dest_for(i, extent[1])
+                if dest is not None:
+                    sizes[i] = extent[1]
+                    pieces.append(_Piece(i, n, hello, hello.pool_base + extent[0], dest[: extent[1]]))
+        try:
+            failed = self._transfer("READ", pieces)
+        finally:
+            for peer, lease_id in leases:
+                with contextlib.suppress(_PeerDownError):
+                    self._call(peer, p.Release(lease_id), retry=False)
+        for n, _peer, idxs in self._per_peer(keys) if failed else []:
+            if n in failed:
+                for i in idxs:
+                    sizes[i] = None
+        hits = [s for s in sizes if s is not None]
+        self._count(gets=len(keys), hits=len(hits), get_bytes=sum(hits))
+        if not hits:
+            self._raise_if_all_down("get")
+        return sizes
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+        if len(keys) != len(buffers):
+            raise ValueError("get_into: keys and buffers differ in length")
+        views = [memoryview(buf).cast("B") for buf in buffers]
+
+        def dest_for(i: int, length: int) -> memoryview | None:
+            return views[i] if length <= views[i].nbytes else None
+
+        return self._load(keys, dest_for)
+
+    def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
+        out: dict[int, bytearray] = {}
+
+        def dest_for(i: int, length: int) -> memoryview:
+            out[i] = bytearray(length)
+            return memoryview(out[i])
+
+        sizes = self._load(keys, dest_for)
+        return [None if size is None else bytes(out[i]) for i, size in enumerate(sizes)]
+
+    def put_batch(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
+        keys = [key for key, _ in items]
+        check_keys(keys)
+        self._check_open()
+        results = [False] * len(items)
+        if not items:
+            return results
+        views = [memoryview(buf).cast("B") for _, buf in items]
+        allocs: list[tuple[int, _Peer, list[int], int, list[int | None]]] = []
+        pieces: list[_Piece] = []
+        for n, peer, idxs in self._per_peer(keys):
+            try:
+                request = p.Alloc([keys[i] for i in idxs], [views[i].nbytes for i in idxs])
+                reply, hello = self._call(peer, request)
+            except _PeerDownError:
+                continue
+            allocs.append((n, peer, idxs, reply.alloc_id, reply.offsets))
+            for i, offset in zip(idxs, reply.offsets, strict=True):
+                if offset is not None and views[i].nbytes:
+                    pieces.append(_Piece(i, n, hello, hello.pool_base + offset, views[i]))
+        failed = self._transfer("WRITE", pieces)
+        puts = put_bytes = evictions = evicted_bytes = 0
+        for n, peer, idxs, alloc_id, offsets in allocs:
+            flags = [offset is not None and n not in failed for offset in offsets]
+            try:
+                reply, _ = self._call(peer, p.Commit(alloc_id, flags), retry=False)
+            except _PeerDownError:
+                continue
+            for i, ok in zip(idxs, flags, strict=True):
+                results[i] = ok
+            puts += sum(flags)
+            put_bytes += sum(views[i].nbytes for i, ok in zip(idxs, flags, strict=True) if ok)
+            evictions += reply.evictions
+            evicted_bytes += reply.evicted_bytes
+        self._count(puts=puts, put_bytes=put_bytes, put_refused=len(items) - puts,
+                    evictions=evictions, evicted_bytes=evicted_bytes)  # fmt: skip
+        if not puts:
+            self._raise_if_all_down("put")
+        return results
+
+    def contains_batch(self, keys: Sequence[str]) -> list[bool]:
+        """LOOKUP on each key's peer (no LRU refresh); a down peer's keys are False."""
+        check_keys(keys)
+        self._check_open()
+        present = [False] * len(keys)
+        answered = False
+        for _, peer, idxs in self._per_peer(keys):
+            try:
+                reply, _ = self._call(peer, p.Lookup([keys[i] for i in idxs]))
+            except _PeerDownError:
+                continue
+            answered = True
+            for i, found in zip(idxs, reply.present, strict=True):
+                present[i] = found
+        if keys and not answered:
+            self._raise_if_all_down("contains")
+        return present
+
+    def delete_batch(self, keys: Sequence[str]) -> int:
+        check_keys(keys)
+        self._check_open()
+        deleted = 0
+        answered = False
+        for _, peer, idxs in self._per_peer(keys):
+            try:
+                reply, _ = self._call(peer, p.Delete([keys[i] for i in idxs]))
+            except _PeerDownError:
+                continue
+            answered = True
+            deleted += reply.deleted
+        if keys and not answered:
+            self._raise_if_all_down("delete")
+        return deleted
+
+    def used_bytes(self) -> int:
+        """Sum of USED over the peers that answer; raises if none does."""
+        self._check_open()
+        total = 0
+        answered = False
+        for peer in self._peers:
+            try:
+                reply, _ = self._call(peer, p.Used())
+            except _PeerDownError:
+                continue
+            answered = True
+            total += reply.used
+        if not answered:
+            self._raise_if_all_down("used_bytes")
+        return total
+
+    def peer_usage(self) -> dict[str, p.UsedReply | None]:
+        """Per peer address: its USED reply (used, reserved, free, pages), None if down."""
+        self._check_open()
+        usage: dict[str, p.UsedReply | None] = {}
+        for peer in self._peers:
+            try:
+                usage[peer.address] = self._call(peer, p.Used())[0]
+            except _PeerDownError:
+                usage[peer.address] = None
+        return usage
+
+    def peer_for(self, key: str) -> str:
+        """The address of the peer that owns ``key``."""
+        return self._ring.node_for(key)
+
+    def close(self) -> None:
+        """Close sockets, forget remote agents, deregister staging; idempotent, bounded."""
+        if self._closed:
+            return
+        self._closed = True
+        for peer in self._peers:
+            if peer.lock.acquire(timeout=2 * self._timeout):
+                try:
+                    self._disconnect(peer)
+                finally:
+                    peer.lock.release()
+        if not self._xfer_lock.acquire(timeout=2 * self._timeout):
+            logger.warning("nixl_peer %r: close() gave up waiting for a transfer", self.name)
+            return
+        try:
+            for peer in self._peers:
+                self._forget_remote(peer)
+            if self._agent is not None and self._staging_reg is not None:
+                with contextlib.suppress(Exception):
+                    self._agent.deregister_memory(self._staging_reg)
+            self._agent = self._staging_reg = self._staging_view = self._staging = None
+        finally:
+            self._xfer_lock.release()

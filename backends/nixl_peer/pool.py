@@ -1,0 +1,296 @@
+"""The cache peer's page index and pool allocator (pure bookkeeping: no sockets, no NIXL).
+
+* :class:`ExtentAllocator` hands out 64-byte aligned extents of the pool, first fit over a
+  sorted list of free extents, coalescing neighbours on free.
+* :class:`PageIndex` maps keys to extents with LRU order (by last commit or GET), bounded by
+  ``capacity`` counted in page bytes (not aligned extent bytes). The pool is sized with slack
+  above the capacity, so logical LRU decides evictions; only when a physical allocation still
+  fails are more LRU pages evicted.
+* Two-phase store: :meth:`PageIndex.alloc` reserves extents (invisible to readers),
+  :meth:`PageIndex.commit` makes them visible atomically (replacing older versions, evicting LRU
+  pages to stay within capacity). Reservations never committed expire.
+* Reads: :meth:`PageIndex.get` pins the extents under a lease; an extent replaced, evicted or
+  deleted while pinned is freed only when its last lease is released or expires.
+
+Not thread-safe by itself: the server calls it under one lock.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+__all__ = ["ALIGN", "Extent", "ExtentAllocator", "PageIndex", "PoolStats"]
+
+ALIGN = 64
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) & ~(ALIGN - 1)
+
+
+@dataclass(eq=False)
+class Extent:
+    """A piece of the pool; ``size`` is the aligned bytes held (0 for an empty page)."""
+
+    offset: int
+    size: int
+    pins: int = 0
+    dead: bool = False  # no longer indexed: free it once unpinned
+
+
+class ExtentAllocator:
+    """First-fit allocator over ``[0, size)`` with coalescing of free neighbours."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size - size % ALIGN
+        self._starts: list[int] = [0] if self.size else []  # sorted free extent offsets
+        self._lengths: dict[int, int] = {0: self.size} if self.size else {}
+        self.free_bytes = self.size
+
+    def alloc(self, nbytes: int) -> Extent | None:
+        """An extent of at least ``nbytes`` (aligned), or None if no free extent is large enough."""
+        need = _align(nbytes)
+        if need == 0:
+            return Extent(0, 0)
+        for i, start in enumerate(self._starts):
+            length = self._lengths[start]
+            if length < need:
+                continue
+            del self._lengths[start]
+            if length == need:
+                del self._starts[i]
+            else:
+                self._starts[i] = start + need
+                self._lengths[start + need] = length - need
+            self.free_bytes -= need
+            return Extent(start, need)
+        return None
+
+    def free(self, extent: Extent) -> None:
+        if extent.size == 0:
+            return
+        start, length = extent.offset, extent.size
+        i = bisect.bisect_left(self._starts, start)
+        if i < len(self._starts) and self._starts[i] < start + length:
+            raise RuntimeError(f"double free of pool extent at {start}")
+        self.free_bytes += length
+        # merge with the following free extent
+        if i < len(self._starts) and self._starts[i] == start + length:
+            length += self._lengths.pop(self._starts[i])
+            del self._starts[i]
+        # merge with the preceding free extent
+        if i > 0:
+            prev = self._starts[i - 1]
+            if prev + self._lengths[prev] == start:
+                self._lengths[prev] += length
+                return
+            if prev + self._lengths[prev] > start:
+                raise RuntimeError(f"double free of pool extent at {start}")
+        self._starts.insert(i, start)
+        self._lengths[start] = length
+
+    @property
+    def free_extents(self) -> int:
+        return len(self._starts)
+
+
+@dataclass
+class _Page:
+    size: int
+    extent: Extent
+
+
+@dataclass
+class _Reservation:
+    owner: object
+    deadline: float
+    items: list[tuple[str, int, Extent | None]]
+    evictions: int = 0
+    evicted_bytes: int = 0
+
+
+@dataclass
+class _Lease:
+    owner: object
+    deadline: float
+    extents: list[Extent] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    used: int
+    reserved: int
+    free: int
+    pages: int
+
+
+class PageIndex:
+    """Key -> extent index with LRU, leases and reservations (see the module docstring)."""
+
+    def __init__(
+        self,
+        capacity: int,
+        pool_size: int,
+        *,
+        lease_timeout_s: float = 30.0,
+        alloc_timeout_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.capacity = capacity
+        self.allocator = ExtentAllocator(pool_size)
+        self.lease_timeout_s = lease_timeout_s
+        self.alloc_timeout_s = alloc_timeout_s
+        self._clock = clock
+        self._pages: OrderedDict[str, _Page] = OrderedDict()  # LRU first
+        self._used = 0
+        self._reserved = 0
+        self._leases: dict[int, _Lease] = {}
+        self._allocs: dict[int, _Reservation] = {}
+        self._ids = itertools.count(1)
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _retire(self, extent: Extent) -> None:
+        """The extent left the index: free it now, or when its last pin goes."""
+        if extent.pins > 0:
+            extent.dead = True
+        else:
+            self.allocator.free(extent)
+
+    def _unpin(self, extent: Extent) -> None:
+        extent.pins -= 1
+        if extent.pins == 0 and extent.dead:
+            self.allocator.free(extent)
+
+    def _drop(self, key: str) -> int:
+        page = self._pages.pop(key, None)
+        if page is None:
+            return 0
+        self._used -= page.size
+        self._retire(page.extent)
+        return page.size
+
+    def _evict_lru(self, *, unpinned_only: bool) -> int | None:
+        """Evict the least recently used (unpinned) page; its size, or None if none."""
+        for key, page in self._pages.items():
+            if not unpinned_only or page.extent.pins == 0:
+                return self._drop(key)
+        return None
+
+    def _physical_alloc(self, size: int, reservation: _Reservation) -> Extent | None:
+        while True:
+            extent = self.allocator.alloc(size)
+            if extent is not None:
+                return extent
+            evicted = self._evict_lru(unpinned_only=True)
+            if evicted is None:
+                return None
+            reservation.evictions += 1
+            reservation.evicted_bytes += evicted
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def lookup(self, keys: list[str]) -> list[bool]:
+        return [key in self._pages for key in keys]
+
+    def get(self, keys: list[str], owner: object) -> tuple[int, list[tuple[int, int] | None]]:
+        """Pin and refresh each present page; ``(lease_id, [(offset, length) | None])``."""
+        lease = _Lease(owner, self._clock() + self.lease_timeout_s)
+        out: list[tuple[int, int] | None] = []
+        for key in keys:
+            page = self._pages.get(key)
+            if page is None:
+                out.append(None)
+                continue
+            self._pages.move_to_end(key)
+            page.extent.pins += 1
+            lease.extents.append(page.extent)
+            out.append((page.extent.offset, page.size))
+        lease_id = 0
+        if lease.extents:
+            lease_id = next(self._ids)
+            self._leases[lease_id] = lease
+        return lease_id, out
+
+    def release(self, lease_id: int) -> bool:
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            return False
+        for extent in lease.extents:
+            self._unpin(extent)
+        return True
+
+    # -- two-phase store --------------------------------------------------------------------
+
+    def alloc(self, keys: list[str], sizes: list[int], owner: object) -> tuple[int, list[int | None]]:
+        """Reserve an extent per key; ``(alloc_id, [offset | None (refused)])``."""
+        res = _Reservation(owner, self._clock() + self.alloc_timeout_s, [])
+        offsets: list[int | None] = []
+        for key, size in zip(keys, sizes, strict=True):
+            extent = self._physical_alloc(size, res) if size <= self.capacity else None
+            res.items.append((key, size, extent))
+            offsets.append(None if extent is None else extent.offset)
+            if extent is not None:
+                self._reserved += extent.size
+        alloc_id = next(self._ids)
+        self._allocs[alloc_id] = res
+        return alloc_id, offsets
+
+    def commit(self, alloc_id: int, success: list[bool]) -> tuple[int, int, int] | None:
+        """Publish the successful items in order; ``(committed, evictions, evicted_bytes)``,
+        or None if ``alloc_id`` is unknown (expired, already committed)."""
+        res = self._allocs.pop(alloc_id, None)
+        if res is None:
+            return None
+        committed, evictions, evicted_bytes = 0, res.evictions, res.evicted_bytes
+        flags = list(success) + [False] * (len(res.items) - len(success))
+        for (key, size, extent), ok in zip(res.items, flags, strict=False):
+            if extent is None:
+                continue
+            self._reserved -= extent.size
+            if not ok:
+                self.allocator.free(extent)
+                continue
+            self._drop(key)  # replacing an older version is not an eviction
+            while self._pages and self._used + size > self.capacity:
+                evicted = self._evict_lru(unpinned_only=False)
+                evictions += 1
+                evicted_bytes += evicted or 0
+            self._pages[key] = _Page(size, extent)
+            self._used += size
+            committed += 1
+        return committed, evictions, evicted_bytes
+
+    def abort(self, alloc_id: int) -> bool:
+        return self.commit(alloc_id, []) is not None
+
+    def delete(self, keys: list[str]) -> int:
+        return sum(1 for key in keys if key in self._pages and self._drop(key) >= 0)
+
+    # -- expiry -----------------------------------------------------------------------------
+
+    def expire(self, now: float | None = None) -> tuple[int, int]:
+        """Drop leases and reservations past their deadline; ``(leases, allocs)`` dropped."""
+        now = self._clock() if now is None else now
+        leases = [i for i, lease in self._leases.items() if lease.deadline <= now]
+        allocs = [i for i, res in self._allocs.items() if res.deadline <= now]
+        for lease_id in leases:
+            self.release(lease_id)
+        for alloc_id in allocs:
+            self.abort(alloc_id)
+        return len(leases), len(allocs)
+
+    def drop_owner(self, owner: object) -> None:
+        """A client connection closed: release its leases and abort its reservations."""
+        for lease_id in [i for i, lease in self._leases.items() if lease.owner is owner]:
+            self.release(lease_id)
+        for alloc_id in [i for i, res in self._allocs.items() if res.owner is owner]:
+            self.abort(alloc_id)
+
+    def stats(self) -> PoolStats:
+        return PoolStats(self._used, self._reserved, self.allocator.free_bytes, len(self._pages))

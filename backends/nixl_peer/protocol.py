@@ -1,0 +1,539 @@
+"""Control protocol between :class:`NixlPeerBackend` clients and a cache peer (binary, versioned).
+
+Page bytes never travel here: they move with NIXL READ/WRITE between the peer's registered pool
+and the client's staging buffer. This channel carries only keys, sizes, offsets and ids.
+
+Frame: a 16-byte header ``!4sBBHII`` = magic ``b"HOPP"``, version, message type, flags (0),
+request id, body length; then the body. Bodies are built from fixed-width big-endian ints and
+length-prefixed byte strings; keys are ``u32 count`` then per key ``u8 length`` + ASCII, checked
+against :data:`~hybrid_offload.backends.base.KEY_PATTERN` on decode. A body longer than
+:data:`MAX_BODY`, an unknown type or version, trailing bytes or a truncated field raise
+:class:`ProtocolError` (the peer answers :class:`Error` and closes that connection). Nothing is
+pickled or parsed as JSON.
+
+Requests and their replies (reply type = request type | 0x80; any request may get
+:class:`Error` instead):
+
+=========  ==================================  =============================================
+HELLO      token, client name                  peer agent name, NIXL metadata, pool info
+LOOKUP     keys                                present bitmap (no LRU refresh)
+GET        keys                                lease id, per key (offset, length) or miss
+RELEASE    lease id                            ack
+ALLOC      keys, sizes                         alloc id, per key offset or refused
+COMMIT     alloc id, per key success flags     committed count, evictions, evicted bytes
+DELETE     keys                                how many existed
+USED       -                                   used, reserved and free pool bytes, pages
+=========  ==================================  =============================================
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import ClassVar
+
+from ..base import KEY_PATTERN
+
+__all__ = [
+    "HEADER",
+    "MAGIC",
+    "MAX_BODY",
+    "MISS",
+    "VERSION",
+    "Alloc",
+    "AllocReply",
+    "Commit",
+    "CommitReply",
+    "Delete",
+    "DeleteReply",
+    "Error",
+    "ErrorCode",
+    "Get",
+    "GetReply",
+    "Hello",
+    "HelloReply",
+    "Lookup",
+    "LookupReply",
+    "Message",
+    "ProtocolError",
+    "Release",
+    "ReleaseReply",
+    "Used",
+    "UsedReply",
+    "decode_body",
+    "decode_header",
+    "encode",
+    "recv_message",
+    "send_message",
+]
+
+MAGIC = b"HOPP"
+VERSION = 1
+HEADER = struct.Struct("!4sBBHII")  # magic, version, type, flags, request id, body length
+MAX_BODY = 16 << 20
+MAX_KEYS = 1 << 20
+MISS = (1 << 64) - 1  # offset meaning "no such page" / "refused"
+_REPLY = 0x80
+
+_U8 = struct.Struct("!B")
+_U16 = struct.Struct("!H")
+_U32 = struct.Struct("!I")
+_U64 = struct.Struct("!Q")
+
+
+class ErrorCode(IntEnum):
+    MALFORMED = 1
+    UNSUPPORTED_VERSION = 2
+    TOO_LARGE = 3
+    AUTH_FAILED = 4
+    HELLO_REQUIRED = 5
+    UNKNOWN_LEASE = 6
+    UNKNOWN_ALLOC = 7
+    INTERNAL = 8
+
+
+class ProtocolError(Exception):
+    """A frame or body is malformed; ``code`` is the :class:`ErrorCode` to answer with."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# -- body reader / writer ---------------------------------------------------------------------
+
+
+class _Reader:
+    """Bounds-checked cursor over a body; every short read raises ProtocolError."""
+
+    def __init__(self, data: bytes) -> None:
+        self._data = memoryview(data)
+        self._pos = 0
+
+    def _take(self, n: int) -> memoryview:
+        end = self._pos + n
+        if n < 0 or end > len(self._data):
+            raise ProtocolError(ErrorCode.MALFORMED, "truncated message body")
+        chunk = self._data[self._pos : end]
+        self._pos = end
+        return chunk
+
+    def u8(self) -> int:
+        return int(_U8.unpack(self._take(1))[0])
+
+    def u16(self) -> int:
+        return int(_U16.unpack(self._take(2))[0])
+
+    def u32(self) -> int:
+        return int(_U32.unpack(self._take(4))[0])
+
+    def u64(self) -> int:
+        return int(_U64.unpack(self._take(8))[0])
+
+    def u64s(self, n: int) -> list[int]:
+        return list(struct.unpack(f"!{n}Q", self._take(8 * n)))
+
+    def blob16(self) -> bytes:
+        return bytes(self._take(self.u16()))
+
+    def blob32(self) -> bytes:
+        return bytes(self._take(self.u32()))
+
+    def text16(self) -> str:
+        try:
+            return self.blob16().decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ProtocolError(ErrorCode.MALFORMED, "text field is not UTF-8") from exc
+
+    def count(self) -> int:
+        n = self.u32()
+        if n > MAX_KEYS:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"{n} items in one message (max {MAX_KEYS})")
+        return n
+
+    def keys(self) -> list[str]:
+        keys = []
+        for _ in range(self.count()):
+            raw = bytes(self._take(self.u8()))
+            text = raw.decode("ascii", errors="replace")
+            if KEY_PATTERN.fullmatch(text) is None:
+                raise ProtocolError(ErrorCode.MALFORMED, f"invalid page key {raw[:80]!r}")
+            keys.append(text)
+        return keys
+
+    def flags(self, n: int) -> list[bool]:
+        bits = self._take((n + 7) // 8)
+        return [bool(bits[i >> 3] & (1 << (i & 7))) for i in range(n)]
+
+    def done(self) -> None:
+        if self._pos != len(self._data):
+            raise ProtocolError(ErrorCode.MALFORMED, "trailing bytes after message body")
+
+
+def _keys(keys: list[str]) -> bytes:
+    parts = [_U32.pack(len(keys))]
+    for key in keys:
+        raw = key.encode("ascii")
+        parts.append(_U8.pack(len(raw)) + raw)
+    return b"".join(parts)
+
+
+def _blob16(data: bytes) -> bytes:
+    if len(data) > 0xFFFF:
+        raise ValueError("field longer than 65535 bytes")
+    return _U16.pack(len(data)) + data
+
+
+def _flags(values: list[bool]) -> bytes:
+    bits = bytearray((len(values) + 7) // 8)
+    for i, value in enumerate(values):
+        if value:
+            bits[i >> 3] |= 1 << (i & 7)
+    return bytes(bits)
+
+
+def _u64s(values: list[int]) -> bytes:
+    return struct.pack(f"!{len(values)}Q", *values)
+
+
+# -- messages ---------------------------------------------------------------------------------
+
+
+class Message:
+    """Base of all messages: ``TYPE`` is the wire type, ``body()`` / ``parse()`` the codec."""
+
+    TYPE: ClassVar[int]
+
+    def body(self) -> bytes:
+        raise NotImplementedError
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> Message:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Hello(Message):
+    TYPE: ClassVar[int] = 1
+    token: bytes
+    client_name: str
+
+    def body(self) -> bytes:
+        return _blob16(self.token) + _blob16(self.client_name.encode())
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> Hello:
+        return cls(reader.blob16(), reader.text16())
+
+
+@dataclass(frozen=True)
+class HelloReply(Message):
+    TYPE: ClassVar[int] = 1 | _REPLY
+    agent_name: str
+    metadata: bytes
+    pool_base: int
+    pool_size: int
+    capacity: int
+
+    def body(self) -> bytes:
+        meta = _U32.pack(len(self.metadata)) + self.metadata
+        nums = _u64s([self.pool_base, self.pool_size, self.capacity])
+        return _blob16(self.agent_name.encode()) + meta + nums
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> HelloReply:
+        return cls(reader.text16(), reader.blob32(), reader.u64(), reader.u64(), reader.u64())
+
+
+@dataclass(frozen=True)
+class _KeysMessage(Message):
+    keys: list[str]
+
+    def body(self) -> bytes:
+        return _keys(self.keys)
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> _KeysMessage:
+        return cls(reader.keys())
+
+
+@dataclass(frozen=True)
+class Lookup(_KeysMessage):
+    TYPE: ClassVar[int] = 2
+
+
+@dataclass(frozen=True)
+class LookupReply(Message):
+    TYPE: ClassVar[int] = 2 | _REPLY
+    present: list[bool]
+
+    def body(self) -> bytes:
+        return _U32.pack(len(self.present)) + _flags(self.present)
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> LookupReply:
+        return cls(reader.flags(reader.count()))
+
+
+@dataclass(frozen=True)
+class Get(_KeysMessage):
+    TYPE: ClassVar[int] = 3
+
+
+@dataclass(frozen=True)
+class GetReply(Message):
+    """``extents[i]`` is ``(offset, length)`` in the pool, or None for a miss."""
+
+    TYPE: ClassVar[int] = 3 | _REPLY
+    lease_id: int
+    extents: list[tuple[int, int] | None]
+
+    def body(self) -> bytes:
+        offsets = [MISS if e is None else e[0] for e in self.extents]
+        lengths = [0 if e is None else e[1] for e in self.extents]
+        return _U64.pack(self.lease_id) + _U32.pack(len(offsets)) + _u64s(offsets) + _u64s(lengths)
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> GetReply:
+        lease_id = reader.u64()
+        n = reader.count()
+        offsets, lengths = reader.u64s(n), reader.u64s(n)
+        extents = [None if o == MISS else (o, n) for o, n in zip(offsets, lengths, strict=True)]
+        return cls(lease_id, extents)
+
+
+@dataclass(frozen=True)
+class Release(Message):
+    TYPE: ClassVar[int] = 4
+    lease_id: int
+
+    def body(self) -> bytes:
+        return _U64.pack(self.lease_id)
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> Release:
+        return cls(reader.u64())
+
+
+@dataclass(frozen=True)
+class ReleaseReply(Message):
+    TYPE: ClassVar[int] = 4 | _REPLY
+    released: bool
+
+    def body(self) -> bytes:
+        return _U8.pack(int(self.released))
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> ReleaseReply:
+        return cls(bool(reader.u8()))
+
+
+@dataclass(frozen=True)
+class Alloc(Message):
+    TYPE: ClassVar[int] = 5
+    keys: list[str]
+    sizes: list[int]
+
+    def __post_init__(self) -> None:
+        if len(self.keys) != len(self.sizes):
+            raise ProtocolError(ErrorCode.MALFORMED, "ALLOC: keys and sizes differ in count")
+
+    def body(self) -> bytes:
+        return _keys(self.keys) + _u64s(self.sizes)
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> Alloc:
+        keys = reader.keys()
+        return cls(keys, reader.u64s(len(keys)))
+
+
+@dataclass(frozen=True)
+class AllocReply(Message):
+    """``offsets[i]`` is the reserved pool offset for key i, or None if refused."""
+
+    TYPE: ClassVar[int] = 5 | _REPLY
+    alloc_id: int
+    offsets: list[int | None]
+
+    def body(self) -> bytes:
+        raw = [MISS if o is None else o for o in self.offsets]
+        return _U64.pack(self.alloc_id) + _U32.pack(len(raw)) + _u64s(raw)
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> AllocReply:
+        alloc_id = reader.u64()
+        raw = reader.u64s(reader.count())
+        return cls(alloc_id, [None if o == MISS else o for o in raw])
+
+
+@dataclass(frozen=True)
+class Commit(Message):
+    TYPE: ClassVar[int] = 6
+    alloc_id: int
+    success: list[bool]
+
+    def body(self) -> bytes:
+        return _U64.pack(self.alloc_id) + _U32.pack(len(self.success)) + _flags(self.success)
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> Commit:
+        alloc_id = reader.u64()
+        return cls(alloc_id, reader.flags(reader.count()))
+
+
+@dataclass(frozen=True)
+class CommitReply(Message):
+    TYPE: ClassVar[int] = 6 | _REPLY
+    committed: int
+    evictions: int
+    evicted_bytes: int
+
+    def body(self) -> bytes:
+        return _u64s([self.committed, self.evictions, self.evicted_bytes])
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> CommitReply:
+        return cls(reader.u64(), reader.u64(), reader.u64())
+
+
+@dataclass(frozen=True)
+class Delete(_KeysMessage):
+    TYPE: ClassVar[int] = 7
+
+
+@dataclass(frozen=True)
+class DeleteReply(Message):
+    TYPE: ClassVar[int] = 7 | _REPLY
+    deleted: int
+
+    def body(self) -> bytes:
+        return _U64.pack(self.deleted)
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> DeleteReply:
+        return cls(reader.u64())
+
+
+@dataclass(frozen=True)
+class Used(Message):
+    TYPE: ClassVar[int] = 8
+
+    def body(self) -> bytes:
+        return b""
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> Used:
+        return cls()
+
+
+@dataclass(frozen=True)
+class UsedReply(Message):
+    """``used``: visible page bytes; ``reserved``: pool bytes held by open ALLOCs;
+    ``free``: pool bytes not held by anything; ``pages``: visible pages."""
+
+    TYPE: ClassVar[int] = 8 | _REPLY
+    used: int
+    reserved: int
+    free: int
+    pages: int
+
+    def body(self) -> bytes:
+        return _u64s([self.used, self.reserved, self.free, self.pages])
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> UsedReply:
+        return cls(reader.u64(), reader.u64(), reader.u64(), reader.u64())
+
+
+@dataclass(frozen=True)
+class Error(Message):
+    TYPE: ClassVar[int] = 0xFF
+    code: int
+    message: str
+
+    def body(self) -> bytes:
+        return _U16.pack(self.code) + _blob16(self.message.encode()[:4000])
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> Error:
+        return cls(reader.u16(), reader.text16())
+
+
+_TYPES: dict[int, type[Message]] = {
+    cls.TYPE: cls
+    for cls in (
+        Hello, HelloReply, Lookup, LookupReply, Get, GetReply, Release, ReleaseReply, Alloc,
+        AllocReply, Commit, CommitReply, Delete, DeleteReply, Used, UsedReply, Error,
+    )
+}  # fmt: skip
+
+
+# -- framing ----------------------------------------------------------------------------------
+
+
+def encode(message: Message, request_id: int) -> bytes:
+    """One frame: header + body. Raises ValueError if the body exceeds :data:`MAX_BODY`."""
+    body = message.body()
+    if len(body) > MAX_BODY:
+        raise ValueError(f"{type(message).__name__} body of {len(body)} bytes exceeds {MAX_BODY}")
+    return HEADER.pack(MAGIC, VERSION, message.TYPE, 0, request_id & 0xFFFFFFFF, len(body)) + body
+
+
+def decode_header(header: bytes) -> tuple[int, int, int]:
+    """``(type, request_id, body_length)`` of a 16-byte header; ProtocolError if invalid."""
+    if len(header) != HEADER.size:
+        raise ProtocolError(ErrorCode.MALFORMED, "truncated header")
+    magic, version, msg_type, flags, request_id, length = HEADER.unpack(header)
+    if magic != MAGIC:
+        raise ProtocolError(ErrorCode.MALFORMED, f"bad magic {magic!r}")
+    if version != VERSION:
+        raise ProtocolError(
+            ErrorCode.UNSUPPORTED_VERSION, f"protocol version {version} (want {VERSION})"
+        )
+    if msg_type not in _TYPES:
+        raise ProtocolError(ErrorCode.MALFORMED, f"unknown message type {msg_type}")
+    if flags != 0:
+        raise ProtocolError(ErrorCode.MALFORMED, f"unknown flags {flags:#x}")
+    if length > MAX_BODY:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"body of {length} bytes exceeds {MAX_BODY}")
+    return msg_type, request_id, length
+
+
+def decode_body(msg_type: int, body: bytes) -> Message:
+    """Parse a body of a known type; the whole body must be consumed."""
+    cls = _TYPES.get(msg_type)
+    if cls is None:
+        raise ProtocolError(ErrorCode.MALFORMED, f"unknown message type {msg_type}")
+    reader = _Reader(body)
+    message = cls.parse(reader)
+    reader.done()
+    return message
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        chunk = sock.recv_into(view[got:], n - got)
+        if chunk == 0:
+            raise ConnectionError("connection closed by the other side")
+        got += chunk
+    return bytes(buf)
+
+
+def recv_message(sock: socket.socket) -> tuple[Message, int]:
+    """Read one frame from ``sock``: ``(message, request_id)``.
+
+    Raises ProtocolError for a malformed frame, ConnectionError / OSError / socket.timeout
+    when the connection fails.
+    """
+    msg_type, request_id, length = decode_header(_recv_exact(sock, HEADER.size))
+    body = _recv_exact(sock, length) if length else b""
+    return decode_body(msg_type, body), request_id
+
+
+def send_message(sock: socket.socket, message: Message, request_id: int) -> None:
+    sock.sendall(encode(message, request_id))

@@ -1,0 +1,265 @@
+"""The cache peer process: one NIXL-registered memory pool, a page index, a TCP control channel.
+
+Role: hold pages for :class:`~hybrid_offload.backends.nixl_peer.client.NixlPeerBackend` clients.
+Page bytes move with NIXL (UCX) READ/WRITE straight between this pool and each client's
+registered staging buffer; this process never touches them. It only answers the control
+protocol (:mod:`.protocol`) and keeps the index (:mod:`.pool`).
+
+* **NIXL.** One agent (uuid name, UCX, progress thread ON: this process never polls, and
+  initiators would otherwise get connection refused). The pool is one ``numpy.uint8`` array,
+  registered once; HELLO replies carry the agent metadata and the pool's base address.
+* **Control channel.** A thread per connection (blocking sockets); one lock guards the index.
+  The first message must be HELLO with the right token, else ERROR and the connection closes.
+  A malformed or oversized message gets ERROR and closes that connection only.
+* **Leases and reservations** belong to their connection: when it closes they are released /
+  aborted at once; a reaper thread also expires them after ``lease_timeout_s`` /
+  ``alloc_timeout_s`` (a client that hangs between ALLOC and COMMIT does not leak pool space).
+* **Lifecycle.** :meth:`PeerServer.serve_forever` prints the ready line once it accepts;
+  SIGTERM / SIGINT stop it; :meth:`PeerServer.close` deregisters the pool.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import signal
+import socket
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import protocol as p
+from .pool import ALIGN, PageIndex
+
+__all__ = ["PeerOptions", "PeerServer", "default_pool_bytes", "run_peer"]
+
+logger = logging.getLogger(__name__)
+
+_MiB = 1 << 20
+
+
+def default_pool_bytes(capacity_bytes: int) -> int:
+    """Pool size with slack above capacity: +25 %, at least +64 MiB (alignment, reservations)."""
+    return capacity_bytes + max(capacity_bytes // 4, 64 * _MiB)
+
+
+@dataclass(frozen=True)
+class PeerOptions:
+    host: str
+    port: int
+    capacity_bytes: int
+    token: str | None = None
+    pool_bytes: int | None = None
+    lease_timeout_s: float = 30.0
+    alloc_timeout_s: float = 30.0
+
+
+class _Connection:
+    """Owner tag of one client connection's leases and reservations."""
+
+    def __init__(self, sock: socket.socket, address: str) -> None:
+        self.sock = sock
+        self.address = address
+
+
+class PeerServer:
+    """See the module docstring. ``start()`` binds and registers; ``serve_forever()`` accepts."""
+
+    def __init__(self, options: PeerOptions) -> None:
+        self.options = options
+        pool_bytes = options.pool_bytes or default_pool_bytes(options.capacity_bytes)
+        pool_bytes = max(ALIGN, pool_bytes - pool_bytes % ALIGN)
+        if pool_bytes < options.capacity_bytes:
+            raise ValueError("pool_bytes must be at least capacity_bytes")
+        self._lock = threading.Lock()
+        self._index = PageIndex(
+            options.capacity_bytes,
+            pool_bytes,
+            lease_timeout_s=options.lease_timeout_s,
+            alloc_timeout_s=options.alloc_timeout_s,
+        )
+        self._pool = np.zeros(pool_bytes, dtype=np.uint8)
+        self._token = (options.token or "").encode()
+        self._stop = threading.Event()
+        self._listener: socket.socket | None = None
+        self._agent: object | None = None
+        self._reg: object | None = None
+        self._metadata = b""
+        self.agent_name = f"hybrid-offload-peer-{uuid.uuid4().hex}"
+        self._connections: set[_Connection] = set()
+        self._threads: list[threading.Thread] = []
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Register the pool with NIXL and bind the listener (raises on failure)."""
+        from . import nixl_api
+
+        api = nixl_api()
+        config = api.nixl_agent_config(enable_prog_thread=True, backends=["UCX"])
+        agent = api.nixl_agent(self.agent_name, config)
+        self._reg = agent.register_memory([(self._pool.ctypes.data, self._pool.nbytes, 0, "")], "DRAM")
+        self._metadata = agent.get_agent_metadata()
+        self._agent = agent
+        listener = socket.create_server((self.options.host, self.options.port), reuse_port=False)
+        listener.settimeout(0.2)
+        self._listener = listener
+        reaper = threading.Thread(target=self._reap, name="peer-reaper", daemon=True)
+        reaper.start()
+        self._threads.append(reaper)
+
+    @property
+    def address(self) -> str:
+        assert self._listener is not None
+        host, port = self._listener.getsockname()[:2]
+        return f"{host}:{port}"
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def serve_forever(self, on_ready: Callable[[str], None] | None = None) -> None:
+        assert self._listener is not None, "start() first"
+        if on_ready is not None:
+            on_ready(self.address)
+        while not self._stop.is_set():
+            try:
+                sock, addr = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    break
+                raise
+            sock.settimeout(None)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = _Connection(sock, f"{addr[0]}:{addr[1]}")
+            with self._lock:
+                self._connections.add(conn)
+            thread = threading.Thread(target=self._serve, args=(conn,), name="peer-conn", daemon=True)
+            thread.start()
+
+    def close(self) -> None:
+        """Stop accepting, close client connections, deregister the pool; idempotent."""
+        self._stop.set()
+        if self._listener is not None:
+            with contextlib.suppress(OSError):
+                self._listener.close()
+        with self._lock:
+            conns = list(self._connections)
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
+        if self._agent is not None and self._reg is not None:
+            try:
+                self._agent.deregister_memory(self._reg)  # type: ignore[attr-defined]
+            except Exception:  # best effort at exit
+                logger.debug("deregister_memory failed", exc_info=True)
+            self._reg = None
+
+    # -- connections ------------------------------------------------------------------------
+
+    def _reap(self) -> None:
+        period = max(0.05, min(self.options.lease_timeout_s, self.options.alloc_timeout_s) / 4)
+        while not self._stop.wait(period):
+            with self._lock:
+                leases, allocs = self._index.expire()
+            if leases or allocs:
+                logger.info("expired %d lease(s) and %d reservation(s)", leases, allocs)
+
+    def _serve(self, conn: _Connection) -> None:
+        greeted = False
+        try:
+            while not self._stop.is_set():
+                try:
+                    request, request_id = p.recv_message(conn.sock)
+                except p.ProtocolError as exc:
+                    logger.warning("client %s: %s; closing", conn.address, exc)
+                    self._send(conn, p.Error(exc.code, str(exc)), 0)
+                    return
+                if not greeted:
+                    greeted = self._greet(conn, request, request_id)
+                    if not greeted:
+                        return
+                    continue
+                self._send(conn, self._dispatch(conn, request), request_id)
+        except (OSError, ConnectionError):
+            logger.debug("client %s disconnected", conn.address)
+        finally:
+            with self._lock:
+                self._index.drop_owner(conn)
+                self._connections.discard(conn)
+            with contextlib.suppress(OSError):
+                conn.sock.close()
+
+    def _send(self, conn: _Connection, message: p.Message, request_id: int) -> None:
+        with contextlib.suppress(OSError):
+            p.send_message(conn.sock, message, request_id)
+
+    def _greet(self, conn: _Connection, request: p.Message, request_id: int) -> bool:
+        if not isinstance(request, p.Hello):
+            self._send(conn, p.Error(p.ErrorCode.HELLO_REQUIRED, "first message must be HELLO"), request_id)
+            return False
+        if not hmac.compare_digest(request.token, self._token):
+            logger.warning("client %s (%s): wrong token; closing", conn.address, request.client_name)
+            self._send(conn, p.Error(p.ErrorCode.AUTH_FAILED, "wrong token"), request_id)
+            return False
+        logger.debug("client %s is %s", conn.address, request.client_name)
+        reply = p.HelloReply(
+            self.agent_name,
+            self._metadata,
+            int(self._pool.ctypes.data),
+            int(self._pool.nbytes),
+            self.options.capacity_bytes,
+        )
+        self._send(conn, reply, request_id)
+        return True
+
+    def _dispatch(self, conn: _Connection, request: p.Message) -> p.Message:
+        index = self._index
+        with self._lock:
+            if isinstance(request, p.Lookup):
+                return p.LookupReply(index.lookup(request.keys))
+            if isinstance(request, p.Get):
+                lease_id, extents = index.get(request.keys, conn)
+                return p.GetReply(lease_id, extents)
+            if isinstance(request, p.Release):
+                return p.ReleaseReply(index.release(request.lease_id))
+            if isinstance(request, p.Alloc):
+                alloc_id, offsets = index.alloc(request.keys, request.sizes, conn)
+                return p.AllocReply(alloc_id, offsets)
+            if isinstance(request, p.Commit):
+                result = index.commit(request.alloc_id, request.success)
+                if result is None:
+                    return p.Error(p.ErrorCode.UNKNOWN_ALLOC, f"unknown or expired alloc {request.alloc_id}")
+                return p.CommitReply(*result)
+            if isinstance(request, p.Delete):
+                return p.DeleteReply(index.delete(request.keys))
+            if isinstance(request, p.Used):
+                s = index.stats()
+                return p.UsedReply(s.used, s.reserved, s.free, s.pages)
+        return p.Error(p.ErrorCode.MALFORMED, f"unexpected message {type(request).__name__}")
+
+
+def run_peer(options: PeerOptions) -> int:
+    """Run a peer until SIGTERM/SIGINT; prints the ready line on stdout. Returns the exit code."""
+    server = PeerServer(options)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        logger.info("signal %d: stopping", signum)
+        server.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    server.start()
+    try:
+        server.serve_forever(
+            on_ready=lambda addr: print(f"hybrid-offload peer listening on {addr}", flush=True)
+        )
+    finally:
+        server.close()
+    logger.info("peer stopped")
+    return 0
