@@ -131,7 +131,9 @@ def start_peer(
     alloc_timeout_s: float | None = None,
 ) -> PeerProcess:
     """A started peer on a free loopback port; the caller must ``kill()`` it."""
-    peer = PeerProcess(capacity_bytes, token, lease_timeout_s=lease_timeout_s, alloc_timeout_s=alloc_timeout_s)
+    peer = PeerProcess(
+        capacity_bytes, token, lease_timeout_s=lease_timeout_s, alloc_timeout_s=alloc_timeout_s
+    )
     peer.start()
     return peer
 

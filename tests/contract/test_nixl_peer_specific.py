@@ -1,0 +1,376 @@
+"""nixl_peer behaviour beyond the shared contract: several peers, faults, restarts, tokens,
+reservations of dead clients, the control channel's defences, and the peer's pool bookkeeping."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from backend_contract import key, page
+from hybrid_offload.backends import (
+    BackendConfig,
+    BackendConfigError,
+    BackendUnavailableError,
+    create_backend,
+)
+from hybrid_offload.backends.nixl_peer import protocol as p
+from hybrid_offload.backends.nixl_peer.client import NixlPeerBackend
+from hybrid_offload.backends.nixl_peer.pool import ALIGN, ExtentAllocator, PageIndex
+from peer_servers import PeerProcess, start_peer
+
+MiB = 1 << 20
+FAST = {"timeout_s": 1.0, "retry_backoff_s": 0.05, "max_backoff_s": 0.2}
+
+PeerFactory = Callable[..., PeerProcess]
+
+
+@pytest.fixture
+def peers() -> Iterator[PeerFactory]:
+    started: list[PeerProcess] = []
+
+    def factory(capacity_bytes: int = 64 * MiB, token: str | None = None, **kw: Any) -> PeerProcess:
+        peer = start_peer(capacity_bytes, token, **kw)
+        started.append(peer)
+        return peer
+
+    yield factory
+    for peer in started:
+        peer.kill()
+
+
+@pytest.fixture
+def clients() -> Iterator[Callable[..., NixlPeerBackend]]:
+    opened: list[NixlPeerBackend] = []
+
+    def factory(addresses: list[str], **options: Any) -> NixlPeerBackend:
+        config = BackendConfig("nixl_peer", "t", 1 << 30, options={"peers": addresses, **options})
+        backend = create_backend(config)
+        assert isinstance(backend, NixlPeerBackend)
+        opened.append(backend)
+        return backend
+
+    yield factory
+    for backend in opened:
+        backend.close()
+
+
+def _raw_client(address: str, token: str = "") -> tuple[socket.socket, p.Message]:
+    host, port = address.split(":")
+    sock = socket.create_connection((host, int(port)), timeout=5)
+    p.send_message(sock, p.Hello(token.encode(), "raw-test-client"), 1)
+    return sock, p.recv_message(sock)[0]
+
+
+def _usage(address: str) -> p.UsedReply:
+    sock, _ = _raw_client(address)
+    with sock:
+        p.send_message(sock, p.Used(), 2)
+        reply, _ = p.recv_message(sock)
+    assert isinstance(reply, p.UsedReply)
+    return reply
+
+
+# -- several peers -----------------------------------------------------------------------------
+
+
+def test_keys_spread_and_each_peer_holds_only_its_share(peers: PeerFactory, clients: Any) -> None:
+    group = [peers() for _ in range(3)]
+    addresses = [peer.address for peer in group]
+    backend = clients(addresses)
+    keys = [key(i) for i in range(300)]
+    assert backend.put_batch([(k, page(i, 100 + i)) for i, k in enumerate(keys)]) == [True] * 300
+    owner = {k: backend.peer_for(k) for k in keys}
+    counts = {address: sum(1 for k in keys if owner[k] == address) for address in addresses}
+    assert all(n > 40 for n in counts.values()), counts
+    for address in addresses:
+        alone = clients([address])
+        assert alone.contains_batch(keys) == [owner[k] == address for k in keys]
+        assert _usage(address).pages == counts[address]
+    assert backend.used_bytes() == sum(100 + i for i in range(300))
+    assert backend.get_batch(keys) == [page(i, 100 + i) for i in range(300)]
+
+
+def test_byte_exact_over_random_sizes_and_small_staging(peers: PeerFactory, clients: Any) -> None:
+    group = [peers(256 * MiB) for _ in range(2)]
+    backend = clients([peer.address for peer in group], staging_bytes=1 * MiB)
+    rng = random.Random(11)
+    sizes = [0, 1, 63, 64, 65, MiB - 1, MiB, MiB + 1, 3 * MiB + 17]
+    sizes += [rng.choice([rng.randrange(1, 4096), rng.randrange(1, 600_000)]) for _ in range(150)]
+    pages = {key(i): rng.randbytes(size) for i, size in enumerate(sizes)}
+    items = list(pages.items())
+    for start in range(0, len(items), 37):
+        assert all(backend.put_batch(items[start : start + 37]))
+    assert backend.get_batch(list(pages)) == list(pages.values())
+    buffers = [memoryview(bytearray(len(data) + 8)) for data in pages.values()]
+    assert backend.get_into(list(pages), buffers) == sizes
+    for data, buf in zip(pages.values(), buffers, strict=True):
+        assert bytes(buf[: len(data)]) == data
+    assert backend.stats.errors == 0
+
+
+# -- faults ------------------------------------------------------------------------------------
+
+
+def test_peer_killed_mid_use_gives_misses_then_unavailable(peers: PeerFactory, clients: Any) -> None:
+    a, b = peers(), peers()
+    backend = clients([a.address, b.address], **FAST)
+    keys = [key(i) for i in range(100)]
+    backend.put_batch([(k, page(i, 2000)) for i, k in enumerate(keys)])
+    on_b = [backend.peer_for(k) == b.address for k in keys]
+
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def traffic() -> None:
+        rng = random.Random(3)
+        try:
+            while not stop.is_set():
+                ids = rng.sample(range(100), 10)
+                got = backend.get_batch([keys[i] for i in ids])
+                for i, data in zip(ids, got, strict=True):
+                    assert data in (None, page(i, 2000))
+                backend.put_batch([(keys[i], page(i, 2000)) for i in ids])
+        except BaseException as exc:
+            failures.append(exc)
+
+    thread = threading.Thread(target=traffic)
+    thread.start()
+    time.sleep(0.3)
+    b.kill()
+    time.sleep(0.5)
+    stop.set()
+    thread.join(timeout=30)
+    assert not thread.is_alive() and failures == []
+
+    began = time.monotonic()
+    got = backend.get_batch(keys)
+    assert [data is None for data in got] == on_b
+    assert backend.contains_batch(keys) == [not x for x in on_b]
+    assert backend.put_batch([(k, b"x") for k in keys]) == [not x for x in on_b]
+    assert time.monotonic() - began < 3 * FAST["timeout_s"]
+    assert backend.stats.errors > 0
+
+    a.kill()
+    for call in (lambda: backend.get_batch(keys), lambda: backend.contains_batch(keys),
+                 lambda: backend.put_batch([(keys[0], b"y")]), backend.used_bytes):  # fmt: skip
+        began = time.monotonic()
+        with pytest.raises(BackendUnavailableError, match="all peers down"):
+            call()
+        assert time.monotonic() - began < 2 * FAST["timeout_s"]
+
+
+def test_restarted_peer_is_rehandshaken_by_the_same_client(peers: PeerFactory, clients: Any) -> None:
+    peer = peers()
+    backend = clients([peer.address], **FAST)
+    assert backend.put_batch([(key(1), page(1, 5000))]) == [True]
+    old_agent = backend._peers[0].remote_agent
+    peer.kill()
+    with pytest.raises(BackendUnavailableError):
+        backend.get_batch([key(1)])
+    peer.start()  # same port, empty pool, new agent name
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            if backend.put_batch([(key(2), page(2, 7000))]) == [True]:
+                break
+        except BackendUnavailableError:
+            pass
+        assert time.monotonic() < deadline, "client did not reconnect to the restarted peer"
+        time.sleep(0.05)
+    assert backend._peers[0].remote_agent not in (None, old_agent)
+    assert backend.get_batch([key(1), key(2)]) == [None, page(2, 7000)]
+    buf = memoryview(bytearray(7000))
+    assert backend.get_into([key(2)], [buf]) == [7000] and bytes(buf) == page(2, 7000)
+
+
+def test_construction_with_peer_down_does_not_raise(clients: Any) -> None:
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    backend = clients([address], **FAST)
+    began = time.monotonic()
+    with pytest.raises(BackendUnavailableError, match="all peers down"):
+        backend.contains_batch([key(1)])
+    with pytest.raises(BackendUnavailableError):
+        backend.put_batch([(key(1), b"x")])
+    assert time.monotonic() - began < FAST["timeout_s"]
+    assert backend.stats.errors >= 1
+    assert backend._agent is None  # nothing NIXL was made for a peer that never answered
+
+
+def test_lookup_only_client_makes_no_nixl_agent(peers: PeerFactory, clients: Any) -> None:
+    peer = peers()
+    writer, scheduler = clients([peer.address]), clients([peer.address])
+    writer.put_batch([(key(1), b"abc")])
+    assert scheduler.contains_batch([key(1), key(2)]) == [True, False]
+    assert scheduler._agent is None
+
+
+def test_wrong_token_refused_clearly(peers: PeerFactory, clients: Any) -> None:
+    peer = peers(token="s3cret")
+    for token in ("wrong", None):
+        backend = clients([peer.address], token=token, **FAST)
+        with pytest.raises(BackendUnavailableError, match="wrong token"):
+            backend.put_batch([(key(1), b"x")])
+    sock, reply = _raw_client(peer.address, "nope")
+    with sock:
+        assert isinstance(reply, p.Error) and reply.code == p.ErrorCode.AUTH_FAILED
+        assert sock.recv(1) == b""  # and the connection is closed
+    good = clients([peer.address], token="s3cret")
+    assert good.put_batch([(key(1), b"x")]) == [True]
+    assert good.get_batch([key(1)]) == [b"x"]
+
+
+# -- reservations of dead or hung clients --------------------------------------------------------
+
+_CHILD = """
+import socket, sys, time
+from hybrid_offload.backends.nixl_peer import protocol as p
+host, port = sys.argv[1].split(":")
+sock = socket.create_connection((host, int(port)))
+p.send_message(sock, p.Hello(b"", "dying"), 1); p.recv_message(sock)
+p.send_message(sock, p.Alloc(["5eed0001-00000000000000000000000000000001"], [8 << 20]), 2)
+reply, _ = p.recv_message(sock)
+assert reply.offsets[0] is not None
+print("allocated", flush=True)
+time.sleep(60)
+"""
+
+
+def test_killed_client_between_alloc_and_commit_leaks_nothing(peers: PeerFactory) -> None:
+    peer = peers(16 * MiB)
+    free0 = _usage(peer.address).free
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, peer.address], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == b"allocated\n"
+        usage = _usage(peer.address)
+        assert usage.reserved == 8 * MiB and usage.free == free0 - 8 * MiB
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+    deadline = time.monotonic() + 5
+    while _usage(peer.address).reserved and time.monotonic() < deadline:
+        time.sleep(0.02)
+    usage = _usage(peer.address)
+    assert (usage.reserved, usage.free, usage.used) == (0, free0, 0)
+
+
+def test_hung_client_reservation_expires(peers: PeerFactory, clients: Any) -> None:
+    peer = peers(16 * MiB, alloc_timeout_s=0.5)
+    free0 = _usage(peer.address).free
+    sock, _ = _raw_client(peer.address)
+    with sock:
+        p.send_message(sock, p.Alloc([key(1)], [4 * MiB]), 2)
+        reply, _ = p.recv_message(sock)
+        assert isinstance(reply, p.AllocReply) and reply.offsets[0] is not None
+        assert _usage(peer.address).reserved == 4 * MiB
+        time.sleep(1.0)  # connection still open: only the timeout reclaims it
+        assert (_usage(peer.address).reserved, _usage(peer.address).free) == (0, free0)
+        p.send_message(sock, p.Commit(reply.alloc_id, [True]), 3)
+        late, _ = p.recv_message(sock)
+        assert isinstance(late, p.Error) and late.code == p.ErrorCode.UNKNOWN_ALLOC
+    assert clients([peer.address]).contains_batch([key(1)]) == [False]
+
+
+# -- control channel defences, lifecycle ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"GET / HTTP/1.1\r\n\r\n",
+        p.HEADER.pack(p.MAGIC, p.VERSION, p.Lookup.TYPE, 0, 2, p.MAX_BODY + 1),
+        p.HEADER.pack(p.MAGIC, 9, p.Lookup.TYPE, 0, 2, 0),
+        p.HEADER.pack(p.MAGIC, p.VERSION, p.Lookup.TYPE, 0, 2, 5) + b"\0\0\0\x01\x03",
+    ],
+    ids=["http", "oversized", "version", "bad-body"],
+)
+def test_malformed_messages_close_only_that_connection(
+    peers: PeerFactory, clients: Any, frame: bytes
+) -> None:
+    peer = peers()
+    backend = clients([peer.address])
+    backend.put_batch([(key(1), b"kept")])
+    sock, _ = _raw_client(peer.address)
+    with sock:
+        sock.sendall(frame)
+        reply, _ = p.recv_message(sock)
+        assert isinstance(reply, p.Error)
+        with contextlib.suppress(ConnectionResetError):  # a reset if unread bytes were left
+            assert sock.recv(1) == b""
+    assert backend.get_batch([key(1)]) == [b"kept"]
+
+
+def test_first_message_must_be_hello(peers: PeerFactory) -> None:
+    peer = peers()
+    host, port = peer.address.split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        p.send_message(sock, p.Used(), 1)
+        reply, _ = p.recv_message(sock)
+        assert isinstance(reply, p.Error) and reply.code == p.ErrorCode.HELLO_REQUIRED
+
+
+def test_sigterm_exits_cleanly(peers: PeerFactory, clients: Any) -> None:
+    peer = peers()
+    clients([peer.address]).put_batch([(key(1), b"x")])
+    assert peer.terminate() == 0
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"peers": []}, {"peers": "127.0.0.1:1"}, {"peers": ["localhost"]}, {"peers": ["h:0"]},
+     {"peers": ["h:1", "h:1"]}, {"peers": ["h:1"], "token": 5}, {"peers": ["h:1"], "staging_bytes": 10},
+     {"peers": ["h:1"], "timeout_s": 0}, {"peers": ["h:1"], "retry_backoff_s": 5, "max_backoff_s": 1},
+     {"peers": ["h:1"], "bogus": 1}],
+)  # fmt: skip
+def test_invalid_options(options: dict[str, Any]) -> None:
+    with pytest.raises(BackendConfigError):
+        create_backend(BackendConfig("nixl_peer", "t", 1000, options=options))
+
+
+# -- pool bookkeeping (pure) ---------------------------------------------------------------------
+
+
+def test_allocator_first_fit_and_coalescing() -> None:
+    alloc = ExtentAllocator(10 * ALIGN)
+    parts = [alloc.alloc(ALIGN) for _ in range(10)]
+    assert all(parts) and alloc.alloc(1) is None and alloc.free_bytes == 0
+    for i in (1, 3, 2):
+        alloc.free(parts[i])  # type: ignore[arg-type]
+    assert alloc.free_extents == 1  # 1..3 merged
+    big = alloc.alloc(3 * ALIGN)
+    assert big is not None and big.offset == ALIGN
+    for extent in [*parts[:1], *parts[4:], big]:
+        alloc.free(extent)  # type: ignore[arg-type]
+    assert alloc.free_extents == 1 and alloc.free_bytes == 10 * ALIGN
+    with pytest.raises(RuntimeError, match="double free"):
+        alloc.free(big)  # type: ignore[arg-type]
+
+
+def test_index_pins_survive_eviction_and_fragmentation_evicts_more() -> None:
+    index = PageIndex(capacity=4 * ALIGN, pool_size=5 * ALIGN)
+    owner = object()
+    k = [key(i) for i in range(8)]
+    for i in range(4):
+        alloc_id, offsets = index.alloc([k[i]], [ALIGN], owner)
+        assert offsets[0] is not None and index.commit(alloc_id, [True]) == (1, 0, 0)
+    lease, _ = index.get([k[0]], owner)  # k0 pinned, refreshed: k1 is LRU
+    alloc_id, _ = index.alloc([k[4], k[5]], [ALIGN, ALIGN], owner)  # 5th slot, then evicts k1
+    assert index.commit(alloc_id, [True, True]) == (2, 2, 2 * ALIGN)
+    assert index.lookup(k[:6]) == [True, False, False, True, True, True]
+    assert index.delete([k[0]]) == 1  # pinned: its extent stays held until released
+    assert index.stats().free == ALIGN  # k2's slot (evicted unpinned); k0's still held
+    index.release(lease)
+    assert index.stats().free == 2 * ALIGN
+    alloc_id, offsets = index.alloc([k[6]], [4 * ALIGN + 1], owner)
+    assert offsets == [None]  # larger than capacity: refused
+    index.commit(alloc_id, [False])
+    assert index.stats() == index.stats().__class__(3 * ALIGN, 0, 2 * ALIGN, 3)
