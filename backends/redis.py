@@ -18,12 +18,17 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
   client putting. Gets refresh recency; ``contains_batch`` does not. A page larger than the
   capacity is refused before any I/O; a page the server refuses (``maxmemory`` with
   ``noeviction``: OOM) is refused too, never raised.
-* **Misses heal the index.** Pages can vanish behind the index (server ``maxmemory`` eviction,
-  TTL expiry, another client's delete). A get that misses a page still indexed (and not
-  re-put since the get began) forgets it, so ``used_bytes`` recovers. Between clients (other
-  processes) a few races remain and are healed the same way, or leave a page readable but no
-  longer counted (a delete racing a re-put; a put whose connection dies between SET and
-  accounting): set ``ttl_s`` or a server ``maxmemory`` policy to bound those.
+* **Misses and hits heal the index.** Pages can vanish behind the index (server
+  ``maxmemory`` eviction, TTL expiry, another client's delete). A get that misses a page still
+  indexed (and not re-put since the get began) forgets it, so ``used_bytes`` recovers. A get
+  that hits a page the index does not know (an orphan: the index was reset, or a client died
+  between SET and accounting) adopts it if it fits under the capacity. Between processes a
+  few races remain (a delete racing a re-put); they are healed the same way on the next get.
+* **Server memory limits.** With ``maxmemory``, prefer ``volatile-lru`` (or
+  ``volatile-ttl``) with ``ttl_s`` set: only pages carry a TTL, so the server never evicts
+  the index. Under ``allkeys-*`` policies it may evict an index key; the scripts then rebuild
+  ``used`` or reset the index, and gets re-adopt the pages still stored. With ``noeviction``,
+  a full server refuses puts (``False``).
 * **Batches.** Every call pipelines its commands (in a cluster: one pipeline per node,
   redis-py's ``ClusterPipeline``) in chunks of at most ``max_batch_bytes`` of values. A get is
   three round trips (index snapshot, GETs, refresh), a put two or three (SETs, accounting,
@@ -377,16 +382,19 @@ class RedisBackend(Backend):
             found: list[bytes | None] = []
             for chunk in self._chunks([size or 0 for size in sizes]):
                 found += self._pipeline(client, [("get", self._page_key(keys[j])) for j in chunk])
-            hits = [key for key, data in zip(keys, found, strict=True) if data is not None]
+            hits = [(key, len(data)) for key, data in zip(keys, found, strict=True) if data is not None]
             heal = [
                 (key, score)
                 for key, data, score in zip(keys, found, scores, strict=True)
                 if data is None and score is not None
             ]
             if hits or heal:
-                healed, freed = self._index.touch(client, hits, heal)
-                if healed:
-                    logger.debug("%s: forgot %d vanished pages (%d bytes)", self.name, healed, freed)
+                healed, freed, adopted = self._index.touch(client, self.capacity_bytes, hits, heal)
+                if healed or adopted:
+                    logger.debug(
+                        "%s: forgot %d vanished pages (%d bytes), adopted %d unindexed pages",
+                        self.name, healed, freed, adopted,
+                    )  # fmt: skip
         self._count(gets=len(keys), hits=len(hits), get_bytes=sum(len(d) for d in found if d is not None))
         return found
 

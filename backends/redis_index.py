@@ -100,25 +100,34 @@ return victims
 """
 )
 
-# ARGV: n_hits, hit1..hitN, then heal pairs: key, score seen before the GET that missed.
-# Hits get a fresh tick if still indexed (ZADD XX: never re-adds a deleted key). A missed key
-# is forgotten only if its score is unchanged (no put accounted it since the snapshot).
-# Returns {pages forgotten, bytes forgotten}.
+# ARGV: capacity, n_hits, then n_hits pairs (key, size) of pages a GET found, then heal pairs
+# (key, score seen before the GET that missed it).
+# A hit still indexed gets a fresh tick (ZADD XX: never re-adds a key deleted meanwhile). A hit
+# not indexed (an orphan: the index was reset, or a put's accounting was lost) is adopted if it
+# fits under the capacity. A missed key is forgotten only if its score is unchanged (no put
+# accounted it since the snapshot). Returns {pages forgotten, bytes forgotten, pages adopted}.
 _TOUCH = (
     _PRELUDE
     + """
-local n_hits = tonumber(ARGV[1])
+local cap, n_hits = tonumber(ARGV[1]), tonumber(ARGV[2])
+local used = load_used()
+local adopted, healed, freed = 0, 0, 0
 if n_hits > 0 then
   local tick = next_ticks(n_hits)
-  for i = 2, n_hits + 1 do
-    redis.call('ZADD', LRU, 'XX', tick, ARGV[i])
+  for i = 3, 2 + 2 * n_hits, 2 do
+    local size = tonumber(ARGV[i + 1])
+    if redis.call('ZSCORE', LRU, ARGV[i]) then
+      redis.call('ZADD', LRU, 'XX', tick, ARGV[i])
+    elseif used + size <= cap then
+      redis.call('HSET', SIZE, ARGV[i], ARGV[i + 1])
+      redis.call('ZADD', LRU, tick, ARGV[i])
+      used = used + size
+      adopted = adopted + 1
+    end
     tick = tick + 1
   end
 end
-if #ARGV < n_hits + 2 then return {0, 0} end
-local used = load_used()
-local healed, freed = 0, 0
-for i = n_hits + 2, #ARGV, 2 do
+for i = 3 + 2 * n_hits, #ARGV, 2 do
   local score = redis.call('ZSCORE', LRU, ARGV[i])
   if score and tonumber(score) == tonumber(ARGV[i + 1]) then
     freed = freed + forget(ARGV[i])
@@ -128,9 +137,12 @@ end
 used = used - freed
 if used < 0 then used = 0 end
 redis.call('SET', USED, used)
-return {healed, freed}
+return {healed, freed, adopted}
 """
 )
+
+# No ARGV. Returns the bytes accounted (repairing the index first if needed).
+_USED = _PRELUDE + "\nreturn load_used()\n"
 
 # ARGV: keys to forget. Returns the bytes forgotten.
 _REMOVE = (
@@ -171,6 +183,7 @@ class RedisIndex:
     _account = _Script(_ACCOUNT)
     _touch = _Script(_TOUCH)
     _remove = _Script(_REMOVE)
+    _used = _Script(_USED)
 
     def __init__(self, prefix: str) -> None:
         tag = "{" + prefix + ":idx}"
@@ -201,24 +214,29 @@ class RedisIndex:
         flat = self._account(client, self.keys, args)
         return [(_text(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2)]
 
-    def touch(self, client: Any, hits: Sequence[str], heal: Sequence[tuple[str, int]]) -> tuple[int, int]:
-        """Refresh ``hits``; forget missed ``(key, snapshot score)`` pairs still unchanged.
-
-        Returns (pages forgotten, bytes forgotten).
+    def touch(
+        self,
+        client: Any,
+        capacity: int,
+        hits: Sequence[tuple[str, int]],
+        heal: Sequence[tuple[str, int]],
+    ) -> tuple[int, int, int]:
+        """Refresh (or adopt) the ``(key, size)`` hits; forget missed ``(key, snapshot score)``
+        pairs whose score is unchanged. Returns (pages forgotten, bytes forgotten, adopted).
         """
-        args: list[Any] = [len(hits), *hits]
-        for key, score in heal:
-            args += (key, score)
-        healed, freed = self._touch(client, self.keys, args)
-        return int(healed), int(freed)
+        args: list[Any] = [capacity, len(hits)]
+        for pair in (*hits, *heal):
+            args += pair
+        healed, freed, adopted = self._touch(client, self.keys, args)
+        return int(healed), int(freed), int(adopted)
 
     def remove(self, client: Any, keys: Sequence[str]) -> int:
         """Forget ``keys``; return the bytes they accounted."""
         return int(self._remove(client, self.keys, list(keys)))
 
     def used_bytes(self, client: Any) -> int:
-        value = client.get(self.used)
-        return max(0, int(value)) if value is not None else 0
+        """The ``used`` counter (rebuilt first if the server dropped an index key)."""
+        return max(0, int(self._used(client, self.keys, [])))
 
 
 def _text(value: bytes | str) -> str:

@@ -1,0 +1,432 @@
+"""Redis-backend behaviour beyond the shared contract, against real redis-server processes:
+expiry, server memory limits, authentication, TLS, a server killed / hung / restarted, bad
+options, and clients in two processes sharing one capacity and LRU.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from backend_contract import key, page
+from hybrid_offload.backends import (
+    BackendConfig,
+    BackendConfigError,
+    BackendUnavailableError,
+    create_backend,
+)
+from hybrid_offload.backends.redis import RedisBackend
+from redis_servers import RedisServer, free_port, start_redis_server
+
+HERE = Path(__file__).resolve().parent
+KiB = 1 << 10
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One plain server shared by the tests of this module (unique prefixes keep them apart)."""
+    started = start_redis_server(tmp_path_factory.mktemp("redis"))
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+@pytest.fixture
+def own_server(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]:
+    """Factory ``own_server(*extra_args)``: a server private to the test, always stopped."""
+    started: list[RedisServer] = []
+
+    def factory(*extra_args: str) -> RedisServer:
+        started.append(start_redis_server(tmp_path / f"redis{len(started)}", *extra_args))
+        return started[-1]
+
+    try:
+        yield factory
+    finally:
+        for item in started:
+            item.stop()
+
+
+def make_redis(url: str, capacity: int = 64 * MiB, **options: Any) -> RedisBackend:
+    options = {"url": url, "prefix": f"s{uuid.uuid4().hex[:12]}", **options}
+    backend = create_backend(BackendConfig("redis", "redis-test", capacity, options=options))
+    assert isinstance(backend, RedisBackend)
+    return backend
+
+
+def all_calls(backend: RedisBackend) -> dict[str, Callable[[], object]]:
+    buf = memoryview(bytearray(100))
+    return {
+        "put": lambda: backend.put_batch([(key(1), b"x" * 10)]),
+        "get": lambda: backend.get_batch([key(1)]),
+        "get_into": lambda: backend.get_into([key(1)], [buf]),
+        "contains": lambda: backend.contains_batch([key(1)]),
+        "delete": lambda: backend.delete_batch([key(1)]),
+        "used_bytes": backend.used_bytes,
+    }
+
+
+# -- expiry and server memory limits -----------------------------------------------------------
+
+
+def test_ttl_expiry_is_a_miss_and_heals_used_bytes(server: RedisServer) -> None:
+    with make_redis(server.url, ttl_s=0.3) as backend:
+        pages = {key(i): page(i, 1000) for i in range(5)}
+        assert backend.put_batch(list(pages.items())) == [True] * 5
+        assert backend.get_batch(list(pages)) == list(pages.values())
+        assert backend.used_bytes() == 5000
+        time.sleep(0.6)
+        assert backend.contains_batch(list(pages)) == [False] * 5
+        assert backend.used_bytes() == 5000  # the index does not know yet
+        assert backend.get_batch(list(pages)) == [None] * 5
+        assert backend.used_bytes() == 0  # the misses healed it
+        assert backend.put_batch([(key(1), page(1, 1000))]) == [True]  # re-put: new expiry
+        assert backend.get_batch([key(1)]) == [page(1, 1000)]
+
+
+def put_through_small_server(backend: RedisBackend) -> dict[int, bytes]:
+    """~12 MiB of 50 KiB pages, 4 per batch, through a 4 MiB server; every put succeeds."""
+    rng = random.Random(3)
+    latest: dict[int, bytes] = {}
+    for step in range(60):
+        ids = [rng.randrange(300) for _ in range(4)]
+        items = [(i, page(step * 1000 + i, 50 * KiB)) for i in ids]
+        assert backend.put_batch([(key(i), data) for i, data in items]) == [True] * len(ids)
+        latest.update(items)
+    return latest
+
+
+def check_gets_heal(backend: RedisBackend, latest: dict[int, bytes]) -> None:
+    got = backend.get_batch([key(i) for i in latest])
+    for i, data in zip(latest, got, strict=True):
+        assert data is None or data == latest[i]
+    hits = [data for data in got if data is not None]
+    assert 0 < len(hits) < len(latest)
+    assert backend.used_bytes() == sum(map(len, hits))  # healed by the misses (and hits)
+    assert backend.stats.errors == 0
+
+
+def test_server_allkeys_lru_eviction_never_raises(own_server: Callable[..., RedisServer]) -> None:
+    srv = own_server("--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru")
+    with make_redis(srv.url, capacity=256 * MiB) as backend:
+        latest = put_through_small_server(backend)
+        # allkeys-lru may also have evicted index keys (all keys were touched in the same
+        # second: Redis's LRU clock cannot tell them apart); the gets then re-adopt stored
+        # pages. Waiting a second makes the pages older than the index for the final gets.
+        time.sleep(1.1)
+        check_gets_heal(backend, latest)
+
+
+def test_server_volatile_lru_with_ttl_keeps_the_index(own_server: Callable[..., RedisServer]) -> None:
+    srv = own_server("--maxmemory", "4mb", "--maxmemory-policy", "volatile-lru")
+    with make_redis(srv.url, capacity=256 * MiB, ttl_s=3600) as backend:
+        latest = put_through_small_server(backend)
+        # only pages carry a TTL, so the server evicted pages only: the index counts them all
+        assert backend.used_bytes() == sum(map(len, latest.values())) > 4 * MiB
+        check_gets_heal(backend, latest)
+
+
+def test_server_full_noeviction_refuses_puts(own_server: Callable[..., RedisServer]) -> None:
+    srv = own_server("--maxmemory", "3mb", "--maxmemory-policy", "noeviction")
+    with make_redis(srv.url, capacity=256 * MiB) as backend:
+        answers: list[bool] = []
+        stored: dict[str, bytes] = {}
+        for i in range(80):  # 8 MiB into 3 MiB
+            data = page(i, 100 * KiB)
+            answers += backend.put_batch([(key(i), data)])
+            if answers[-1]:
+                stored[key(i)] = data
+        assert True in answers and False in answers
+        assert backend.stats.put_refused == answers.count(False)
+        assert backend.stats.errors == 0
+        assert backend.get_batch(list(stored)) == list(stored.values())
+        assert backend.used_bytes() == sum(map(len, stored.values()))
+        # deletes (and their accounting) still work while the server is full; then puts fit
+        assert backend.delete_batch(list(stored)[:10]) == 10
+        assert backend.used_bytes() == sum(map(len, list(stored.values())[10:]))
+        assert backend.put_batch([(key(1000), page(1000, 100 * KiB))]) == [True]
+
+
+# -- authentication and TLS --------------------------------------------------------------------
+
+
+def test_password_in_url(own_server: Callable[..., RedisServer]) -> None:
+    srv = own_server("--requirepass", "s3cret")
+    good = srv.url.replace("redis://", "redis://:s3cret@")
+    with make_redis(good) as backend:
+        assert backend.put_batch([(key(1), b"abc")]) == [True]
+        assert backend.get_batch([key(1)]) == [b"abc"]
+    # A wrong password is only seen on first use: BackendUnavailableError, with a clear message
+    # that never shows the password.
+    with make_redis(srv.url.replace("redis://", "redis://:wrong-pw@")) as backend:
+        with pytest.raises(BackendUnavailableError, match="authentication failed") as info:
+            backend.get_batch([key(1)])
+        assert "wrong-pw" not in str(info.value) and ":***@" in str(info.value)
+        assert backend.stats.errors == 1
+    with make_redis(srv.url) as backend, pytest.raises(BackendUnavailableError):
+        backend.contains_batch([key(1)])  # no password at all
+
+
+def test_acl_user_in_url(own_server: Callable[..., RedisServer]) -> None:
+    srv = own_server("--user", "default", "off", "--user", "alice", "on", ">pw1", "~*", "+@all")
+    with make_redis(srv.url.replace("redis://", "redis://alice:pw1@")) as backend:
+        assert backend.put_batch([(key(1), b"abc")]) == [True]
+        assert backend.get_batch([key(1)]) == [b"abc"]
+        assert backend.used_bytes() == 3
+    with make_redis(srv.url.replace("redis://", "redis://alice:nope@")) as backend:
+        with pytest.raises(BackendUnavailableError, match=r"authentication failed.*") as info:
+            backend.put_batch([(key(1), b"abc")])
+        assert "alice:***@" in str(info.value)
+
+
+def make_tls_files(directory: Path) -> tuple[Path, Path, Path]:
+    """A self-signed CA and a server cert for 127.0.0.1 signed by it (openssl)."""
+    ca_key, ca_crt = directory / "ca.key", directory / "ca.crt"
+    srv_key, srv_csr, srv_crt = directory / "srv.key", directory / "srv.csr", directory / "srv.crt"
+    ext = directory / "ext.cnf"
+    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    commands = [
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+         "-subj", "/CN=hop-test-ca", "-keyout", ca_key, "-out", ca_crt],
+        ["openssl", "req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
+         "-keyout", srv_key, "-out", srv_csr],
+        ["openssl", "x509", "-req", "-in", srv_csr, "-CA", ca_crt, "-CAkey", ca_key,
+         "-CAcreateserial", "-days", "2", "-extfile", ext, "-out", srv_crt],
+    ]  # fmt: skip
+    for command in commands:
+        subprocess.run([str(c) for c in command], check=True, capture_output=True, timeout=60)
+    return ca_crt, srv_crt, srv_key
+
+
+def test_tls_rediss_url(own_server: Callable[..., RedisServer], tmp_path: Path) -> None:
+    # Checked first: the apt redis-server 7.0.15 is built with TLS (it links libssl and
+    # accepts --tls-port), so this test does not skip.
+    ca, crt, tls_key = make_tls_files(tmp_path)
+    tls_port = free_port()
+    args = ["--tls-port", str(tls_port), "--tls-cert-file", str(crt), "--tls-key-file", str(tls_key)]
+    srv = own_server(*args, "--tls-ca-cert-file", str(ca), "--tls-auth-clients", "no")
+    url = f"rediss://127.0.0.1:{tls_port}/0"
+    with make_redis(url, ssl_ca_certs=str(ca)) as backend:
+        assert backend.put_batch([(key(1), page(1, 100_000))]) == [True]
+        assert backend.get_batch([key(1)]) == [page(1, 100_000)]
+    plain = redis.Redis.from_url(srv.url)
+    assert plain.dbsize() > 0  # the pages went to this server, through TLS
+    plain.close()
+    # without ssl_ca_certs: the system CAs do not trust our self-signed CA
+    with make_redis(url) as backend, pytest.raises(BackendUnavailableError):
+        backend.get_batch([key(1)])
+
+
+# -- failures: server down, killed, hung, restarted ---------------------------------------------
+
+
+def test_construct_with_server_down_does_not_connect() -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    for type_name, options in [("redis", {"url": url}), ("redis-cluster", {"url": url})]:
+        config = BackendConfig(type_name, "down", MiB, options={**options, "prefix": "down"})
+        backend = create_backend(config)  # must neither connect nor raise
+        start = time.monotonic()
+        with pytest.raises(BackendUnavailableError, match=r"127\.0\.0\.1") as info:
+            backend.get_batch([key(1)])
+        assert time.monotonic() - start < 3.0
+        assert isinstance(info.value.__cause__, Exception)  # chained to redis-py's error
+        assert backend.stats.errors == 1
+        backend.close()
+
+
+def test_server_killed_then_restarted_same_instance_recovers(
+    own_server: Callable[..., RedisServer],
+) -> None:
+    srv = own_server()
+    with make_redis(srv.url, socket_timeout_s=1.0, connect_timeout_s=0.5) as backend:
+        assert backend.put_batch([(key(1), page(1, 1000))]) == [True]
+        srv.stop()
+        for name, call in all_calls(backend).items():
+            start = time.monotonic()
+            with pytest.raises(BackendUnavailableError, match="redis-test"):
+                call()
+            assert time.monotonic() - start < 3.0, name
+        assert backend.stats.errors == len(all_calls(backend))
+        srv.start()  # same port; no persistence, so the pages are gone
+        assert backend.get_batch([key(1)]) == [None]
+        assert backend.put_batch([(key(2), page(2, 500))]) == [True]
+        assert backend.get_batch([key(2)]) == [page(2, 500)]
+        assert backend.used_bytes() == 500
+        # a restart between two calls: the pooled connections are stale, redis-py reconnects
+        srv.restart()
+        assert backend.contains_batch([key(2)]) == [False]
+        assert backend.put_batch([(key(3), b"abc")]) == [True]
+        assert backend.used_bytes() == 3
+
+
+def test_hung_server_times_out(own_server: Callable[..., RedisServer]) -> None:
+    srv = own_server()
+    with make_redis(srv.url, socket_timeout_s=0.5, connect_timeout_s=0.5) as backend:
+        assert backend.put_batch([(key(1), b"abc")]) == [True]
+        assert srv.pid is not None
+        os.kill(srv.pid, signal.SIGSTOP)
+        try:
+            for call in (lambda: backend.get_batch([key(1)]), backend.used_bytes):
+                start = time.monotonic()
+                with pytest.raises(BackendUnavailableError, match="Timeout"):
+                    call()
+                assert time.monotonic() - start < 2.0
+        finally:
+            os.kill(srv.pid, signal.SIGCONT)
+        assert backend.get_batch([key(1)]) == [b"abc"]
+
+
+def test_scripts_reloaded_after_script_flush(server: RedisServer) -> None:
+    with make_redis(server.url, capacity=3000) as backend:
+        backend.put_batch([(key(i), page(i, 1000)) for i in range(3)])
+        admin = redis.Redis.from_url(server.url)
+        admin.script_flush()
+        assert backend.put_batch([(key(3), page(3, 1000))]) == [True]  # NOSCRIPT -> EVAL
+        assert backend.contains_batch([key(0), key(3)]) == [False, True]
+        admin.close()
+
+
+def test_index_heals_when_the_server_drops_index_keys(server: RedisServer) -> None:
+    with make_redis(server.url, capacity=10_000) as backend:
+        backend.put_batch([(key(i), page(i, 1000)) for i in range(4)])
+        admin = redis.Redis.from_url(server.url)
+        admin.delete(backend._index.used, backend._index.tick)
+        assert backend.put_batch([(key(4), page(4, 1000))]) == [True]  # used rebuilt from sizes
+        assert backend.used_bytes() == 5000
+        backend.get_batch([key(0)])  # k0 refreshed with a tick above the others
+        backend.put_batch([(key(9), page(9, 9000))])  # evicts k1..k4 (the LRU), not k0
+        assert backend.contains_batch([key(0), key(1), key(4), key(9)]) == [True, False, False, True]
+        admin.delete(backend._index.lru)  # the set and the hash disagree: index forgotten
+        assert backend.put_batch([(key(5), page(5, 1000))]) == [True]
+        assert backend.used_bytes() == 1000
+        # the pages still stored are adopted again when a get finds them
+        assert backend.get_batch([key(0), key(9)]) == [page(0, 1000), page(9, 9000)]
+        assert backend.used_bytes() == 11_000 - 9000  # k9 does not fit next to k0 and k5
+        admin.close()
+
+
+# -- options -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "bad_key"),
+    [
+        ({"url": "http://127.0.0.1:6379"}, "url"),
+        ({"url": "redis://"}, "url"),
+        ({"url": "redis://127.0.0.1:99999"}, "url"),
+        ({"url": "redis://127.0.0.1/x"}, "url"),
+        ({"url": "redis+cluster://127.0.0.1:7000/3"}, "url"),
+        ({"url": 5}, "url"),
+        ({"prefix": "a{b}"}, "prefix"),
+        ({"prefix": ""}, "prefix"),
+        ({"ttl_s": 0}, "ttl_s"),
+        ({"ttl_s": "10"}, "ttl_s"),
+        ({"socket_timeout_s": -1}, "socket_timeout_s"),
+        ({"connect_timeout_s": True}, "connect_timeout_s"),
+        ({"max_connections": 0}, "max_connections"),
+        ({"max_batch_bytes": 1.5}, "max_batch_bytes"),
+        ({"ssl_ca_certs": "/no/such/ca.pem"}, "ssl_ca_certs"),
+        ({"startup_nodes": ["127.0.0.1:7000"]}, "startup_nodes"),  # unknown for type redis
+        ({"colour": "blue"}, "colour"),
+    ],
+)
+def test_bad_options_name_the_key(options: dict[str, Any], bad_key: str) -> None:
+    with pytest.raises(BackendConfigError, match=bad_key):
+        create_backend(BackendConfig("redis", "bad", MiB, options=options))
+
+
+@pytest.mark.parametrize(
+    ("options", "bad_key"),
+    [
+        ({}, "url"),
+        ({"startup_nodes": []}, "startup_nodes"),
+        ({"startup_nodes": ["nohost"]}, "startup_nodes"),
+        ({"startup_nodes": "127.0.0.1:7000"}, "startup_nodes"),
+    ],
+)
+def test_bad_cluster_options_name_the_key(options: dict[str, Any], bad_key: str) -> None:
+    with pytest.raises(BackendConfigError, match=bad_key):
+        create_backend(BackendConfig("redis-cluster", "bad", MiB, options=options))
+
+
+# -- batching and sharing ----------------------------------------------------------------------
+
+
+def test_pipelines_carry_at_most_max_batch_bytes(
+    server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with make_redis(server.url, max_batch_bytes=250 * KiB) as backend:
+        chunks: list[int] = []
+        original = RedisBackend._put_chunk
+
+        def counting(self: RedisBackend, client: Any, batch: list[Any], results: list[bool]) -> int:
+            chunks.append(sum(view.nbytes for _, _, view in batch))
+            return original(self, client, batch, results)
+
+        monkeypatch.setattr(RedisBackend, "_put_chunk", counting)
+        pages = [(key(i), page(i, 100 * KiB)) for i in range(10)]
+        assert backend.put_batch(pages) == [True] * 10
+        assert chunks == [200 * KiB] * 5
+        pipelines: list[int] = []
+        original_pipeline = RedisBackend._pipeline
+
+        def counting_pipeline(self: RedisBackend, client: Any, commands: Any, **kw: Any) -> Any:
+            pipelines.append(len(commands))
+            return original_pipeline(self, client, commands, **kw)
+
+        monkeypatch.setattr(RedisBackend, "_pipeline", counting_pipeline)
+        assert backend.get_batch([k for k, _ in pages]) == [data for _, data in pages]
+        assert pipelines == [2] * 5  # the GETs, split by the sizes the index knows
+
+
+_CHILD = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from backend_contract import key, page
+from hybrid_offload.backends import BackendConfig, create_backend
+url, prefix, command = sys.argv[2], sys.argv[3], sys.argv[4]
+options = {"url": url, "prefix": prefix}
+with create_backend(BackendConfig("redis", "child", 4000, options=options)) as backend:
+    if command == "put3-get0":
+        assert backend.put_batch([(key(3), page(3, 1000))]) == [True]
+        assert backend.get_batch([key(0)]) == [page(0, 1000)]
+    print(backend.used_bytes())
+"""
+
+
+def test_two_processes_share_capacity_and_lru(server: RedisServer) -> None:
+    with make_redis(server.url, capacity=4000) as backend:
+        prefix = backend.config.options["prefix"]
+        backend.put_batch([(key(i), page(i, 1000)) for i in range(3)])
+        child = subprocess.run(
+            [sys.executable, "-c", _CHILD, str(HERE), server.url, prefix, "put3-get0"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert child.returncode == 0, child.stderr
+        assert int(child.stdout.split()[-1]) == 4000  # the child saw our 3 pages + its own
+        assert backend.used_bytes() == 4000
+        # the child's get refreshed k0 and its put made k3 recent: k1 is the shared LRU
+        assert backend.put_batch([(key(4), page(4, 1000))]) == [True]
+        assert backend.contains_batch([key(i) for i in range(5)]) == [True, False, True, True, True]
+        assert backend.get_batch([key(3)]) == [page(3, 1000)]  # the child's page, read here
+        # two instances in this process share it the same way
+        with make_redis(server.url, capacity=4000, prefix=prefix) as other:
+            assert other.used_bytes() == 4000
+            other.put_batch([(key(5), page(5, 1000))])  # evicts k2, now the LRU
+            assert backend.contains_batch([key(2), key(5)]) == [False, True]
+            assert other.stats.evictions == 1 and backend.stats.evictions == 1
