@@ -5,6 +5,7 @@ One cluster per test module (per xdist worker); each backend gets a unique ``pre
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ import pytest
 import redis
 import redis.cluster
 from backend_contract import BackendContract, key, page
-from hybrid_offload.backends import Backend, BackendConfig, create_backend
+from hybrid_offload.backends import Backend, BackendConfig, BackendUnavailableError, create_backend
 from hybrid_offload.backends.redis import RedisBackend, RedisClusterBackend
 from redis.crc import key_slot
 from redis_servers import RedisClusterProcess, start_redis_cluster
@@ -136,3 +137,41 @@ def test_redis_type_with_cluster_url(cluster: RedisClusterProcess) -> None:
     with create_backend(BackendConfig("redis-cluster", "cluster-url2", 1 << 20, options=options)) as other:
         assert other.put_batch([(key(1), b"x" * 10)]) == [True]
         assert other.contains_batch([key(1), key(2)]) == [True, False]
+
+
+def test_node_killed_then_restarted_same_instance_recovers(tmp_path: Path) -> None:
+    process = start_redis_cluster(tmp_path / "own-cluster", n=3)
+    try:
+        backend = make_cluster_backend(process, socket_timeout_s=1.0, connect_timeout_s=0.5)
+        keys = [key(i) for i in range(60)]
+        assert backend.put_batch([(k, page(i, 300)) for i, k in enumerate(keys)]) == [True] * 60
+        process.nodes[1].stop()
+        calls = {
+            "get": lambda: backend.get_batch(keys),
+            "contains": lambda: backend.contains_batch(keys),
+            "delete": lambda: backend.delete_batch(keys),
+        }
+        for name, call in calls.items():  # every call touches the dead node's slots
+            start = time.monotonic()
+            with pytest.raises(BackendUnavailableError, match="cluster-test"):
+                call()
+            assert time.monotonic() - start < 5.0, name
+        assert backend.stats.errors == len(calls)
+        process.nodes[1].start()  # same port and nodes.conf: it takes its slots back
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                got = backend.get_batch(keys)
+                break
+            except BackendUnavailableError:
+                assert time.monotonic() < deadline, "the cluster client did not recover"
+                time.sleep(0.2)
+        # the restarted node lost its pages (no persistence); the others kept theirs
+        assert 0 < sum(data is not None for data in got) < len(keys)
+        for i, data in enumerate(got):
+            assert data is None or data == page(i, 300)
+        # misses healed the index, or (if the index lived on the restarted node) hits re-adopted
+        assert backend.used_bytes() == sum(300 for data in got if data is not None)
+        backend.close()
+    finally:
+        process.stop()
