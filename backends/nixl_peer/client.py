@@ -68,6 +68,7 @@ __all__ = ["NixlPeerBackend", "parse_address"]
 logger = logging.getLogger(__name__)
 
 _MiB = 1 << 20
+_KEYS_PER_REQUEST = 8192  # keeps every control message far below protocol.MAX_BODY
 
 
 def parse_address(address: object) -> tuple[str, int]:
@@ -105,6 +106,7 @@ class _Peer:
         self.sock: socket.socket | None = None
         self.hello: p.HelloReply | None = None
         self.request_id = 0
+        self.unanswered = 0  # requests sent without waiting; their replies are skipped later
         self.down_until = 0.0
         self.backoff = backoff
         self.last_error = ""
@@ -189,6 +191,7 @@ class NixlPeerBackend(Backend):
             with contextlib.suppress(OSError):
                 peer.sock.close()
         peer.sock = None
+        peer.unanswered = 0
 
     def _mark_down(self, peer: _Peer, reason: str) -> None:
         """Call with ``peer.lock`` held."""
@@ -200,14 +203,23 @@ class NixlPeerBackend(Backend):
         peer.backoff = min(peer.backoff * 2, self._backoff_max)
         self._count(errors=1)
 
-    def _exchange(self, peer: _Peer, request: p.Message) -> p.Message:
+    def _exchange(self, peer: _Peer, request: p.Message, *, wait: bool = True) -> p.Message | None:
+        """Send ``request`` and read its reply, first skipping the replies to earlier requests
+        sent with ``wait=False`` (RELEASE: nothing to wait for, saves a round trip per load)."""
         assert peer.sock is not None
         peer.request_id = (peer.request_id + 1) & 0xFFFFFFFF
         p.send_message(peer.sock, request, peer.request_id)
-        reply, request_id = p.recv_message(peer.sock)
-        if request_id != peer.request_id and not isinstance(reply, p.Error):
-            raise p.ProtocolError(p.ErrorCode.MALFORMED, f"reply to request {request_id}")
-        return reply
+        if not wait:
+            peer.unanswered += 1
+            return None
+        while True:
+            reply, request_id = p.recv_message(peer.sock)
+            if peer.unanswered and request_id != peer.request_id and not isinstance(reply, p.Error):
+                peer.unanswered -= 1
+                continue
+            if request_id != peer.request_id and not isinstance(reply, p.Error):
+                raise p.ProtocolError(p.ErrorCode.MALFORMED, f"reply to request {request_id}")
+            return reply
 
     def _connect(self, peer: _Peer) -> None:
         sock = socket.create_connection((peer.host, peer.port), timeout=self._timeout)
@@ -219,6 +231,7 @@ class NixlPeerBackend(Backend):
         except BaseException:
             self._disconnect(peer)
             raise
+        assert reply is not None
         if isinstance(reply, p.Error):
             self._disconnect(peer)
             what = "wrong token" if reply.code == p.ErrorCode.AUTH_FAILED else "handshake refused"
@@ -231,25 +244,34 @@ class NixlPeerBackend(Backend):
         peer.hello = reply
         peer.backoff = self._backoff0
 
-    def _call(self, peer: _Peer, request: p.Message, *, retry: bool = True) -> tuple[Any, p.HelloReply]:
-        """Send ``request``; ``(reply, hello of the connection used)``. Raises _PeerDownError."""
+    def _call(
+        self, peer: _Peer, request: p.Message, *, retry: bool = True, wait: bool = True
+    ) -> tuple[Any, p.HelloReply]:
+        """Send ``request``; ``(reply, hello of the connection used)``. Raises _PeerDownError.
+
+        ``wait=False`` only sends (reply None), on the current connection, never reconnecting.
+        """
         with peer.lock:
             self._check_open()
             if peer.is_down():
                 raise _PeerDownError(f"{peer.address}: backing off after: {peer.last_error}")
+            if not wait and peer.sock is None:
+                raise _PeerDownError(f"{peer.address}: not connected")
             for attempt in range(2):
                 fresh = peer.sock is None
                 try:
                     if fresh:
                         self._connect(peer)
-                    reply = self._exchange(peer, request)
+                    reply = self._exchange(peer, request, wait=wait)
+                    if not wait:
+                        return None, peer.hello  # type: ignore[return-value]
                 except (OSError, p.ProtocolError) as exc:
                     self._disconnect(peer)
-                    if fresh or not retry or attempt:
+                    if fresh or not retry or attempt or isinstance(exc, TimeoutError):
                         reason = f"{type(exc).__name__}: {exc}"
                         self._mark_down(peer, reason)
                         raise _PeerDownError(f"{peer.address}: {reason}") from exc
-                    continue  # a stale connection (peer restarted): one fresh try
+                    continue  # a stale connection (peer restarted?): one fresh try
                 assert peer.hello is not None
                 if isinstance(reply, p.Error):
                     raise _PeerDownError(f"{peer.address}: error {reply.code}: {reply.message}")
@@ -260,7 +282,19 @@ class NixlPeerBackend(Backend):
         raise AssertionError("unreachable")
 
     def _per_peer(self, keys: Sequence[str]) -> list[tuple[int, _Peer, list[int]]]:
-        return [(n, self._peers[n], idxs) for n, idxs in self._ring.group(keys).items()]
+        """``(peer index, peer, key positions)``, at most ``_KEYS_PER_REQUEST`` keys each."""
+        step = _KEYS_PER_REQUEST
+        return [
+            (n, self._peers[n], idxs[i : i + step])
+            for n, idxs in self._ring.group(keys).items()
+            for i in range(0, len(idxs), step)
+        ]
+
+    def _check_count(self, peer: _Peer, got: int, want: int) -> None:
+        if got != want:
+            with peer.lock:
+                self._mark_down(peer, f"answered {got} items for {want} keys")
+            raise _PeerDownError(f"{peer.address}: answered {got} items for {want} keys")
 
     def _raise_if_all_down(self, what: str) -> None:
         if all(peer.is_down() for peer in self._peers):
@@ -428,6 +462,7 @@ class NixlPeerBackend(Backend):
         for n, peer, idxs in self._per_peer(keys):
             try:
                 reply, hello = self._call(peer, p.Get([keys[i] for i in idxs]))
+                self._check_count(peer, len(reply.extents), len(idxs))
             except _PeerDownError:
                 continue
             if reply.lease_id:
@@ -444,7 +479,7 @@ class NixlPeerBackend(Backend):
         finally:
             for peer, lease_id in leases:
                 with contextlib.suppress(_PeerDownError):
-                    self._call(peer, p.Release(lease_id), retry=False)
+                    self._call(peer, p.Release(lease_id), retry=False, wait=False)
         for n, _peer, idxs in self._per_peer(keys) if failed else []:
             if n in failed:
                 for i in idxs:
@@ -489,6 +524,7 @@ class NixlPeerBackend(Backend):
             try:
                 request = p.Alloc([keys[i] for i in idxs], [views[i].nbytes for i in idxs])
                 reply, hello = self._call(peer, request)
+                self._check_count(peer, len(reply.offsets), len(idxs))
             except _PeerDownError:
                 continue
             allocs.append((n, peer, idxs, reply.alloc_id, reply.offsets))
@@ -515,55 +551,37 @@ class NixlPeerBackend(Backend):
             self._raise_if_all_down("put")
         return results
 
-    def contains_batch(self, keys: Sequence[str]) -> list[bool]:
-        """LOOKUP on each key's peer (no LRU refresh); a down peer's keys are False."""
+    def _ask(self, keys: Sequence[str], make: Callable[[list[str]], p.Message], what: str) -> list[Any]:
+        """Send ``make(keys of a peer)`` to each key's peer; ``[(positions, reply)]`` of those
+        that answered. Raises BackendUnavailableError if none did and all peers are down."""
         check_keys(keys)
         self._check_open()
-        present = [False] * len(keys)
-        answered = False
+        answers = []
         for _, peer, idxs in self._per_peer(keys):
-            try:
-                reply, _ = self._call(peer, p.Lookup([keys[i] for i in idxs]))
-            except _PeerDownError:
-                continue
-            answered = True
-            for i, found in zip(idxs, reply.present, strict=True):
-                present[i] = found
-        if keys and not answered:
-            self._raise_if_all_down("contains")
+            with contextlib.suppress(_PeerDownError):
+                answers.append((idxs, self._call(peer, make([keys[i] for i in idxs]))[0]))
+        if keys and not answers:
+            self._raise_if_all_down(what)
+        return answers
+
+    def contains_batch(self, keys: Sequence[str]) -> list[bool]:
+        """LOOKUP on each key's peer (no LRU refresh); a down peer's keys are False."""
+        present = [False] * len(keys)
+        for idxs, reply in self._ask(keys, p.Lookup, "contains"):
+            if len(reply.present) == len(idxs):
+                for i, found in zip(idxs, reply.present, strict=True):
+                    present[i] = found
         return present
 
     def delete_batch(self, keys: Sequence[str]) -> int:
-        check_keys(keys)
-        self._check_open()
-        deleted = 0
-        answered = False
-        for _, peer, idxs in self._per_peer(keys):
-            try:
-                reply, _ = self._call(peer, p.Delete([keys[i] for i in idxs]))
-            except _PeerDownError:
-                continue
-            answered = True
-            deleted += reply.deleted
-        if keys and not answered:
-            self._raise_if_all_down("delete")
-        return deleted
+        return sum(reply.deleted for _, reply in self._ask(keys, p.Delete, "delete"))
 
     def used_bytes(self) -> int:
         """Sum of USED over the peers that answer; raises if none does."""
-        self._check_open()
-        total = 0
-        answered = False
-        for peer in self._peers:
-            try:
-                reply, _ = self._call(peer, p.Used())
-            except _PeerDownError:
-                continue
-            answered = True
-            total += reply.used
-        if not answered:
+        usage = [u for u in self.peer_usage().values() if u is not None]
+        if not usage:
             self._raise_if_all_down("used_bytes")
-        return total
+        return sum(u.used for u in usage)
 
     def peer_usage(self) -> dict[str, p.UsedReply | None]:
         """Per peer address: its USED reply (used, reserved, free, pages), None if down."""

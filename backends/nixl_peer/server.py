@@ -185,7 +185,13 @@ class PeerServer:
                     if not greeted:
                         return
                     continue
-                self._send(conn, self._dispatch(conn, request), request_id)
+                try:
+                    reply = self._dispatch(conn, request)
+                except Exception as exc:  # a bug: answer, drop this connection, keep serving
+                    logger.exception("client %s: internal error", conn.address)
+                    self._send(conn, p.Error(p.ErrorCode.INTERNAL, f"internal error: {exc}"), request_id)
+                    return
+                self._send(conn, reply, request_id)
         except (OSError, ConnectionError):
             logger.debug("client %s disconnected", conn.address)
         finally:

@@ -4,7 +4,9 @@ reservations of dead clients, the control channel's defences, and the peer's poo
 from __future__ import annotations
 
 import contextlib
+import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -189,6 +191,29 @@ def test_restarted_peer_is_rehandshaken_by_the_same_client(peers: PeerFactory, c
     assert backend.get_batch([key(1), key(2)]) == [None, page(2, 7000)]
     buf = memoryview(bytearray(7000))
     assert backend.get_into([key(2)], [buf]) == [7000] and bytes(buf) == page(2, 7000)
+
+
+def test_hung_peer_calls_return_within_timeout(peers: PeerFactory, clients: Any) -> None:
+    peer = peers()
+    backend = clients([peer.address], **FAST)
+    assert backend.put_batch([(key(1), page(1, 100))]) == [True]
+    assert peer.proc is not None
+    os.kill(peer.proc.pid, signal.SIGSTOP)  # accepts connections (kernel), answers nothing
+    try:
+        for call in (lambda: backend.get_batch([key(1)]), lambda: backend.contains_batch([key(1)])):
+            began = time.monotonic()
+            with pytest.raises(BackendUnavailableError):
+                call()
+            assert time.monotonic() - began < 1.5 * FAST["timeout_s"]
+    finally:
+        os.kill(peer.proc.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while True:
+        with contextlib.suppress(BackendUnavailableError):
+            if backend.get_batch([key(1)]) == [page(1, 100)]:
+                break
+        assert time.monotonic() < deadline, "client did not recover after the peer resumed"
+        time.sleep(0.05)
 
 
 def test_construction_with_peer_down_does_not_raise(clients: Any) -> None:
