@@ -327,7 +327,8 @@ class RedisBackend(Backend):
         results = [False] * len(items)
         views: list[tuple[int, str, memoryview]] = []
         for i, (key, buf) in enumerate(items):
-            view = memoryview(buf).cast("B")
+            view = memoryview(buf)
+            view = view.cast("B") if view.c_contiguous else memoryview(view.tobytes())
             if view.nbytes > self.capacity_bytes:
                 results[i] = False
             else:
