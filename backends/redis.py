@@ -40,7 +40,14 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
   naming the backend and the url without password, count ``stats.errors``, and are logged
   (warning on the first failure, info on recovery). redis-py reconnects on the next call.
   A round trip is bounded by ``connect_timeout_s + socket_timeout_s``, with one immediate
-  retry on a dropped connection (a server that restarted); a call makes at most three.
+  retry on a dropped connection (a server that restarted); a call makes at most three per
+  chunk of ``max_batch_bytes``.
+* **Options.** ``url`` (``redis://[user:password@]host:port/db``; ``rediss://`` for TLS, with
+  ``ssl_ca_certs`` to trust a private CA; ``redis+cluster://`` / ``rediss+cluster://`` for a
+  cluster, db 0 only), ``prefix`` (``hop``), ``ttl_s`` (None), ``socket_timeout_s`` (2.0),
+  ``connect_timeout_s`` (1.0), ``max_connections`` (8, per server), ``max_batch_bytes``
+  (64 MiB). Type ``redis-cluster`` also takes ``startup_nodes: ["host:port", ...]`` (with or
+  instead of ``url``).
 * **Threading / blocking.** Methods block on network I/O and are thread-safe (a pool of at
   most ``max_connections`` connections per server; waiting for one is bounded too). Puts and
   deletes of one instance hold one lock, so this process never DELs a page that another of
