@@ -1,0 +1,645 @@
+"""LMCache's storage stack as a page tier: any remote store LMCache has a connector for.
+
+Role: store our canonical pages (opaque bytes under our keys) through LMCache 0.5.6's
+``RemoteConnector`` layer (``lmcache.v1.storage_backend.connector.CreateConnector``), so its
+Redis connector (``redis://``, ``rediss://``, ``unix://``), its file-system connector
+(``fs://host:0/path``), its ``lm://`` server and the other stores it supports become a tier. This
+is the lowest LMCache layer that moves bytes under a key without a GPU: the backend hands it
+CPU ``TensorMemoryObj`` s (1-D ``uint8``, ``MemoryFormat.UNDEFINED``) from a small heap allocator
+(a ``LocalCPUBackend`` stand-in, the pattern of LMCache's own ``SafeLocalCPUBackend``) and runs
+its coroutines on a private event-loop thread. ``StorageManager``/``LMCacheEngine`` are not used:
+they need a GPU connector and a model's KV layout. LMCache is installed by
+``scripts/install_lmcache.sh`` (``--no-deps``, no CUDA packages); this module imports it at import
+time and raises ``ImportError`` naming that script when it is missing.
+
+Options (:attr:`LMCacheBackend.option_defaults`), each checked with a
+:class:`BackendConfigError` naming the key:
+
+* ``remote_url`` (required): an LMCache remote URL, e.g. ``redis://127.0.0.1:6379`` or
+  ``fs://localhost:0/var/cache/pages``. ``resp://`` is refused (that connector reads fixed
+  full-chunk-size values; pages vary in size). For ``redis``/``rediss``/``unix`` URLs without
+  them, ``socket_timeout`` and ``socket_connect_timeout`` (= ``op_timeout_s``) are added so a
+  hung server fails a call instead of blocking LMCache's I/O loop.
+* ``namespace`` (``"hybrid-offload"``): prefix of LMCache's key (its ``model_name``), so
+  several deployments can share one store.
+* ``op_timeout_s`` (10.0): a batch call that has not finished by then raises
+  :class:`BackendUnavailableError`.
+* ``close_timeout_s`` (2.0): how long :meth:`LMCacheBackend.close` waits for LMCache's
+  ``close()``.
+
+Contract beyond :mod:`hybrid_offload.backends.base`:
+
+* **Keys.** Page key ``<ns>-<digest>`` becomes ``CacheEngineKey(model_name=f"{namespace}-{ns}",
+  world_size=1, worker_id=0, chunk_hash=int("1" + digest, 16), dtype=uint8)``, whose string is
+  ``<namespace>-<ns>@1@0@1<digest>@uint8`` (the leading ``1`` keeps the digest's leading zeros:
+  the mapping is one-to-one).
+* **One value per page, torn writes are misses.** LMCache writes each value under its own key
+  (Redis: ``<key>kv_bytes``, plus ``<key>metadata`` holding only LMCache's 28-byte shape record;
+  fs: one file). The backend stores one envelope per page in that value: a 24-byte header
+  (magic ``HOLM``, version, kind, payload length, xxh3-64 of key + payload) then the page bytes.
+  A get returns the page only if the value's length, magic, kind and checksum (which binds the
+  value to its key) all match; anything else (LMCache's two Redis keys from different writes, a
+  value copied under another key, garbage) is a miss, counted in ``stats.errors``.
+* **Index, capacity and LRU are client side.** LMCache's connectors enforce no capacity and keep
+  no LRU, and its Redis connector cannot delete (``RemoteConnector.remove_sync`` raises
+  ``NotImplementedError``) or list keys. So each instance keeps an index (key -> size, LRU order
+  by last put/get) and enforces ``capacity_bytes`` over it, exactly as the ``cpu`` pool does. A
+  deleted or evicted page is removed through ``remove_sync`` where the connector has it (fs),
+  otherwise overwritten with a 24-byte tombstone envelope (Redis): its page bytes are freed, but
+  the two small Redis keys of a tombstone stay until the key is put again (about 200 bytes per
+  deleted key, not counted in ``used_bytes``; give Redis a ``maxmemory`` policy for churn).
+* **Visibility.** ``shared_index = False``: the index lives in this process (another process
+  cannot tell a tombstone from a page without reading it, nor learn sizes or recency), so the
+  connector mirrors it from :meth:`LMCacheBackend.take_evicted`. Pages do not survive a restart
+  from this backend's point of view (the Redis connector cannot list keys): a new instance starts
+  empty. ``contains_batch`` answers from the index without I/O; ``get_batch`` does I/O only for
+  indexed keys. A page the remote lost (Redis eviction, flush) is dropped from the index on the
+  get that finds it gone and reported by ``take_evicted``.
+* **Threading / blocking.** One lock per instance is held for a whole batch call, I/O included,
+  so this process never has two writes of one key in flight (LMCache's Redis connector writes its
+  two keys non-atomically). Within a call, all keys go to LMCache at once (one ``put``/``get``
+  coroutine per page in one ``asyncio.gather``; not ``batched_put``, whose LMCache wrapper
+  swallows errors) on the backend's event-loop thread.
+* **Errors.** Anything LMCache or the remote raises (connection refused, timeout, server gone)
+  counts in ``stats.errors`` and raises :class:`BackendUnavailableError`; the pages of that call
+  are misses, and keys whose put failed leave the index (reported by ``take_evicted``).
+  Construction never raises for an unreachable store: LMCache builds its connector on the
+  loop thread and the constructor waits at most ``op_timeout_s`` for it (the Redis connector
+  connects lazily; ``lm://`` connects in its constructor, with no timeout of its own). A
+  connector not built yet, or whose build failed, is retried by later calls, which raise
+  :class:`BackendUnavailableError` meanwhile. An URL no LMCache adapter parses raises
+  :class:`BackendConfigError` at construction.
+* **close()** is bounded: LMCache's ``RedisConnector.close()`` never returns (it calls the
+  synchronous ``AsyncPQExecutor.shutdown()`` on its own event loop and waits on itself), so
+  ``close()`` waits at most ``close_timeout_s``, logs a warning and abandons the (daemon) loop
+  thread with the connector's sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import re
+import struct
+import threading
+import time
+import warnings
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, ClassVar, TypeVar
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import xxhash
+
+from .base import (
+    Backend,
+    BackendClosedError,
+    BackendConfig,
+    BackendConfigError,
+    BackendUnavailableError,
+    Buffer,
+    check_keys,
+)
+
+# LMCache's loggers attach opentelemetry-sdk's deprecated LoggingHandler (one warning each).
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=".*LoggingHandler", category=DeprecationWarning)
+    try:
+        import torch
+        from lmcache.utils import CacheEngineKey
+        from lmcache.v1.config import LMCacheEngineConfig
+        from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
+        from lmcache.v1.metadata import LMCacheMetadata
+        from lmcache.v1.storage_backend.connector import CreateConnector, parse_remote_url
+        from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+    except ImportError as exc:  # chained, never swallowed: the registry re-raises it naming the type
+        raise ImportError(
+            f"the 'lmcache' backend needs LMCache 0.5.6 ({exc}). Install it with "
+            "scripts/install_lmcache.sh (the [lmcache] extra: LMCache with --no-deps plus its pinned "
+            "pure-Python dependencies; a plain `pip install lmcache` pulls CUDA torch)"
+        ) from exc
+
+__all__ = ["LMCacheBackend"]
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+# Envelope: magic, version, kind, 2 pad bytes, payload length, xxh3-64(key + b"\0" + payload).
+_HEADER = struct.Struct("<4sBB2xQQ")
+_MAGIC = b"HOLM"
+_VERSION = 1
+_KIND_PAGE = 1
+_KIND_TOMBSTONE = 2
+_NAMESPACE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+_REDIS_SCHEMES = ("redis", "rediss", "unix")
+_RECONNECT_INTERVAL_S = 1.0
+
+
+def _checksum(key: str, payload: Buffer) -> int:
+    h = xxhash.xxh3_64(key.encode("ascii"))
+    h.update(b"\0")
+    h.update(payload)
+    return h.intdigest()
+
+
+def _positive_number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise BackendConfigError(f"option {name!r} must be a number > 0, got {value!r}")
+    return float(value)
+
+
+def _check_remote_url(url: Any, op_timeout_s: float) -> str:
+    """Validate ``remote_url``; return it with socket timeouts added for Redis URLs."""
+    if not isinstance(url, str) or "://" not in url:
+        raise BackendConfigError(
+            f"option 'remote_url' must be an LMCache remote URL such as "
+            f"'redis://127.0.0.1:6379' or 'fs://localhost:0/path', got {url!r}"
+        )
+    parts = urlsplit(url)
+    scheme = parts.scheme
+    if scheme == "resp":
+        raise BackendConfigError(
+            "option 'remote_url': resp:// reads fixed full-chunk-size values and cannot hold "
+            "pages of varying size; use redis://"
+        )
+    if scheme in _REDIS_SCHEMES:
+        try:
+            port = parts.port
+        except ValueError as exc:
+            raise BackendConfigError(f"option 'remote_url': bad port in {url!r}") from exc
+        if scheme != "unix" and (not parts.hostname or port is None):
+            raise BackendConfigError(
+                f"option 'remote_url' needs host and port, e.g. redis://127.0.0.1:6379, got {url!r}"
+            )
+        query = dict(parse_qsl(parts.query))
+        query.setdefault("socket_timeout", f"{op_timeout_s:g}")
+        query.setdefault("socket_connect_timeout", f"{op_timeout_s:g}")
+        return urlunsplit(parts._replace(query=urlencode(query)))
+    try:  # LMCache's own parser (an assert) for lm://, fs://, ...
+        parse_remote_url(url)
+    except (AssertionError, ValueError) as exc:
+        raise BackendConfigError(
+            f"option 'remote_url': LMCache cannot parse {url!r} (it wants "
+            f"scheme://host:port[/path], e.g. fs://localhost:0/path): {exc}"
+        ) from exc
+    return url
+
+
+class _HeapAllocator(LocalCPUBackend):
+    """What LMCache's connectors need of a ``LocalCPUBackend``: ``config``, ``metadata`` and
+    ``allocate()``. Each allocation is a fresh CPU tensor (no pool to exhaust or fragment);
+    requests larger than ``limit`` bytes (garbage metadata) fail like a full pool (``None``)."""
+
+    def __init__(self, config: Any, metadata: Any, limit: int) -> None:  # no super(): no pool
+        self.config = config
+        self.metadata = metadata
+        self.limit = limit
+
+    def allocate(  # type: ignore[override]
+        self, shapes: Any, dtypes: Any, fmt: Any = None, eviction: bool = True, busy_loop: bool = True
+    ) -> TensorMemoryObj | None:
+        shapes = list(shapes) if isinstance(shapes, list) else [shapes]
+        dtypes = list(dtypes) if isinstance(dtypes, list) else [dtypes]
+        size = sum(torch.Size(s).numel() * d.itemsize for s, d in zip(shapes, dtypes, strict=True))
+        if size <= 0 or size > self.limit:
+            return None
+        meta = MemoryObjMetadata(
+            shape=torch.Size(shapes[0]),
+            dtype=dtypes[0],
+            address=0,
+            phy_size=size,
+            ref_count=1,
+            fmt=fmt if fmt is not None else MemoryFormat.UNDEFINED,
+            shapes=[torch.Size(s) for s in shapes],
+            dtypes=dtypes,
+        )
+        return TensorMemoryObj(torch.empty(size, dtype=torch.uint8), meta, None)
+
+    def get_full_chunk_size_bytes(self) -> int:  # type: ignore[override]
+        return self.limit
+
+    def __str__(self) -> str:
+        return "hybrid_offload._HeapAllocator"
+
+
+def _byte_view(obj: Any) -> memoryview:
+    view = obj.byte_array
+    view = view if isinstance(view, memoryview) else memoryview(view)
+    return view.cast("B") if view.format != "B" else view
+
+
+class LMCacheBackend(Backend):
+    """Pages through LMCache's remote connectors (see the module docstring)."""
+
+    type_name: ClassVar[str] = "lmcache"
+    shared_index: ClassVar[bool] = False
+    option_defaults: ClassVar[dict[str, Any]] = {
+        "remote_url": None,
+        "namespace": "hybrid-offload",
+        "op_timeout_s": 10.0,
+        "close_timeout_s": 2.0,
+    }
+
+    @classmethod
+    def validate_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        merged = super().validate_options(options)
+        if merged["remote_url"] is None:
+            raise BackendConfigError("option 'remote_url' is required (e.g. 'redis://127.0.0.1:6379')")
+        op_timeout = _positive_number("op_timeout_s", merged["op_timeout_s"])
+        merged["op_timeout_s"] = op_timeout
+        merged["close_timeout_s"] = _positive_number("close_timeout_s", merged["close_timeout_s"])
+        namespace = merged["namespace"]
+        if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
+            raise BackendConfigError(f"option 'namespace' must match {_NAMESPACE.pattern}, got {namespace!r}")
+        _check_remote_url(merged["remote_url"], op_timeout)
+        return merged
+
+    def __init__(self, config: BackendConfig) -> None:
+        super().__init__(config)
+        options = self.validate_options(dict(config.options))
+        self._op_timeout = options["op_timeout_s"]
+        self._close_timeout = options["close_timeout_s"]
+        self._namespace = options["namespace"]
+        self._url = _check_remote_url(options["remote_url"], self._op_timeout)
+        self._lock = threading.Lock()
+        self._pages: OrderedDict[str, int] = OrderedDict()  # key -> size, LRU first
+        self._used = 0
+        self._evicted: list[str] = []
+        self._closed = False
+        self._can_remove = True  # until the connector says NotImplementedError
+
+        self._lm_config = LMCacheEngineConfig.from_defaults(
+            chunk_size=256,
+            local_cpu=False,
+            max_local_cpu_size=0,
+            remote_url=None,
+            extra_config={"save_chunk_meta": True},
+        )
+        self._lm_metadata = LMCacheMetadata(
+            model_name=self._namespace,
+            world_size=1,
+            local_world_size=1,
+            worker_id=0,
+            local_worker_id=0,
+            kv_dtype=torch.uint8,
+            kv_shape=(1, 1, 256, 1, 1),
+        )
+        self._allocator = _HeapAllocator(
+            self._lm_config, self._lm_metadata, config.capacity_bytes + _HEADER.size
+        )
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name=f"lmcache-io-{config.name}", daemon=True
+        )
+        self._thread.start()
+        self._connector: Any = None
+        self._building: concurrent.futures.Future[Any] | None = None
+        self._next_connect = 0.0
+        with self._lock:
+            try:
+                self._connect()
+            except BackendUnavailableError as exc:
+                logger.warning("lmcache backend %r: remote not reachable yet: %s", self.name, exc)
+            except BaseException:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                raise
+
+    # -- helpers (call with the lock held) -------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendClosedError(f"lmcache backend {self.name!r} is closed")
+
+    def _connect(self) -> Any:
+        """LMCache's connector, built once on the loop thread (``lm://`` connects in its
+        constructor, without a timeout): waits at most ``op_timeout_s``; a build still running
+        is picked up by a later call; a failed one is retried after a short pause."""
+        if self._connector is not None:
+            return self._connector
+        if self._building is None:
+            if time.monotonic() < self._next_connect:
+                raise BackendUnavailableError(f"lmcache backend {self.name!r}: remote unreachable")
+            building: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+            def build() -> None:
+                try:
+                    building.set_result(
+                        CreateConnector(
+                            self._url, self._loop, self._allocator, self._lm_config, self._lm_metadata
+                        )
+                    )
+                except BaseException as exc:
+                    building.set_exception(exc)
+
+            self._building = building
+            self._loop.call_soon_threadsafe(build)
+        try:
+            self._connector = self._building.result(timeout=self._op_timeout)
+        except TimeoutError as exc:
+            self.stats.errors += 1
+            raise BackendUnavailableError(
+                f"lmcache backend {self.name!r}: LMCache connector not built in {self._op_timeout:g} s"
+            ) from exc
+        except ValueError as exc:
+            self._building = None
+            if "No adapter found" in str(exc):
+                raise BackendConfigError(
+                    f"backend {self.name!r}: option 'remote_url': LMCache has no connector for {self._url!r}"
+                ) from exc
+            self._connect_failed(exc)
+        except Exception as exc:
+            self._building = None
+            self._connect_failed(exc)
+        return self._connector
+
+    def _connect_failed(self, exc: BaseException) -> None:
+        self._next_connect = time.monotonic() + _RECONNECT_INTERVAL_S
+        self.stats.errors += 1
+        raise BackendUnavailableError(
+            f"lmcache backend {self.name!r}: cannot create LMCache connector: {exc!r}"
+        ) from exc
+
+    def _run(self, coro_factory: Callable[[Any], Awaitable[_T]], what: str) -> _T:
+        """Run ``coro_factory(connector)`` on the loop thread, bounded by ``op_timeout_s``."""
+        connector = self._connect()
+
+        async def wrapped() -> _T:
+            return await coro_factory(connector)
+
+        future = asyncio.run_coroutine_threadsafe(wrapped(), self._loop)
+        try:
+            return future.result(timeout=self._op_timeout)
+        except TimeoutError as exc:
+            future.cancel()
+            self.stats.errors += 1
+            raise BackendUnavailableError(
+                f"lmcache backend {self.name!r}: {what} did not finish in {self._op_timeout:g} s"
+            ) from exc
+        except Exception as exc:
+            self.stats.errors += 1
+            raise BackendUnavailableError(f"lmcache backend {self.name!r}: {what} failed: {exc!r}") from exc
+
+    def _lm_key(self, key: str) -> CacheEngineKey:
+        namespace, _, digest = key.partition("-")
+        return CacheEngineKey(
+            model_name=f"{self._namespace}-{namespace}",
+            world_size=1,
+            worker_id=0,
+            chunk_hash=int("1" + digest, 16),
+            dtype=torch.uint8,
+        )
+
+    def _memory_obj(self, key: str, kind: int, payload: Buffer) -> TensorMemoryObj:
+        payload = memoryview(payload).cast("B")
+        size = _HEADER.size + payload.nbytes
+        obj = self._allocator.allocate([torch.Size([size])], [torch.uint8], MemoryFormat.UNDEFINED)
+        if obj is None:  # cannot happen: the caller refused pages over capacity
+            raise AssertionError("lmcache backend: envelope larger than its allocator limit")
+        view = _byte_view(obj)
+        _HEADER.pack_into(view, 0, _MAGIC, _VERSION, kind, payload.nbytes, _checksum(key, payload))
+        view[_HEADER.size :] = payload
+        return obj
+
+    def _unwrap(self, key: str, obj: Any) -> bytes | None:
+        """The page in LMCache's value, or None if it is not a whole, valid page of ``key``."""
+        if obj is None:
+            return None
+        try:
+            view = _byte_view(obj)
+        except ValueError:  # an empty value (NULL data pointer)
+            return self._corrupt(key, "empty value")
+        if view.nbytes < _HEADER.size:
+            return self._corrupt(key, f"{view.nbytes}-byte value")
+        magic, version, kind, length, checksum = _HEADER.unpack_from(view, 0)
+        if magic != _MAGIC or version != _VERSION:
+            return self._corrupt(key, "bad magic/version")
+        if kind == _KIND_TOMBSTONE:
+            return None
+        payload = view[_HEADER.size :]
+        if kind != _KIND_PAGE or length != payload.nbytes or checksum != _checksum(key, payload):
+            return self._corrupt(key, "length/checksum mismatch")
+        return bytes(payload)
+
+    def _corrupt(self, key: str, why: str) -> None:
+        self.stats.errors += 1
+        logger.warning("lmcache backend %r: page %s is not valid (%s): miss", self.name, key, why)
+        return None
+
+    def _forget(self, key: str) -> None:
+        size = self._pages.pop(key, None)
+        if size is not None:
+            self._used -= size
+            self._evicted.append(key)
+
+    async def _gather(self, jobs: list[Awaitable[Any]]) -> list[Any]:
+        return await asyncio.gather(*jobs, return_exceptions=True)
+
+    def _remove_remote(self, keys: list[str]) -> None:
+        """Free ``keys`` on the remote: ``remove_sync`` if the connector has it, else tombstones."""
+        if not keys:
+            return
+        if self._can_remove:
+            connector = self._connect()
+            for i, key in enumerate(keys):
+                try:
+                    connector.remove_sync(self._lm_key(key))
+                except NotImplementedError:
+                    self._can_remove = False
+                    keys = keys[i:]
+                    break
+                except Exception as exc:
+                    self.stats.errors += 1
+                    raise BackendUnavailableError(
+                        f"lmcache backend {self.name!r}: remove failed: {exc!r}"
+                    ) from exc
+            else:
+                return
+        self._write({key: None for key in keys})
+
+    def _write(self, pages: dict[str, Buffer | None]) -> None:
+        """Write pages (None: a tombstone) in one LMCache batch; raise if any failed."""
+        keys = [self._lm_key(key) for key in pages]
+        objs = [
+            self._memory_obj(key, _KIND_TOMBSTONE, b"")
+            if data is None
+            else self._memory_obj(key, _KIND_PAGE, data)
+            for key, data in pages.items()
+        ]
+
+        async def put(connector: Any) -> None:
+            # Not connector.batched_put: LMCache's InstrumentedRemoteConnector.batched_put logs
+            # and swallows errors. One put() coroutine per value, all in flight at once.
+            results = await self._gather([connector.put(k, o) for k, o in zip(keys, objs, strict=True)])
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+
+        self._run(put, f"put of {len(keys)} value(s)")
+
+    # -- Backend API -----------------------------------------------------------------------
+
+    def put_batch(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
+        check_keys([key for key, _ in items])
+        results: list[bool] = []
+        with self._lock:
+            self._check_open()
+            before = set(self._pages)
+            latest: dict[str, Buffer] = {}
+            evicted: list[str] = []
+            stored_sizes: list[int] = []
+            for key, buf in items:  # plan on the index, in input order (like the cpu pool)
+                size = memoryview(buf).nbytes
+                if size > self.capacity_bytes:
+                    self.stats.put_refused += 1
+                    results.append(False)
+                    continue
+                old = self._pages.pop(key, None)
+                if old is not None:
+                    self._used -= old
+                while self._pages and self._used + size > self.capacity_bytes:
+                    victim, victim_size = self._pages.popitem(last=False)
+                    self._used -= victim_size
+                    latest.pop(victim, None)
+                    evicted.append(victim)
+                    self.stats.evictions += 1
+                    self.stats.evicted_bytes += victim_size
+                self._pages[key] = size
+                self._used += size
+                latest[key] = buf
+                stored_sizes.append(size)
+                results.append(True)
+            self._evicted.extend(evicted)
+            # Free what was stored before this call and is gone now; write the survivors.
+            stale = [key for key in dict.fromkeys(evicted) if key in before and key not in latest]
+            try:
+                if latest:
+                    self._write(latest)
+                self._remove_remote(stale)
+            except BackendUnavailableError:
+                for key in latest:
+                    self._forget(key)  # remote state unknown: not stored as far as we know
+                raise
+            self.stats.puts += len(stored_sizes)
+            self.stats.put_bytes += sum(stored_sizes)
+        return results
+
+    def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
+        check_keys(keys)
+        with self._lock:
+            self._check_open()
+            self.stats.gets += len(keys)
+            wanted = [key for key in dict.fromkeys(keys) if key in self._pages]
+            found: dict[str, bytes | None] = {}
+            if wanted:
+                lm_keys = [self._lm_key(key) for key in wanted]
+
+                async def get(connector: Any) -> list[Any]:
+                    return await self._gather([connector.get(k) for k in lm_keys])
+
+                raw = self._run(get, f"get of {len(wanted)} value(s)")
+                errors = [r for r in raw if isinstance(r, BaseException)]
+                unavailable = [r for r in errors if not isinstance(r, ValueError | KeyError | struct.error)]
+                if unavailable:
+                    self.stats.errors += 1
+                    raise BackendUnavailableError(
+                        f"lmcache backend {self.name!r}: get failed: {unavailable[0]!r}"
+                    ) from unavailable[0]
+                for key, result in zip(wanted, raw, strict=True):
+                    if isinstance(result, BaseException):  # LMCache's two keys disagree
+                        data = self._corrupt(key, f"LMCache read failed: {result!r}")
+                    else:
+                        data = self._unwrap(key, result)
+                    found[key] = data
+                    if data is None or len(data) != self._pages.get(key):
+                        found[key] = None
+                        self._forget(key)  # the remote lost it (or holds another version)
+                    else:
+                        self._pages.move_to_end(key)
+            results = [found.get(key) for key in keys]
+            for data in results:
+                if data is not None:
+                    self.stats.hits += 1
+                    self.stats.get_bytes += len(data)
+        return results
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+        """As :meth:`Backend.get_into` (the page is copied once more, into ``buffers``)."""
+        if len(keys) != len(buffers):
+            raise ValueError("get_into: keys and buffers differ in length")
+        sizes: list[int | None] = []
+        for data, buf in zip(self.get_batch(keys), buffers, strict=True):
+            view = memoryview(buf).cast("B")
+            if data is None or len(data) > view.nbytes:
+                sizes.append(None)
+                continue
+            view[: len(data)] = data
+            sizes.append(len(data))
+        return sizes
+
+    def contains_batch(self, keys: Sequence[str]) -> list[bool]:
+        """From this instance's index, without I/O; does not refresh recency."""
+        check_keys(keys)
+        with self._lock:
+            self._check_open()
+            return [key in self._pages for key in keys]
+
+    def delete_batch(self, keys: Sequence[str]) -> int:
+        check_keys(keys)
+        with self._lock:
+            self._check_open()
+            present = [key for key in dict.fromkeys(keys) if key in self._pages]
+            for key in present:
+                self._forget(key)
+            self._remove_remote(present)
+            return len(present)
+
+    def used_bytes(self) -> int:
+        with self._lock:
+            self._check_open()
+            return self._used
+
+    def take_evicted(self) -> list[str]:
+        """Keys evicted, deleted, lost by the remote or whose put failed, oldest first."""
+        with self._lock:
+            self._check_open()
+            evicted, self._evicted = self._evicted, []
+        return evicted
+
+    def close(self) -> None:
+        """Close LMCache's connector, waiting at most ``close_timeout_s``; idempotent."""
+        locked = self._lock.acquire(timeout=self._close_timeout)  # a call in flight ends by then
+        try:
+            if self._closed:
+                return
+            self._closed = True
+            self._pages.clear()
+            self._used = 0
+            self._evicted = []
+            connector, self._connector = self._connector, None
+        finally:
+            if locked:
+                self._lock.release()
+        done = True
+        if connector is not None:
+            future = asyncio.run_coroutine_threadsafe(connector.close(), self._loop)
+            try:
+                future.result(timeout=self._close_timeout)
+            except TimeoutError:
+                done = False
+                logger.warning(
+                    "lmcache backend %r: LMCache connector close() did not finish in %g s "
+                    "(known hang of its Redis connector); abandoning its I/O thread",
+                    self.name,
+                    self._close_timeout,
+                )
+            except Exception as exc:
+                logger.warning("lmcache backend %r: LMCache close() failed: %r", self.name, exc)
+        if done:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=self._close_timeout)
+            if not self._thread.is_alive():
+                with contextlib.suppress(Exception):
+                    self._loop.close()

@@ -1,0 +1,361 @@
+"""lmcache-backend behaviour beyond the shared contract: LMCache's known faults kept out.
+
+Bounded close (LMCache's Redis connector close() never returns), one value per page on the
+Redis side with torn or foreign values read as misses, the remote down or hung, options.
+Skipped only when LMCache is not installed (``scripts/install_lmcache.sh`` installs it).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip(
+    "lmcache", reason="LMCache is not installed: run scripts/install_lmcache.sh (no CUDA deps)"
+)
+import redis
+from backend_contract import key, page
+from hybrid_offload.backends import (
+    BackendConfig,
+    BackendConfigError,
+    BackendUnavailableError,
+    create_backend,
+)
+from hybrid_offload.backends.lmcache import LMCacheBackend
+from redis_servers import RedisServer, free_port, start_redis_server
+
+# LMCache's loggers attach opentelemetry's deprecated LoggingHandler: not ours to fix.
+pytestmark = pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning")
+CLOSE_TIMEOUT_S = 0.3
+_namespaces = itertools.count()
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[RedisServer]:
+    srv = start_redis_server(tmp_path / "redis")
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def make(url: str, capacity: int = 1 << 24, **options: Any) -> LMCacheBackend:
+    options = {
+        "remote_url": url,
+        "namespace": f"spec{os.getpid()}x{next(_namespaces)}",
+        "close_timeout_s": CLOSE_TIMEOUT_S,
+        **options,
+    }
+    backend = create_backend(BackendConfig("lmcache", "lmcache-test", capacity, options=options))
+    assert isinstance(backend, LMCacheBackend)
+    return backend
+
+
+def redis_values(srv: RedisServer, namespace: str) -> dict[bytes, bytes]:
+    client = redis.Redis.from_url(srv.url)
+    try:
+        return {k: client.get(k) for k in client.keys(f"{namespace}-*")}  # type: ignore[misc]
+    finally:
+        client.close()
+
+
+# -- lifecycle -------------------------------------------------------------------------------
+
+
+def test_close_bounded_with_server_killed(server: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
+    backend = make(server.url)
+    assert backend.put_batch([(key(i), page(i, 5000)) for i in range(8)]) == [True] * 8
+    server.stop()
+    caplog.set_level(logging.WARNING, logger="hybrid_offload.backends.lmcache")
+    start = time.monotonic()
+    backend.close()
+    assert time.monotonic() - start < CLOSE_TIMEOUT_S + 1.0
+    assert "did not finish" in caplog.text  # LMCache's RedisConnector.close() hangs: logged
+    start = time.monotonic()
+    backend.close()  # idempotent, immediate
+    assert time.monotonic() - start < 0.1
+
+
+def test_close_bounded_with_server_up(server: RedisServer) -> None:
+    backend = make(server.url, close_timeout_s=0.5)
+    backend.put_batch([(key(1), page(1, 100))])
+    start = time.monotonic()
+    backend.close()
+    assert time.monotonic() - start < 1.5
+
+
+def test_fs_close_finishes_and_stops_its_thread(tmp_path: Path) -> None:
+    backend = make(f"fs://localhost:0{tmp_path / 'store'}")
+    backend.put_batch([(key(1), page(1, 100))])
+    backend.close()
+    assert not backend._thread.is_alive()  # the fs connector's close() returns
+
+
+# -- one value per page, integrity -----------------------------------------------------------
+
+
+def test_one_value_per_page_on_redis(server: RedisServer) -> None:
+    backend = make(server.url)
+    namespace = backend._namespace
+    try:
+        pages = {key(i): page(i, size) for i, size in enumerate([0, 1, 4096, 100_000])}
+        assert backend.put_batch(list(pages.items())) == [True] * len(pages)
+        values = redis_values(server, namespace)
+        # LMCache writes two Redis keys per page: the value, and its 28-byte shape record.
+        assert len(values) == 2 * len(pages)
+        for k, data in pages.items():
+            lm_key = backend._lm_key(k).to_string().encode()
+            assert set(values) >= {lm_key + b"kv_bytes", lm_key + b"metadata"}
+            value = values[lm_key + b"kv_bytes"]
+            assert len(value) == 24 + len(data) and value.endswith(data)  # whole page, one value
+            assert len(values[lm_key + b"metadata"]) == 28
+            if len(data) >= 64:  # the page's bytes are in no other value
+                others = [v for name, v in values.items() if name != lm_key + b"kv_bytes"]
+                assert not any(data in v for v in others)
+        assert backend.get_batch(list(pages)) == list(pages.values())
+    finally:
+        backend.close()
+
+
+def _rewrite(srv: RedisServer, name: bytes, value: bytes) -> None:
+    client = redis.Redis.from_url(srv.url)
+    try:
+        client.set(name, value)
+    finally:
+        client.close()
+
+
+def test_torn_or_foreign_values_are_misses(server: RedisServer) -> None:
+    backend = make(server.url)
+    try:
+        ks = [key(i) for i in range(6)]
+        datas = [page(i, 3000) for i in range(6)]
+        backend.put_batch(list(zip(ks, datas, strict=True)))
+        names = [backend._lm_key(k).to_string().encode() for k in ks]
+        values = redis_values(server, backend._namespace)
+        # 0: value truncated (metadata still says the full length: LMCache's read fails)
+        _rewrite(server, names[0] + b"kv_bytes", values[names[0] + b"kv_bytes"][:-10])
+        # 1: value and metadata both truncated consistently (LMCache reads it fine)
+        short = values[names[1] + b"kv_bytes"][:-10]
+        meta = bytearray(values[names[1] + b"metadata"])
+        struct.pack_into("=i", meta, 0, len(short))  # length
+        struct.pack_into("=i", meta, 12, len(short))  # shape[0] of the 1-D uint8 value
+        _rewrite(server, names[1] + b"kv_bytes", short)
+        _rewrite(server, names[1] + b"metadata", bytes(meta))
+        # 2: one flipped page byte
+        flipped = bytearray(values[names[2] + b"kv_bytes"])
+        flipped[100] ^= 0xFF
+        _rewrite(server, names[2] + b"kv_bytes", bytes(flipped))
+        # 3: another key's (valid) value and metadata copied under this key
+        _rewrite(server, names[3] + b"kv_bytes", values[names[4] + b"kv_bytes"])
+        _rewrite(server, names[3] + b"metadata", values[names[4] + b"metadata"])
+        errors = backend.stats.errors
+        assert backend.get_batch(ks) == [None, None, None, None, datas[4], datas[5]]
+        assert backend.stats.errors == errors + 4
+        assert sorted(backend.take_evicted()) == sorted(ks[:4])  # dropped from the index
+        assert backend.contains_batch(ks) == [False] * 4 + [True] * 2
+        assert backend.used_bytes() == 6000
+    finally:
+        backend.close()
+
+
+def test_delete_and_evict_free_redis_values(server: RedisServer) -> None:
+    backend = make(server.url, capacity=10_000)
+    try:
+        backend.put_batch([(key(i), page(i, 4000)) for i in range(2)])
+        backend.put_batch([(key(2), page(2, 4000))])  # evicts key(0)
+        assert backend.take_evicted() == [key(0)]
+        assert backend.delete_batch([key(1)]) == 1
+        values = redis_values(server, backend._namespace)
+        for i in (0, 1):  # a 24-byte tombstone replaced the page
+            assert len(values[backend._lm_key(key(i)).to_string().encode() + b"kv_bytes"]) == 24
+        assert sum(len(v) for v in values.values()) < 4000 + 3 * (24 + 28) + 1
+        assert backend.get_batch([key(0), key(1), key(2)]) == [None, None, page(2, 4000)]
+    finally:
+        backend.close()
+
+
+def test_fs_delete_removes_the_file(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    backend = make(f"fs://localhost:0{store}")
+    try:
+        backend.put_batch([(key(1), page(1, 100)), (key(2), page(2, 100))])
+        assert len(list(store.glob("*.data"))) == 2
+        backend.delete_batch([key(1)])
+        assert [p.name for p in store.glob("*.data")] == [backend._lm_key(key(2)).to_string() + ".data"]
+    finally:
+        backend.close()
+
+
+def test_remote_lost_pages_are_misses_and_reported(server: RedisServer) -> None:
+    backend = make(server.url)
+    try:
+        backend.put_batch([(key(1), page(1, 100)), (key(2), page(2, 100))])
+        client = redis.Redis.from_url(server.url)
+        client.delete(backend._lm_key(key(1)).to_string() + "kv_bytes")
+        client.delete(backend._lm_key(key(2)).to_string() + "metadata")
+        client.close()
+        assert backend.get_batch([key(1), key(2)]) == [None, None]
+        assert sorted(backend.take_evicted()) == sorted([key(1), key(2)])
+        assert backend.used_bytes() == 0
+    finally:
+        backend.close()
+
+
+# -- remote down ------------------------------------------------------------------------------
+
+
+def test_construct_with_server_down_then_unavailable_then_recovers(tmp_path: Path) -> None:
+    port = free_port()
+    start = time.monotonic()
+    backend = make(f"redis://127.0.0.1:{port}/0")  # nothing listens: must not raise or hang
+    assert time.monotonic() - start < 2.0
+    try:
+        start = time.monotonic()
+        with pytest.raises(BackendUnavailableError):
+            backend.put_batch([(key(1), page(1, 100))])
+        assert time.monotonic() - start < 2.0
+        assert backend.contains_batch([key(1)]) == [False]  # a failed put is not stored
+        assert backend.used_bytes() == 0
+        assert backend.stats.errors >= 1
+        srv = RedisServer(port, tmp_path / "late")
+        srv.start()
+        try:
+            assert backend.put_batch([(key(1), page(1, 100))]) == [True]
+            assert backend.get_batch([key(1)]) == [page(1, 100)]
+        finally:
+            srv.stop()
+    finally:
+        backend.close()
+
+
+def test_lm_server_down_construct_then_unavailable() -> None:
+    """lm:// connects in LMCache's connector constructor: a refused connect is not raised."""
+    start = time.monotonic()
+    backend = make(f"lm://127.0.0.1:{free_port()}")
+    try:
+        assert time.monotonic() - start < 2.0
+        for _ in range(2):  # the second call is inside the reconnect pause
+            start = time.monotonic()
+            with pytest.raises(BackendUnavailableError):
+                backend.put_batch([(key(1), page(1, 10))])
+            assert time.monotonic() - start < 2.0
+        assert backend.contains_batch([key(1)]) == [False]
+    finally:
+        backend.close()
+
+
+def test_server_killed_calls_raise_unavailable_quickly(server: RedisServer) -> None:
+    backend = make(server.url)
+    try:
+        backend.put_batch([(key(i), page(i, 1000)) for i in range(4)])
+        server.stop()
+        buf = memoryview(bytearray(1000))
+        calls = [
+            lambda: backend.get_batch([key(0), key(1)]),
+            lambda: backend.get_into([key(0)], [buf]),
+            lambda: backend.put_batch([(key(9), page(9, 10))]),
+            lambda: backend.delete_batch([key(2)]),
+        ]
+        for call in calls:
+            start = time.monotonic()
+            with pytest.raises(BackendUnavailableError):
+                call()
+            assert time.monotonic() - start < 2.0
+        assert backend.contains_batch([key(9)]) == [False]
+        server.start()  # same port, empty: stored pages are gone, later calls work
+        assert backend.get_batch([key(0)]) == [None]
+        assert backend.put_batch([(key(9), page(9, 10))]) == [True]
+        assert backend.get_batch([key(9)]) == [page(9, 10)]
+    finally:
+        backend.close()
+
+
+def test_hung_server_bounded_by_op_timeout(server: RedisServer) -> None:
+    backend = make(server.url, op_timeout_s=0.5)
+    pid = server.pid
+    assert pid is not None
+    try:
+        backend.put_batch([(key(1), page(1, 100))])
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            with pytest.raises(BackendUnavailableError):
+                backend.get_batch([key(1)])
+            assert time.monotonic() - start < 3.0
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    finally:
+        start = time.monotonic()
+        backend.close()
+        assert time.monotonic() - start < 2 * CLOSE_TIMEOUT_S + 1.0
+
+
+# -- options and import ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({}, "remote_url"),
+        ({"remote_url": 6379}, "remote_url"),
+        ({"remote_url": "127.0.0.1:6379"}, "remote_url"),
+        ({"remote_url": "redis://127.0.0.1"}, "remote_url"),
+        ({"remote_url": "redis://127.0.0.1:notaport"}, "remote_url"),
+        ({"remote_url": "resp://127.0.0.1:6379"}, "remote_url"),
+        ({"remote_url": "fs:///tmp/x"}, "remote_url"),
+        ({"remote_url": "nosuchstore://h:1"}, "remote_url"),
+        ({"remote_url": "redis://127.0.0.1:1", "namespace": "a@b"}, "namespace"),
+        ({"remote_url": "redis://127.0.0.1:1", "op_timeout_s": 0}, "op_timeout_s"),
+        ({"remote_url": "redis://127.0.0.1:1", "close_timeout_s": "1"}, "close_timeout_s"),
+        ({"remote_url": "redis://127.0.0.1:1", "local_disk": "/tmp"}, "local_disk"),
+    ],
+)
+def test_bad_options_name_the_key(options: dict[str, Any], named: str) -> None:
+    with pytest.raises(BackendConfigError, match=named):
+        create_backend(BackendConfig("lmcache", "bad", 1 << 20, options=options))
+
+
+def test_redis_url_gets_socket_timeouts(server: RedisServer) -> None:
+    backend = make(server.url, op_timeout_s=3)
+    try:
+        assert "socket_timeout=3" in backend._url and "socket_connect_timeout=3" in backend._url
+    finally:
+        backend.close()
+
+
+_NO_LMCACHE = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "lmcache" or name.startswith("lmcache."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Block())
+from hybrid_offload.backends import BackendConfig, create_backend
+try:
+    create_backend(BackendConfig("lmcache", "x", 1, options={"remote_url": "redis://h:1"}))
+except ImportError as exc:
+    print("CAUSE:", repr(exc.__cause__))
+    print("MESSAGE:", exc)
+"""
+
+
+def test_missing_lmcache_raises_clear_import_error() -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", _NO_LMCACHE], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert "backend type 'lmcache'" in result.stdout
+    assert "scripts/install_lmcache.sh" in result.stdout
+    assert "[lmcache]" in result.stdout
+    assert "CAUSE: ImportError" in result.stdout  # chained, not swallowed
