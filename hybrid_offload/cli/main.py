@@ -103,6 +103,16 @@ def cmd_peer(args: argparse.Namespace) -> int:
     return run_peer(options)
 
 
+def _byte_size(text: str) -> int:
+    """argparse type: a byte count like ``1073741824`` or ``16GiB``."""
+    from hybrid_offload.config import ConfigError, parse_size
+
+    try:
+        return parse_size(int(text) if text.isdigit() else text, "size")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def _add_peer(subparsers: Subparsers) -> None:
     p = subparsers.add_parser(
         "peer",
@@ -113,11 +123,13 @@ def _add_peer(subparsers: Subparsers) -> None:
         "once it serves; SIGTERM/SIGINT stop it.",
     )
     p.add_argument("--listen", type=_parse_listen, required=True, help="HOST:PORT (port 0: any free port)")
-    p.add_argument("--capacity-bytes", type=int, required=True, help="page bytes held at most (LRU)")
+    p.add_argument(
+        "--capacity-bytes", type=_byte_size, required=True, help="page bytes held at most, e.g. 16GiB (LRU)"
+    )
     p.add_argument("--token", default=None, help="shared secret clients must present (default: none)")
     p.add_argument(
         "--pool-bytes",
-        type=int,
+        type=_byte_size,
         default=None,
         help="registered pool size (default: capacity + max(25%%, 64 MiB) of slack)",
     )
