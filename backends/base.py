@@ -158,10 +158,11 @@ class Backend(ABC):
             raise ValueError("get_into: keys and buffers differ in length")
         sizes: list[int | None] = []
         for data, buf in zip(self.get_batch(keys), buffers, strict=True):
-            if data is None or len(data) > len(buf):
+            view = memoryview(buf).cast("B")
+            if data is None or len(data) > view.nbytes:
                 sizes.append(None)
                 continue
-            buf[: len(data)] = data
+            view[: len(data)] = data
             sizes.append(len(data))
         return sizes
 

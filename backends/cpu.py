@@ -107,20 +107,6 @@ class CpuBackend(Backend):
             self.stats.gets += len(keys)
         return results
 
-    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
-        """As :meth:`Backend.get_into`; the copies into ``buffers`` happen outside the lock."""
-        if len(keys) != len(buffers):
-            raise ValueError("get_into: keys and buffers differ in length")
-        sizes: list[int | None] = []
-        for data, buf in zip(self.get_batch(keys), buffers, strict=True):
-            view = memoryview(buf).cast("B")
-            if data is None or len(data) > view.nbytes:
-                sizes.append(None)
-                continue
-            view[: len(data)] = data
-            sizes.append(len(data))
-        return sizes
-
     def contains_batch(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is stored; does not refresh recency."""
         check_keys(keys)

@@ -565,20 +565,6 @@ class LMCacheBackend(Backend):
                     self.stats.get_bytes += len(data)
         return results
 
-    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
-        """As :meth:`Backend.get_into` (the page is copied once more, into ``buffers``)."""
-        if len(keys) != len(buffers):
-            raise ValueError("get_into: keys and buffers differ in length")
-        sizes: list[int | None] = []
-        for data, buf in zip(self.get_batch(keys), buffers, strict=True):
-            view = memoryview(buf).cast("B")
-            if data is None or len(data) > view.nbytes:
-                sizes.append(None)
-                continue
-            view[: len(data)] = data
-            sizes.append(len(data))
-        return sizes
-
     def contains_batch(self, keys: Sequence[str]) -> list[bool]:
         """From this instance's index, without I/O; does not refresh recency."""
         check_keys(keys)

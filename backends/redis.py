@@ -406,20 +406,6 @@ class RedisBackend(Backend):
         self._count(gets=len(keys), hits=len(hits), get_bytes=sum(len(d) for d in found if d is not None))
         return found
 
-    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
-        """As :meth:`Backend.get_into`: a page larger than its buffer is a miss."""
-        if len(keys) != len(buffers):
-            raise ValueError("get_into: keys and buffers differ in length")
-        sizes: list[int | None] = []
-        for data, buf in zip(self.get_batch(keys), buffers, strict=True):
-            view = memoryview(buf).cast("B")
-            if data is None or len(data) > view.nbytes:
-                sizes.append(None)
-                continue
-            view[: len(data)] = data
-            sizes.append(len(data))
-        return sizes
-
     def contains_batch(self, keys: Sequence[str]) -> list[bool]:
         """Whether each page exists now (EXISTS on the pages; does not refresh recency)."""
         check_keys(keys)
