@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import importlib
 import sys
+import threading
 from types import ModuleType
+from typing import Any
 
-__all__ = ["NixlPeerBackend", "nixl_api"]
+__all__ = ["NixlPeerBackend", "make_agent", "nixl_api"]
 
 
 def nixl_api() -> ModuleType:
@@ -42,5 +44,39 @@ def nixl_api() -> ModuleType:
                     continue
     return importlib.import_module("nixl._api")
 
+
+def make_agent(name: str, *, progress_thread: bool, progress_delay_us: int = 0) -> Any:
+    """A NIXL agent with the UCX backend.
+
+    ``progress_delay_us``: the progress thread's sleep between polls. NIXL's Python wrapper
+    always passes 0, and a progress thread that never sleeps spins one core at 100 % even
+    when idle (measured here: 1.00 core idle at 0 us, 0.02 at 100 us); on a small machine that
+    core is taken from the engines. The wrapper's config class is swapped for one whose
+    ``pthrDelay`` keeps our value, for the duration of the constructor only.
+    """
+    api = nixl_api()
+    config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+    if not (progress_thread and progress_delay_us > 0):
+        return api.nixl_agent(name, config)
+    base = api.nixlBind.nixlAgentConfig
+
+    class _DelayedProgressConfig(base):  # type: ignore[misc, valid-type]
+        @property
+        def pthrDelay(self) -> int:  # noqa: N802  (NIXL's name)
+            return base.pthrDelay.__get__(self)
+
+        @pthrDelay.setter
+        def pthrDelay(self, _ignored: int) -> None:  # noqa: N802
+            base.pthrDelay.__set__(self, progress_delay_us)
+
+    with _AGENT_CONFIG_LOCK:
+        api.nixlBind.nixlAgentConfig = _DelayedProgressConfig
+        try:
+            return api.nixl_agent(name, config)
+        finally:
+            api.nixlBind.nixlAgentConfig = base
+
+
+_AGENT_CONFIG_LOCK = threading.Lock()
 
 from .client import NixlPeerBackend  # noqa: E402  (after nixl_api: client imports it lazily)

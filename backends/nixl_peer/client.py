@@ -108,6 +108,7 @@ class _Peer:
         self.request_id = 0
         self.unanswered = 0  # requests sent without waiting; their replies are skipped later
         self.down_until = 0.0
+        self.failing = False  # the last call failed (unlike is_down(), not time-bound)
         self.backoff = backoff
         self.last_error = ""
         self.remote_agent: str | None = None  # loaded into our agent (under the xfer lock)
@@ -199,6 +200,7 @@ class NixlPeerBackend(Backend):
         if not peer.is_down():
             logger.warning("nixl peer %s down for %.1fs: %s", peer.address, peer.backoff, reason)
         peer.last_error = reason
+        peer.failing = True
         peer.down_until = time.monotonic() + peer.backoff
         peer.backoff = min(peer.backoff * 2, self._backoff_max)
         self._count(errors=1)
@@ -273,6 +275,7 @@ class NixlPeerBackend(Backend):
                         raise _PeerDownError(f"{peer.address}: {reason}") from exc
                     continue  # a stale connection (peer restarted?): one fresh try
                 assert peer.hello is not None
+                peer.failing = False
                 if isinstance(reply, p.Error):
                     raise _PeerDownError(f"{peer.address}: error {reply.code}: {reply.message}")
                 if reply.TYPE != request.TYPE | 0x80:
@@ -297,7 +300,9 @@ class NixlPeerBackend(Backend):
             raise _PeerDownError(f"{peer.address}: answered {got} items for {want} keys")
 
     def _raise_if_all_down(self, what: str) -> None:
-        if all(peer.is_down() for peer in self._peers):
+        """Raise when every peer's last call failed: a backoff that already ran out while
+        this call went on must not turn an outage into a silent miss."""
+        if all(peer.failing or peer.is_down() for peer in self._peers):
             reasons = "; ".join(f"{peer.address}: {peer.last_error}" for peer in self._peers)
             raise BackendUnavailableError(f"nixl_peer {self.name!r}: {what}: all peers down ({reasons})")
 

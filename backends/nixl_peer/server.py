@@ -56,6 +56,7 @@ class PeerOptions:
     pool_bytes: int | None = None
     lease_timeout_s: float = 30.0
     alloc_timeout_s: float = 30.0
+    progress_delay_us: int = 100
 
 
 class _Connection:
@@ -97,11 +98,12 @@ class PeerServer:
 
     def start(self) -> None:
         """Register the pool with NIXL and bind the listener (raises on failure)."""
-        from . import nixl_api
+        from . import make_agent
 
-        api = nixl_api()
-        config = api.nixl_agent_config(enable_prog_thread=True, backends=["UCX"])
-        agent = api.nixl_agent(self.agent_name, config)
+        # The peer never polls its own transfers: the progress thread serves initiators.
+        agent = make_agent(
+            self.agent_name, progress_thread=True, progress_delay_us=self.options.progress_delay_us
+        )
         self._reg = agent.register_memory([(self._pool.ctypes.data, self._pool.nbytes, 0, "")], "DRAM")
         self._metadata = agent.get_agent_metadata()
         self._agent = agent

@@ -98,6 +98,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
         token=args.token,
         pool_bytes=args.pool_bytes,
         lease_timeout_s=args.lease_timeout_s,
+        progress_delay_us=args.progress_delay_us,
         alloc_timeout_s=args.alloc_timeout_s,
     )
     return run_peer(options)
@@ -136,6 +137,12 @@ def _add_peer(subparsers: Subparsers) -> None:
     p.add_argument("--lease-timeout-s", type=float, default=30.0, help="GET pins expire after this")
     p.add_argument(
         "--alloc-timeout-s", type=float, default=30.0, help="uncommitted ALLOCs are reclaimed after this"
+    )
+    p.add_argument(
+        "--progress-delay-us",
+        type=int,
+        default=100,
+        help="NIXL progress thread sleep between polls (0: spin a whole core; default 100)",
     )
     p.set_defaults(handler=cmd_peer)
 

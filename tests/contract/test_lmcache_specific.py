@@ -33,6 +33,7 @@ from hybrid_offload.backends import (
     create_backend,
 )
 from hybrid_offload.backends.lmcache import LMCacheBackend
+from process_control import stop_process
 from redis_servers import RedisServer, free_port, start_redis_server
 
 # LMCache's loggers attach opentelemetry's deprecated LoggingHandler: not ours to fix.
@@ -288,7 +289,7 @@ def test_hung_server_bounded_by_op_timeout(server: RedisServer) -> None:
     assert pid is not None
     try:
         backend.put_batch([(key(1), page(1, 100))])
-        os.kill(pid, signal.SIGSTOP)
+        stop_process(pid)
         try:
             start = time.monotonic()
             with pytest.raises(BackendUnavailableError):

@@ -27,6 +27,7 @@ from hybrid_offload.backends.nixl_peer import protocol as p
 from hybrid_offload.backends.nixl_peer.client import NixlPeerBackend
 from hybrid_offload.backends.nixl_peer.pool import ALIGN, ExtentAllocator, PageIndex
 from peer_servers import PeerProcess, start_peer
+from process_control import stop_process
 
 MiB = 1 << 20
 FAST = {"timeout_s": 1.0, "retry_backoff_s": 0.05, "max_backoff_s": 0.2}
@@ -198,7 +199,7 @@ def test_hung_peer_calls_return_within_timeout(peers: PeerFactory, clients: Any)
     backend = clients([peer.address], **FAST)
     assert backend.put_batch([(key(1), page(1, 100))]) == [True]
     assert peer.proc is not None
-    os.kill(peer.proc.pid, signal.SIGSTOP)  # accepts connections (kernel), answers nothing
+    stop_process(peer.proc.pid)  # accepts connections (kernel), answers nothing
     try:
         for call in (lambda: backend.get_batch([key(1)]), lambda: backend.contains_batch([key(1)])):
             began = time.monotonic()

@@ -26,6 +26,7 @@ from hybrid_offload.backends import (
     create_backend,
 )
 from hybrid_offload.backends.redis import RedisBackend
+from process_control import stop_process
 from redis_servers import RedisServer, free_port, start_redis_server
 
 HERE = Path(__file__).resolve().parent
@@ -276,7 +277,7 @@ def test_hung_server_times_out(own_server: Callable[..., RedisServer]) -> None:
     with make_redis(srv.url, socket_timeout_s=0.5, connect_timeout_s=0.5) as backend:
         assert backend.put_batch([(key(1), b"abc")]) == [True]
         assert srv.pid is not None
-        os.kill(srv.pid, signal.SIGSTOP)
+        stop_process(srv.pid)
         try:
             for call in (lambda: backend.get_batch([key(1)]), backend.used_bytes):
                 start = time.monotonic()
