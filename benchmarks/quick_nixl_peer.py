@@ -31,9 +31,9 @@ from hybrid_offload.backends.nixl_peer import protocol as p
 READY = re.compile(rb"listening on (\S+):(\d+)")
 
 
-def start_peer(capacity: int) -> tuple[subprocess.Popen[bytes], str]:
+def start_peer(capacity: int, progress_delay_us: int) -> tuple[subprocess.Popen[bytes], str]:
     cmd = [sys.executable, "-m", "hybrid_offload.cli.main", "peer", "--listen", "127.0.0.1:0",
-           "--capacity-bytes", str(capacity)]  # fmt: skip
+           "--capacity-bytes", str(capacity), "--progress-delay-us", str(progress_delay_us)]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     assert proc.stdout is not None
     match = None
@@ -98,10 +98,11 @@ def main() -> None:
     parser.add_argument("--page-kib", type=int, default=256)
     parser.add_argument("--batch", type=int, default=64, help="pages per call")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--progress-delay-us", type=int, default=100, help="the peer's (0: spinning)")
     args = parser.parse_args()
     page = args.page_kib << 10
     total = args.pages * page
-    proc, address = start_peer(capacity=2 * total)
+    proc, address = start_peer(capacity=2 * total, progress_delay_us=args.progress_delay_us)
     try:
         config = BackendConfig("nixl_peer", "bench", 2 * total, options={"peers": [address]})
         backend = create_backend(config)
