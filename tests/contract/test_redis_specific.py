@@ -120,14 +120,21 @@ def check_gets_heal(backend: RedisBackend, latest: dict[int, bytes]) -> None:
 
 
 def test_server_allkeys_lru_eviction_never_raises(own_server: Callable[..., RedisServer]) -> None:
+    """Under allkeys-lru the server may evict the index keys too, at any write (Redis's LRU
+    clock has one-second resolution, so pages and index look equally old): pages stay exact or
+    missing and nothing raises, but the byte count is only as good as what the server kept —
+    hence volatile-lru with ttl_s is the documented setting (next test: exact accounting)."""
     srv = own_server("--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru")
     with make_redis(srv.url, capacity=256 * MiB) as backend:
         latest = put_through_small_server(backend)
-        # allkeys-lru may also have evicted index keys (all keys were touched in the same
-        # second: Redis's LRU clock cannot tell them apart); the gets then re-adopt stored
-        # pages. Waiting a second makes the pages older than the index for the final gets.
-        time.sleep(1.1)
-        check_gets_heal(backend, latest)
+        got = backend.get_batch([key(i) for i in latest])
+        for i, data in zip(latest, got, strict=True):
+            assert data is None or data == latest[i]
+        assert 0 < sum(data is not None for data in got) < len(latest)
+        assert backend.used_bytes() >= 0
+        assert backend.put_batch([(key(5000), page(5000, 10 * KiB))]) == [True]
+        assert backend.get_batch([key(5000)]) == [page(5000, 10 * KiB)]
+        assert backend.stats.errors == 0
 
 
 def test_server_volatile_lru_with_ttl_keeps_the_index(own_server: Callable[..., RedisServer]) -> None:
