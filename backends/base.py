@@ -74,6 +74,9 @@ class BackendConfig:
     ``options`` holds the type-specific keys, already checked by the backend class's
     :meth:`Backend.validate_options`. ``retry_after_s`` / ``retry_after_max_s`` are the
     connector's backoff after the backend fails (see ``hybrid_offload.connector.health``).
+    The connector's store policy for this backend: a page is stored once its chunk was seen
+    in ``store_threshold`` requests, output chunks only with ``store_output``, never when
+    ``read_only``.
     """
 
     type: str
@@ -83,6 +86,9 @@ class BackendConfig:
     options: dict[str, Any] = field(default_factory=dict)
     retry_after_s: float = 1.0
     retry_after_max_s: float = 30.0
+    store_threshold: int = 1
+    store_output: bool = False
+    read_only: bool = False
 
 
 @dataclass
@@ -114,6 +120,9 @@ class Backend(ABC):
     type_name: ClassVar[str]
     #: whether another process opening the same config sees this process's pages
     shared_index: ClassVar[bool] = True
+    #: tier reported to vLLM's prompt-tokens-by-source metric: "host", "disk", "p2p" or
+    #: "external_unspecified" (vllm.v1.metrics.cache_hit_source.CacheHitSource values)
+    hit_source: ClassVar[str] = "external_unspecified"
     #: type-specific option names and their defaults; anything else is rejected
     option_defaults: ClassVar[dict[str, Any]] = {}
 

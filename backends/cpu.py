@@ -36,6 +36,7 @@ class CpuBackend(Backend):
 
     type_name: ClassVar[str] = "cpu"
     shared_index: ClassVar[bool] = False
+    hit_source: ClassVar[str] = "host"
     option_defaults: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, config: BackendConfig) -> None:

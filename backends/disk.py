@@ -134,6 +134,7 @@ class DiskBackend(Backend):
 
     type_name: ClassVar[str] = "disk"
     shared_index: ClassVar[bool] = True
+    hit_source: ClassVar[str] = "disk"
     option_defaults: ClassVar[dict[str, Any]] = {"path": None, "fsync": False, "io_threads": 4}
 
     @classmethod

@@ -19,10 +19,21 @@ from hybrid_offload.backends.registry import backend_class
 ROOT = "kv_connector_extra_config"
 DEFAULT_CAPACITY_BYTES = 1 << 30
 DEFAULT_MAX_PENDING_STORE_BYTES = 256 << 20
-_TOP_KEYS = frozenset({"chunk_tokens", "backends", "max_pending_store_bytes"})
+_TOP_KEYS = frozenset({"chunk_tokens", "backends", "max_pending_store_bytes", "load_policy"})
 _COMMON_BACKEND_KEYS = frozenset(
-    {"type", "name", "load_weight", "capacity_bytes", "retry_after_s", "retry_after_max_s"}
+    {
+        "type",
+        "name",
+        "load_weight",
+        "capacity_bytes",
+        "retry_after_s",
+        "retry_after_max_s",
+        "store_threshold",
+        "store_output",
+        "read_only",
+    }
 )
+LOAD_POLICIES = ("weighted", "ranged", "adaptive")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {
     "B": 1,
@@ -48,6 +59,7 @@ class OffloadConfig:
     backends: tuple[BackendConfig, ...]
     chunk_tokens: int | None = None
     max_pending_store_bytes: int = DEFAULT_MAX_PENDING_STORE_BYTES
+    load_policy: str = "weighted"
 
 
 def parse_size(value: Any, key: str) -> int:
@@ -68,6 +80,12 @@ def parse_size(value: Any, key: str) -> int:
 def _positive_int(value: Any, key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{key}: expected a positive integer, got {value!r}")
+    return value
+
+
+def _flag(value: Any, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
     return value
 
 
@@ -99,6 +117,9 @@ def _parse_backend(raw: Any, index: int) -> BackendConfig:
     retry_max = _positive_float(raw.get("retry_after_max_s", max(30.0, retry)), f"{key}.retry_after_max_s")
     if retry_max < retry:
         raise ConfigError(f"{key}.retry_after_max_s: must be >= retry_after_s ({retry}), got {retry_max}")
+    threshold = _positive_int(raw.get("store_threshold", 1), f"{key}.store_threshold")
+    store_output = _flag(raw.get("store_output", False), f"{key}.store_output")
+    read_only = _flag(raw.get("read_only", False), f"{key}.read_only")
     options = {k: v for k, v in raw.items() if k not in _COMMON_BACKEND_KEYS}
     try:
         options = cls.validate_options(options)
@@ -112,6 +133,9 @@ def _parse_backend(raw: Any, index: int) -> BackendConfig:
         options=options,
         retry_after_s=retry,
         retry_after_max_s=retry_max,
+        store_threshold=threshold,
+        store_output=store_output,
+        read_only=read_only,
     )
 
 
@@ -135,4 +159,9 @@ def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
         extra.get("max_pending_store_bytes", DEFAULT_MAX_PENDING_STORE_BYTES),
         f"{ROOT}.max_pending_store_bytes",
     )
-    return OffloadConfig(backends=backends, chunk_tokens=chunk, max_pending_store_bytes=pending)
+    policy = extra.get("load_policy", "weighted")
+    if policy not in LOAD_POLICIES:
+        raise ConfigError(f"{ROOT}.load_policy: expected one of {list(LOAD_POLICIES)}, got {policy!r}")
+    return OffloadConfig(
+        backends=backends, chunk_tokens=chunk, max_pending_store_bytes=pending, load_policy=policy
+    )

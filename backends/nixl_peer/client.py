@@ -122,6 +122,7 @@ class NixlPeerBackend(Backend):
 
     type_name: ClassVar[str] = "nixl_peer"
     shared_index: ClassVar[bool] = True
+    hit_source: ClassVar[str] = "p2p"
     option_defaults: ClassVar[dict[str, Any]] = {
         "peers": None,
         "token": None,

@@ -81,7 +81,7 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker: OffloadWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._require_recompute_on_failure()
-            self.scheduler = OffloadScheduler(self.planner, config.backends)
+            self.scheduler = OffloadScheduler(self.planner, config.backends, config.load_policy)
         else:
             self.worker = OffloadWorker(spec, self.planner, config.backends, config.max_pending_store_bytes)
         ACTIVE_CONNECTORS.add(self)
@@ -115,6 +115,15 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._get_connector_metadata()
         assert self.worker is not None and isinstance(meta, OffloadMetadata)
         self.worker.start_loads(meta.loads)
+
+    def handle_preemptions(self, preempted: Any) -> None:
+        """Both vLLM signatures: ``(kv_connector_metadata)`` (vLLM >= 0.15) and
+        ``(preempted_req_ids)`` (older)."""
+        assert self.worker is not None
+        if isinstance(preempted, OffloadMetadata):
+            self.worker.handle_preemptions(preempted.preempted)
+        elif isinstance(preempted, set | frozenset | list | tuple):
+            self.worker.handle_preemptions(preempted)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -160,6 +169,18 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         assert self.scheduler is not None
         self.scheduler.update_state_after_alloc(request, blocks.get_block_ids(), num_external_tokens)
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        """Tokens of the planned load per tier (cpu: host, disk: disk, nixl_peer: p2p)."""
+        assert self.scheduler is not None
+        if num_external_tokens <= 0:
+            return {}
+        sources = {CacheHitSource(k): v for k, v in self.scheduler.hit_sources(request.request_id).items()}
+        if sum(sources.values()) != num_external_tokens:
+            return {self._cache_hit_source: num_external_tokens}
+        return {k: v for k, v in sources.items() if v}
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         return self._kv_cache_config.transfer_group_ids

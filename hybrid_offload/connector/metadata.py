@@ -35,12 +35,25 @@ class PageJob:
 
 
 @dataclass(frozen=True)
-class LoadJob:
-    """Load ``pages`` of request ``req_id`` from backend ``backend``."""
+class LoadSegment:
+    """Pages to read from one backend."""
 
-    req_id: str
     backend: str
     pages: tuple[PageJob, ...]
+
+
+@dataclass(frozen=True)
+class LoadJob:
+    """Load the pages of request ``req_id``: each segment from its backend; a page missing or
+    bad there is tried in the ``fallbacks`` backends, in order, before the load fails."""
+
+    req_id: str
+    segments: tuple[LoadSegment, ...]
+    fallbacks: tuple[str, ...] = ()
+
+    @property
+    def pages(self) -> tuple[PageJob, ...]:
+        return tuple(p for s in self.segments for p in s.pages)
 
 
 @dataclass(frozen=True)
@@ -57,21 +70,34 @@ class OffloadMetadata(KVConnectorMetadata):
 
     loads: list[LoadJob] = field(default_factory=list)
     stores: list[StoreJob] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+
+#: one measured load call: (bytes read, seconds, succeeded)
+LoadSample = tuple[int, float, bool]
 
 
 @dataclass
 class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
-    """Per backend, the keys stored and evicted since the last report (for index mirrors)."""
+    """Per backend since the last report: the keys stored and evicted (for index mirrors) and
+    the measured load calls (for the adaptive load policy)."""
 
     stored: dict[str, list[str]] = field(default_factory=dict)
     evicted: dict[str, list[str]] = field(default_factory=dict)
+    load_samples: dict[str, list[LoadSample]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, OffloadWorkerMetadata)
-        for mine, theirs in ((self.stored, other.stored), (self.evicted, other.evicted)):
-            for backend, keys in theirs.items():
-                mine.setdefault(backend, []).extend(keys)
+        for mine, theirs in (
+            (self.stored, other.stored),
+            (self.evicted, other.evicted),
+            (self.load_samples, other.load_samples),
+        ):
+            for backend, items in theirs.items():
+                mine.setdefault(backend, []).extend(items)  # type: ignore[arg-type]
         return self
 
     def is_empty(self) -> bool:
-        return not any(self.stored.values()) and not any(self.evicted.values())
+        return not any(self.stored.values()) and not any(self.evicted.values()) and not any(
+            self.load_samples.values()
+        )

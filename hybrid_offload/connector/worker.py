@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -25,7 +27,13 @@ import torch
 from hybrid_offload.backends.base import Backend, BackendConfig, BackendError
 from hybrid_offload.backends.registry import create_backend
 from hybrid_offload.connector.health import BackendHealth
-from hybrid_offload.connector.metadata import LoadJob, OffloadWorkerMetadata, PageJob, StoreJob
+from hybrid_offload.connector.metadata import (
+    LoadJob,
+    LoadSample,
+    OffloadWorkerMetadata,
+    PageJob,
+    StoreJob,
+)
 from hybrid_offload.engine_spec import GroupSpec, ModelSpec
 from hybrid_offload.kv_layout import AttentionGroupLayout, MambaGroupLayout, build_layouts
 from hybrid_offload.metrics import Locked, WorkerCounters
@@ -111,6 +119,7 @@ class OffloadWorker:
         self._pending_bytes = 0
         self._lock = threading.Lock()
         self._stored: dict[str, list[str]] = {}
+        self._load_samples: dict[str, list[LoadSample]] = {}
         self._store_queue: queue.Queue = queue.Queue()
         self._store_thread = threading.Thread(
             target=self._store_loop, name="hybrid-offload-store", daemon=True
@@ -118,6 +127,7 @@ class OffloadWorker:
         self._store_thread.start()
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="hybrid-offload-load")
         self._loads: dict[str, Future] = {}
+        self._preempted: set[str] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.layouts = build_layouts(self.spec.groups, kv_caches, self.spec.num_blocks)
@@ -211,39 +221,87 @@ class OffloadWorker:
             self._loads[job.req_id] = self._loader.submit(self._load, job)
 
     def _load(self, job: LoadJob) -> list[tuple[PageJob, PageCodec, memoryview]] | None:
-        """Load thread: read and verify every page of a job; None if any page is unusable."""
-        backend = self.backends[job.backend]
-        bufs = [bytearray(self.codecs[p.group].page_len) for p in job.pages]
-        try:
-            if not self.health[job.backend].available():
-                raise _SkippedError
-            sizes = backend.get_into([p.key for p in job.pages], [memoryview(b) for b in bufs])
-        except (BackendError, _SkippedError) as exc:
-            self._backend_error(job.backend, "get", exc)
+        """Load thread: read and verify every page of a job; None if any page is unusable.
+
+        Each segment is read from its backend; pages missing or bad there (evicted since the
+        lookup, corrupted, backend down) are read from the fallbacks in order.
+        """
+        pages = job.pages
+        source = [segment.backend for segment in job.segments for _ in segment.pages]
+        decoded: list[tuple[PageJob, PageCodec, memoryview] | None] = [None] * len(pages)
+        offset = 0
+        for segment in job.segments:
+            self._read(segment.backend, pages, range(offset, offset + len(segment.pages)), decoded)
+            offset += len(segment.pages)
+        for name in job.fallbacks:
+            missing = [i for i, d in enumerate(decoded) if d is None and source[i] != name]
+            if missing:
+                self._read(name, pages, missing, decoded)
+        lost = sum(d is None for d in decoded)
+        if lost:
+            with self.stats.lock:
+                self.stats.counters.missing_pages += lost
             return None
-        self.health[job.backend].record_success()
-        decoded = []
-        for page, buf, size in zip(job.pages, bufs, sizes, strict=True):
-            codec = self.codecs[page.group]
+        return [d for d in decoded if d is not None]
+
+    def _read(
+        self,
+        name: str,
+        pages: tuple[PageJob, ...],
+        indices: Sequence[int],
+        decoded: list[tuple[PageJob, PageCodec, memoryview] | None],
+    ) -> None:
+        """Read ``pages[indices]`` from backend ``name`` into ``decoded`` (verified); pages the
+        backend lacks or that fail verification stay None. Never raises a backend error."""
+        backend = self.backends[name]
+        bufs = [bytearray(self.codecs[pages[i].group].page_len) for i in indices]
+        started = time.perf_counter()
+        try:
+            if not self.health[name].available():
+                raise _SkippedError
+            sizes = backend.get_into([pages[i].key for i in indices], [memoryview(b) for b in bufs])
+        except (BackendError, _SkippedError) as exc:
+            self._backend_error(name, "get", exc)
+            if not isinstance(exc, _SkippedError):
+                self._sample(name, 0, time.perf_counter() - started, False)
+            return
+        self.health[name].record_success()
+        nbytes = npages = 0
+        for i, buf, size in zip(indices, bufs, sizes, strict=True):
+            page, codec = pages[i], self.codecs[pages[i].group]
             if size is None:
-                self._count("missing_pages")
-                return None
+                continue
             try:
                 _, payload = decode_page(memoryview(buf)[:size], codec.header(page))
             except PageFormatError as exc:
                 self._count("bad_pages")
-                logger.warning("bad page %s from %s: %s (a miss; deleted)", page.key, job.backend, exc)
+                logger.warning("bad page %s from %s: %s (a miss; deleted)", page.key, name, exc)
                 self._delete_quietly(backend, page.key)
-                return None
-            decoded.append((page, codec, payload))
-        nbytes = sum(len(b) for b in bufs)
+                continue
+            decoded[i] = (page, codec, payload)
+            nbytes += size
+            npages += 1
+        self._sample(name, nbytes, time.perf_counter() - started, True)
         with self.stats.lock:
-            self.stats.counters.pages_loaded += len(decoded)
+            self.stats.counters.pages_loaded += npages
             self.stats.counters.bytes_loaded += nbytes
-            counters = self.stats.counters.backend(job.backend)
-            counters.loaded_pages += len(decoded)
+            counters = self.stats.counters.backend(name)
+            counters.loaded_pages += npages
             counters.loaded_bytes += nbytes
-        return decoded
+
+    def _sample(self, name: str, nbytes: int, seconds: float, ok: bool) -> None:
+        with self._lock:
+            self._load_samples.setdefault(name, []).append((nbytes, seconds, ok))
+
+    def handle_preemptions(self, req_ids: Iterable[str]) -> None:
+        """Before vLLM reuses the blocks of preempted requests. Stores were copied out in
+        ``wait_for_save`` already, so there is nothing to protect; a load still in flight for
+        such a request (vLLM does not preempt requests waiting for KV, so this is defensive)
+        is reported as failed without writing into blocks it no longer owns."""
+        for req_id in req_ids:
+            if req_id in self._loads:
+                self._preempted.add(req_id)
+                logger.warning("request %s preempted with a load in flight; its load is dropped", req_id)
 
     def _scatter(self, page: PageJob, codec: PageCodec, payload: torch.Tensor) -> None:
         layout = self.layouts[page.group]
@@ -275,6 +333,10 @@ class OffloadWorker:
                 continue
             del self._loads[req_id]
             recving.add(req_id)
+            if req_id in self._preempted:
+                self._preempted.discard(req_id)
+                failed.add(req_id)
+                continue
             try:
                 decoded = future.result()
                 for page, codec, payload in decoded or ():
@@ -289,13 +351,14 @@ class OffloadWorker:
     def worker_meta(self) -> OffloadWorkerMetadata | None:
         with self._lock:
             stored, self._stored = self._stored, {}
+            samples, self._load_samples = self._load_samples, {}
         evicted = {}
         for name, backend in self.backends.items():
             if not backend.shared_index:
                 keys = backend.take_evicted()
                 if keys:
                     evicted[name] = keys
-        meta = OffloadWorkerMetadata(stored=stored, evicted=evicted)
+        meta = OffloadWorkerMetadata(stored=stored, evicted=evicted, load_samples=samples)
         return None if meta.is_empty() else meta
 
     # ---- helpers ----------------------------------------------------------------------

@@ -8,7 +8,7 @@ update_state_after_alloc -> build_connector_meta (LoadJob) -> update_connector_o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -25,6 +25,7 @@ from hybrid_offload.backends.disk import DiskBackend
 from hybrid_offload.connector.health import BackendHealth
 from hybrid_offload.connector.metadata import (
     LoadJob,
+    LoadSegment,
     OffloadMetadata,
     OffloadWorkerMetadata,
     PageJob,
@@ -71,6 +72,15 @@ class FakeRequest:
     prompt_embeds: Any = None
     lora_request: Any = None
     cache_salt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
 
 def prompt(n: int, offset: int = 0) -> list[int]:
@@ -335,7 +345,7 @@ def test_best_backend_by_weighted_matched_tokens(worlds, tmp_path: Path) -> None
         req = FakeRequest(f"r-{cpu_weight}-{disk_weight}", tokens)
         n, _ = w.sched.get_num_new_matched_tokens(req, 0)
         job = start_load(w, FakeRequest(req.request_id + "b", tokens), 0, ([1] * 5, [2] * 5))
-        return n, job.backend
+        return n, job.segments[0].backend
 
     assert load_backend(1.0, 1.0) == (32, "cpu")
     assert load_backend(1.0, 2.5) == (16, "disk")  # 16 x 2.5 = 40 > 32
@@ -350,7 +360,7 @@ def test_ties_go_to_the_earlier_backend(worlds, tmp_path: Path) -> None:
         for name in order:
             w.hold(name, w.chunk_keys(tokens, range(3)))
         req = FakeRequest("r1", tokens)
-        assert start_load(w, req, 0, ([1] * 4, [2] * 4)).backend == order[0]
+        assert start_load(w, req, 0, ([1] * 4, [2] * 4)).segments[0].backend == order[0]
 
 
 def test_matched_tokens_stay_below_the_prompt_and_exclude_local_hits(worlds) -> None:
@@ -453,14 +463,19 @@ def test_load_job_pages_for_an_unaligned_start(worlds) -> None:
     assert meta.loads == [
         LoadJob(
             "r1",
-            "cpu",
             (
-                attn_page(w, tokens, 0, (10, 11), 0, 4),
-                attn_page(w, tokens, 1, (12, 13)),
-                attn_page(w, tokens, 2, (14, 15)),
-                attn_page(w, tokens, 3, (16, 17)),
-                mamba_page(w, tokens, 3, (33, 34)),
+                LoadSegment(
+                    "cpu",
+                    (
+                        attn_page(w, tokens, 0, (10, 11), 0, 4),
+                        attn_page(w, tokens, 1, (12, 13)),
+                        attn_page(w, tokens, 2, (14, 15)),
+                        attn_page(w, tokens, 3, (16, 17)),
+                        mamba_page(w, tokens, 3, (33, 34)),
+                    ),
+                ),
             ),
+            ("cpu",),
         )
     ]
     assert w.sched.build_connector_meta(step()).loads == []  # one LoadJob per load

@@ -29,7 +29,7 @@ from hybrid_offload.backends import (
 from hybrid_offload.backends.cpu import CpuBackend
 
 from hybrid_offload.connector.health import BackendHealth
-from hybrid_offload.connector.metadata import LoadJob, PageJob, StoreJob
+from hybrid_offload.connector.metadata import LoadJob, LoadSegment, PageJob, StoreJob
 from hybrid_offload.connector.worker import OffloadWorker, PageCodec
 from hybrid_offload.engine_spec import GroupKind, GroupSpec, ModelSpec, make_model_spec
 from hybrid_offload.page_format import decode_page
@@ -72,6 +72,10 @@ class UnavailableBackend(CpuBackend):
 
 register_backend("test_unavailable", UnavailableBackend)
 
+
+
+def load_job(pages: tuple[PageJob, ...], backend: str = "cpu", req_id: str = "req") -> LoadJob:
+    return LoadJob(req_id, (LoadSegment(backend, tuple(pages)),))
 
 def make_spec() -> ModelSpec:
     attn = GroupSpec(
@@ -334,7 +338,7 @@ def test_load_round_trip_into_other_blocks(world, chunk: int) -> None:
     dst, dst_states = [11, 6, 13], (12, 14, 15)
     w.cache.fill_states(list(dst_states))  # stale contents, padding included
     before = w.cache.snapshot()
-    job = LoadJob("req", "cpu", (*(w.attn_page(c, dst) for c in range(k)), w.mamba_page(k - 1, dst_states)))
+    job = load_job((*(w.attn_page(c, dst) for c in range(k)), w.mamba_page(k - 1, dst_states)))
     w.worker.start_loads([job])
     recving, failed = w.finish("req")
     assert recving == {"req"} and failed == set()
@@ -364,7 +368,7 @@ def test_load_leaves_skipped_tokens_alone(world) -> None:
     w.worker.copy_out([StoreJob(w.attn_page(c, src), ("cpu",)) for c in range(2)])
     w.worker.flush(10)
     local = w.cache.write_tokens(dst, 0, 3)  # what vLLM computed itself
-    job = LoadJob("req", "cpu", (w.attn_page(0, dst, skip=3), w.attn_page(1, dst)))
+    job = load_job((w.attn_page(0, dst, skip=3), w.attn_page(1, dst)))
     w.worker.start_loads([job])
     assert w.finish("req")[1] == set()
     for layer, got in zip(ATTN_LAYERS, read_tokens(w, dst, 0, 16), strict=True):
@@ -394,12 +398,66 @@ def stored_world(world, *backends: BackendConfig) -> tuple[World, list[PageJob],
 def test_missing_page_fails_the_load(world) -> None:
     w, _, before = stored_world(world)
     dst = [11, 6, 13, 14]
-    job = LoadJob("req", "cpu", (*(w.attn_page(c, dst) for c in range(4)), w.mamba_page(3, (12,))))
+    job = load_job((*(w.attn_page(c, dst) for c in range(4)), w.mamba_page(3, (12,))))
     w.worker.start_loads([job])
     recving, failed = w.finish("req")
     assert recving == failed == {"req"}
-    assert w.counters()["missing_pages"] == 1
+    assert w.counters()["missing_pages"] == 2  # chunk 3's attention page and its Mamba state
     assert_only_blocks_changed(before, w, {*dst, 12})
+
+
+@pytest.mark.parametrize("damage", ["evicted", "corrupt"])
+def test_page_missing_or_bad_in_its_backend_loads_from_a_fallback(world, damage: str) -> None:
+    """Evicted (or corrupted) in "a" between lookup and load: read from "b", no failed request."""
+    w, pages, before = stored_world(world, cpu("a"), cpu("b"))
+    a = w.backend("a")
+    if damage == "evicted":
+        a.delete_batch([pages[1].key])
+    else:
+        data = bytearray(a.get_batch([pages[1].key])[0])
+        data[-1] ^= 0x40
+        a.put_batch([(pages[1].key, bytes(data))])
+    w.worker.worker_meta()  # drain the stores
+    dst = [11, 6, 13]
+    job = LoadJob(
+        "req",
+        (LoadSegment("a", (*(w.attn_page(c, dst) for c in range(3)), w.mamba_page(2, (12,)))),),
+        ("a", "b"),
+    )
+    w.worker.start_loads([job])
+    assert w.finish("req") == ({"req"}, set())
+    for name, cache in w.cache.attn.items():
+        for s, d in zip([3, 7, 5], dst, strict=True):
+            assert torch.equal(cache[d], cache[s]), (name, d)
+    counters = w.counters()
+    assert counters["backends"]["a"]["loaded_pages"] == 3
+    assert counters["backends"]["b"]["loaded_pages"] == 1
+    assert counters["bad_pages"] == (damage == "corrupt") and counters["missing_pages"] == 0
+    samples = w.worker.worker_meta().load_samples
+    assert [ok for _, _, ok in samples["a"]] == [True] and len(samples["b"]) == 1
+    assert all(n > 0 and s > 0 for n, s, _ in samples["a"] + samples["b"])
+    assert_only_blocks_changed(before, w, {*dst, 12})
+
+
+def test_segments_read_each_page_from_its_own_backend(world) -> None:
+    """A ranged load: chunk 0 from "a", chunks 1-2 and the state from "b"."""
+    w, pages, _ = stored_world(world, cpu("a"), cpu("b"))
+    w.backend("a").delete_batch([p.key for p in pages[1:]])
+    w.backend("b").delete_batch([pages[0].key])
+    dst = [11, 6, 13]
+    job = LoadJob(
+        "req",
+        (
+            LoadSegment("a", (w.attn_page(0, dst),)),
+            LoadSegment("b", (w.attn_page(1, dst), w.attn_page(2, dst), w.mamba_page(2, (12,)))),
+        ),
+    )
+    w.worker.start_loads([job])
+    assert w.finish("req") == ({"req"}, set())
+    assert w.counters()["backends"]["a"]["loaded_pages"] == 1
+    assert w.counters()["backends"]["b"]["loaded_pages"] == 3
+    for layer in MAMBA_LAYERS:
+        assert w.cache.state(layer, 12) == w.cache.state(layer, 2)
 
 
 @pytest.mark.parametrize("damage", ["payload-byte", "header-byte", "truncated", "other-page"])
@@ -420,7 +478,7 @@ def test_corrupt_page_fails_the_load_and_is_deleted(world, damage: str) -> None:
     w.worker.worker_meta()  # drain the stores
 
     dst = [11, 6, 13]
-    job = LoadJob("req", "cpu", (*(w.attn_page(c, dst) for c in range(3)), w.mamba_page(2, (12, 14))))
+    job = load_job((*(w.attn_page(c, dst) for c in range(3)), w.mamba_page(2, (12, 14))))
     w.worker.start_loads([job])
     recving, failed = w.finish("req")
     assert recving == failed == {"req"}
@@ -440,8 +498,7 @@ def test_request_finished_during_its_load_is_reported_once_as_received(world) ->
 
     w, pages, _ = stored_world(world)
     opened = gate(w.backend("cpu"), "get_into")
-    job = LoadJob(
-        "req", "cpu", tuple(replace(p, block_ids=(b,)) for p, b in zip(pages, (11, 6, 13, 12), strict=True))
+    job = load_job(tuple(replace(p, block_ids=(b,)) for p, b in zip(pages, (11, 6, 13, 12), strict=True))
     )
     w.worker.start_loads([job])
     assert w.worker.finished() == (set(), set())  # in flight while vLLM finishes the request
@@ -545,16 +602,16 @@ def test_unavailable_backend_never_raises_into_the_caller(world) -> None:
 
     dst = [11, 6, 13]
     pages_dst = (*(w.attn_page(c, dst) for c in range(3)), w.mamba_page(2, (12,)))
-    w.worker.start_loads([LoadJob("from-flaky", "flaky", pages_dst)])
+    w.worker.start_loads([load_job(pages_dst, "flaky", "from-flaky")])
     assert w.finish("from-flaky") == ({"from-flaky"}, {"from-flaky"})
-    w.worker.start_loads([LoadJob("from-cpu", "cpu", pages_dst)])
+    w.worker.start_loads([load_job(pages_dst, "cpu", "from-cpu")])
     assert w.finish("from-cpu") == ({"from-cpu"}, set())
 
     # anything else a backend raises is survived too: the store thread and the loads go on
     broken.error = RuntimeError("bug in a backend")
     w.worker.copy_out([StoreJob(more, ("flaky",))])
     w.worker.flush(10)
-    w.worker.start_loads([LoadJob("crash", "flaky", pages_dst)])
+    w.worker.start_loads([load_job(pages_dst, "flaky", "crash")])
     assert w.finish("crash") == ({"crash"}, {"crash"})
     w.worker.copy_out([StoreJob(w.attn_page(0, [3]), ("cpu",))])
     w.worker.flush(10)
@@ -573,7 +630,7 @@ def test_unavailable_backend_while_deleting_a_corrupt_page(world) -> None:
         raise BackendUnavailableError("medium gone")
 
     backend.delete_batch = delete_fails
-    w.worker.start_loads([LoadJob("req", "flaky", (pages[0],))])
+    w.worker.start_loads([load_job((pages[0],), "flaky", "req")])
     assert w.finish("req") == ({"req"}, {"req"})
     assert w.counters()["bad_pages"] == 1
     assert w.counters()["backend_errors"] == 1
@@ -624,18 +681,18 @@ def test_down_backend_is_skipped_while_backing_off_then_probed(world) -> None:
     broken.get_into = lambda keys, bufs: (calls.append(len(keys)), real_get_into(keys, bufs))[1]
 
     broken.error = BackendUnavailableError("server down")
-    w.worker.start_loads([LoadJob("r1", "flaky", (pages[0],))])
+    w.worker.start_loads([load_job((pages[0],), "flaky", "r1")])
     assert w.finish("r1") == ({"r1"}, {"r1"})
     assert health.is_down and health.failures == 1 and calls == [1]
 
     broken.error = None  # back, but the worker only notices at the next probe
-    w.worker.start_loads([LoadJob("r2", "flaky", (pages[0],))])
+    w.worker.start_loads([load_job((pages[0],), "flaky", "r2")])
     assert w.finish("r2") == ({"r2"}, {"r2"})
     w.worker.copy_out([StoreJob(pages[1], ("flaky",))])
     w.worker.flush(10)
     assert calls == [1] and w.counters()["backends"]["flaky"]["unavailable"] == 2
 
     clock[0] = 1.0
-    w.worker.start_loads([LoadJob("r3", "flaky", (pages[0],))])
+    w.worker.start_loads([load_job((pages[0],), "flaky", "r3")])
     assert w.finish("r3") == ({"r3"}, set())
     assert not health.is_down and health.recoveries == 1 and calls == [1, 1]
