@@ -181,6 +181,15 @@ BAD: dict[str, tuple[dict[str, Any] | None, str, tuple[str, ...]]] = {
     "pending-zero": (_with("max_pending_store_bytes", 0), f"{ROOT}.max_pending_store_bytes", ()),
     "pending-garbage": (_with("max_pending_store_bytes", "x"),
                         f"{ROOT}.max_pending_store_bytes", ()),
+    "unknown-load-policy": (_with("load_policy", "fastest"), f"{ROOT}.load_policy",
+                            ("'fastest'", "weighted", "ranged", "adaptive")),
+    "store-threshold-zero": (_with("backends[1].store_threshold", 0),
+                             f"{ROOT}.backends[1].store_threshold", ("0",)),
+    "store-threshold-float": (_with("backends[0].store_threshold", 1.5),
+                              f"{ROOT}.backends[0].store_threshold", ()),
+    "store-output-string": (_with("backends[0].store_output", "yes"),
+                            f"{ROOT}.backends[0].store_output", ("'yes'",)),
+    "read-only-int": (_with("backends[1].read_only", 1), f"{ROOT}.backends[1].read_only", ()),
 }
 
 
@@ -218,3 +227,28 @@ def test_retry_after_keys_reach_the_backend_config() -> None:
     assert (cfg.backends[0].retry_after_s, cfg.backends[0].retry_after_max_s) == (0.25, 30.0)
     assert (cfg.backends[1].retry_after_s, cfg.backends[1].retry_after_max_s) == (2.0, 4.0)
     assert "retry_after_s" not in cfg.backends[0].options
+
+
+def test_load_and_store_policy_keys() -> None:
+    cfg = parse_offload_config(
+        {
+            "load_policy": "ranged",
+            "backends": [
+                {"type": "cpu"},
+                {"type": "cpu", "name": "b", "store_threshold": 3, "store_output": True, "read_only": True},
+            ],
+        }
+    )
+    assert cfg.load_policy == "ranged"
+    assert (cfg.backends[0].store_threshold, cfg.backends[0].store_output, cfg.backends[0].read_only) == (
+        1,
+        False,
+        False,
+    )
+    assert (cfg.backends[1].store_threshold, cfg.backends[1].store_output, cfg.backends[1].read_only) == (
+        3,
+        True,
+        True,
+    )
+    assert not {"store_threshold", "store_output", "read_only"} & set(cfg.backends[1].options)
+    assert parse_offload_config({"backends": [{"type": "cpu"}]}).load_policy == "weighted"

@@ -96,6 +96,7 @@ def step(
     cached: list[tuple[str, tuple[list[int], ...] | None, int]] | None = None,
     scheduled: dict[str, int] | None = None,
     resumed: set[str] | None = None,
+    preempted: set[str] | None = None,
 ) -> SimpleNamespace:
     """A SchedulerOutput; ``cached`` holds (req_id, new_block_ids or None, num_computed_tokens)."""
     cached = cached or []
@@ -108,6 +109,7 @@ def step(
             num_computed_tokens=[c[2] for c in cached],
         ),
         num_scheduled_tokens=scheduled or {},
+        preempted_req_ids=preempted or set(),
     )
 
 
@@ -122,9 +124,11 @@ def disk_config(tmp_path: Path, name: str = "disk", weight: float = 1.0) -> Back
 class World:
     """A planner plus a scheduler; keys of prompts; ways to make backends hold pages."""
 
-    def __init__(self, spec: ModelSpec, chunk: int, backends: tuple[BackendConfig, ...]) -> None:
+    def __init__(
+        self, spec: ModelSpec, chunk: int, backends: tuple[BackendConfig, ...], policy: str = "weighted"
+    ) -> None:
         self.planner = HybridOffloadPlanner(spec, chunk)
-        self.sched = OffloadScheduler(self.planner, backends)
+        self.sched = OffloadScheduler(self.planner, backends, policy)
         self.configs = {c.name: c for c in backends}
         self._writers: dict[str, Any] = {}
 
@@ -151,19 +155,6 @@ class World:
         self.sched.shutdown()
         for backend in self._writers.values():
             backend.close()
-
-
-@pytest.fixture
-def worlds():
-    made: list[World] = []
-
-    def make(spec: ModelSpec, chunk: int, backends: tuple[BackendConfig, ...] = (cpu_config(),)) -> World:
-        made.append(World(spec, chunk, backends))
-        return made[-1]
-
-    yield make
-    for w in made:
-        w.close()
 
 
 def store_summary(meta: OffloadMetadata) -> list[tuple[int, int, tuple[int, ...], int]]:
