@@ -6,7 +6,9 @@ a backend's own dependencies (redis, nixl) are only needed when that type is con
 import failure is never swallowed: it raises :class:`ImportError` naming the type and module,
 chained to the original error.
 
-Adding a backend type is one line: ``register_backend("redis", "pkg.mod:RedisBackend")``.
+Adding a backend type is one line: ``register_backend("redis", "pkg.mod:RedisBackend")``; a
+config may also name a class directly, ``type: "my_pkg.my_module:MyBackend"`` (like vLLM's
+``kv_connector_module_path``), which is imported on first use the same way.
 
 Threading: all functions are thread-safe (one module lock); imports happen at most once per
 type, under that lock.
@@ -93,9 +95,13 @@ def backend_class(type_name: str) -> type[Backend]:
     """
     with _lock:
         target = _registry.get(type_name)
+        if target is None and _TARGET.fullmatch(type_name):
+            target = _registry[type_name] = _load(type_name, type_name)
         if target is None:
             known = ", ".join(sorted(_registry))
-            raise BackendConfigError(f"unknown backend type {type_name!r} (known: {known})")
+            raise BackendConfigError(
+                f"unknown backend type {type_name!r} (known: {known}, or 'package.module:Class')"
+            )
         if isinstance(target, str):
             target = _registry[type_name] = _load(type_name, target)
         return target

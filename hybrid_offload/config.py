@@ -109,7 +109,7 @@ def _parse_backend(raw: Any, index: int) -> BackendConfig:
     weight = raw.get("load_weight", 1.0)
     if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight < math.inf:
         raise ConfigError(f"{key}.load_weight: must be a finite number > 0, got {weight!r}")
-    name = raw.get("name", f"{type_name}{index}")
+    name = raw.get("name", f"{type_name}{index}" if ":" not in type_name else f"backend{index}")
     if not isinstance(name, str) or not name:
         raise ConfigError(f"{key}.name: expected a non-empty string, got {name!r}")
     capacity = parse_size(raw.get("capacity_bytes", DEFAULT_CAPACITY_BYTES), f"{key}.capacity_bytes")

@@ -7,11 +7,13 @@ as JSON files, never pickles.
 
 Spec (JSON)::
 
-    {"model": DIR, "prompts": [[token ids], ...], "max_tokens": 8,
+    {"model": DIR, "prompts": [[token ids], ...], "pass_prompts": [[[token ids], ...], ...] | null,
+     "max_tokens": 8,
      "connector": {... kv_connector_extra_config ...} | null,
      "passes": 2, "reset_prefix_cache": "pass" | "request" | "never",
      "warmup": true, "llm_kwargs": {...}, "pass_barrier": DIR | null}
 
+``pass_prompts`` (optional) gives each pass its own prompts instead of ``prompts``.
 ``reset_prefix_cache`` empties vLLM's own prefix cache after every pass (default) or before
 every request, so that hits can only come from the connector.
 
@@ -115,10 +117,10 @@ def run_session(spec: dict[str, Any]) -> dict[str, Any]:
         llm.reset_prefix_cache()
     reset = spec.get("reset_prefix_cache", "pass")
     passes = []
-    for _ in range(spec.get("passes", 1)):
+    for index in range(spec.get("passes", 1)):
         before = _scheduler_counters()
         rows = []
-        for prompt in spec["prompts"]:
+        for prompt in (spec.get("pass_prompts") or [spec["prompts"]] * (index + 1))[index]:
             if reset == "request":
                 llm.reset_prefix_cache()
             start = time.perf_counter()

@@ -11,7 +11,9 @@ Pure logic, no I/O, no vLLM: the scheduler side looks every available backend up
   from disk when only disk holds the longer prefix).
 * ``adaptive``: ``weighted`` with each weight scaled by the backend's measured speed relative
   to the fastest one (:class:`LoadCostModel`), so a slow or failing backend loses traffic by
-  itself; a backend not measured for ``forget_s`` is trusted again (probed).
+  itself. A backend without a fresh measurement (never used, or not for ``forget_s``) that
+  holds the longest prefix is probed first, so every tier gets measured and a recovered one
+  wins its traffic back.
 
 Threading: not thread-safe; the scheduler thread owns policies and cost models.
 """
@@ -183,6 +185,11 @@ class LoadCostModel:
             cost.speed += self.alpha * (sample - cost.speed)
             cost.updated = now
 
+    def measured(self, name: str) -> bool:
+        """Whether ``name`` has a measurement younger than ``forget_s``."""
+        cost = self._costs.get(name)
+        return cost is not None and self.clock() - cost.updated <= self.forget_s
+
     def relative_speed(self, name: str) -> float:
         now = self.clock()
         fresh = {n: c.speed for n, c in self._costs.items() if now - c.updated <= self.forget_s}
@@ -206,6 +213,19 @@ class AdaptivePolicy(WeightedPolicy):
 
     def weight(self, match: BackendMatch) -> float:
         return match.weight * max(self.costs.relative_speed(match.name), 1e-9)
+
+    def choose(
+        self, matches: Sequence[BackendMatch], start_tokens: int, num_tokens: int
+    ) -> LoadChoice | None:
+        live = [m for m in matches if m.tokens > start_tokens]
+        if not live:
+            return None
+        longest = max(m.tokens for m in live)
+        probe = [m for m in live if m.tokens == longest and not self.costs.measured(m.name)]
+        if probe and len(probe) < len(live):  # some measured, some not: measure the others
+            best = max(probe, key=lambda m: m.weight)  # max keeps the first of equals
+            return self._single(best, start_tokens, best.weight)
+        return super().choose(matches, start_tokens, num_tokens)
 
     def observe(self, name: str, nbytes: int, seconds: float, ok: bool) -> None:
         self.costs.observe(name, nbytes, seconds, ok)

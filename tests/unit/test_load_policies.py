@@ -95,10 +95,15 @@ def test_adaptive_moves_traffic_away_from_a_slow_tier_and_probes_it_later(worlds
     def chosen(req_id: str) -> str:
         return start_load(w, FakeRequest(req_id, TOKENS), 0, TABLES).segments[0].backend
 
+    def report(name: str, seconds: float) -> None:
+        samples = {name: [(1 << 20, seconds, True)]}
+        w.sched.update_connector_output(OffloadWorkerMetadata(load_samples=samples), None, None)
+
     assert chosen("r1") == "slow"  # nothing measured yet: configured weights
-    samples = {"slow": [(1 << 20, 0.5, True)], "fast": [(1 << 20, 0.005, True)]}
-    w.sched.update_connector_output(OffloadWorkerMetadata(load_samples=samples), None, None)
-    assert chosen("r2") == "fast"
+    report("slow", 0.5)
+    assert chosen("r2") == "fast"  # not measured yet: probed
+    report("fast", 0.005)
+    assert chosen("r2b") == "fast"  # 100x faster: 0.8 > 1.0 x 0.01
     now[0] += 31.0  # measurements older than forget_s: trusted again, probed
     assert chosen("r3") == "slow"
 

@@ -128,3 +128,11 @@ def test_importing_package_imports_no_backend() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     ).stdout
     assert "cpu" not in out and "disk" not in out, out
+
+
+def test_a_type_may_be_a_module_path() -> None:
+    assert backend_class("hybrid_offload.backends.cpu:CpuBackend") is CpuBackend
+    with pytest.raises(ImportError, match="no_such_module"):
+        backend_class("no_such_module:Backend")
+    with pytest.raises(ImportError, match="NoSuchClass"):
+        backend_class("hybrid_offload.backends.cpu:NoSuchClass")

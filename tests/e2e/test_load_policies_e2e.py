@@ -1,0 +1,90 @@
+"""End to end: load selection between tiers in a real offline vLLM engine (falcon_h1, CPU).
+
+* cpu (weight 1.0) + disk (0.5): a document loads from cpu while cpu holds it, and from disk
+  once cpu evicted it (a second document pushed it out of cpu's small capacity).
+* ``adaptive``: an artificially slowed tier (weight 1.0; ``tests/slow_backend.py``, loaded by
+  module path) next to a cpu tier (0.8): after one slow load and one probe of the other tier,
+  the slowed tier gets no more traffic.
+
+vLLM's own prefix cache is reset before every request, so hits come only from the connector.
+Every pass must give the greedy tokens of pass 0 (computed without any hit).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from engine_runs import CHUNK_TOKENS, shared_prefix_prompts, tokens
+
+from hybrid_offload.session import run_session_subprocess
+
+pytestmark = pytest.mark.e2e
+
+ARCH = "falcon_h1"
+TESTS_DIR = Path(__file__).resolve().parents[1]
+#: falcon_h1 test model, one document (3 attention pages + 1 Mamba state): 1,450,240 bytes
+DOC_BYTES = 1_450_240
+
+
+def loaded(result: dict[str, Any], index: int) -> dict[str, int]:
+    backends = result["passes"][index]["scheduler"]["backends"]
+    return {name: c.get("loaded_tokens", 0) for name, c in backends.items()}
+
+
+def base_spec(model: Path) -> dict[str, Any]:
+    return {"model": str(model), "max_tokens": 6, "reset_prefix_cache": "request"}
+
+
+def test_cpu_while_it_holds_the_prefix_then_disk_after_eviction(model_dir, tmp_path: Path) -> None:
+    prompts = shared_prefix_prompts(CHUNK_TOKENS[ARCH])
+    doc_a, doc_b = prompts[:2], prompts[2:]
+    capacity = DOC_BYTES * 3 // 2  # one document fits, two do not
+    connector = {
+        "backends": [
+            {"type": "cpu", "name": "cpu", "capacity_bytes": capacity, "load_weight": 1.0},
+            {"type": "disk", "name": "disk", "path": str(tmp_path / "disk"), "load_weight": 0.5},
+        ]
+    }
+    result = run_session_subprocess(
+        {
+            **base_spec(model_dir(ARCH)),
+            "connector": connector,
+            "passes": 4,
+            "pass_prompts": [doc_a, doc_a, doc_b, doc_a],  # store A; A from cpu; store B; A again
+        }
+    )
+    stored = result["passes"][0]["worker_total"]["backends"]["cpu"]["stored_bytes"]
+    assert DOC_BYTES <= stored <= capacity, f"test model changed: one document is {stored} bytes"
+    aligned = result["passes"][1]["scheduler"]["aligned_prompt_tokens"]
+    assert loaded(result, 1).get("cpu", 0) >= 0.99 * aligned
+    assert loaded(result, 1).get("disk", 0) == 0
+    assert loaded(result, 3).get("disk", 0) >= 0.99 * aligned  # cpu lost document A's first chunks
+    assert loaded(result, 3).get("cpu", 0) == 0
+    assert tokens(result, 1) == tokens(result, 3) == tokens(result, 0)
+
+
+def test_adaptive_moves_traffic_away_from_a_slowed_tier(model_dir) -> None:
+    prompts = shared_prefix_prompts(CHUNK_TOKENS[ARCH])
+    connector = {
+        "load_policy": "adaptive",
+        "backends": [
+            {"type": "slow_backend:SlowCpuBackend", "name": "slow", "delay_s": 0.5, "load_weight": 1.0},
+            {"type": "cpu", "name": "fast", "load_weight": 0.8},
+        ],
+    }
+    pythonpath = os.pathsep.join(p for p in (str(TESTS_DIR), os.environ.get("PYTHONPATH", "")) if p)
+    result = run_session_subprocess(
+        {**base_spec(model_dir(ARCH)), "prompts": prompts, "connector": connector, "passes": 3},
+        env={"PYTHONPATH": pythonpath},
+    )
+    per_pass = [loaded(result, i) for i in range(3)]
+    aligned = result["passes"][1]["scheduler"]["aligned_prompt_tokens"]
+    doc = 3 * CHUNK_TOKENS[ARCH]
+    # Pass 0 already loads each document's second question: the first load goes to "slow"
+    # (configured weights), the next probes "fast"; measured 100x faster, "fast" takes the rest.
+    assert [p.get("slow", 0) for p in per_pass] == [doc, 0, 0]
+    assert [p.get("fast", 0) for p in per_pass] == [doc, aligned, aligned]
+    assert tokens(result, 1) == tokens(result, 2) == tokens(result, 0)
