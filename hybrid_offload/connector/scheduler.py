@@ -46,8 +46,9 @@ class BackendView:
     :class:`BackendHealth` backs off; the first lookup after the wait probes it again.
     """
 
-    def __init__(self, config: BackendConfig) -> None:
+    def __init__(self, config: BackendConfig, stats: Locked | None = None) -> None:
         self.config = config
+        self._stats = stats
         self.shared = backend_class(config.type).shared_index
         self._backend: Backend | None = create_backend(config) if self.shared else None
         self._mirror: set[str] = set()
@@ -62,6 +63,8 @@ class BackendView:
         if self._backend is None:
             return [k in self._mirror for k in keys]
         if not self.health.available():
+            if self._stats is not None:
+                self._stats.record_error(self.name, "skipped")
             return [False] * len(keys)
         try:
             answers = self._backend.contains_batch(keys)
@@ -109,11 +112,11 @@ class OffloadScheduler:
 
     def __init__(self, planner: HybridOffloadPlanner, backends: tuple[BackendConfig, ...]) -> None:
         self.planner = planner
-        self.views = [BackendView(c) for c in backends]
+        self.stats = Locked(SchedulerCounters())
+        self.views = [BackendView(c, self.stats) for c in backends]
         self._by_name = {v.name: v for v in self.views}
         self._weights = {c.name: c.load_weight for c in backends}
         self._requests: dict[str, RequestState] = {}
-        self.stats = Locked(SchedulerCounters())
 
     # ---- lookup -----------------------------------------------------------------------
     def _request_state(self, request: Request) -> RequestState | None:
@@ -162,11 +165,14 @@ class OffloadScheduler:
         except BackendError:
             with self.stats.lock:
                 self.stats.counters.backend(view.name).unavailable += 1
+            self.stats.record_error(view.name, "lookup")
             return 0
+        aligned = self.planner.max_boundary_chunks(state.prompt_len) * self.planner.chunk_tokens
+        plans = self.planner.plans
+        per_group = {str(p.index): t for p, t in zip(plans, result.per_group_tokens, strict=True)}
         with self.stats.lock:
             counters = self.stats.counters.backend(view.name)
-            counters.lookups += 1
-            counters.hit_tokens += result.tokens
+            counters.record_lookup(result.tokens, aligned, per_group)
             if result.groups_disagree and result.tokens:
                 self.stats.counters.group_disagreements += 1
         if result.groups_disagree and result.tokens and not state.warned_disagreement:
@@ -318,6 +324,15 @@ class OffloadScheduler:
         frees them when the worker reports that load finished)."""
         state = self._requests.pop(request.request_id, None)
         return state is not None and state.loading
+
+    def refresh_gauges(self) -> None:
+        """Copy each backend's availability (as this process sees it) and capacity into the
+        counters; cheap, no backend call."""
+        for view in self.views:
+            available = 0 if view.health.is_down else 1
+            self.stats.update_backend(
+                view.name, available=available, capacity_bytes=view.config.capacity_bytes
+            )
 
     def shutdown(self) -> None:
         for view in self.views:
