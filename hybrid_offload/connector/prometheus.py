@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
+from hybrid_offload.config import parse_offload_config
 from hybrid_offload.metrics import ERROR_KINDS, clean_payload, merge_payloads, payload_is_empty, summarize
 
 if TYPE_CHECKING:
@@ -113,6 +114,17 @@ def _unregister_previous() -> None:
                 REGISTRY.unregister(collector)
 
 
+def _backend_names(vllm_config: VllmConfig) -> list[str]:
+    """Backend names of the connector's config ([] if it cannot be read: metrics still work,
+    series then appear with their first event)."""
+    try:
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        return [_label(b.name) for b in parse_offload_config(extra).backends]
+    except Exception as exc:
+        logger.debug("hybrid-offload metrics: no backend names from the config (%r)", exc)
+        return []
+
+
 def _label(value: str) -> str:
     return value[:_MAX_LABEL]
 
@@ -174,6 +186,19 @@ class HybridOffloadPromMetrics(KVConnectorPromMetrics):
             for key, (metric, doc) in HISTOGRAMS.items()
         }
         self._warned = False
+        self._start_at_zero(_backend_names(vllm_config))
+
+    def _start_at_zero(self, backends: list[str]) -> None:
+        """Create the counter series of every engine and configured backend at 0, so that
+        ``/metrics`` lists them (and ``rate()`` works) before the first event."""
+        for labels in self.per_engine_labelvalues.values():
+            for counter in self._connector_counters.values():
+                counter.labels(*labels)
+            for backend in backends:
+                for counter in self._backend_counters.values():
+                    counter.labels(*labels, backend)
+                for kind in ERROR_KINDS:
+                    self._errors.labels(*labels, backend, kind)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         try:
