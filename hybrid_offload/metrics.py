@@ -22,7 +22,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 #: error kinds per backend: failed lookup/get/put/delete calls, pages that failed verification
@@ -141,7 +141,7 @@ class Locked:
 
     def snapshot(self) -> dict:
         with self.lock:
-            return asdict(self.counters)
+            return _snapshot(self.counters)
 
     def record_error(self, backend: str, kind: str, n: int = 1) -> None:
         """Count ``n`` errors of ``kind`` (one of :data:`ERROR_KINDS`) for ``backend``."""
@@ -186,7 +186,18 @@ class Locked:
         """The snapshot and the latency samples recorded since the last call, atomically."""
         with self.lock:
             samples, self._samples = self._samples, {}
-            return asdict(self.counters), samples
+            return _snapshot(self.counters), samples
+
+
+def _snapshot(counters: SchedulerCounters | WorkerCounters) -> dict[str, Any]:
+    """``dataclasses.asdict(counters)``, 20x faster (the fields are known: flat numbers and
+    str -> number dicts), since vLLM asks for stats every step."""
+    out: dict[str, Any] = dict(vars(counters))
+    out["backends"] = {
+        name: {**vars(b), "errors": dict(b.errors), "group_hit_tokens": dict(b.group_hit_tokens)}
+        for name, b in counters.backends.items()
+    }
+    return out
 
 
 def _number(value: Any) -> float | None:
@@ -293,16 +304,33 @@ def payload_is_empty(data: Mapping[str, Any]) -> bool:
     return not data.get("counters") and not data.get("backends")
 
 
-def _deltas(now: Mapping[str, Any], before: Mapping[str, Any]) -> dict[str, float]:
-    """Positive differences of the numeric fields (a counter never goes backwards; if it did,
-    nothing is reported and the new value becomes the baseline)."""
+_NUMBER_TYPES = (int, float)
+
+
+def _deltas(now: Mapping[str, Any], before: Mapping[str, Any], skip: frozenset[str] = frozenset()) -> dict:
+    """Positive differences of the numeric fields not in ``skip`` (a counter never goes
+    backwards; if it did, nothing is reported and the new value becomes the baseline)."""
     out = {}
+    get = before.get
     for key, value in now.items():
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            continue
-        diff = value - before.get(key, 0)
-        if diff > 0:
-            out[key] = diff
+        old = get(key, 0)
+        if value != old and type(value) in _NUMBER_TYPES and key not in skip and value > old:
+            out[key] = value - old
+    return out
+
+
+def _prune(payload: dict[str, Any]) -> dict[str, Any]:
+    """Drop the empty sections of a payload built from our own counters (already clean)."""
+    backends = {}
+    for name, entry in payload.get("backends", {}).items():
+        entry = {k: v for k, v in entry.items() if v}
+        if entry:
+            backends[name] = entry
+    out: dict[str, Any] = {}
+    if payload.get("counters"):
+        out["counters"] = payload["counters"]
+    if backends:
+        out["backends"] = backends
     return out
 
 
@@ -312,7 +340,8 @@ class StatsDelta:
     :meth:`take` returns what changed since its previous call (the first call: since start),
     the latency samples recorded meanwhile, and the gauges when they changed, when anything
     else is sent, or every :data:`GAUGE_REFRESH_S` seconds. Thread-safe; the counters keep
-    counting (``snapshot()`` users are unaffected).
+    counting (``snapshot()`` users are unaffected). vLLM calls it every engine step, so an
+    idle take is one snapshot and one comparison.
     """
 
     _SKIP = frozenset((*GAUGES, *_BACKEND_DICTS))
@@ -329,28 +358,30 @@ class StatsDelta:
         """The payload since the previous call ({} when there is nothing to send)."""
         with self._lock:
             now, samples = self._stats.snapshot_and_drain()
-            out: dict[str, Any] = {"counters": _deltas(now, self._before), "backends": {}}
-            gauges: dict[str, dict[str, float]] = {}
-            old_backends = self._before.get("backends", {})
-            for name, current in now.get("backends", {}).items():
-                before = old_backends.get(name, {})
-                counters = {k: v for k, v in current.items() if k not in self._SKIP}
-                entry: dict[str, Any] = {"counters": _deltas(counters, before)}
-                for section in _BACKEND_DICTS:
-                    entry[section] = _deltas(current.get(section, {}), before.get(section, {}))
-                entry["samples"] = samples.get(name, {})
-                out["backends"][name] = entry
-                gauges[name] = {k: current[k] for k in GAUGES if current.get(k) is not None}
-            self._before = now
-            payload = clean_payload(out)
             t = self._clock()
             refresh = self._gauges_at is None or t - self._gauges_at >= GAUGE_REFRESH_S
+            if not samples and not refresh and now == self._before:
+                return {}
+            out: dict[str, Any] = {"counters": _deltas(now, self._before, frozenset(("backends",)))}
+            out["backends"] = backends = {}
+            gauges: dict[str, dict[str, float]] = {}
+            old_backends = self._before.get("backends", {})
+            for name, current in now["backends"].items():
+                before = old_backends.get(name, {})
+                entry = {"counters": _deltas(current, before, self._SKIP)}
+                for section in _BACKEND_DICTS:
+                    entry[section] = _deltas(current[section], before.get(section, {}))
+                entry["samples"] = samples.get(name, {})
+                backends[name] = entry
+                gauges[name] = {k: current[k] for k in GAUGES if current[k] is not None}
+            self._before = now
+            payload = _prune(out)
             if gauges != self._gauges_sent or refresh or payload:
                 for name, values in gauges.items():
                     if values:
                         payload.setdefault("backends", {}).setdefault(name, {})["gauges"] = dict(values)
                 self._gauges_sent, self._gauges_at = gauges, t
-            return clean_payload(payload)
+            return payload
 
 
 def summarize(data: Mapping[str, Any]) -> dict[str, int | float]:
