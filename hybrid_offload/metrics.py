@@ -1,18 +1,66 @@
-"""Plain-data counters of the connector. Exporters (Prometheus, logs) read them; nothing here
-depends on an exporter."""
+"""Plain-data counters of the connector, and the plain-data stats payload built from them.
+
+Nothing here depends on an exporter: ``hybrid_offload.connector.prometheus`` adapts the
+payload to vLLM's connector stats and Prometheus; session.py, the demo and tests read
+:meth:`Locked.snapshot`.
+
+Two layers:
+
+* **Counters** (:class:`SchedulerCounters`, :class:`WorkerCounters`, per backend
+  :class:`BackendCounters`) are cumulative for the connector's lifetime and only grow; a few
+  gauge fields hold the last value seen. A :class:`Locked` pairs them with the lock that guards
+  them, plus bounded lists of latency samples not yet exported.
+* **Payloads** (plain dicts, see :func:`clean_payload` for the shape) carry *deltas* since the
+  previous :meth:`StatsDelta.take`, the latency samples of that interval and the current
+  gauges. They cross processes (msgpack-able: str keys, ints, floats, lists), so every reader
+  tolerates missing, unknown, negative or non-numeric fields (older or newer peers).
+"""
 
 from __future__ import annotations
 
+import math
 import threading
-from dataclasses import asdict, dataclass, field
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+#: error kinds per backend: failed lookup/get/put/delete calls, pages that failed verification
+#: or were absent at load time, and calls skipped while the backend was backing off
+ERROR_KINDS = ("lookup", "get", "put", "delete", "bad_page", "missing_page", "skipped")
+#: gauge fields of :class:`BackendCounters`; how two sources combine (scheduler + worker,
+#: several workers): availability is the minimum (down anywhere is down), sizes the maximum
+#: (a shared backend reports the same usage from every process: summing would double count)
+GAUGES: dict[str, Callable[[float, float], float]] = {
+    "available": min,
+    "used_bytes": max,
+    "capacity_bytes": max,
+}
+#: latency sample lists per backend (seconds per backend call)
+SAMPLES = ("load_seconds", "store_seconds")
+#: latency samples kept per backend and list between two takes (older ones are dropped)
+MAX_SAMPLES = 4096
+#: gauges go out when they change, with other data, or at least this often
+GAUGE_REFRESH_S = 5.0
+
+_BACKEND_DICTS = ("errors", "group_hit_tokens")
 
 
 @dataclass
 class BackendCounters:
-    """What one backend did for this connector (tokens are prompt tokens)."""
+    """What one backend did for this connector (tokens are prompt tokens).
+
+    ``hit_tokens`` / ``miss_tokens``: per lookup, the loadable prefix and the rest of the
+    chunk-aligned prompt; ``group_hit_tokens``: per KV-cache group index (a str), the prefix
+    that group alone could load. ``load_seconds`` / ``store_seconds`` sum the wall time of
+    ``get_into`` / ``put_batch`` calls (``load_calls`` / ``store_calls`` of them).
+    ``errors`` counts by kind (:data:`ERROR_KINDS`). Gauges (``available``, ``used_bytes``,
+    ``capacity_bytes``) hold the last value seen; None where this side cannot know it.
+    """
 
     lookups: int = 0
     hit_tokens: int = 0
+    miss_tokens: int = 0
     loaded_tokens: int = 0
     loaded_pages: int = 0
     loaded_bytes: int = 0
@@ -21,6 +69,23 @@ class BackendCounters:
     stored_bytes: int = 0
     store_failures: int = 0
     unavailable: int = 0
+    evictions: int = 0
+    load_calls: int = 0
+    load_seconds: float = 0.0
+    store_calls: int = 0
+    store_seconds: float = 0.0
+    errors: dict[str, int] = field(default_factory=dict)
+    group_hit_tokens: dict[str, int] = field(default_factory=dict)
+    available: int | None = None
+    used_bytes: int | None = None
+    capacity_bytes: int | None = None
+
+    def record_lookup(self, hit_tokens: int, aligned_tokens: int, per_group: Mapping[str, int]) -> None:
+        self.lookups += 1
+        self.hit_tokens += hit_tokens
+        self.miss_tokens += max(0, aligned_tokens - hit_tokens)
+        for group, tokens in per_group.items():
+            self.group_hit_tokens[group] = self.group_hit_tokens.get(group, 0) + tokens
 
 
 @dataclass
@@ -62,12 +127,285 @@ class WorkerCounters:
 
 
 class Locked:
-    """A counters object plus the lock that guards it; ``snapshot()`` returns a plain dict."""
+    """A counters object plus the lock that guards it; ``snapshot()`` returns a plain dict.
+
+    Threading: every read or write of ``counters`` holds ``lock`` (the scheduler thread, the
+    worker's model-runner, store and load threads). The ``record_*`` helpers take it
+    themselves; callers must not hold it.
+    """
 
     def __init__(self, counters: SchedulerCounters | WorkerCounters) -> None:
         self.counters = counters
         self.lock = threading.Lock()
+        self._samples: dict[str, dict[str, list[float]]] = {}
 
     def snapshot(self) -> dict:
         with self.lock:
-            return asdict(self.counters)
+            return _snapshot(self.counters)
+
+    def record_error(self, backend: str, kind: str, n: int = 1) -> None:
+        """Count ``n`` errors of ``kind`` (one of :data:`ERROR_KINDS`) for ``backend``."""
+        with self.lock:
+            errors = self.counters.backend(backend).errors
+            errors[kind] = errors.get(kind, 0) + n
+
+    def record_call(self, backend: str, op: str, seconds: float) -> None:
+        """One ``get_into`` (op "load") or ``put_batch`` (op "store") call that took ``seconds``."""
+        with self.lock:
+            counters = self.counters.backend(backend)
+            setattr(counters, f"{op}_calls", getattr(counters, f"{op}_calls") + 1)
+            setattr(counters, f"{op}_seconds", getattr(counters, f"{op}_seconds") + seconds)
+            samples = self._samples.setdefault(backend, {}).setdefault(f"{op}_seconds", [])
+            if len(samples) >= MAX_SAMPLES:
+                del samples[0]
+            samples.append(seconds)
+
+    def update_backend(
+        self,
+        backend: str,
+        *,
+        available: int | None = None,
+        used_bytes: int | None = None,
+        capacity_bytes: int | None = None,
+        evictions: int | None = None,
+    ) -> None:
+        """Set gauges to their current values, and ``evictions`` from the backend's own
+        cumulative count (never lowered); None leaves a field as it is."""
+        with self.lock:
+            counters = self.counters.backend(backend)
+            if available is not None:
+                counters.available = available
+            if used_bytes is not None:
+                counters.used_bytes = used_bytes
+            if capacity_bytes is not None:
+                counters.capacity_bytes = capacity_bytes
+            if evictions is not None:
+                counters.evictions = max(counters.evictions, evictions)
+
+    def snapshot_and_drain(self) -> tuple[dict, dict[str, dict[str, list[float]]]]:
+        """The snapshot and the latency samples recorded since the last call, atomically."""
+        with self.lock:
+            samples, self._samples = self._samples, {}
+            return _snapshot(self.counters), samples
+
+
+def _snapshot(counters: SchedulerCounters | WorkerCounters) -> dict[str, Any]:
+    """``dataclasses.asdict(counters)``, 20x faster (the fields are known: flat numbers and
+    str -> number dicts), since vLLM asks for stats every step."""
+    out: dict[str, Any] = dict(vars(counters))
+    out["backends"] = {
+        name: {**vars(b), "errors": dict(b.errors), "group_hit_tokens": dict(b.group_hit_tokens)}
+        for name, b in counters.backends.items()
+    }
+    return out
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a finite number >= 0, or None (bools count as numbers: 1/0)."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value if value >= 0 else None
+    if isinstance(value, float):
+        return value if math.isfinite(value) and value >= 0 else None
+    return None
+
+
+def _numbers(raw: Any) -> dict[str, float]:
+    if not isinstance(raw, Mapping):
+        return {}
+    out = {}
+    for key, value in raw.items():
+        number = _number(value)
+        if isinstance(key, str) and number is not None:
+            out[key] = number
+    return out
+
+
+def _samples(raw: Any, limit: int) -> list[float]:
+    if not isinstance(raw, list | tuple):
+        return []
+    values = [v for v in (_number(x) for x in raw) if v is not None]
+    return values[-limit:]
+
+
+def clean_payload(data: Any, max_samples: int = MAX_SAMPLES * 16) -> dict[str, Any]:
+    """A clean copy of a stats payload; never raises.
+
+    Shape (every part optional)::
+
+        {"counters": {name: delta},                       # connector-wide
+         "backends": {backend: {"counters": {name: delta},
+                                "errors": {kind: delta},
+                                "group_hit_tokens": {group: delta},
+                                "gauges": {name: value},
+                                "samples": {"load_seconds": [s, ...], "store_seconds": [...]}}}}
+
+    Values that are not finite numbers >= 0 are dropped, as are unknown sections; unknown
+    names inside known sections are kept (a newer peer's counters still aggregate).
+    """
+    if not isinstance(data, Mapping):
+        return {}
+    out: dict[str, Any] = {}
+    counters = _numbers(data.get("counters"))
+    if counters:
+        out["counters"] = counters
+    backends: dict[str, Any] = {}
+    raw_backends = data.get("backends")
+    for name, raw in raw_backends.items() if isinstance(raw_backends, Mapping) else ():
+        if not isinstance(name, str) or not isinstance(raw, Mapping):
+            continue
+        entry: dict[str, Any] = {}
+        for section in ("counters", "gauges", *_BACKEND_DICTS):
+            values = _numbers(raw.get(section))
+            if values:
+                entry[section] = values
+        raw_samples = raw.get("samples")
+        if isinstance(raw_samples, Mapping):
+            samples = {k: _samples(v, max_samples) for k, v in raw_samples.items() if isinstance(k, str)}
+            samples = {k: v for k, v in samples.items() if v}
+            if samples:
+                entry["samples"] = samples
+        if entry:
+            backends[name] = entry
+    if backends:
+        out["backends"] = backends
+    return out
+
+
+def _add(into: dict[str, float], more: Mapping[str, float]) -> None:
+    for key, value in more.items():
+        into[key] = into.get(key, 0) + value
+
+
+def merge_payloads(a: Mapping[str, Any], b: Mapping[str, Any], max_samples: int = MAX_SAMPLES * 16) -> dict:
+    """Combine two clean payloads (two sources of one step, or two intervals): counters add,
+    samples concatenate (the newest ``max_samples`` kept), gauges combine per :data:`GAUGES`
+    (max for unknown gauges). Inputs are not modified."""
+    out, b = clean_payload(a, max_samples), clean_payload(b, max_samples)
+    _add(out.setdefault("counters", {}), b.get("counters", {}))
+    backends = out.setdefault("backends", {})
+    for name, other in b.get("backends", {}).items():
+        entry = backends.setdefault(name, {})
+        for section in ("counters", *_BACKEND_DICTS):
+            if section in other:
+                _add(entry.setdefault(section, {}), other[section])
+        gauges = entry.setdefault("gauges", {})
+        for key, value in other.get("gauges", {}).items():
+            gauges[key] = GAUGES.get(key, max)(gauges[key], value) if key in gauges else value
+        samples = entry.setdefault("samples", {})
+        for key, values in other.get("samples", {}).items():
+            samples[key] = (samples.get(key, []) + list(values))[-max_samples:]
+    return clean_payload(out, max_samples)  # drops the empty sections made above
+
+
+def payload_is_empty(data: Mapping[str, Any]) -> bool:
+    """Whether a clean payload carries nothing (no counters, samples nor gauges)."""
+    return not data.get("counters") and not data.get("backends")
+
+
+_NUMBER_TYPES = (int, float)
+
+
+def _deltas(now: Mapping[str, Any], before: Mapping[str, Any], skip: frozenset[str] = frozenset()) -> dict:
+    """Positive differences of the numeric fields not in ``skip`` (a counter never goes
+    backwards; if it did, nothing is reported and the new value becomes the baseline)."""
+    out = {}
+    get = before.get
+    for key, value in now.items():
+        old = get(key, 0)
+        if value != old and type(value) in _NUMBER_TYPES and key not in skip and value > old:
+            out[key] = value - old
+    return out
+
+
+def _prune(payload: dict[str, Any]) -> dict[str, Any]:
+    """Drop the empty sections of a payload built from our own counters (already clean)."""
+    backends = {}
+    for name, entry in payload.get("backends", {}).items():
+        entry = {k: v for k, v in entry.items() if v}
+        if entry:
+            backends[name] = entry
+    out: dict[str, Any] = {}
+    if payload.get("counters"):
+        out["counters"] = payload["counters"]
+    if backends:
+        out["backends"] = backends
+    return out
+
+
+class StatsDelta:
+    """Turns one :class:`Locked`'s cumulative counters into payloads of deltas.
+
+    :meth:`take` returns what changed since its previous call (the first call: since start),
+    the latency samples recorded meanwhile, and the gauges when they changed, when anything
+    else is sent, or every :data:`GAUGE_REFRESH_S` seconds. Thread-safe; the counters keep
+    counting (``snapshot()`` users are unaffected). vLLM calls it every engine step, so an
+    idle take is one snapshot and one comparison.
+    """
+
+    _SKIP = frozenset((*GAUGES, *_BACKEND_DICTS))
+
+    def __init__(self, stats: Locked, clock: Callable[[], float] = time.monotonic) -> None:
+        self._stats = stats
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._before: dict[str, Any] = {}
+        self._gauges_sent: dict[str, dict[str, float]] = {}
+        self._gauges_at: float | None = None
+
+    def take(self) -> dict[str, Any]:
+        """The payload since the previous call ({} when there is nothing to send)."""
+        with self._lock:
+            now, samples = self._stats.snapshot_and_drain()
+            t = self._clock()
+            refresh = self._gauges_at is None or t - self._gauges_at >= GAUGE_REFRESH_S
+            if not samples and not refresh and now == self._before:
+                return {}
+            out: dict[str, Any] = {"counters": _deltas(now, self._before, frozenset(("backends",)))}
+            out["backends"] = backends = {}
+            gauges: dict[str, dict[str, float]] = {}
+            old_backends = self._before.get("backends", {})
+            for name, current in now["backends"].items():
+                before = old_backends.get(name, {})
+                entry = {"counters": _deltas(current, before, self._SKIP)}
+                for section in _BACKEND_DICTS:
+                    entry[section] = _deltas(current[section], before.get(section, {}))
+                entry["samples"] = samples.get(name, {})
+                backends[name] = entry
+                gauges[name] = {k: current[k] for k in GAUGES if current[k] is not None}
+            self._before = now
+            payload = _prune(out)
+            if gauges != self._gauges_sent or refresh or payload:
+                for name, values in gauges.items():
+                    if values:
+                        payload.setdefault("backends", {}).setdefault(name, {})["gauges"] = dict(values)
+                self._gauges_sent, self._gauges_at = gauges, t
+            return payload
+
+
+def summarize(data: Mapping[str, Any]) -> dict[str, int | float]:
+    """A short, flat summary of a clean payload for log lines (connector-wide counters, then
+    per backend: ``"<backend> <what>"``)."""
+    out: dict[str, int | float] = {}
+    for key in ("requests", "external_tokens", "failed_loads", "stores_dropped"):
+        if key in data.get("counters", {}):
+            out[key] = data["counters"][key]
+    for name, entry in sorted(data.get("backends", {}).items()):
+        counters = entry.get("counters", {})
+        for key in ("lookups", "hit_tokens", "loaded_tokens"):
+            if key in counters:
+                out[f"{name} {key}"] = counters[key]
+        for key, label in (("loaded_bytes", "loaded MiB"), ("stored_bytes", "stored MiB")):
+            if key in counters:
+                out[f"{name} {label}"] = round(counters[key] / 2**20, 3)
+        for key, label in (("load_seconds", "avg load ms"), ("store_seconds", "avg store ms")):
+            samples = entry.get("samples", {}).get(key)
+            if samples:
+                out[f"{name} {label}"] = round(1e3 * sum(samples) / len(samples), 3)
+        errors = sum(entry.get("errors", {}).values())
+        if errors:
+            out[f"{name} errors"] = errors
+        if "available" in entry.get("gauges", {}):
+            out[f"{name} available"] = entry["gauges"]["available"]
+    return out

@@ -23,14 +23,22 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hybrid_offload.config import parse_offload_config
 from hybrid_offload.connector.metadata import OffloadMetadata
+from hybrid_offload.connector.prometheus import HybridOffloadPromMetrics, HybridOffloadStats
 from hybrid_offload.connector.scheduler import OffloadScheduler
 from hybrid_offload.connector.worker import OffloadWorker
 from hybrid_offload.engine_spec import model_spec_from_vllm
+from hybrid_offload.metrics import StatsDelta
 from hybrid_offload.planner import HybridOffloadPlanner
 
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -84,6 +92,10 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler = OffloadScheduler(self.planner, config.backends, config.load_policy)
         else:
             self.worker = OffloadWorker(spec, self.planner, config.backends, config.max_pending_store_bytes)
+        side = self.scheduler or self.worker
+        assert side is not None
+        self._side = side
+        self._stats_delta = StatsDelta(side.stats)
         ACTIVE_CONNECTORS.add(self)
         logger.info(
             "hybrid-offload %s: chunk_tokens=%d, groups=%s, backends=%s",
@@ -156,6 +168,35 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker.shutdown()
         if self.scheduler is not None:
             self.scheduler.shutdown()
+
+    # ---- metrics (both roles) ---------------------------------------------------------
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This process's deltas since the previous call (None when nothing changed).
+
+        vLLM calls it on the worker after every step (model-runner thread) and on the
+        scheduler in ``update_from_output``, and aggregates the two. Never raises.
+        """
+        try:
+            self._side.refresh_gauges()
+            data = self._stats_delta.take()
+        except Exception:
+            logger.exception("hybrid-offload: taking connector stats failed")
+            return None
+        return HybridOffloadStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return HybridOffloadStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return HybridOffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ---- scheduler side ---------------------------------------------------------------
     def get_num_new_matched_tokens(

@@ -57,8 +57,9 @@ class BackendView:
     :class:`BackendHealth` backs off; the first lookup after the wait probes it again.
     """
 
-    def __init__(self, config: BackendConfig) -> None:
+    def __init__(self, config: BackendConfig, stats: Locked | None = None) -> None:
         self.config = config
+        self._stats = stats
         cls = backend_class(config.type)
         self.shared = cls.shared_index
         self.hit_source = cls.hit_source
@@ -75,6 +76,8 @@ class BackendView:
         if self._backend is None:
             return [k in self._mirror for k in keys]
         if not self.health.available():
+            if self._stats is not None:
+                self._stats.record_error(self.name, "skipped")
             return [False] * len(keys)
         try:
             answers = self._backend.contains_batch(keys)
@@ -151,14 +154,14 @@ class OffloadScheduler:
         load_policy: str = "weighted",
     ) -> None:
         self.planner = planner
-        self.views = [BackendView(c) for c in backends]
+        self.stats = Locked(SchedulerCounters())
+        self.views = [BackendView(c, self.stats) for c in backends]
         self._by_name = {v.name: v for v in self.views}
         self._fallback_order = tuple(v.name for v in sorted(self.views, key=lambda v: -v.config.load_weight))
         self.policy = make_policy(load_policy, planner)
         self._store_output = any(v.config.store_output for v in self.views)
         self._sightings = ChunkSightings()
         self._requests: dict[str, RequestState] = {}
-        self.stats = Locked(SchedulerCounters())
 
     # ---- lookup -----------------------------------------------------------------------
     def _request_state(self, request: Request) -> RequestState | None:
@@ -227,6 +230,7 @@ class OffloadScheduler:
         except BackendError:
             with self.stats.lock:
                 self.stats.counters.backend(view.name).unavailable += 1
+            self.stats.record_error(view.name, "lookup")
             return BackendMatch(view.name, view.config.load_weight, 0, ())
         state.known_present.setdefault(view.name, set()).update(present)
         self._count_lookup(view.name, state, result.tokens, result.per_group_tokens)
@@ -235,10 +239,11 @@ class OffloadScheduler:
 
     def _count_lookup(self, name: str, state: RequestState, tokens: int, per_group: tuple[int, ...]) -> None:
         disagree = any(t != tokens for t in per_group)
+        aligned = self.planner.max_boundary_chunks(state.prompt_len) * self.planner.chunk_tokens
+        groups = {str(p.index): t for p, t in zip(self.planner.plans, per_group, strict=True)}
         with self.stats.lock:
             counters = self.stats.counters.backend(name)
-            counters.lookups += 1
-            counters.hit_tokens += tokens
+            counters.record_lookup(tokens, aligned, groups)
             if disagree and tokens:
                 self.stats.counters.group_disagreements += 1
         if disagree and tokens and not state.warned_disagreement:
@@ -442,6 +447,15 @@ class OffloadScheduler:
         frees them when the worker reports that load finished)."""
         state = self._requests.pop(request.request_id, None)
         return state is not None and state.loading
+
+    def refresh_gauges(self) -> None:
+        """Copy each backend's availability (as this process sees it) and capacity into the
+        counters; cheap, no backend call."""
+        for view in self.views:
+            available = 0 if view.health.is_down else 1
+            self.stats.update_backend(
+                view.name, available=available, capacity_bytes=view.config.capacity_bytes
+            )
 
     def shutdown(self) -> None:
         for view in self.views:

@@ -50,6 +50,8 @@ from hybrid_offload.planner import HybridOffloadPlanner
 logger = logging.getLogger(__name__)
 
 _STOP = object()
+#: backends' used_bytes() is sampled at most this often (it may be a network round trip)
+USAGE_SAMPLE_S = 1.0
 
 
 class PageCodec:
@@ -115,6 +117,9 @@ class OffloadWorker:
         }
         self.layouts: dict[int, AttentionGroupLayout | MambaGroupLayout] = {}
         self.stats = Locked(WorkerCounters())
+        for c in backends:
+            self.stats.update_backend(c.name, available=1, capacity_bytes=c.capacity_bytes)
+        self._usage_at: dict[str, float] = {}
         self._max_pending = max_pending_store_bytes
         self._pending_bytes = 0
         self._lock = threading.Lock()
@@ -193,13 +198,16 @@ class OffloadWorker:
             try:
                 if not self.health[name].available():
                     raise _SkippedError
+                start = time.perf_counter()
                 results = backend.put_batch(items)
+                self.stats.record_call(name, "store", time.perf_counter() - start)
             except (BackendError, _SkippedError) as exc:
                 self._backend_error(name, "put", exc)
                 with self.stats.lock:
                     self.stats.counters.backend(name).store_failures += len(items)
                 continue
             self.health[name].record_success()
+            self._sample_usage(backend)
             stored = [key for (key, _), ok in zip(items, results, strict=True) if ok]
             with self._lock:
                 self._stored.setdefault(name, []).extend(stored)
@@ -260,21 +268,25 @@ class OffloadWorker:
             if not self.health[name].available():
                 raise _SkippedError
             sizes = backend.get_into([pages[i].key for i in indices], [memoryview(b) for b in bufs])
+            self.stats.record_call(name, "load", time.perf_counter() - started)
         except (BackendError, _SkippedError) as exc:
             self._backend_error(name, "get", exc)
             if not isinstance(exc, _SkippedError):
                 self._sample(name, 0, time.perf_counter() - started, False)
             return
         self.health[name].record_success()
+        self._sample_usage(backend)
         nbytes = npages = 0
         for i, buf, size in zip(indices, bufs, sizes, strict=True):
             page, codec = pages[i], self.codecs[pages[i].group]
             if size is None:
+                self.stats.record_error(name, "missing_page")
                 continue
             try:
                 _, payload = decode_page(memoryview(buf)[:size], codec.header(page))
             except PageFormatError as exc:
                 self._count("bad_pages")
+                self.stats.record_error(name, "bad_page")
                 logger.warning("bad page %s from %s: %s (a miss; deleted)", page.key, name, exc)
                 self._delete_quietly(backend, page.key)
                 continue
@@ -380,9 +392,30 @@ class OffloadWorker:
         if isinstance(exc, _SkippedError):
             with self.stats.lock:
                 self.stats.counters.backend(name).unavailable += 1
+            self.stats.record_error(name, "skipped")
             return
         self._count("backend_errors")
+        self.stats.record_error(name, op)
         self.health[name].record_failure(op, exc)
+
+    def _sample_usage(self, backend: Backend) -> None:
+        """I/O threads, after a successful call: the backend's evictions (its own cumulative
+        count) and, at most every :data:`USAGE_SAMPLE_S`, its ``used_bytes()``."""
+        now = time.monotonic()
+        used = None
+        if now - self._usage_at.get(backend.name, -USAGE_SAMPLE_S) >= USAGE_SAMPLE_S:
+            self._usage_at[backend.name] = now
+            try:
+                used = backend.used_bytes()
+            except BackendError as exc:  # a gauge is not worth a backoff: the next call decides
+                logger.debug("used_bytes of %s failed: %s", backend.name, exc)
+        evictions = getattr(getattr(backend, "stats", None), "evictions", None)
+        self.stats.update_backend(backend.name, used_bytes=used, evictions=evictions)
+
+    def refresh_gauges(self) -> None:
+        """Copy each backend's availability (as this process sees it) into the counters."""
+        for name, health in self.health.items():
+            self.stats.update_backend(name, available=0 if health.is_down else 1)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         if self._store_thread.is_alive():  # idempotent: a second call must not wait on the queue
