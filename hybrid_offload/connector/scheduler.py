@@ -323,6 +323,22 @@ class OffloadScheduler:
         for view in self.views:
             view.close()
 
+    def load_score(self, req_id: str) -> float:
+        """Score of the load planned by the last lookup of ``req_id``: tokens beyond the computed
+        ones x the backend's load weight; 0.0 when none is planned."""
+        state = self._requests.get(req_id)
+        if state is None or state.load_backend is None or state.loading or state.load_failed:
+            return 0.0  # the last lookup returned 0 without planning anything
+        return (state.load_end - state.load_start) * self._weights[state.load_backend]
+
+    def drop_planned_load(self, req_id: str) -> None:
+        """Forget the load planned for ``req_id`` (another source loads it instead), so that
+        ``update_state_after_alloc`` does nothing for it."""
+        state = self._requests.get(req_id)
+        if state is not None:
+            state.load_backend = None
+            state.load_end = state.load_start
+
 
 def _request_scope(request: Request) -> bytes:
     """Bytes that must scope keys beyond the tokens: LoRA adapter and cache salt."""
