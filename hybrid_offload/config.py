@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +19,9 @@ from hybrid_offload.backends.registry import backend_class
 ROOT = "kv_connector_extra_config"
 DEFAULT_CAPACITY_BYTES = 1 << 30
 DEFAULT_MAX_PENDING_STORE_BYTES = 256 << 20
-_TOP_KEYS = frozenset({"chunk_tokens", "backends", "max_pending_store_bytes", "load_policy"})
+_TOP_KEYS = frozenset(
+    {"chunk_tokens", "backends", "max_pending_store_bytes", "load_policy", "connectors"}
+)
 _COMMON_BACKEND_KEYS = frozenset(
     {
         "type",
@@ -60,6 +62,7 @@ class OffloadConfig:
     chunk_tokens: int | None = None
     max_pending_store_bytes: int = DEFAULT_MAX_PENDING_STORE_BYTES
     load_policy: str = "weighted"
+    connectors: tuple[ChildConnectorConfig, ...] = ()
 
 
 def parse_size(value: Any, key: str) -> int:
@@ -145,13 +148,16 @@ def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
     unknown = sorted(set(extra) - _TOP_KEYS)
     if unknown:
         raise ConfigError(f"{ROOT}: unknown key(s) {unknown} (allowed: {sorted(_TOP_KEYS)})")
-    raw_backends = extra.get("backends")
-    if not isinstance(raw_backends, list) or not raw_backends:
-        raise ConfigError(f"{ROOT}.backends: expected a non-empty list of backends")
+    raw_backends = extra.get("backends", [])
+    if not isinstance(raw_backends, list) or not (raw_backends or extra.get("connectors")):
+        raise ConfigError(
+            f"{ROOT}.backends: expected a non-empty list of backends (or a non-empty {ROOT}.connectors)"
+        )
     backends = tuple(_parse_backend(raw, i) for i, raw in enumerate(raw_backends))
     names = [b.name for b in backends]
     if len(set(names)) != len(names):
         raise ConfigError(f"{ROOT}.backends: duplicate backend names {names}")
+    connectors = parse_child_connectors(extra.get("connectors"), f"{ROOT}.connectors", taken=names)
     chunk = extra.get("chunk_tokens")
     if chunk is not None:
         chunk = _positive_int(chunk, f"{ROOT}.chunk_tokens")
@@ -163,5 +169,72 @@ def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
     if policy not in LOAD_POLICIES:
         raise ConfigError(f"{ROOT}.load_policy: expected one of {list(LOAD_POLICIES)}, got {policy!r}")
     return OffloadConfig(
-        backends=backends, chunk_tokens=chunk, max_pending_store_bytes=pending, load_policy=policy
+        backends=backends,
+        chunk_tokens=chunk,
+        max_pending_store_bytes=pending,
+        load_policy=policy,
+        connectors=connectors,
     )
+
+
+_CHILD_OWN_KEYS = frozenset({"name", "load_weight"})
+
+
+@dataclass(frozen=True)
+class ChildConnectorConfig:
+    """One foreign (vLLM-style) child connector: its full ``kv_transfer_config`` (without our own
+    keys ``name`` and ``load_weight``), the name it is known by, and its load weight."""
+
+    name: str
+    load_weight: float
+    kv_transfer_config: Mapping[str, Any]
+
+
+def parse_child_connectors(
+    raw: Any, key: str, taken: Collection[str] = ()
+) -> tuple[ChildConnectorConfig, ...]:
+    """Validate a ``connectors`` list (None: no children); names must be unique and not in ``taken``.
+
+    Each entry is a ``kv_transfer_config`` of another connector (``kv_connector`` required,
+    ``kv_connector_module_path`` and ``kv_connector_extra_config`` optional) plus ``name``
+    (default ``<kv_connector><index>``) and ``load_weight`` (default 1.0). Whether the class
+    exists and accepts the config is checked when the connector is built.
+    """
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise ConfigError(f"{key}: expected a list of connector configs, got {raw!r}")
+    children: list[ChildConnectorConfig] = []
+    seen = set(taken)
+    for index, entry in enumerate(raw):
+        child = _parse_child(entry, f"{key}[{index}]", index)
+        if child.name in seen:
+            raise ConfigError(
+                f"{key}[{index}].name: duplicate name {child.name!r} (names must be unique across "
+                "backends and connectors)"
+            )
+        seen.add(child.name)
+        children.append(child)
+    return tuple(children)
+
+
+def _parse_child(raw: Any, key: str, index: int) -> ChildConnectorConfig:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{key}: expected a kv_transfer_config mapping with a 'kv_connector', got {raw!r}")
+    connector = raw.get("kv_connector")
+    if not isinstance(connector, str) or not connector:
+        raise ConfigError(f"{key}.kv_connector: missing or not a non-empty string, got {connector!r}")
+    module = raw.get("kv_connector_module_path")
+    if module is not None and (not isinstance(module, str) or not module):
+        raise ConfigError(f"{key}.kv_connector_module_path: expected a non-empty string, got {module!r}")
+    child_extra = raw.get("kv_connector_extra_config", {})
+    if not isinstance(child_extra, Mapping):
+        raise ConfigError(f"{key}.kv_connector_extra_config: expected a mapping, got {child_extra!r}")
+    weight = raw.get("load_weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight < math.inf:
+        raise ConfigError(f"{key}.load_weight: must be a finite number > 0, got {weight!r}")
+    name = raw.get("name", f"{connector}{index}")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{key}.name: expected a non-empty string, got {name!r}")
+    transfer = {k: v for k, v in raw.items() if k not in _CHILD_OWN_KEYS}
+    return ChildConnectorConfig(name=name, load_weight=float(weight), kv_transfer_config=transfer)

@@ -58,21 +58,35 @@ def kv_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _scheduler_counters() -> dict[str, Any]:
+def _top_level_connectors() -> list[Any]:
+    """Live connectors that are not a child connector of another one."""
     from hybrid_offload.connector import ACTIVE_CONNECTORS
 
-    for conn in list(ACTIVE_CONNECTORS):
+    live = list(ACTIVE_CONNECTORS)
+    nested = {id(child) for conn in live for child in conn.child_connectors()}
+    return [conn for conn in live if id(conn) not in nested]
+
+
+def _scheduler_counters() -> dict[str, Any]:
+    """The top-level connector's scheduler counters; child connectors' loads under "children"."""
+    for conn in _top_level_connectors():
         if conn.scheduler is not None:
-            return conn.scheduler.stats.snapshot()
+            counters = conn.scheduler.stats.snapshot()
+            if conn.children is not None:
+                counters["children"] = conn.children.snapshot()
+            return counters
     return {}
 
 
 def _flush_workers() -> dict[str, Any]:
+    """Wait for every connector's stores (children included); the top-level worker's counters."""
     from hybrid_offload.connector import ACTIVE_CONNECTORS
 
     for conn in list(ACTIVE_CONNECTORS):
         if conn.worker is not None:
             conn.worker.flush(timeout=60)
+    for conn in _top_level_connectors():
+        if conn.worker is not None:
             return conn.worker.stats.snapshot()
     return {}
 

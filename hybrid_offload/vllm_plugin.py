@@ -18,6 +18,16 @@ Mamba KV cache manager and `MambaPrefillCheckpointBuilder.build` all take the pr
 prefills are split at block-aligned positions and each state is written at a chunk end, which
 the CPU kernel supports. Nothing else changes (page size, block size, groups are untouched).
 
+Second patch, on every platform: vLLM decides whether the hybrid KV cache manager (HMA) stays
+on from `KVConnectorFactory.supports_hma_config`, which for `kv_connector: "MultiConnector"`
+asks vLLM's own MultiConnector about the `connectors` list, whatever the module path. Our
+connector also answers to that name (`kv_connector_module_path: "hybrid_offload.connector"`),
+and there that check is wrong three ways: it turns HMA off for a config with only native
+`backends` (hybrids then fail to start), it fails on our child keys `name` / `load_weight`,
+and for a child without HMA support it gives vLLM's generic "Failed to promote" error instead
+of ours naming the child. So for our module path the answer is our class's (it supports HMA,
+and checks each child itself).
+
 Loaded by vLLM in every process through the `vllm.general_plugins` entry point
 (`hybrid_offload.vllm_plugin:register`); `register` is idempotent.
 """
@@ -74,10 +84,35 @@ def _log_once(old_blocks: int) -> None:
         )
 
 
+CONNECTOR_MODULE = "hybrid_offload.connector"
+
+
+def _patch_hma_check() -> None:
+    """Let our connector answer the HMA question under `kv_connector: "MultiConnector"`."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
+
+    current = KVConnectorFactory.supports_hma_config
+    if getattr(current, _PATCH_MARKER, False):
+        return
+    original = current.__func__
+
+    @functools.wraps(original)
+    def supports_hma_config(cls: Any, kv_transfer_config: Any) -> bool:
+        if kv_transfer_config.kv_connector_module_path == CONNECTOR_MODULE:
+            return supports_hma(cls.get_connector_class(kv_transfer_config))
+        return original(cls, kv_transfer_config)
+
+    setattr(supports_hma_config, _PATCH_MARKER, True)
+    KVConnectorFactory.supports_hma_config = classmethod(supports_hma_config)  # type: ignore[method-assign]
+
+
 def register() -> None:
-    """Patch `MambaMixer2.get_kv_cache_spec` when running on CPU; no-op elsewhere or if done."""
+    """Patch the HMA check (everywhere) and `MambaMixer2.get_kv_cache_spec` (on CPU only);
+    no-op for a patch already applied."""
     from vllm.platforms import current_platform
 
+    _patch_hma_check()
     if not current_platform.is_cpu():
         return
     from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2

@@ -278,9 +278,12 @@ class OffloadScheduler:
         return out
 
     def load_score(self, req_id: str) -> float:
-        """Score (tokens x weight) of the load planned for ``req_id``; 0.0 if none."""
+        """Score (tokens x weight) of the load planned by the last lookup of ``req_id``; 0.0 if
+        none is planned (also while a load runs or after one failed: a stale plan must not win)."""
         state = self._requests.get(req_id)
-        return state.choice.score if state is not None and state.choice is not None else 0.0
+        if state is None or state.choice is None or state.loading or state.load_failed:
+            return 0.0
+        return state.choice.score
 
     def drop_planned_load(self, req_id: str) -> None:
         """Forget the load planned for ``req_id`` (another source serves it)."""
