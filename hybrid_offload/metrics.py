@@ -99,6 +99,7 @@ class SchedulerCounters:
     external_tokens: int = 0
     group_disagreements: int = 0
     failed_loads: int = 0
+    preemptions: int = 0
     backends: dict[str, BackendCounters] = field(default_factory=dict)
 
     def backend(self, name: str) -> BackendCounters:

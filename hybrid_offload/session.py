@@ -13,7 +13,8 @@ Spec (JSON)::
      "passes": 2, "reset_prefix_cache": "pass" | "request" | "never",
      "warmup": true, "llm_kwargs": {...}, "pass_barrier": DIR | null}
 
-``pass_prompts`` (optional) gives each pass its own prompts instead of ``prompts``.
+``pass_prompts`` (optional) gives each pass its own prompts instead of ``prompts``; ``batch``
+submits a pass's prompts together instead of one at a time.
 ``reset_prefix_cache`` empties vLLM's own prefix cache after every pass (default) or before
 every request, so that hits can only come from the connector.
 
@@ -111,6 +112,32 @@ def _wait_at_barrier(directory: Path, index: int, timeout: float) -> None:
         time.sleep(0.05)
 
 
+def _generate(llm: Any, prompts: list[list[int]], params: Any, reset: bool, batch: bool) -> list[dict]:
+    """One row per prompt: one request at a time, or all at once (``batch``: vLLM schedules them
+    together, so a small KV cache makes it preempt)."""
+    groups = [prompts] if batch else [[p] for p in prompts]
+    rows = []
+    for group in groups:
+        if reset:
+            llm.reset_prefix_cache()
+        start = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in group], params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        for prompt, out in zip(group, outs, strict=True):
+            metrics = out.metrics
+            ttft = getattr(metrics, "first_token_latency", 0.0) if metrics is not None else 0.0
+            rows.append(
+                {
+                    "tokens": list(out.outputs[0].token_ids),
+                    "ttft_s": ttft or wall,
+                    "wall_s": wall,
+                    "cached_tokens": out.num_cached_tokens or 0,
+                    "prompt_tokens": len(prompt),
+                }
+            )
+    return rows
+
+
 def run_session(spec: dict[str, Any]) -> dict[str, Any]:
     """Run the spec in this process (vLLM in-process) and return the result dict."""
     from vllm import LLM, SamplingParams
@@ -133,24 +160,8 @@ def run_session(spec: dict[str, Any]) -> dict[str, Any]:
     passes = []
     for index in range(spec.get("passes", 1)):
         before = _scheduler_counters()
-        rows = []
-        for prompt in (spec.get("pass_prompts") or [spec["prompts"]] * (index + 1))[index]:
-            if reset == "request":
-                llm.reset_prefix_cache()
-            start = time.perf_counter()
-            out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
-            wall = time.perf_counter() - start
-            metrics = out.metrics
-            ttft = getattr(metrics, "first_token_latency", 0.0) if metrics is not None else 0.0
-            rows.append(
-                {
-                    "tokens": list(out.outputs[0].token_ids),
-                    "ttft_s": ttft or wall,
-                    "wall_s": wall,
-                    "cached_tokens": out.num_cached_tokens or 0,
-                    "prompt_tokens": len(prompt),
-                }
-            )
+        prompts = (spec.get("pass_prompts") or [spec["prompts"]] * (index + 1))[index]
+        rows = _generate(llm, prompts, params, reset == "request", spec.get("batch", False))
         worker = _flush_workers()
         passes.append(
             {"requests": rows, "scheduler": _diff(_scheduler_counters(), before), "worker_total": worker}

@@ -328,6 +328,8 @@ class OffloadScheduler:
     def handle_preemption(self, req_id: str) -> None:
         """vLLM freed the request's blocks; when it is scheduled again, it is looked up anew
         (pages stored before the preemption load instead of being recomputed)."""
+        with self.stats.lock:
+            self.stats.counters.preemptions += 1
         state = self._requests.get(req_id)
         if state is not None:
             state.block_ids = []

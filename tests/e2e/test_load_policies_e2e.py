@@ -13,6 +13,7 @@ Every pass must give the greedy tokens of pass 0 (computed without any hit).
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 from typing import Any
 
@@ -88,3 +89,25 @@ def test_adaptive_moves_traffic_away_from_a_slowed_tier(model_dir) -> None:
     assert [p.get("slow", 0) for p in per_pass] == [doc, 0, 0]
     assert [p.get("fast", 0) for p in per_pass] == [doc, aligned, aligned]
     assert tokens(result, 1) == tokens(result, 2) == tokens(result, 0)
+
+
+def test_preempted_request_resumes_from_its_offloaded_pages(model_dir) -> None:
+    """Four distinct prompts at once in a KV cache too small for all: vLLM preempts one; when it
+    is resumed, it loads the pages it stored before the preemption (nothing else could be a
+    hit: no prompt shares a prefix with another). Greedy output equals a run without connector."""
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 2000) for _ in range(800)] for _ in range(4)]
+    spec = {
+        "model": str(model_dir(ARCH)),
+        "prompts": prompts,
+        "max_tokens": 96,
+        "batch": True,
+        "llm_kwargs": {"num_gpu_blocks_override": 16, "max_num_seqs": 4, "max_model_len": 1024},
+    }
+    baseline = run_session_subprocess({**spec, "connector": None})
+    result = run_session_subprocess({**spec, "connector": {"backends": [{"type": "cpu", "name": "cpu"}]}})
+    sched = result["passes"][0]["scheduler"]
+    assert sched["preemptions"] >= 1
+    assert sched["external_tokens"] >= 2 * CHUNK_TOKENS[ARCH]
+    assert sched["failed_loads"] == 0
+    assert tokens(result, 0) == tokens(baseline, 0)
