@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -153,6 +154,17 @@ def greedy(server: ServeProcess, prompt: str | list[int], max_tokens: int) -> li
     return list(choice["token_ids"])
 
 
+def settle_stores(server: ServeProcess) -> None:
+    """Let the worker's store thread finish, then run one unrelated short request.
+
+    Stores are asynchronous, and a tier private to the worker process (``cpu``) becomes
+    visible to the scheduler only through the worker's report on a later engine step; an idle
+    server takes no step. Live traffic does this by itself.
+    """
+    time.sleep(0.3)
+    greedy(server, [5, 6, 7, 8], max_tokens=1)
+
+
 def test_config_serves_and_reuses_our_tiers(served: ServeProcess) -> None:
     config = json.loads(served.config.read_text())
     extra = config["kv_connector_extra_config"]
@@ -166,6 +178,7 @@ def test_config_serves_and_reuses_our_tiers(served: ServeProcess) -> None:
         aligned = (len(prompt) - 1) // chunk * chunk  # the longest chunk-aligned prefix we load
         before = served.metrics()
         cold = greedy(served, prompt, max_tokens=8)
+        settle_stores(served)
         served.reset_prefix_cache()  # vLLM's own cache only (reset_external defaults to false)
         mid = served.metrics()
         assert mid.total(EXTERNAL_HITS) == before.total(EXTERNAL_HITS), "cold request hit an empty cache"
