@@ -58,7 +58,7 @@ def load_config_file(path: Path) -> dict[str, Any]:
 
     Raises ValueError (``ConfigError`` for the extra config) with the file and key in the message.
     """
-    from hybrid_offload.config import parse_offload_config
+    from hybrid_offload.config import ConfigError, parse_offload_config
     from hybrid_offload.session import kv_transfer_config
 
     try:
@@ -81,8 +81,8 @@ def load_config_file(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path}: kv_connector and kv_connector_module_path must be set")
     try:
         parse_offload_config(config["kv_connector_extra_config"])
-    except ValueError as exc:
-        raise type(exc)(f"{path}: {exc}") from exc
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
     return config
 
 
