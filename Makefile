@@ -2,11 +2,11 @@
 # All run scripts/setup.sh first: idempotent, seconds when everything is installed.
 PY := .venv/bin/python
 PYTEST_WORKERS ?= 2
-# make serve CONFIG=configs/cpu_disk.yaml [MODEL=dir] [PORT=8000] [HOST=127.0.0.1] [VLLM_ARGS=...]
+# make serve CONFIG=configs/cpu_disk.yaml [MODEL=dir] [PORT=8000] [SERVE_HOST=127.0.0.1] [VLLM_ARGS=...]
 CONFIG ?= configs/cpu_disk.yaml
 MODEL ?=
 PORT ?= 8000
-HOST ?= 127.0.0.1
+SERVE_HOST ?= 127.0.0.1
 VLLM_ARGS ?=
 
 .PHONY: setup demo test lint clean serve
@@ -23,7 +23,7 @@ test: setup
 
 serve: setup
 	$(PY) -m hybrid_offload.cli.main serve --config $(CONFIG) $(if $(MODEL),--model $(MODEL)) \
-		--host $(HOST) --port $(PORT) $(if $(VLLM_ARGS),-- $(VLLM_ARGS))
+		--host $(SERVE_HOST) --port $(PORT) $(if $(VLLM_ARGS),-- $(VLLM_ARGS))
 
 lint: setup
 	$(PY) -m ruff check .
