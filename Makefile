@@ -1,9 +1,15 @@
-# hybrid-offload: `make demo` (the main job) and `make test` (all tests).
-# Both run scripts/setup.sh first: idempotent, seconds when everything is installed.
+# hybrid-offload: `make demo` (the main job), `make test` (all tests) and `make serve`.
+# All run scripts/setup.sh first: idempotent, seconds when everything is installed.
 PY := .venv/bin/python
 PYTEST_WORKERS ?= 2
+# make serve CONFIG=configs/cpu_disk.yaml [MODEL=dir] [PORT=8000] [SERVE_HOST=127.0.0.1] [VLLM_ARGS=...]
+CONFIG ?= configs/cpu_disk.yaml
+MODEL ?=
+PORT ?= 8000
+SERVE_HOST ?= 127.0.0.1
+VLLM_ARGS ?=
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test lint clean serve
 
 setup:
 	@bash scripts/setup.sh
@@ -14,6 +20,10 @@ demo: setup
 test: setup
 	$(PY) -m ruff check .
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -q -p no:cacheprovider
+
+serve: setup
+	$(PY) -m hybrid_offload.cli.main serve --config $(CONFIG) $(if $(MODEL),--model $(MODEL)) \
+		--host $(SERVE_HOST) --port $(PORT) $(if $(VLLM_ARGS),-- $(VLLM_ARGS))
 
 lint: setup
 	$(PY) -m ruff check .

@@ -147,7 +147,13 @@ def _add_peer(subparsers: Subparsers) -> None:
     p.set_defaults(handler=cmd_peer)
 
 
-_SUBCOMMANDS: list[Callable[[Subparsers], None]] = [_add_make_model, _add_demo, _add_peer]
+def _add_serve(subparsers: Subparsers) -> None:
+    from hybrid_offload.cli.serve import add_serve
+
+    add_serve(subparsers)
+
+
+_SUBCOMMANDS: list[Callable[[Subparsers], None]] = [_add_make_model, _add_demo, _add_peer, _add_serve]
 
 
 def build_parser() -> argparse.ArgumentParser:
