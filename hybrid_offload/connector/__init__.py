@@ -369,7 +369,12 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return self.children is not None and self.children.has_pending_push_work()
 
     def reset_cache(self) -> bool | None:
-        return None if self.children is None else self.children.reset_cache()
+        """vLLM's ``reset_prefix_cache(reset_external=True)`` (e.g. after a weight update): pages
+        stored so far are never loaded by this engine again (new key generation); nothing is
+        deleted, other engines sharing a tier keep theirs."""
+        if self.scheduler is not None:
+            self.scheduler.reset_cache()
+        return True if self.children is None else self.children.reset_cache()
 
 
 #: ``kv_connector: "MultiConnector"`` with this module path selects this connector too, so a vLLM

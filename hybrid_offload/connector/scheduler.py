@@ -162,6 +162,7 @@ class OffloadScheduler:
         self._store_output = any(v.config.store_output for v in self.views)
         self._sightings = ChunkSightings()
         self._requests: dict[str, RequestState] = {}
+        self._generation = 0
 
     # ---- lookup -----------------------------------------------------------------------
     def _request_state(self, request: Request) -> RequestState | None:
@@ -171,7 +172,7 @@ class OffloadScheduler:
         if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
             return None
         prompt = list(request.prompt_token_ids or [])
-        seed = self.planner.scope_seed(_request_scope(request))
+        seed = self.planner.scope_seed(_request_scope(request, self._generation))
         hashes = chain_chunk_hashes(seed, prompt, self.planner.chunk_tokens)
         state = RequestState(request, len(prompt), seed, hashes, self.planner.group_keys(hashes))
         self._requests[request.request_id] = state
@@ -462,14 +463,25 @@ class OffloadScheduler:
                 view.name, available=available, capacity_bytes=view.config.capacity_bytes
             )
 
+    def reset_cache(self) -> None:
+        """Start a new key generation: requests from now on never match pages stored before
+        (stale after a weight update). Requests already known keep their keys."""
+        self._generation += 1
+        self._sightings = ChunkSightings()
+        logger.warning(
+            "hybrid-offload cache reset: pages stored so far are no longer loaded (generation %d)",
+            self._generation,
+        )
+
     def shutdown(self) -> None:
         for view in self.views:
             view.close()
 
 
-def _request_scope(request: Request) -> bytes:
-    """Bytes that must scope keys beyond the tokens: LoRA adapter and cache salt."""
-    parts = []
+def _request_scope(request: Request, generation: int = 0) -> bytes:
+    """Bytes that must scope keys beyond the tokens: LoRA adapter, cache salt, and the key
+    generation after a cache reset."""
+    parts = [f"gen:{generation}"] if generation else []
     lora = getattr(request, "lora_request", None)
     if lora is not None:
         parts.append(f"lora:{lora.lora_name}:{lora.lora_int_id}")

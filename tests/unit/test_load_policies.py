@@ -182,3 +182,12 @@ def test_preempted_request_resumes_from_offloaded_prompt_and_output(worlds) -> N
     req.output_token_ids.extend(range(50, 62))  # decoded 12 tokens (their pages stored), then:
     w.sched.build_connector_meta(step(preempted={"r"}))
     assert w.sched.get_num_new_matched_tokens(req, 0) == (16, True)  # beyond the 12-token prompt
+
+
+def test_reset_cache_stops_matching_pages_stored_before(worlds) -> None:
+    """After vLLM resets external caches (e.g. a weight update), old pages never load again."""
+    w = worlds(make_spec(8, 8), 8)
+    hold_prefix(w, "cpu", range(5), 4)
+    assert w.sched.get_num_new_matched_tokens(FakeRequest("before", TOKENS), 0) == (40, True)
+    w.sched.reset_cache()
+    assert w.sched.get_num_new_matched_tokens(FakeRequest("after", TOKENS), 0) == (0, False)
