@@ -60,7 +60,7 @@ fi
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 
 echo "[setup] installing hybrid-offload and its pinned dependencies (nixl after torch)"
-"${PIP[@]}" install -e ".[dev,nixl]" "torch==$TORCH_VERSION"
+"${PIP[@]}" install -e ".[dev,nixl,bench]" "torch==$TORCH_VERSION"
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 # The lmcache backend's extra: LMCache without its CUDA dependencies (see the script).
 PYTHON="$VENV/bin/python" bash scripts/install_lmcache.sh

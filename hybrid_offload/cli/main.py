@@ -153,7 +153,19 @@ def _add_serve(subparsers: Subparsers) -> None:
     add_serve(subparsers)
 
 
-_SUBCOMMANDS: list[Callable[[Subparsers], None]] = [_add_make_model, _add_demo, _add_peer, _add_serve]
+def _add_bench(subparsers: Subparsers) -> None:
+    from hybrid_offload.cli.bench import add_bench
+
+    add_bench(subparsers)
+
+
+_SUBCOMMANDS: list[Callable[[Subparsers], None]] = [
+    _add_make_model,
+    _add_demo,
+    _add_peer,
+    _add_serve,
+    _add_bench,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
