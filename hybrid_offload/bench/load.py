@@ -135,7 +135,11 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def backends_for(config: str, workdir: Path, redis_url: str | None) -> list[dict[str, Any]] | None:
-    """The ``backends`` list of a configuration (None: no connector)."""
+    """The ``backends`` list of a configuration (None: no connector).
+
+    Each configuration gets its own disk directory, so none starts with another's pages; the
+    ``restart-disk`` server is given ``cpu+disk``'s list (and so its directory).
+    """
     if config == "none":
         return None
     tiers: list[dict[str, Any]] = [
@@ -146,7 +150,7 @@ def backends_for(config: str, workdir: Path, redis_url: str | None) -> list[dict
             {
                 "type": "disk",
                 "name": "disk",
-                "path": str(workdir / "disk-cache"),
+                "path": str(workdir / f"disk-{config.replace('+', '_')}"),
                 "capacity_bytes": "8GiB",
                 "load_weight": 0.5,
                 "fsync": False,
