@@ -91,7 +91,7 @@ def bar_plot(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(labels) * max(1, len(series))), 4.0))
+    fig, ax = plt.subplots(figsize=(min(16.0, max(6.0, 0.9 * len(labels) * max(1, len(series)))), 4.0))
     width = 0.8 / max(1, len(series))
     for i, (name, values) in enumerate(series.items()):
         xs = [x + i * width for x in range(len(labels))]
