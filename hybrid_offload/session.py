@@ -16,7 +16,8 @@ Spec (JSON)::
 ``pass_prompts`` (optional) gives each pass its own prompts instead of ``prompts``; ``batch``
 submits a pass's prompts together instead of one at a time.
 ``reset_prefix_cache`` empties vLLM's own prefix cache after every pass (default) or before
-every request, so that hits can only come from the connector.
+every request, so that hits can only come from the connector; a list gives one mode per pass
+(e.g. ``["never", "pass", "never"]``: the second pass hits vLLM's cache, the third cannot).
 
 ``pass_barrier`` lets a test act between passes (kill a server, restart it): after pass ``i``
 (its stores flushed) the session creates ``DIR/pass-<i>.done`` and waits until ``DIR/pass-<i>.go``
@@ -24,6 +25,8 @@ exists (at most ``barrier_timeout_s``, default 300) before the next pass.
 
 Result: per pass, per prompt: output token ids, time to first token, cached tokens; and per
 pass the connector's scheduler counters (tokens loaded per backend, aligned prompt tokens).
+``groups`` lists the top-level connector's KV cache groups with their page sizes (``page_len``:
+bytes of one stored page, header included) and ``chunk_tokens``; empty without a connector.
 """
 
 from __future__ import annotations
@@ -92,6 +95,24 @@ def _flush_workers() -> dict[str, Any]:
     return {}
 
 
+def _group_pages() -> dict[str, Any]:
+    """The top-level worker's chunk size and, per KV cache group, its kind, layers and page size."""
+    for conn in _top_level_connectors():
+        if conn.worker is not None:
+            groups = [
+                {
+                    "index": codec.group.index,
+                    "kind": codec.group.kind.value,
+                    "attention": codec.group.is_attention,
+                    "layers": len(codec.group.layer_names),
+                    "page_len": codec.page_len,
+                }
+                for codec in conn.worker.codecs.values()
+            ]
+            return {"chunk_tokens": conn.planner.chunk_tokens, "groups": groups}
+    return {"chunk_tokens": 0, "groups": []}
+
+
 def _diff(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in after.items():
@@ -156,9 +177,10 @@ def run_session(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("warmup", True):  # one-time engine costs must not count as a cold request
         llm.generate([{"prompt_token_ids": [3 + i % 97 for i in range(64)]}], params, use_tqdm=False)
         llm.reset_prefix_cache()
-    reset = spec.get("reset_prefix_cache", "pass")
+    resets = spec.get("reset_prefix_cache", "pass")
     passes = []
     for index in range(spec.get("passes", 1)):
+        reset = resets[index] if isinstance(resets, list) else resets
         before = _scheduler_counters()
         prompts = (spec.get("pass_prompts") or [spec["prompts"]] * (index + 1))[index]
         rows = _generate(llm, prompts, params, reset == "request", spec.get("batch", False))
@@ -170,7 +192,7 @@ def run_session(spec: dict[str, Any]) -> dict[str, Any]:
             llm.reset_prefix_cache()
         if spec.get("pass_barrier") and len(passes) < spec.get("passes", 1):
             _wait_at_barrier(Path(spec["pass_barrier"]), len(passes) - 1, spec.get("barrier_timeout_s", 300))
-    result = {"passes": passes}
+    result = {"passes": passes, **_group_pages()}
     del llm
     return result
 
