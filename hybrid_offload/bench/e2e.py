@@ -34,7 +34,7 @@ from hybrid_offload.bench.e2e_services import cache_peer, redis_server
 logger = logging.getLogger(__name__)
 
 SCENARIOS = ("cold", "vllm", "cpu", "disk", "redis", "nixl_peer")
-FULL = {"layers": 8, "hidden": 256, "lengths": "1024,2048,4096,8192,16384", "repeats": 2,
+FULL = {"layers": 8, "hidden": 256, "lengths": "1024,2048,4096,8192,16384", "repeats": 3,
         "scenarios": ",".join(SCENARIOS)}  # fmt: skip
 QUICK = {"layers": 4, "hidden": 256, "lengths": "1024,2048", "repeats": 1, "scenarios": "cold,vllm,cpu,disk"}
 TIER_CAPACITY = "1GiB"
