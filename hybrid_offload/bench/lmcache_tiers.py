@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from hybrid_offload.bench.ceilings import slots, time_calls
@@ -36,6 +37,24 @@ def import_error() -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def _environ_unchanged(name: str) -> Iterator[None]:
+    """Undo LMCache's write of ``os.environ[name]`` when the block ends.
+
+    LMCache's PrometheusLogger sets ``PROMETHEUS_MULTIPROC_DIR=/tmp/lmcache_prometheus`` in
+    this process's environment; every process started afterwards (vLLM servers, peers) would
+    inherit it and share one metrics directory with every other such process, across runs.
+    """
+    before = os.environ.get(name)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
 def make_manager(tier: str, page: int, cpu_gb: float, disk_dir: str | None, redis_url: str | None) -> Any:
     """A StorageManager with LocalCPU (+ LocalDisk at ``disk_dir`` or Remote at ``redis_url``)."""
     import torch
@@ -53,7 +72,8 @@ def make_manager(tier: str, page: int, cpu_gb: float, disk_dir: str | None, redi
     metadata = LMCacheMetadata(model_name="bench", world_size=1, local_world_size=1, worker_id=0,
                                local_worker_id=0, kv_dtype=torch.uint8, kv_shape=(1, 2, 256, 1, page // 2),
                                role="worker")  # fmt: skip
-    return StorageManager(config, metadata, EventManager())
+    with _environ_unchanged("PROMETHEUS_MULTIPROC_DIR"):
+        return StorageManager(config, metadata, EventManager())
 
 
 def make_keys(start: int, n: int) -> list[Any]:

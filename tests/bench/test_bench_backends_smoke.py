@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from hybrid_offload.cli.main import main
@@ -13,7 +14,10 @@ LMCACHE = {"LMCache cpu", "LMCache disk", "LMCache redis"}
 
 
 def test_bench_backends_quick(tmp_path: Path) -> None:
+    leaked_before = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     assert main(["bench", "backends", "--quick", "--out", str(tmp_path)]) == 0
+    # LMCache's metrics logger must not leave its shared directory to every later child process
+    assert os.environ.get("PROMETHEUS_MULTIPROC_DIR") == leaked_before
     doc = json.loads((tmp_path / "backends-quick.json").read_text())
     systems = {(r["system"], r["op"]) for r in doc["rows"]}
     for system in OURS | CEILINGS | LMCACHE:

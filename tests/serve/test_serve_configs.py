@@ -56,6 +56,7 @@ LOCAL_HITS = "vllm:prefix_cache_hits_total"
 #: ours (hybrid_offload/connector/prometheus.py)
 OUR_LOOKUPS = "hybrid_offload_lookups_total"
 OUR_LOADED = "hybrid_offload_loaded_tokens_total"
+OUR_STORED_PAGES = "hybrid_offload_stored_pages_total"
 
 
 def test_every_config_is_covered() -> None:
@@ -153,14 +154,24 @@ def greedy(server: ServeProcess, prompt: str | list[int], max_tokens: int) -> li
     return list(choice["token_ids"])
 
 
-def settle_stores(server: ServeProcess) -> None:
-    """Let the worker's store thread finish, then run one unrelated short request.
+def settle_stores(server: ServeProcess, backends: set[str], pages: int, timeout: float = 60.0) -> None:
+    """Wait until every backend in ``backends`` reports ``pages`` more stored pages.
 
-    Stores are asynchronous, and a tier private to the worker process (``cpu``) becomes
-    visible to the scheduler only through the worker's report on a later engine step; an idle
-    server takes no step. Live traffic does this by itself.
+    Stores are asynchronous (a store thread in the worker), and what the worker did reaches
+    the scheduler and ``/metrics`` only with its report on a later engine step; an idle server
+    takes no step. So each poll runs one unrelated short request (live traffic does this by
+    itself), and one more runs after the counters are there: the scheduler's view of a tier
+    private to the worker (``cpu``) travels with the same reports.
     """
-    time.sleep(0.3)
+    deadline = time.monotonic() + timeout
+    while True:
+        greedy(server, [5, 6, 7, 8], max_tokens=1)
+        stored = {b: server.metrics().total(OUR_STORED_PAGES, backend=b) for b in backends}
+        if all(n >= pages for n in stored.values()):
+            break
+        if time.monotonic() > deadline:
+            raise AssertionError(f"stores not reported after {timeout:.0f}s: {stored}, want {pages} each")
+        time.sleep(0.2)
     greedy(server, [5, 6, 7, 8], max_tokens=1)
 
 
@@ -169,6 +180,7 @@ def test_config_serves_and_reuses_our_tiers(served: ServeProcess) -> None:
     extra = config["kv_connector_extra_config"]
     chunk = extra.get("chunk_tokens") or CHUNK_TOKENS[ARCH]
     backends = {b.get("name", b["type"]) for b in extra["backends"]}
+    writable = {b.get("name", b["type"]) for b in extra["backends"] if not b.get("read_only")}
     with served.log_on_failure():
         reply = served.complete("The quick brown fox", max_tokens=4, temperature=0.0, ignore_eos=True)
         assert isinstance(reply["choices"][0]["text"], str) and reply["usage"]["completion_tokens"] == 4
@@ -177,7 +189,8 @@ def test_config_serves_and_reuses_our_tiers(served: ServeProcess) -> None:
         aligned = (len(prompt) - 1) // chunk * chunk  # the longest chunk-aligned prefix we load
         before = served.metrics()
         cold = greedy(served, prompt, max_tokens=8)
-        settle_stores(served)
+        # ARCH has one attention and one Mamba group: a page per aligned chunk, one state page
+        settle_stores(served, writable, pages=aligned // chunk + 1)
         served.reset_prefix_cache()  # vLLM's own cache only (reset_external defaults to false)
         mid = served.metrics()
         cold_hits = mid.total(EXTERNAL_HITS) - before.total(EXTERNAL_HITS)
