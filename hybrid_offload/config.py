@@ -19,8 +19,17 @@ from hybrid_offload.backends.registry import backend_class
 ROOT = "kv_connector_extra_config"
 DEFAULT_CAPACITY_BYTES = 1 << 30
 DEFAULT_MAX_PENDING_STORE_BYTES = 256 << 20
+#: the worker process's GIL switch interval while a load is in flight (Python's default: 5 ms)
+DEFAULT_LOAD_SWITCH_INTERVAL_S = 0.0005
 _TOP_KEYS = frozenset(
-    {"chunk_tokens", "backends", "max_pending_store_bytes", "load_policy", "connectors"}
+    {
+        "chunk_tokens",
+        "backends",
+        "max_pending_store_bytes",
+        "load_policy",
+        "connectors",
+        "load_switch_interval_s",
+    }
 )
 _COMMON_BACKEND_KEYS = frozenset(
     {
@@ -63,6 +72,7 @@ class OffloadConfig:
     max_pending_store_bytes: int = DEFAULT_MAX_PENDING_STORE_BYTES
     load_policy: str = "weighted"
     connectors: tuple[ChildConnectorConfig, ...] = ()
+    load_switch_interval_s: float = DEFAULT_LOAD_SWITCH_INTERVAL_S
 
 
 def parse_size(value: Any, key: str) -> int:
@@ -168,12 +178,19 @@ def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
     policy = extra.get("load_policy", "weighted")
     if policy not in LOAD_POLICIES:
         raise ConfigError(f"{ROOT}.load_policy: expected one of {list(LOAD_POLICIES)}, got {policy!r}")
+    switch = extra.get("load_switch_interval_s", DEFAULT_LOAD_SWITCH_INTERVAL_S)
+    if isinstance(switch, bool) or not isinstance(switch, int | float) or not 0 <= switch <= 0.1:
+        raise ConfigError(
+            f"{ROOT}.load_switch_interval_s: must be a number of seconds in [0, 0.1] (0: leave "
+            f"Python's switch interval alone), got {switch!r}"
+        )
     return OffloadConfig(
         backends=backends,
         chunk_tokens=chunk,
         max_pending_store_bytes=pending,
         load_policy=policy,
         connectors=connectors,
+        load_switch_interval_s=float(switch),
     )
 
 

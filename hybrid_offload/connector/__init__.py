@@ -107,7 +107,13 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self._require_recompute_on_failure()
             self.scheduler = OffloadScheduler(self.planner, config.backends, config.load_policy)
         else:
-            self.worker = OffloadWorker(spec, self.planner, config.backends, config.max_pending_store_bytes)
+            self.worker = OffloadWorker(
+                spec,
+                self.planner,
+                config.backends,
+                config.max_pending_store_bytes,
+                load_switch_interval_s=config.load_switch_interval_s,
+            )
         side = self.scheduler or self.worker
         assert side is not None
         self._side = side

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -95,6 +96,34 @@ class PageCodec:
         return views
 
 
+class LoadSwitchInterval:
+    """Lowers the process's GIL switch interval while loads are in flight, restores it after.
+
+    While a request waits for its pages, vLLM's step loop runs Python without pause, and every
+    blocking call of the load thread (a read, an open) gives the GIL up and waits up to the
+    switch interval (5 ms by default) to get it back: a page load costs several of those. Only
+    the model-runner thread calls :meth:`loading`; the interval is process-wide, so another
+    change made meanwhile is kept (not restored over).
+    """
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._saved: float | None = None
+
+    def loading(self, active: bool) -> None:
+        if not self.interval_s:
+            return
+        if active and self._saved is None:
+            current = sys.getswitchinterval()
+            if current > self.interval_s:
+                self._saved = current
+                sys.setswitchinterval(self.interval_s)
+        elif not active and self._saved is not None:
+            if sys.getswitchinterval() == self.interval_s:
+                sys.setswitchinterval(self._saved)
+            self._saved = None
+
+
 class _SkippedError(Exception):
     """The backend is down and backing off: the call was not made."""
 
@@ -108,6 +137,8 @@ class OffloadWorker:
         planner: HybridOffloadPlanner,
         backends: tuple[BackendConfig, ...],
         max_pending_store_bytes: int,
+        *,
+        load_switch_interval_s: float = 0.0,
     ) -> None:
         self.spec = spec
         self.codecs = {g.index: PageCodec(spec, g, planner.chunk_tokens) for g in spec.groups}
@@ -133,6 +164,7 @@ class OffloadWorker:
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="hybrid-offload-load")
         self._loads: dict[str, Future] = {}
         self._preempted: set[str] = set()
+        self._switch = LoadSwitchInterval(load_switch_interval_s)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.layouts = build_layouts(self.spec.groups, kv_caches, self.spec.num_blocks)
@@ -227,6 +259,7 @@ class OffloadWorker:
     def start_loads(self, loads: list[LoadJob]) -> None:
         for job in loads:
             self._loads[job.req_id] = self._loader.submit(self._load, job)
+        self._switch.loading(bool(self._loads))
 
     def _load(self, job: LoadJob) -> list[tuple[PageJob, PageCodec, memoryview]] | None:
         """Load thread: read and verify every page of a job; None if any page is unusable.
@@ -358,6 +391,7 @@ class OffloadWorker:
                 decoded = None
             if decoded is None:
                 failed.add(req_id)
+        self._switch.loading(bool(self._loads))
         return recving, failed
 
     def worker_meta(self) -> OffloadWorkerMetadata | None:
@@ -423,5 +457,6 @@ class OffloadWorker:
             self._store_queue.put(_STOP)
             self._store_thread.join(timeout)
         self._loader.shutdown(wait=True)
+        self._switch.loading(False)
         for backend in self.backends.values():
             backend.close()

@@ -57,6 +57,9 @@ def test_defaults() -> None:
     cfg = parse_offload_config({"backends": [{"type": "cpu"}], "chunk_tokens": None,
                                 "max_pending_store_bytes": "64MiB"})
     assert cfg.chunk_tokens is None and cfg.max_pending_store_bytes == 64 << 20
+    assert cfg.load_switch_interval_s == 0.0005
+    cfg = parse_offload_config({"backends": [{"type": "cpu"}], "load_switch_interval_s": 0})
+    assert cfg.load_switch_interval_s == 0.0
 
 
 def test_input_is_not_mutated() -> None:
@@ -181,6 +184,9 @@ BAD: dict[str, tuple[dict[str, Any] | None, str, tuple[str, ...]]] = {
     "pending-zero": (_with("max_pending_store_bytes", 0), f"{ROOT}.max_pending_store_bytes", ()),
     "pending-garbage": (_with("max_pending_store_bytes", "x"),
                         f"{ROOT}.max_pending_store_bytes", ()),
+    "switch-negative": (_with("load_switch_interval_s", -0.001), f"{ROOT}.load_switch_interval_s",
+                        ("-0.001",)),
+    "switch-string": (_with("load_switch_interval_s", "fast"), f"{ROOT}.load_switch_interval_s", ()),
     "unknown-load-policy": (_with("load_policy", "fastest"), f"{ROOT}.load_policy",
                             ("'fastest'", "weighted", "ranged", "adaptive")),
     "store-threshold-zero": (_with("backends[1].store_threshold", 0),

@@ -9,6 +9,7 @@ index their blocks by the same global block ids.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,7 +31,7 @@ from hybrid_offload.backends.cpu import CpuBackend
 
 from hybrid_offload.connector.health import BackendHealth
 from hybrid_offload.connector.metadata import LoadJob, LoadSegment, PageJob, StoreJob
-from hybrid_offload.connector.worker import OffloadWorker, PageCodec
+from hybrid_offload.connector.worker import LoadSwitchInterval, OffloadWorker, PageCodec
 from hybrid_offload.engine_spec import GroupKind, GroupSpec, ModelSpec, make_model_spec
 from hybrid_offload.page_format import decode_page
 from hybrid_offload.planner import HybridOffloadPlanner
@@ -696,3 +697,29 @@ def test_down_backend_is_skipped_while_backing_off_then_probed(world) -> None:
     w.worker.start_loads([load_job((pages[0],), "flaky", "r3")])
     assert w.finish("r3") == ({"r3"}, set())
     assert not health.is_down and health.recoveries == 1 and calls == [1, 1]
+
+
+def test_switch_interval_is_lowered_only_while_a_load_is_in_flight(world) -> None:
+    default = sys.getswitchinterval()
+    w, _, _ = stored_world(world)
+    w.worker._switch.interval_s = 0.0005
+    opened = gate(w.backend("cpu"), "get_into")
+    w.worker.start_loads([load_job((w.attn_page(0, [11, 6, 13]),))])
+    assert sys.getswitchinterval() == 0.0005  # the load thread waits in the gate
+    opened.set()
+    w.finish("req")
+    assert sys.getswitchinterval() == default
+
+
+def test_switch_interval_changed_by_someone_else_meanwhile_is_kept() -> None:
+    default = sys.getswitchinterval()
+    switch = LoadSwitchInterval(0.0005)
+    try:
+        switch.loading(True)
+        sys.setswitchinterval(0.002)
+        switch.loading(False)
+        assert sys.getswitchinterval() == 0.002
+        LoadSwitchInterval(0.0).loading(True)  # 0 disables
+        assert sys.getswitchinterval() == 0.002
+    finally:
+        sys.setswitchinterval(default)
