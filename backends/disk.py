@@ -35,6 +35,7 @@ import logging
 import os
 import re
 import secrets
+import shutil
 import stat
 import threading
 import time
@@ -308,6 +309,11 @@ class DiskBackend(Backend):
             self.stats.evicted_bytes += size
             self._unlink_page(key, "evict")
 
+    def _remove_foreign_dir(self, path: str) -> None:
+        """Remove a directory standing where a page file belongs (links are not followed)."""
+        logger.warning("disk backend %r: removing directory %s in place of a page", self.name, path)
+        shutil.rmtree(path)
+
     @staticmethod
     def _touch(fd: int) -> None:
         """Stamp the file's mtime, its LRU position after a restart (best effort)."""
@@ -359,7 +365,11 @@ class DiskBackend(Backend):
         self._evict_to(size)
         final = self._paths(key)[1]
         try:
-            os.replace(tmp, final)
+            try:
+                os.replace(tmp, final)
+            except IsADirectoryError:  # something made a directory of the page: not ours to keep
+                self._remove_foreign_dir(final)
+                os.replace(tmp, final)
         except OSError as exc:
             # keep index and files in step: the key is no longer indexed, so no old page
             _unlink_quietly(tmp, *([final] if old is not None else []))

@@ -165,6 +165,7 @@ class OffloadWorker:
         self._loads: dict[str, Future] = {}
         self._preempted: set[str] = set()
         self._switch = LoadSwitchInterval(load_switch_interval_s)
+        self._bad_page_logged: set[str] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.layouts = build_layouts(self.spec.groups, kv_caches, self.spec.num_blocks)
@@ -320,7 +321,7 @@ class OffloadWorker:
             except PageFormatError as exc:
                 self._count("bad_pages")
                 self.stats.record_error(name, "bad_page")
-                logger.warning("bad page %s from %s: %s (a miss; deleted)", page.key, name, exc)
+                self._log_bad_page(name, page.key, exc)
                 self._delete_quietly(backend, page.key)
                 continue
             decoded[i] = (page, codec, payload)
@@ -416,6 +417,15 @@ class OffloadWorker:
             self._backend_error(backend.name, "delete", exc)
         else:
             self.health[backend.name].record_success()
+
+    def _log_bad_page(self, name: str, key: str, exc: PageFormatError) -> None:
+        """The first bad page of a backend is a warning; later ones are counted (metrics)
+        and logged at debug level, so a corrupted store does not flood the log."""
+        with self._lock:
+            first = name not in self._bad_page_logged
+            self._bad_page_logged.add(name)
+        log = logger.warning if first else logger.debug
+        log("bad page %s from %s: %s (a miss; deleted; later ones are logged at debug level)", key, name, exc)
 
     def _count(self, field_name: str) -> None:
         with self.stats.lock:

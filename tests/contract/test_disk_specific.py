@@ -206,6 +206,19 @@ def test_symlinked_page_is_not_followed(tmp_path: Path) -> None:
         assert backend.used_bytes() == 0
 
 
+def test_directory_in_place_of_a_page_is_a_miss_and_a_put_replaces_it(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    with make_disk(root) as backend:
+        backend.put_batch([(key(3), page(3, 100))])
+        path = page_path(root, key(3))
+        path.unlink()
+        (path / "inner").mkdir(parents=True)
+        assert backend.contains_batch([key(3)]) == [False]
+        assert backend.get_batch([key(3)]) == [None]
+        assert backend.put_batch([(key(3), page(3, 120))]) == [True]
+        assert path.is_file() and backend.get_batch([key(3)]) == [page(3, 120)]
+
+
 def test_no_space_refuses_put_and_later_puts_work(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
