@@ -103,30 +103,3 @@ def test_wrong_mamba_state_changes_output(model_dir, tmp_path: Path) -> None:
     result = json.loads(out_path.read_text())
     assert hit_rate(result, 1, "cpu") >= 0.99
     assert tokens(result, 1) != tokens(baseline, 0)
-
-
-def test_corrupt_disk_pages_are_misses_then_repaired(model_dir, tmp_path: Path) -> None:
-    """Bit flips in stored pages: detected, never loaded, output unchanged; the recompute
-    stores good pages again, and the next engine hits fully."""
-    model = model_dir("falcon_h1")
-    prompts = shared_prefix_prompts(CHUNK_TOKENS["falcon_h1"])
-    base = {"model": str(model), "prompts": prompts, "max_tokens": 12, "reset_prefix_cache": "request"}
-    expected = tokens(run_session_subprocess({**base, "connector": None, "passes": 1}), 0)
-    disk = tmp_path / "disk"
-    run_session_subprocess({**base, "connector": connector(disk, False), "passes": 1})
-    pages = sorted(disk.rglob("*.page"))
-    assert pages
-    for page in pages:
-        data = bytearray(page.read_bytes())
-        data[len(data) // 2] ^= 0x10
-        page.write_bytes(bytes(data))
-
-    damaged = run_session_subprocess({**base, "connector": connector(disk, False), "passes": 1})
-    assert tokens(damaged, 0) == expected
-    assert damaged["passes"][0]["worker_total"]["bad_pages"] >= 1
-    assert damaged["passes"][0]["scheduler"]["failed_loads"] >= 1
-
-    repaired = run_session_subprocess({**base, "connector": connector(disk, False), "passes": 1})
-    assert tokens(repaired, 0) == expected
-    assert hit_rate(repaired, 0, "disk") >= 0.99
-    assert repaired["passes"][0]["worker_total"]["bad_pages"] == 0
