@@ -187,6 +187,12 @@ class Backend(ABC):
     def used_bytes(self) -> int:
         """Bytes of page data held now."""
 
+    def prepare_data_path(self) -> None:
+        """Do one-time data-path setup now rather than in the first put or get (e.g. register
+        transfer memory, handshake with servers). Called once by the connector's worker on a
+        background thread; may block; a :class:`BackendError` is logged there, never fatal."""
+        return  # most backends have nothing to set up
+
     def take_evicted(self) -> list[str]:
         """Keys evicted or deleted since the last call (for index mirrors; may be empty).
 

@@ -323,6 +323,20 @@ class NixlPeerBackend(Backend):
             self._agent = agent
         return self._agent
 
+    def prepare_data_path(self) -> None:
+        """Create the NIXL agent, register staging and exchange metadata with every reachable
+        peer (the first transfer otherwise pays for all of it)."""
+        self._check_open()
+        for peer in self._peers:
+            try:
+                _, hello = self._call(peer, p.Used())
+            except _PeerDownError as exc:
+                logger.info("nixl_peer %r: %s not prepared: %s", self.name, peer.address, exc)
+                continue
+            with self._xfer_lock:
+                self._check_open()
+                self._ensure_remote(peer, hello)
+
     def _ensure_remote(self, peer: _Peer, hello: p.HelloReply) -> None:
         """Load ``hello``'s agent metadata once per peer incarnation (xfer lock held)."""
         if peer.remote_agent == hello.agent_name:

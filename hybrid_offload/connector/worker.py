@@ -161,6 +161,7 @@ class OffloadWorker:
             target=self._store_loop, name="hybrid-offload-store", daemon=True
         )
         self._store_thread.start()
+        threading.Thread(target=self._prepare_data_paths, name="hybrid-offload-prepare", daemon=True).start()
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="hybrid-offload-load")
         self._loads: dict[str, Future] = {}
         self._preempted: set[str] = set()
@@ -169,6 +170,17 @@ class OffloadWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.layouts = build_layouts(self.spec.groups, kv_caches, self.spec.num_blocks)
+
+    def _prepare_data_paths(self) -> None:
+        """Backends' one-time transfer setup, off the forward path, so the first store or load
+        does not pay for it (a NIXL agent and handshake take about a second here)."""
+        for name, backend in self.backends.items():
+            try:
+                backend.prepare_data_path()
+            except BackendError as exc:
+                logger.info("backend %s: data path not prepared (first use will retry): %s", name, exc)
+            except Exception:  # best effort: the first put or get sets it up as well
+                logger.exception("backend %s: preparing the data path failed", name)
 
     # ---- stores -----------------------------------------------------------------------
     def copy_out(self, stores: list[StoreJob]) -> None:

@@ -240,6 +240,19 @@ def test_lookup_only_client_makes_no_nixl_agent(peers: PeerFactory, clients: Any
     assert scheduler._agent is None
 
 
+def test_prepare_data_path_sets_up_nixl_before_the_first_transfer(peers: PeerFactory, clients: Any) -> None:
+    up, down = peers(), peers()
+    down_address = down.address
+    down.kill()
+    backend = clients([up.address, down_address], **FAST)
+    backend.prepare_data_path()  # one peer down: prepares the other, raises nothing
+    assert backend._agent is not None
+    assert [peer.remote_agent is not None for peer in backend._peers] == [True, False]
+    keys = [k for k in (key(i) for i in range(64)) if backend.peer_for(k) == up.address][:2]
+    assert backend.put_batch([(k, page(i, 300)) for i, k in enumerate(keys)]) == [True, True]
+    assert backend.get_batch(keys) == [page(i, 300) for i in range(len(keys))]
+
+
 def test_wrong_token_refused_clearly(peers: PeerFactory, clients: Any) -> None:
     peer = peers(token="s3cret")
     for token in ("wrong", None):
