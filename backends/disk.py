@@ -172,8 +172,8 @@ class DiskBackend(Backend):
         self._pool: ThreadPoolExecutor | None = None
         self._logged: set[tuple[str, int | None]] = set()
         self._closed = False
+        self._check_writable_root()
         try:
-            os.makedirs(self._root, mode=0o700, exist_ok=True)
             with self._lock:
                 for _, key, size in sorted(self._scan()):
                     self._index[key] = size
@@ -186,6 +186,20 @@ class DiskBackend(Backend):
         logger.info("disk backend %r: %d pages in %s", self.name, len(self._index), self._root)
 
     # -- start-up --------------------------------------------------------------------------
+
+    def _check_writable_root(self) -> None:
+        """Create ``path`` if missing and write a probe file: a path that cannot hold pages is
+        a configuration error at start-up, not a runtime failure of every store."""
+        probe = os.path.join(self._root, f".probe.{os.getpid()}.{secrets.token_hex(6)}{_TMP_SUFFIX}")
+        try:
+            os.makedirs(self._root, mode=0o700, exist_ok=True)
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600))
+            os.unlink(probe)
+        except OSError as exc:
+            raise BackendConfigError(
+                f"disk backend {self.name!r}: option 'path': {self._root!r} is not a writable "
+                f"directory: {exc}"
+            ) from exc
 
     def _scan(self) -> Iterator[tuple[int, str, int]]:
         """Yield (mtime_ns, key, size) of every page file; remove dead writers' temp files."""

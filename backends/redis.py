@@ -439,6 +439,11 @@ class RedisBackend(Backend):
             self._index.remove(client, list(dict.fromkeys(keys)))
         return deleted
 
+    def prepare_data_path(self) -> None:
+        """Connect now (PING every node): an unreachable server shows at start-up."""
+        with self._guard("connect"):
+            self._redis().ping()
+
     def used_bytes(self) -> int:
         """Bytes accounted in the shared index (all clients of this prefix)."""
         self._check_open()

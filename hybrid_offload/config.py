@@ -13,8 +13,8 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hybrid_offload.backends.base import BackendConfig, BackendConfigError
-from hybrid_offload.backends.registry import backend_class
+from hybrid_offload.backends.base import Backend, BackendConfig, BackendConfigError
+from hybrid_offload.backends.registry import backend_class, create_backend
 
 ROOT = "kv_connector_extra_config"
 DEFAULT_CAPACITY_BYTES = 1 << 30
@@ -73,6 +73,19 @@ class OffloadConfig:
     load_policy: str = "weighted"
     connectors: tuple[ChildConnectorConfig, ...] = ()
     load_switch_interval_s: float = DEFAULT_LOAD_SWITCH_INTERVAL_S
+
+
+def open_backend(config: BackendConfig, index: int) -> Backend:
+    """Create ``backends[index]`` at connector start-up (may block on I/O).
+
+    A problem with its configuration that only shows now (a disk path that cannot be created
+    or written) raises :class:`ConfigError` naming the key; network backends do not connect
+    here, so an unreachable server is not an error (the worker warns at start-up).
+    """
+    try:
+        return create_backend(config)
+    except BackendConfigError as exc:
+        raise ConfigError(f"{ROOT}.backends[{index}]: {exc}") from exc
 
 
 def parse_size(value: Any, key: str) -> int:

@@ -336,6 +336,7 @@ class NixlPeerBackend(Backend):
             with self._xfer_lock:
                 self._check_open()
                 self._ensure_remote(peer, hello)
+        self._raise_if_all_down("connect")
 
     def _ensure_remote(self, peer: _Peer, hello: p.HelloReply) -> None:
         """Load ``hello``'s agent metadata once per peer incarnation (xfer lock held)."""

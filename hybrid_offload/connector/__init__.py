@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from hybrid_offload.config import parse_offload_config
+from hybrid_offload.config import ROOT, ConfigError, parse_offload_config
 from hybrid_offload.connector.children import (
     ForeignConnectors,
     HybridMetadata,
@@ -40,7 +40,7 @@ from hybrid_offload.connector.scheduler import OffloadScheduler
 from hybrid_offload.connector.worker import OffloadWorker
 from hybrid_offload.engine_spec import model_spec_from_vllm
 from hybrid_offload.metrics import StatsDelta
-from hybrid_offload.planner import HybridOffloadPlanner
+from hybrid_offload.planner import HybridOffloadPlanner, PlannerConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -97,7 +97,10 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 "hybrid-offload: tensor_parallel_size > 1 is not supported yet (pages would be "
                 "keyed for rank 0 only); run with tensor_parallel_size=1"
             )
-        self.planner = HybridOffloadPlanner(spec, config.chunk_tokens)
+        try:
+            self.planner = HybridOffloadPlanner(spec, config.chunk_tokens)
+        except PlannerConfigError as exc:
+            raise ConfigError(f"{ROOT}.chunk_tokens: {exc}") from exc
         self.scheduler: OffloadScheduler | None = None
         self.worker: OffloadWorker | None = None
         self.children: ForeignConnectors | None = None

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hybrid_offload.backends.base import Backend, BackendConfig, BackendError
-from hybrid_offload.backends.registry import backend_class, create_backend
+from hybrid_offload.backends.registry import backend_class
+from hybrid_offload.config import open_backend
 from hybrid_offload.connector.health import BackendHealth
 from hybrid_offload.connector.metadata import (
     LoadJob,
@@ -57,13 +58,13 @@ class BackendView:
     :class:`BackendHealth` backs off; the first lookup after the wait probes it again.
     """
 
-    def __init__(self, config: BackendConfig, stats: Locked | None = None) -> None:
+    def __init__(self, config: BackendConfig, stats: Locked | None = None, index: int = 0) -> None:
         self.config = config
         self._stats = stats
         cls = backend_class(config.type)
         self.shared = cls.shared_index
         self.hit_source = cls.hit_source
-        self._backend: Backend | None = create_backend(config) if self.shared else None
+        self._backend: Backend | None = open_backend(config, index) if self.shared else None
         self._mirror: set[str] = set()
         self.health = BackendHealth(config.name, config.retry_after_s, config.retry_after_max_s)
 
@@ -155,7 +156,7 @@ class OffloadScheduler:
     ) -> None:
         self.planner = planner
         self.stats = Locked(SchedulerCounters())
-        self.views = [BackendView(c, self.stats) for c in backends]
+        self.views = [BackendView(c, self.stats, i) for i, c in enumerate(backends)]
         self._by_name = {v.name: v for v in self.views}
         self._fallback_order = tuple(v.name for v in sorted(self.views, key=lambda v: -v.config.load_weight))
         self.policy = make_policy(load_policy, planner)

@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from hybrid_offload.backends.base import Backend, BackendConfig, BackendError
-from hybrid_offload.backends.registry import create_backend
+from hybrid_offload.config import open_backend
 from hybrid_offload.connector.health import BackendHealth
 from hybrid_offload.connector.metadata import (
     LoadJob,
@@ -142,7 +142,7 @@ class OffloadWorker:
     ) -> None:
         self.spec = spec
         self.codecs = {g.index: PageCodec(spec, g, planner.chunk_tokens) for g in spec.groups}
-        self.backends: dict[str, Backend] = {c.name: create_backend(c) for c in backends}
+        self.backends: dict[str, Backend] = {c.name: open_backend(c, i) for i, c in enumerate(backends)}
         self.health = {
             c.name: BackendHealth(c.name, c.retry_after_s, c.retry_after_max_s) for c in backends
         }
@@ -178,7 +178,12 @@ class OffloadWorker:
             try:
                 backend.prepare_data_path()
             except BackendError as exc:
-                logger.info("backend %s: data path not prepared (first use will retry): %s", name, exc)
+                logger.warning(
+                    "backend %s is not reachable at start-up (%s): lookups miss and stores skip it "
+                    "until it answers; requests recompute",
+                    name,
+                    exc,
+                )
             except Exception:  # best effort: the first put or get sets it up as well
                 logger.exception("backend %s: preparing the data path failed", name)
 

@@ -219,6 +219,13 @@ def test_directory_in_place_of_a_page_is_a_miss_and_a_put_replaces_it(tmp_path: 
         assert path.is_file() and backend.get_batch([key(3)]) == [page(3, 120)]
 
 
+def test_unusable_path_is_a_config_error_at_start(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"")
+    with pytest.raises(BackendConfigError, match=r"option 'path'.*not a writable directory"):
+        make_disk(blocker / "cache")
+
+
 def test_no_space_refuses_put_and_later_puts_work(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

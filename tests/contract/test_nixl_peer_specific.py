@@ -251,6 +251,9 @@ def test_prepare_data_path_sets_up_nixl_before_the_first_transfer(peers: PeerFac
     keys = [k for k in (key(i) for i in range(64)) if backend.peer_for(k) == up.address][:2]
     assert backend.put_batch([(k, page(i, 300)) for i, k in enumerate(keys)]) == [True, True]
     assert backend.get_batch(keys) == [page(i, 300) for i in range(len(keys))]
+    alone = clients([down_address], **FAST)
+    with pytest.raises(BackendUnavailableError, match="all peers down"):
+        alone.prepare_data_path()
 
 
 def test_wrong_token_refused_clearly(peers: PeerFactory, clients: Any) -> None:

@@ -245,12 +245,14 @@ def test_construct_with_server_down_does_not_connect() -> None:
     for type_name, options in [("redis", {"url": url}), ("redis-cluster", {"url": url})]:
         config = BackendConfig(type_name, "down", MiB, options={**options, "prefix": "down"})
         backend = create_backend(config)  # must neither connect nor raise
+        with pytest.raises(BackendUnavailableError, match="connect"):
+            backend.prepare_data_path()  # the worker's start-up probe: a warning there
         start = time.monotonic()
         with pytest.raises(BackendUnavailableError, match=r"127\.0\.0\.1") as info:
             backend.get_batch([key(1)])
         assert time.monotonic() - start < 3.0
         assert isinstance(info.value.__cause__, Exception)  # chained to redis-py's error
-        assert backend.stats.errors == 1
+        assert backend.stats.errors == 2
         backend.close()
 
 
