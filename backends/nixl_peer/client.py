@@ -46,7 +46,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -62,6 +61,7 @@ from ..base import (
 )
 from . import protocol as p
 from .ring import HashRing
+from .rounds import Piece, plan_rounds
 
 __all__ = ["NixlPeerBackend", "parse_address"]
 
@@ -84,18 +84,6 @@ def parse_address(address: object) -> tuple[str, int]:
 
 class _PeerDownError(Exception):
     """This peer cannot serve the call now (down, backing off, refused, failed)."""
-
-
-@dataclass
-class _Piece:
-    """A contiguous part of one page moved in one round."""
-
-    pos: int  # position in the caller's batch
-    peer: int
-    hello: p.HelloReply
-    remote: int  # address in the peer's pool
-    view: memoryview  # the caller's bytes (source or destination)
-    staging: int = 0  # offset in the staging buffer
 
 
 class _Peer:
@@ -356,32 +344,11 @@ class NixlPeerBackend(Backend):
                 self._agent.remove_remote_agent(peer.remote_agent)
         peer.remote_agent = None
 
-    def _plan_rounds(self, pieces: list[_Piece]) -> list[list[_Piece]]:
-        """Split pieces to fill staging exactly; each round fits in staging."""
-        rounds: list[list[_Piece]] = []
-        current: list[_Piece] = []
-        used = 0
-        for piece in pieces:
-            off, length = 0, piece.view.nbytes
-            while off < length:
-                take = min(self._staging_bytes - used, length - off)
-                part = _Piece(piece.pos, piece.peer, piece.hello, piece.remote + off,
-                              piece.view[off : off + take], used)  # fmt: skip
-                current.append(part)
-                used += take
-                off += take
-                if used == self._staging_bytes:
-                    rounds.append(current)
-                    current, used = [], 0
-        if current:
-            rounds.append(current)
-        return rounds
-
-    def _post(self, op: str, pieces: list[_Piece], failed: set[int]) -> dict[int, Any]:
+    def _post(self, op: str, pieces: list[Piece], failed: set[int]) -> dict[int, Any]:
         """Start one transfer per peer of a round; returns peer -> handle."""
         agent = self._agent
         staging_base = self._staging.ctypes.data  # type: ignore[union-attr]
-        by_peer: dict[int, list[_Piece]] = {}
+        by_peer: dict[int, list[Piece]] = {}
         for piece in pieces:
             by_peer.setdefault(piece.peer, []).append(piece)
         handles: dict[int, Any] = {}
@@ -441,7 +408,7 @@ class NixlPeerBackend(Backend):
                     self._transfer_failed(n, f"NIXL transfer timed out after {self._timeout}s", failed)
                 return
 
-    def _transfer(self, op: str, pieces: list[_Piece]) -> set[int]:
+    def _transfer(self, op: str, pieces: list[Piece]) -> set[int]:
         """Move all pieces (READ: pool -> views, WRITE: views -> pool); returns failed peers."""
         failed: set[int] = set()
         if not pieces:
@@ -455,7 +422,7 @@ class NixlPeerBackend(Backend):
                 raise BackendUnavailableError(msg) from exc
             staging = self._staging_view
             assert staging is not None
-            for round_ in self._plan_rounds(pieces):
+            for round_ in plan_rounds(pieces, self._staging_bytes):
                 round_ = [x for x in round_ if x.peer not in failed]
                 if op == "WRITE":
                     for x in round_:
@@ -479,7 +446,7 @@ class NixlPeerBackend(Backend):
         if not keys:
             return sizes
         leases: list[tuple[_Peer, int]] = []
-        pieces: list[_Piece] = []
+        pieces: list[Piece] = []
         for n, peer, idxs in self._per_peer(keys):
             try:
                 reply, hello = self._call(peer, p.Get([keys[i] for i in idxs]))
@@ -494,7 +461,7 @@ class NixlPeerBackend(Backend):
                 dest = dest_for(i, extent[1])
                 if dest is not None:
                     sizes[i] = extent[1]
-                    pieces.append(_Piece(i, n, hello, hello.pool_base + extent[0], dest[: extent[1]]))
+                    pieces.append(Piece(i, n, hello, hello.pool_base + extent[0], dest[: extent[1]]))
         try:
             failed = self._transfer("READ", pieces)
         finally:
@@ -540,7 +507,7 @@ class NixlPeerBackend(Backend):
             return results
         views = [memoryview(buf).cast("B") for _, buf in items]
         allocs: list[tuple[int, _Peer, list[int], int, list[int | None]]] = []
-        pieces: list[_Piece] = []
+        pieces: list[Piece] = []
         for n, peer, idxs in self._per_peer(keys):
             try:
                 request = p.Alloc([keys[i] for i in idxs], [views[i].nbytes for i in idxs])
@@ -551,7 +518,7 @@ class NixlPeerBackend(Backend):
             allocs.append((n, peer, idxs, reply.alloc_id, reply.offsets))
             for i, offset in zip(idxs, reply.offsets, strict=True):
                 if offset is not None and views[i].nbytes:
-                    pieces.append(_Piece(i, n, hello, hello.pool_base + offset, views[i]))
+                    pieces.append(Piece(i, n, hello, hello.pool_base + offset, views[i]))
         failed = self._transfer("WRITE", pieces)
         puts = put_bytes = evictions = evicted_bytes = 0
         for n, peer, idxs, alloc_id, offsets in allocs:
