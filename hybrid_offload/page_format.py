@@ -41,7 +41,7 @@ _CODE_DTYPES = {code: name for name, code in _DTYPE_CODES.items()}
 _KIND_CODES = {GroupKind.FULL_ATTENTION: 1, GroupKind.SLIDING_WINDOW: 2, GroupKind.MAMBA: 3}
 _CODE_KINDS = {code: kind for kind, code in _KIND_CODES.items()}
 
-# magic, version, header_len, fingerprint, chunk_hash, group, kind, tp_rank, tp_size,
+# magic, version, header_len, fingerprint, chunk_hash, group, kind, shard, shards,
 # chunk_index, num_tokens, n_tensors, payload_len, payload_checksum
 _FIXED = struct.Struct("<4sHI16s16sHBHHIIHQQ")
 _CHECKSUM = struct.Struct("<Q")
@@ -53,7 +53,11 @@ class PageFormatError(ValueError):
 
 @dataclass(frozen=True)
 class PageHeader:
-    """Everything the header says about a page."""
+    """Everything the header says about a page.
+
+    ``shard`` of ``shards``: which tensor-parallel-portable piece of its (chunk, group) page set
+    the page holds (see ``hybrid_offload.tp_shards``); 0 of 1 when the set is one page.
+    """
 
     fingerprint: bytes
     chunk_hash: bytes
@@ -62,8 +66,8 @@ class PageHeader:
     chunk_index: int
     num_tokens: int
     tensors: tuple[TensorSpec, ...]
-    tp_rank: int = 0
-    tp_size: int = 1
+    shard: int = 0
+    shards: int = 1
 
     @property
     def payload_len(self) -> int:
@@ -101,7 +105,7 @@ def seal_page(buf: bytearray | memoryview, header: PageHeader) -> None:
     payload_checksum = xxhash.xxh3_64_intdigest(view[hlen:])
     fixed = _FIXED.pack(
         MAGIC, FORMAT_VERSION, hlen, header.fingerprint, header.chunk_hash,
-        header.group_index, _KIND_CODES[header.kind], header.tp_rank, header.tp_size,
+        header.group_index, _KIND_CODES[header.kind], header.shard, header.shards,
         header.chunk_index, header.num_tokens, len(header.tensors), plen, payload_checksum,
     )
     table = _tensor_table(header.tensors)
@@ -147,7 +151,7 @@ def decode_header(data: bytes | bytearray | memoryview) -> tuple[PageHeader, int
     view = memoryview(data).cast("B")
     if len(view) < _FIXED.size + _CHECKSUM.size:
         raise PageFormatError(f"page too short ({len(view)} bytes)")
-    (magic, version, hlen, fingerprint, chunk_hash, group, kind, tp_rank, tp_size,
+    (magic, version, hlen, fingerprint, chunk_hash, group, kind, shard, shards,
      chunk_index, num_tokens, n_tensors, plen, payload_checksum) = _FIXED.unpack_from(view, 0)
     if magic != MAGIC:
         raise PageFormatError("bad magic: not a hybrid-offload page")
@@ -155,7 +159,9 @@ def decode_header(data: bytes | bytearray | memoryview) -> tuple[PageHeader, int
         raise PageFormatError(f"page format version {version}, expected {FORMAT_VERSION}")
     if not (_FIXED.size + _CHECKSUM.size <= hlen <= min(MAX_HEADER_BYTES, len(view))):
         raise PageFormatError(f"bad header length {hlen}")
-    if n_tensors > MAX_TENSORS or kind not in _CODE_KINDS or plen > MAX_PAYLOAD_BYTES:
+    if n_tensors > MAX_TENSORS or kind not in _CODE_KINDS or plen > MAX_PAYLOAD_BYTES or not (
+        0 <= shard < shards
+    ):
         raise PageFormatError("header fields out of range")
     (stored,) = _CHECKSUM.unpack_from(view, hlen - _CHECKSUM.size)
     if xxhash.xxh3_64_intdigest(view[: hlen - _CHECKSUM.size]) != stored:
@@ -164,7 +170,7 @@ def decode_header(data: bytes | bytearray | memoryview) -> tuple[PageHeader, int
     if sum(prod(t.shape) * DTYPE_SIZES[t.dtype] for t in tensors) != plen:
         raise PageFormatError("tensor table does not add up to the payload length")
     header = PageHeader(fingerprint, chunk_hash, group, _CODE_KINDS[kind], chunk_index,
-                        num_tokens, tensors, tp_rank, tp_size)
+                        num_tokens, tensors, shard, shards)
     return header, hlen, payload_checksum
 
 
@@ -190,7 +196,7 @@ def decode_page(
 
 def _check_expected(got: PageHeader, want: PageHeader) -> None:
     for name in ("fingerprint", "chunk_hash", "group_index", "kind", "chunk_index",
-                 "num_tokens", "tp_rank", "tp_size"):
+                 "num_tokens", "shard", "shards"):
         if getattr(got, name) != getattr(want, name):
             raise PageFormatError(f"page {name} is {getattr(got, name)!r}, expected {getattr(want, name)!r}")
     shapes = [(t.shape, t.dtype) for t in got.tensors]

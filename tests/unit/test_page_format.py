@@ -58,8 +58,8 @@ def make_header(group: GroupSpec = ATTN, **changes: object) -> PageHeader:
         chunk_index=7,
         num_tokens=CHUNK,
         tensors=group.page_tensors(CHUNK),
-        tp_rank=1,
-        tp_size=2,
+        shard=1,
+        shards=2,
     )
     return dataclasses.replace(header, **changes)
 
@@ -79,7 +79,7 @@ def layout(tensors: tuple[TensorSpec, ...]) -> list[tuple[tuple[int, ...], str]]
 def reseal(data: bytes, **fields: int | bytes) -> bytes:
     """Rewrite fixed-header fields and recompute the header checksum, as a forger would."""
     names = ["magic", "version", "header_len", "fingerprint", "chunk_hash", "group", "kind",
-             "tp_rank", "tp_size", "chunk_index", "num_tokens", "n_tensors", "payload_len",
+             "shard", "shards", "chunk_index", "num_tokens", "n_tensors", "payload_len",
              "payload_checksum"]
     values = dict(zip(names, pf._FIXED.unpack_from(data, 0), strict=True))
     values.update(fields)
@@ -106,7 +106,7 @@ def test_round_trip(group: GroupSpec) -> None:
     assert bytes(view) == payload
     assert isinstance(view, memoryview)
     for name in ("fingerprint", "chunk_hash", "group_index", "kind", "chunk_index",
-                 "num_tokens", "tp_rank", "tp_size", "payload_len"):
+                 "num_tokens", "shard", "shards", "payload_len"):
         assert getattr(got, name) == getattr(header, name), name
     assert layout(got.tensors) == layout(header.tensors)
     # without an expected header too, and from every buffer type
@@ -182,8 +182,8 @@ FIELD_CHANGES = {
     "kind": {"kind": GroupKind.SLIDING_WINDOW},
     "chunk_index": {"chunk_index": 8},
     "num_tokens": {"num_tokens": 2 * CHUNK},
-    "tp_rank": {"tp_rank": 0},
-    "tp_size": {"tp_size": 4},
+    "shard": {"shard": 0},
+    "shards": {"shards": 4},
 }
 
 
