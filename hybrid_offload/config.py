@@ -21,6 +21,9 @@ DEFAULT_CAPACITY_BYTES = 1 << 30
 DEFAULT_MAX_PENDING_STORE_BYTES = 256 << 20
 #: the worker process's GIL switch interval while a load is in flight (Python's default: 5 ms)
 DEFAULT_LOAD_SWITCH_INTERVAL_S = 0.0005
+#: each (chunk, group) page set splits into up to this many TP-portable shards (see tp_shards.py)
+DEFAULT_TP_SHARDS = 8
+MAX_TP_SHARDS = 64
 _TOP_KEYS = frozenset(
     {
         "chunk_tokens",
@@ -29,6 +32,7 @@ _TOP_KEYS = frozenset(
         "load_policy",
         "connectors",
         "load_switch_interval_s",
+        "tp_shards",
     }
 )
 _COMMON_BACKEND_KEYS = frozenset(
@@ -73,6 +77,7 @@ class OffloadConfig:
     load_policy: str = "weighted"
     connectors: tuple[ChildConnectorConfig, ...] = ()
     load_switch_interval_s: float = DEFAULT_LOAD_SWITCH_INTERVAL_S
+    tp_shards: int = DEFAULT_TP_SHARDS
 
 
 def open_backend(config: BackendConfig, index: int) -> Backend:
@@ -197,6 +202,9 @@ def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
             f"{ROOT}.load_switch_interval_s: must be a number of seconds in [0, 0.1] (0: leave "
             f"Python's switch interval alone), got {switch!r}"
         )
+    shards = _positive_int(extra.get("tp_shards", DEFAULT_TP_SHARDS), f"{ROOT}.tp_shards")
+    if shards > MAX_TP_SHARDS:
+        raise ConfigError(f"{ROOT}.tp_shards: at most {MAX_TP_SHARDS}, got {shards}")
     return OffloadConfig(
         backends=backends,
         chunk_tokens=chunk,
@@ -204,6 +212,7 @@ def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
         load_policy=policy,
         connectors=connectors,
         load_switch_interval_s=float(switch),
+        tp_shards=shards,
     )
 
 

@@ -7,6 +7,7 @@ and :class:`GroupSpec`, which are plain data and can be built by hand in tests.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass, field
@@ -17,6 +18,15 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from hybrid_offload import FORMAT_VERSION
+from hybrid_offload.tp_shards import (
+    Component,
+    ShardLayoutError,
+    TensorSplit,
+    check_tp_size,
+    held_units,
+    shard_count,
+    shards_written,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -69,7 +79,10 @@ class GroupSpec:
 
     Attention groups (full or sliding window) store per-token K and V of ``num_kv_heads`` heads;
     Mamba/GDN groups store per-layer recurrent state tensors (``state_shapes``), whose sizes do
-    not depend on the number of tokens.
+    not depend on the number of tokens. ``num_kv_heads`` and ``state_shapes`` are this TP
+    rank's, as vLLM allocates them; ``total_kv_heads`` and ``state_splits`` describe the model
+    at TP=1 (see :mod:`hybrid_offload.tp_shards`), and each (chunk, group) page set is
+    ``shards`` pages.
     """
 
     index: int
@@ -87,10 +100,37 @@ class GroupSpec:
     mamba_cache_mode: str | None = None
     mamba_type: str | None = None
     conv_layout: str | None = None
+    total_kv_heads: int = 0
+    state_splits: tuple[TensorSplit, ...] = ()
+    shards: int = 1
 
     @property
     def is_attention(self) -> bool:
         return self.kind is not GroupKind.MAMBA
+
+    @property
+    def splits(self) -> tuple[TensorSplit, ...]:
+        """How each per-layer tensor splits across TP ranks. Attention: the layer's
+        ``(2, tokens, heads, head_size)`` K/V by KV head; Mamba/GDN: ``state_splits``, or each
+        state tensor as one unsplit unit where the structure is unknown (TP=1 only)."""
+        if self.is_attention:
+            heads = self.total_kv_heads or self.num_kv_heads
+            return (TensorSplit(2, (Component("kv_heads", heads, 1),)),)
+        if self.state_splits:
+            return self.state_splits
+        return tuple(TensorSplit(0, (Component(f"s{i}", 1, s[0]),)) for i, s in enumerate(self.state_shapes))
+
+    @property
+    def full_state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """``state_shapes`` at TP=1 (() for attention groups)."""
+        if self.is_attention:
+            return ()
+        out = []
+        for shape, split in zip(self.state_shapes, self.splits, strict=True):
+            full = list(shape)
+            full[split.axis] = split.extent(1, 0)
+            out.append(tuple(full))
+        return tuple(out)
 
     @property
     def state_bytes(self) -> int:
@@ -105,25 +145,39 @@ class GroupSpec:
             return 0
         return self.num_kv_heads * (self.head_size + self.head_size_v) * DTYPE_SIZES[self.dtype]
 
-    def page_tensors(self, num_tokens: int) -> tuple[TensorSpec, ...]:
-        """The payload tensors of one canonical page of this group, in payload order.
+    def page_tensors(self, num_tokens: int, shard: int = 0) -> tuple[TensorSpec, ...]:
+        """The payload tensors of shard ``shard`` of one (chunk, group) page set, in order.
 
-        Attention: per layer K ``[tokens][heads][head_size]`` then V. Mamba: per layer each state
-        tensor in vLLM's order, without the page padding vLLM adds.
+        Attention: per layer K ``[tokens][heads][head_size]`` then V, of the shard's KV heads.
+        Mamba/GDN: per layer, per state tensor in vLLM's order, each component's slice (e.g. the
+        conv state's x, B and C), without the page padding vLLM adds. Independent of TP size.
         """
         tensors: list[TensorSpec] = []
+        if self.is_attention:
+            heads = len(held_units(self.splits[0].components[0].units, self.shards, shard))
+            for layer in range(len(self.layer_names)):
+                tensors.append(TensorSpec(f"L{layer}.k", (num_tokens, heads, self.head_size), self.dtype))
+                tensors.append(TensorSpec(f"L{layer}.v", (num_tokens, heads, self.head_size_v), self.dtype))
+            return tuple(tensors)
+        parts = self._state_parts(shard)
         for layer in range(len(self.layer_names)):
-            if self.is_attention:
-                tensors.append(
-                    TensorSpec(f"L{layer}.k", (num_tokens, self.num_kv_heads, self.head_size), self.dtype)
-                )
-                tensors.append(
-                    TensorSpec(f"L{layer}.v", (num_tokens, self.num_kv_heads, self.head_size_v), self.dtype)
-                )
-            else:
-                for i, (shape, dtype) in enumerate(zip(self.state_shapes, self.state_dtypes, strict=True)):
-                    tensors.append(TensorSpec(f"L{layer}.s{i}", shape, dtype))
+            tensors.extend(TensorSpec(f"L{layer}.{name}", shape, dtype) for name, shape, dtype in parts)
         return tuple(tensors)
+
+    def _state_parts(self, shard: int) -> list[tuple[str, tuple[int, ...], str]]:
+        parts = []
+        for i, (shape, dtype, split) in enumerate(
+            zip(self.full_state_shapes, self.state_dtypes, self.splits, strict=True)
+        ):
+            for c_index, c in enumerate(split.components):
+                part = list(shape)
+                part[split.axis] = split.component_extent(c_index, self.shards, shard)
+                name = f"s{i}" if not self.state_splits else f"s{i}.{c.name}"
+                parts.append((name, tuple(part), dtype))
+        return parts
+
+    def shard_bytes(self, num_tokens: int, shard: int = 0) -> int:
+        return sum(t.nbytes for t in self.page_tensors(num_tokens, shard))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GroupSpec:
@@ -135,24 +189,51 @@ class GroupSpec:
                 "layer_names": tuple(data["layer_names"]),
                 "state_shapes": tuple(tuple(s) for s in data.get("state_shapes", ())),
                 "state_dtypes": tuple(data.get("state_dtypes", ())),
+                "state_splits": tuple(
+                    TensorSplit(d["axis"], tuple(Component(**c) for c in d["components"]))
+                    for d in data.get("state_splits", ())
+                ),
             }
         )
 
     def layout_fields(self) -> dict[str, Any]:
-        """What must match for two engines to exchange this group's pages (no block size)."""
+        """What must match for two engines to exchange this group's pages: the model-wide
+        (TP=1) shapes, how they split and into how many shards; no block size, no TP size."""
         return {
             "kind": self.kind.value,
             "layers": list(self.layer_names),
             "dtype": self.dtype,
-            "num_kv_heads": self.num_kv_heads,
+            "num_kv_heads": self.splits[0].components[0].units if self.is_attention else 0,
             "head_size": self.head_size,
             "head_size_v": self.head_size_v,
             "sliding_window": self.sliding_window,
-            "state_shapes": [list(s) for s in self.state_shapes],
+            "state_shapes": [list(s) for s in self.full_state_shapes],
             "state_dtypes": list(self.state_dtypes),
+            "state_splits": [
+                [s.axis, [[c.name, c.units, c.unit_size] for c in s.components]]
+                for s in self.state_splits
+            ],
+            "shards": self.shards,
             "mamba_type": self.mamba_type,
             "conv_layout": "SD" if self.kind is GroupKind.MAMBA else None,
         }
+
+    def check_tp(self, tp_size: int) -> None:
+        """Raise ShardLayoutError unless this rank's shapes are the TP=1 structure split
+        ``tp_size`` ways and every shard has a writer at that TP size."""
+        try:
+            check_tp_size(self.splits, tp_size)
+            if self.is_attention:
+                local = [len(held_units(self.splits[0].components[0].units, tp_size, 0))]
+                want = [self.num_kv_heads]
+            else:
+                local = [s.extent(tp_size, 0) for s in self.splits]
+                want = [shape[s.axis] for shape, s in zip(self.state_shapes, self.splits, strict=True)]
+            if local != want:
+                raise ShardLayoutError(f"rank shapes {want} are not the model's {local} at TP={tp_size}")
+            shards_written(self.splits, self.shards, tp_size, 0)
+        except ShardLayoutError as exc:
+            raise ShardLayoutError(f"KV cache group {self.index} ({self.kind.value}): {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -186,19 +267,24 @@ def make_model_spec(
     num_blocks: int = 0,
     tp_rank: int = 0,
     tp_size: int = 1,
+    max_shards: int | None = None,
 ) -> ModelSpec:
-    """Build a ModelSpec whose fingerprint covers the model, the group layouts, our format
-    version and the tensor-parallel size.
+    """Build a ModelSpec whose fingerprint covers the model, the group layouts (at TP=1, with
+    their shard counts) and our format version.
 
-    The TP rank is not part of the fingerprint, so that the scheduler (which has no rank) and
-    every worker rank share one key namespace; the planner mixes the rank into each page key
-    and the page header records it.
+    Neither the TP size nor the rank is part of the fingerprint: engines at any TP size share
+    pages (each rank writes and reads its shards of a page set). With ``max_shards``, every
+    group's shard count is chosen (:func:`~hybrid_offload.tp_shards.shard_count`); raises
+    ShardLayoutError (a ValueError) when a group cannot be split ``tp_size`` ways into its shards.
     """
+    if max_shards is not None:
+        groups = tuple(dataclasses.replace(g, shards=shard_count(g.splits, max_shards)) for g in groups)
+    for g in groups:
+        g.check_tp(tp_size)
     fields = {
         "model": model_fields,
         "groups": [g.layout_fields() for g in groups],
         "format_version": FORMAT_VERSION,
-        "tp_size": tp_size,
     }
     return ModelSpec(
         groups=groups,
@@ -218,7 +304,63 @@ def _dtype_name(dtype: Any) -> str:
     return name
 
 
-def _group_from_vllm(index: int, group: Any) -> GroupSpec:
+@dataclass(frozen=True)
+class ModelShape:
+    """What the per-rank KV specs do not say about the whole model: the TP size, the total KV
+    heads and the Mamba2 group count (None where the config does not name it)."""
+
+    tp_size: int = 1
+    total_kv_heads: int = 0
+    mamba_n_groups: int | None = None
+
+
+#: HF config keys naming the Mamba2 group count, per architecture family
+_N_GROUPS_KEYS = ("mamba_n_groups", "n_groups", "mamba_ngroups")
+
+
+def mamba_splits(
+    mamba_type: str, shapes: tuple[tuple[int, ...], ...], shape: ModelShape
+) -> tuple[TensorSplit, ...]:
+    """The TP=1 structure of a Mamba2 or GDN layer's (conv SD, ssm) state from this rank's
+    shapes (vLLM's MambaStateShapeCalculator, inverted); () where it is not known."""
+    t = shape.tp_size
+    if len(shapes) != 2 or len(shapes[0]) != 2 or len(shapes[1]) != 3:
+        return ()
+    (_, conv_r), (heads_r, d1, d2) = shapes
+    if mamba_type == "MAMBA2":
+        head_dim, state = d1, d2
+        x_r = heads_r * head_dim
+        groups_r, rest = divmod(conv_r - x_r, 2 * state)
+        if rest or groups_r < 1:
+            return ()
+        groups = shape.mamba_n_groups
+        if groups is None:
+            if t > 1 and groups_r == 1:
+                raise ShardLayoutError(
+                    "cannot tell the model's Mamba2 group count from its config "
+                    f"(none of {_N_GROUPS_KEYS}); needed at tensor_parallel_size={t}"
+                )
+            groups = groups_r * t
+        return (
+            TensorSplit(1, (Component("x", heads_r * t, head_dim), Component("B", groups, state),
+                            Component("C", groups, state))),
+            TensorSplit(0, (Component("heads", heads_r * t, 1),)),
+        )
+    if mamba_type == "GDN_ATTN":
+        v_dim, k_dim = d1, d2
+        key_r, rest = divmod(conv_r - heads_r * v_dim, 2)
+        if rest or key_r % k_dim:
+            return ()
+        k_heads = key_r // k_dim * t
+        return (
+            TensorSplit(1, (Component("q", k_heads, k_dim), Component("k", k_heads, k_dim),
+                            Component("v", heads_r * t, v_dim))),
+            TensorSplit(0, (Component("heads", heads_r * t, 1),)),
+        )
+    return ()
+
+
+def _group_from_vllm(index: int, group: Any, shape: ModelShape | None = None) -> GroupSpec:
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         MambaSpec,
@@ -235,6 +377,15 @@ def _group_from_vllm(index: int, group: Any) -> GroupSpec:
                 "hybrid-offload stores Mamba conv states in the SD layout; "
                 "VLLM_SSM_CONV_STATE_LAYOUT=DS is not supported"
             )
+        shape = shape or ModelShape()
+        mamba_type = getattr(spec.mamba_type, "name", str(spec.mamba_type))
+        state_shapes = tuple(tuple(s) for s in spec.shapes)
+        splits = mamba_splits(mamba_type, state_shapes, shape)
+        if not splits and shape.tp_size > 1:
+            raise ShardLayoutError(
+                f"KV cache group {index}: {mamba_type} state {state_shapes} has no known "
+                f"tensor-parallel split; hybrid-offload needs tensor_parallel_size=1 for it"
+            )
         return GroupSpec(
             index=index,
             kind=GroupKind.MAMBA,
@@ -242,11 +393,12 @@ def _group_from_vllm(index: int, group: Any) -> GroupSpec:
             layer_names=names,
             page_bytes=spec.page_size_bytes,
             dtype=_dtype_name(spec.dtypes[0]),
-            state_shapes=tuple(tuple(s) for s in spec.shapes),
+            state_shapes=state_shapes,
             state_dtypes=tuple(_dtype_name(d) for d in spec.dtypes),
             mamba_cache_mode=spec.mamba_cache_mode,
-            mamba_type=getattr(spec.mamba_type, "name", str(spec.mamba_type)),
+            mamba_type=mamba_type,
             conv_layout="SD",
+            state_splits=splits,
         )
     # Exact types: vLLM's subclasses (MLA, sink, R-SWA, sliding-window MLA, ...) store other
     # page layouts or drop blocks, so they must not pass as plain attention.
@@ -265,6 +417,7 @@ def _group_from_vllm(index: int, group: Any) -> GroupSpec:
             head_size=spec.head_size,
             head_size_v=spec.head_size_v,
             sliding_window=window if kind is GroupKind.SLIDING_WINDOW else None,
+            total_kv_heads=(shape.total_kv_heads if shape else 0) or spec.num_kv_heads,
         )
     raise ValueError(
         f"KV cache group {index} has spec {type(spec).__name__}, which hybrid-offload does not "
@@ -286,18 +439,34 @@ def _model_fields(vllm_config: VllmConfig) -> dict[str, Any]:
     }
 
 
-def model_spec_from_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> ModelSpec:
+def _model_shape(vllm_config: VllmConfig) -> ModelShape:
+    model_config = vllm_config.model_config
+    hf = model_config.hf_config
+    n_groups = next((getattr(hf, k) for k in _N_GROUPS_KEYS if isinstance(getattr(hf, k, None), int)), None)
+    total_kv = getattr(model_config, "get_total_num_kv_heads", None)
+    return ModelShape(
+        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        total_kv_heads=total_kv() if callable(total_kv) else 0,
+        mamba_n_groups=n_groups,
+    )
+
+
+def model_spec_from_vllm(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, max_shards: int | None = None
+) -> ModelSpec:
     """Translate vLLM's configs into a ModelSpec (call once per connector)."""
-    groups = tuple(_group_from_vllm(i, g) for i, g in enumerate(kv_cache_config.kv_cache_groups))
-    parallel = vllm_config.parallel_config
-    tp_size = parallel.tensor_parallel_size
+    shape = _model_shape(vllm_config)
+    groups = tuple(
+        _group_from_vllm(i, g, shape) for i, g in enumerate(kv_cache_config.kv_cache_groups)
+    )
+    tp_size = shape.tp_size
     tp_rank = 0
     if tp_size > 1:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         try:
             tp_rank = get_tensor_model_parallel_rank()
-        except AssertionError:  # scheduler process: no TP group, pages keyed per rank anyway
+        except AssertionError:  # scheduler process: no TP group; it plans for all ranks
             tp_rank = 0
     return make_model_spec(
         groups,
@@ -306,4 +475,5 @@ def model_spec_from_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
         num_blocks=kv_cache_config.num_blocks,
         tp_rank=tp_rank,
         tp_size=tp_size,
+        max_shards=max_shards,
     )

@@ -161,14 +161,42 @@ class HybridOffloadPlanner:
     def chunk_hashes(self, token_ids: Sequence[int], scope: bytes = b"") -> list[bytes]:
         return chain_chunk_hashes(self.scope_seed(scope), token_ids, self.chunk_tokens)
 
-    def page_key(self, chunk_hash: bytes, group_index: int, tp_rank: int = 0) -> str:
-        """Backend key of one (chunk, group) page: ``<fingerprint>-<digest>``."""
-        tail = group_index.to_bytes(2, "little") + tp_rank.to_bytes(2, "little")
+    def page_key(self, chunk_hash: bytes, group_index: int) -> str:
+        """Key of one (chunk, group) page set: ``<fingerprint>-<digest>``. A set of one shard
+        is stored under this key; otherwise each shard under :meth:`shard_keys`."""
+        tail = group_index.to_bytes(2, "little")
         return f"{self.namespace}-{xxhash.xxh3_128_hexdigest(chunk_hash + tail)}"
 
-    def group_keys(self, chunk_hashes: Sequence[bytes], tp_rank: int = 0) -> list[list[str]]:
-        """Keys per group (outer) per chunk (inner)."""
-        return [[self.page_key(h, p.index, tp_rank) for h in chunk_hashes] for p in self.plans]
+    def group_keys(self, chunk_hashes: Sequence[bytes]) -> list[list[str]]:
+        """Page-set keys per group (outer) per chunk (inner)."""
+        return [[self.page_key(h, p.index) for h in chunk_hashes] for p in self.plans]
+
+    def shard_keys(self, page_key: str, group_index: int) -> list[str]:
+        """Backend keys of the shards of a page set, in shard order (TP-size independent)."""
+        shards = self.plans[group_index].group.shards
+        if shards == 1:
+            return [page_key]
+        namespace, _, digest = page_key.partition("-")
+        tail = shards.to_bytes(2, "little")
+        return [
+            f"{namespace}-{xxhash.xxh3_128_hexdigest(bytes.fromhex(digest) + p.to_bytes(2, 'little') + tail)}"
+            for p in range(shards)
+        ]
+
+    def sets_contain(
+        self, keys: Sequence[Sequence[str]], contains: Callable[[list[str]], list[bool]]
+    ) -> Callable[[list[str]], list[bool]]:
+        """Wrap a per-backend-key ``contains`` into one over page-set keys of ``keys`` (per
+        group lists): a set is present when all of its shards are."""
+        group_of = {key: g for g, group_keys in enumerate(keys) for key in group_keys}
+
+        def contains_sets(set_keys: list[str]) -> list[bool]:
+            expanded = [self.shard_keys(k, group_of[k]) for k in set_keys]
+            flat = [k for shard_keys in expanded for k in shard_keys]
+            answers = iter(contains(flat) if flat else [])
+            return [all([next(answers) for _ in shard_keys]) for shard_keys in expanded]
+
+        return contains_sets
 
     # ---- coverage ---------------------------------------------------------------------
     def max_boundary_chunks(self, num_prompt_tokens: int) -> int:

@@ -41,6 +41,7 @@ from hybrid_offload.connector.worker import OffloadWorker
 from hybrid_offload.engine_spec import model_spec_from_vllm
 from hybrid_offload.metrics import StatsDelta
 from hybrid_offload.planner import HybridOffloadPlanner, PlannerConfigError
+from hybrid_offload.tp_shards import ShardLayoutError
 
 if TYPE_CHECKING:
     import torch
@@ -91,12 +92,11 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         config = parse_offload_config(self._kv_transfer_config.kv_connector_extra_config)
-        spec = model_spec_from_vllm(vllm_config, kv_cache_config)
-        if spec.tp_size > 1:
-            raise ValueError(
-                "hybrid-offload: tensor_parallel_size > 1 is not supported yet (pages would be "
-                "keyed for rank 0 only); run with tensor_parallel_size=1"
-            )
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        try:
+            spec = model_spec_from_vllm(vllm_config, kv_cache_config, config.tp_shards)
+        except ShardLayoutError as exc:
+            raise ConfigError(f"{ROOT}.tp_shards (tensor_parallel_size={tp_size}): {exc}") from exc
         try:
             self.planner = HybridOffloadPlanner(spec, config.chunk_tokens)
         except PlannerConfigError as exc:
@@ -123,10 +123,13 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._stats_delta = StatsDelta(side.stats)
         ACTIVE_CONNECTORS.add(self)
         logger.info(
-            "hybrid-offload %s: chunk_tokens=%d, groups=%s, backends=%s",
+            "hybrid-offload %s (TP rank %d of %d): chunk_tokens=%d, groups (kind, block, shards)"
+            "=%s, backends=%s",
             role.name.lower(),
+            spec.tp_rank,
+            spec.tp_size,
             self.planner.chunk_tokens,
-            [(g.kind.value, g.block_size) for g in spec.groups],
+            [(g.kind.value, g.block_size, g.shards) for g in spec.groups],
             [b.name for b in config.backends] + [c.name for c in config.connectors],
         )
 

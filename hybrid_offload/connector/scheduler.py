@@ -219,9 +219,10 @@ class OffloadScheduler:
 
     def _match(self, view: BackendView, state: RequestState, num_tokens: int, computed: int) -> BackendMatch:
         present: set[str] = set()
+        sets_contain = self.planner.sets_contain(state.keys, view.contains)
 
         def contains(keys: list[str]) -> list[bool]:
-            answers = view.contains(keys)
+            answers = sets_contain(keys)
             present.update(k for k, hit in zip(keys, answers, strict=True) if hit)
             return answers
 

@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -35,17 +36,11 @@ from hybrid_offload.connector.metadata import (
     PageJob,
     StoreJob,
 )
-from hybrid_offload.engine_spec import GroupSpec, ModelSpec
+from hybrid_offload.connector.page_codec import PageCodec
+from hybrid_offload.engine_spec import ModelSpec
 from hybrid_offload.kv_layout import AttentionGroupLayout, MambaGroupLayout, build_layouts
 from hybrid_offload.metrics import Locked, WorkerCounters
-from hybrid_offload.page_format import (
-    PageFormatError,
-    PageHeader,
-    decode_page,
-    header_len,
-    page_len,
-    seal_page,
-)
+from hybrid_offload.page_format import PageFormatError, decode_page, seal_page
 from hybrid_offload.planner import HybridOffloadPlanner
 
 logger = logging.getLogger(__name__)
@@ -55,45 +50,18 @@ _STOP = object()
 USAGE_SAMPLE_S = 1.0
 
 
-class PageCodec:
-    """Page geometry of one group and the tensors of a page buffer."""
+@dataclass(frozen=True)
+class ShardRead:
+    """One shard of a page to load: its backend key and this rank's codec for its group."""
 
-    def __init__(self, spec: ModelSpec, group: GroupSpec, chunk_tokens: int) -> None:
-        self.spec, self.group, self.chunk_tokens = spec, group, chunk_tokens
-        self.tensors = group.page_tensors(chunk_tokens)
-        self.header_len = header_len(self.tensors)
-        self.page_len = page_len(self.tensors)
+    page: PageJob
+    shard: int
+    key: str
+    codec: PageCodec
 
-    def header(self, page: PageJob) -> PageHeader:
-        return PageHeader(
-            self.spec.fingerprint_bytes,
-            page.chunk_hash,
-            self.group.index,
-            self.group.kind,
-            page.chunk_index,
-            self.chunk_tokens,
-            self.tensors,
-            self.spec.tp_rank,
-            self.spec.tp_size,
-        )
 
-    def layer_views(self, payload: torch.Tensor) -> list[torch.Tensor]:
-        """Per layer, the page payload as (2, T, H, D) for attention or raw bytes for Mamba."""
-        views, offset = [], 0
-        if self.group.is_attention:
-            g = self.group
-            n = 2 * self.chunk_tokens * g.num_kv_heads * g.head_size
-            dtype = getattr(torch, g.dtype)
-            size = n * dtype.itemsize
-            for _ in g.layer_names:
-                raw = payload[offset : offset + size]
-                views.append(raw.view(dtype).view(2, self.chunk_tokens, g.num_kv_heads, g.head_size))
-                offset += size
-        else:
-            for _ in self.group.layer_names:
-                views.append(payload[offset : offset + self.group.state_bytes])
-                offset += self.group.state_bytes
-        return views
+#: a verified shard ready to be written into the KV cache
+Decoded = tuple[ShardRead, memoryview]
 
 
 class LoadSwitchInterval:
@@ -141,6 +109,7 @@ class OffloadWorker:
         load_switch_interval_s: float = 0.0,
     ) -> None:
         self.spec = spec
+        self.planner = planner
         self.codecs = {g.index: PageCodec(spec, g, planner.chunk_tokens) for g in spec.groups}
         self.backends: dict[str, Backend] = {c.name: open_backend(c, i) for i, c in enumerate(backends)}
         self.health = {
@@ -189,21 +158,25 @@ class OffloadWorker:
 
     # ---- stores -----------------------------------------------------------------------
     def copy_out(self, stores: list[StoreJob]) -> None:
-        """Copy this step's pages out of the KV cache and queue them for the store thread."""
+        """Copy this step's pages (this rank's shards of them) out of the KV cache and queue
+        them for the store thread."""
         if not stores or not self.layouts:
             return
-        batch, nbytes = [], 0
+        batch: list[tuple[StoreJob, int, bytearray]] = []
+        nbytes = 0
         for job in stores:
             codec = self.codecs[job.page.group]
+            size = sum(codec.page_lens[p] for p in codec.written)
             with self._lock:
-                if self._pending_bytes + nbytes + codec.page_len > self._max_pending:
+                if self._pending_bytes + nbytes + size > self._max_pending:
                     self._count("stores_dropped")
                     continue
-            buf = bytearray(codec.page_len)
-            payload = torch.frombuffer(buf, dtype=torch.uint8)[codec.header_len :]
-            self._gather(job.page, codec, payload)
-            batch.append((job, buf))
-            nbytes += len(buf)
+            for shard in codec.written:
+                buf = bytearray(codec.page_lens[shard])
+                payload = torch.frombuffer(buf, dtype=torch.uint8)[codec.header_lens[shard] :]
+                codec.gather(self.layouts[job.page.group], job.page, shard, payload)
+                batch.append((job, shard, buf))
+            nbytes += size
         if batch:
             with self._lock:
                 self._pending_bytes += nbytes
@@ -211,15 +184,6 @@ class OffloadWorker:
             with self.stats.lock:
                 self.stats.counters.pages_copied_out += len(batch)
                 self.stats.counters.bytes_copied_out += nbytes
-
-    def _gather(self, page: PageJob, codec: PageCodec, payload: torch.Tensor) -> None:
-        layout = self.layouts[page.group]
-        views = codec.layer_views(payload)
-        if isinstance(layout, AttentionGroupLayout):
-            index = layout.element_index(list(page.block_ids), page.first_token, codec.chunk_tokens)
-            layout.gather(index, views)
-        else:
-            layout.gather(page.block_ids[0], views)
 
     def _store_loop(self) -> None:
         while True:
@@ -237,12 +201,13 @@ class OffloadWorker:
                     self._pending_bytes -= nbytes
                 self._store_queue.task_done()
 
-    def _store_batch(self, batch: list[tuple[StoreJob, bytearray]]) -> None:
+    def _store_batch(self, batch: list[tuple[StoreJob, int, bytearray]]) -> None:
         per_backend: dict[str, list[tuple[str, bytearray]]] = {}
-        for job, buf in batch:
-            seal_page(buf, self.codecs[job.page.group].header(job.page))
+        for job, shard, buf in batch:
+            seal_page(buf, self.codecs[job.page.group].header(job.page, shard))
+            key = self.planner.shard_keys(job.page.key, job.page.group)[shard]
             for name in job.backends:
-                per_backend.setdefault(name, []).append((job.page.key, buf))
+                per_backend.setdefault(name, []).append((key, buf))
         for name, items in per_backend.items():
             backend = self.backends[name]
             try:
@@ -279,23 +244,31 @@ class OffloadWorker:
             self._loads[job.req_id] = self._loader.submit(self._load, job)
         self._switch.loading(bool(self._loads))
 
-    def _load(self, job: LoadJob) -> list[tuple[PageJob, PageCodec, memoryview]] | None:
-        """Load thread: read and verify every page of a job; None if any page is unusable.
+    def _load(self, job: LoadJob) -> list[Decoded] | None:
+        """Load thread: read and verify this rank's shards of every page of a job; None if
+        any is unusable.
 
-        Each segment is read from its backend; pages missing or bad there (evicted since the
+        Each segment is read from its backend; shards missing or bad there (evicted since the
         lookup, corrupted, backend down) are read from the fallbacks in order.
         """
-        pages = job.pages
-        source = [segment.backend for segment in job.segments for _ in segment.pages]
-        decoded: list[tuple[PageJob, PageCodec, memoryview] | None] = [None] * len(pages)
-        offset = 0
+        reads: list[ShardRead] = []
+        source: list[str] = []
+        spans = []
         for segment in job.segments:
-            self._read(segment.backend, pages, range(offset, offset + len(segment.pages)), decoded)
-            offset += len(segment.pages)
+            first = len(reads)
+            for page in segment.pages:
+                codec = self.codecs[page.group]
+                keys = self.planner.shard_keys(page.key, page.group)
+                reads.extend(ShardRead(page, p, keys[p], codec) for p in codec.read)
+            source.extend([segment.backend] * (len(reads) - first))
+            spans.append((segment.backend, range(first, len(reads))))
+        decoded: list[Decoded | None] = [None] * len(reads)
+        for name, indices in spans:
+            self._read(name, reads, indices, decoded)
         for name in job.fallbacks:
             missing = [i for i, d in enumerate(decoded) if d is None and source[i] != name]
             if missing:
-                self._read(name, pages, missing, decoded)
+                self._read(name, reads, missing, decoded)
         lost = sum(d is None for d in decoded)
         if lost:
             with self.stats.lock:
@@ -306,19 +279,19 @@ class OffloadWorker:
     def _read(
         self,
         name: str,
-        pages: tuple[PageJob, ...],
+        reads: list[ShardRead],
         indices: Sequence[int],
-        decoded: list[tuple[PageJob, PageCodec, memoryview] | None],
+        decoded: list[Decoded | None],
     ) -> None:
-        """Read ``pages[indices]`` from backend ``name`` into ``decoded`` (verified); pages the
+        """Read ``reads[indices]`` from backend ``name`` into ``decoded`` (verified); shards the
         backend lacks or that fail verification stay None. Never raises a backend error."""
         backend = self.backends[name]
-        bufs = [bytearray(self.codecs[pages[i].group].page_len) for i in indices]
+        bufs = [bytearray(reads[i].codec.page_lens[reads[i].shard]) for i in indices]
         started = time.perf_counter()
         try:
             if not self.health[name].available():
                 raise _SkippedError
-            sizes = backend.get_into([pages[i].key for i in indices], [memoryview(b) for b in bufs])
+            sizes = backend.get_into([reads[i].key for i in indices], [memoryview(b) for b in bufs])
             self.stats.record_call(name, "load", time.perf_counter() - started)
         except (BackendError, _SkippedError) as exc:
             self._backend_error(name, "get", exc)
@@ -329,19 +302,19 @@ class OffloadWorker:
         self._sample_usage(backend)
         nbytes = npages = 0
         for i, buf, size in zip(indices, bufs, sizes, strict=True):
-            page, codec = pages[i], self.codecs[pages[i].group]
+            read = reads[i]
             if size is None:
                 self.stats.record_error(name, "missing_page")
                 continue
             try:
-                _, payload = decode_page(memoryview(buf)[:size], codec.header(page))
+                _, payload = decode_page(memoryview(buf)[:size], read.codec.header(read.page, read.shard))
             except PageFormatError as exc:
                 self._count("bad_pages")
                 self.stats.record_error(name, "bad_page")
-                self._log_bad_page(name, page.key, exc)
-                self._delete_quietly(backend, page.key)
+                self._log_bad_page(name, read.key, exc)
+                self._delete_quietly(backend, read.key)
                 continue
-            decoded[i] = (page, codec, payload)
+            decoded[i] = (read, payload)
             nbytes += size
             npages += 1
         self._sample(name, nbytes, time.perf_counter() - started, True)
@@ -365,18 +338,6 @@ class OffloadWorker:
             if req_id in self._loads:
                 self._preempted.add(req_id)
                 logger.warning("request %s preempted with a load in flight; its load is dropped", req_id)
-
-    def _scatter(self, page: PageJob, codec: PageCodec, payload: torch.Tensor) -> None:
-        layout = self.layouts[page.group]
-        views = codec.layer_views(payload)
-        if isinstance(layout, AttentionGroupLayout):
-            skip = page.skip_tokens
-            index = layout.element_index(
-                list(page.block_ids), page.first_token + skip, codec.chunk_tokens - skip
-            )
-            layout.scatter(index, [v[:, skip:] for v in views])
-        else:
-            layout.scatter(list(page.block_ids), views)
 
     def finished(self) -> tuple[set[str], set[str]]:
         """(finished receiving, failed receiving) since the last call; failed ones are in both.
@@ -402,8 +363,11 @@ class OffloadWorker:
                 continue
             try:
                 decoded = future.result()
-                for page, codec, payload in decoded or ():
-                    self._scatter(page, codec, torch.frombuffer(payload, dtype=torch.uint8))
+                for read, payload in decoded or ():
+                    read.codec.scatter(
+                        self.layouts[read.page.group], read.page, read.shard,
+                        torch.frombuffer(payload, dtype=torch.uint8),
+                    )
             except Exception:
                 logger.exception("hybrid-offload load of request %s failed", req_id)
                 decoded = None

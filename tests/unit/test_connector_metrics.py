@@ -27,8 +27,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogg
 
 from hybrid_offload.connector import HybridOffloadConnector
 from hybrid_offload.connector.metadata import StoreJob
+from hybrid_offload.connector.page_codec import PageCodec
 from hybrid_offload.connector.prometheus import HybridOffloadPromMetrics, HybridOffloadStats
-from hybrid_offload.connector.worker import PageCodec
 from hybrid_offload.metrics import ERROR_KINDS, StatsDelta
 from hybrid_offload.session import kv_transfer_config
 
@@ -245,7 +245,7 @@ def test_scheduler_counts_lookup_errors_and_skips(worlds, tmp_path: Path) -> Non
 
 def test_worker_counts_stores_loads_latency_usage_and_evictions(world) -> None:  # noqa: F811
     spec = make_worker_spec()
-    mamba_len = PageCodec(spec, spec.groups[MAMBA], 8).page_len
+    mamba_len = PageCodec(spec, spec.groups[MAMBA], 8).page_lens[0]
     small = cpu(capacity=2 * attn_page_len() + mamba_len)  # 3 attention + 1 Mamba page stored: 1 evicted
     w, pages, _ = stored_world(world, small)
     delta = StatsDelta(w.worker.stats)

@@ -31,7 +31,8 @@ from hybrid_offload.backends.cpu import CpuBackend
 
 from hybrid_offload.connector.health import BackendHealth
 from hybrid_offload.connector.metadata import LoadJob, LoadSegment, PageJob, StoreJob
-from hybrid_offload.connector.worker import LoadSwitchInterval, OffloadWorker, PageCodec
+from hybrid_offload.connector.page_codec import PageCodec
+from hybrid_offload.connector.worker import LoadSwitchInterval, OffloadWorker
 from hybrid_offload.engine_spec import GroupKind, GroupSpec, ModelSpec, make_model_spec
 from hybrid_offload.page_format import decode_page
 from hybrid_offload.planner import HybridOffloadPlanner
@@ -206,7 +207,7 @@ def cpu(name: str = "cpu", capacity: int = 1 << 30) -> BackendConfig:
 
 def attn_page_len() -> int:
     spec = make_spec()
-    return PageCodec(spec, spec.groups[ATTN], BS).page_len
+    return PageCodec(spec, spec.groups[ATTN], BS).page_lens[0]
 
 
 @pytest.fixture
@@ -292,7 +293,7 @@ def test_stored_pages_decode_to_the_blocks_contents_in_canonical_order(world, ch
     for page, data in zip(pages, stored, strict=True):
         assert data is not None, page
         codec = w.worker.codecs[page.group]
-        header, payload = decode_page(data, codec.header(page))
+        header, payload = decode_page(data, codec.header(page, 0))
         assert (header.group_index, header.chunk_index, header.num_tokens) == (
             page.group,
             page.chunk_index,

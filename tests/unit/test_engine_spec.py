@@ -143,9 +143,13 @@ def test_falcon_like_mamba(vllm_kv: SimpleNamespace) -> None:
     assert g.token_bytes() == 0 and g.num_kv_heads == 0
     tensors = g.page_tensors(256)  # state pages do not depend on the token count
     assert tensors == g.page_tensors(1)
-    assert [t.name for t in tensors[:3]] == ["L0.s0", "L0.s1", "L1.s0"]
+    # the conv state by component (x, B, C), the SSM state by head
+    assert [(t.name, t.shape) for t in tensors[:5]] == [
+        ("L0.s0.x", (3, 256)), ("L0.s0.B", (3, 16)), ("L0.s0.C", (3, 16)),
+        ("L0.s1.heads", (4, 64, 16)), ("L1.s0.x", (3, 256))]
     assert sum(t.nbytes for t in tensors) == 4 * 18112
     assert g.layout_fields()["state_shapes"] == [[3, 288], [4, 64, 16]]
+    assert [[c.units for c in s.components] for s in g.state_splits] == [[4, 1, 1], [4]]
 
 
 def test_gdn_mamba(vllm_kv: SimpleNamespace) -> None:
@@ -213,13 +217,13 @@ import json, sys
 from hybrid_offload.engine_spec import GroupSpec, make_model_spec
 args = json.loads(sys.argv[1])
 groups = tuple(GroupSpec.from_dict(g) for g in args["groups"])
-print(make_model_spec(groups, args["model"], tp_size=2).fingerprint)
+print(make_model_spec(groups, args["model"], max_shards=4).fingerprint)
 """
 
 
 def test_fingerprint_same_in_another_process(vllm_kv: SimpleNamespace) -> None:
     groups = hybrid_groups(vllm_kv)
-    here = make_model_spec(groups, MODEL, tp_size=2).fingerprint
+    here = make_model_spec(groups, MODEL, max_shards=4).fingerprint
     args = json.dumps({"groups": [dataclasses.asdict(g) for g in groups], "model": MODEL})
     for seed in ("0", "4242"):
         out = subprocess.run([sys.executable, "-c", _SUBPROCESS_FP, args],
@@ -276,7 +280,7 @@ def test_fingerprint_changes_with_what_pages_depend_on(vllm_kv: SimpleNamespace,
         "group order": fp((attn, mamba)),
         "extra group": fp((mamba, attn, attn)),
         "fewer groups": fp((attn,)),
-        "tp size": fp(tp_size=2),
+        "shard count": fp(max_shards=2),
     }
     monkeypatch.setattr(engine_spec, "FORMAT_VERSION", FORMAT_VERSION + 1)
     variants["format version"] = fp()
@@ -292,6 +296,9 @@ class _HFConfig:
     def __init__(self, **fields: Any) -> None:
         self._fields = fields
         self.architectures = fields.get("architectures")
+        for key in ("mamba_n_groups",):
+            if key in fields:
+                setattr(self, key, fields[key])
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self._fields)
@@ -301,7 +308,7 @@ def _vllm_config(v: SimpleNamespace, hf: dict[str, Any], tp: int = 1) -> SimpleN
     return SimpleNamespace(
         model_config=SimpleNamespace(model="/models/tiny", revision=None,
                                      hf_config=_HFConfig(**hf), dtype=v.torch.bfloat16,
-                                     max_model_len=8192),
+                                     max_model_len=8192, get_total_num_kv_heads=lambda: 2),
         cache_config=SimpleNamespace(cache_dtype="auto"),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp),
     )
@@ -329,16 +336,33 @@ def test_model_spec_from_vllm(vllm_kv: SimpleNamespace) -> None:
 
 
 def test_model_spec_from_vllm_tensor_parallel(vllm_kv: SimpleNamespace) -> None:
-    """The scheduler process has no TP group: rank 0, but the TP size is in the fingerprint."""
+    """A TP=2 rank's halves of the model translate to the TP=1 layout: same fingerprint, same
+    page tensors per shard; the scheduler process (no TP group) is rank 0."""
     v = vllm_kv
-    groups = [v.kv.KVCacheGroupSpec(layer_names=attn_layers(1), kv_cache_spec=fa_spec(v))]
-    kv_config = v.kv.KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
-    hf = {"architectures": ["LlamaForCausalLM"]}
-    tp1 = model_spec_from_vllm(_vllm_config(v, hf, tp=1), kv_config)
-    tp2 = model_spec_from_vllm(_vllm_config(v, hf, tp=2), kv_config)
+
+    def kv_config(heads: int, shapes: tuple) -> Any:
+        groups = [v.kv.KVCacheGroupSpec(layer_names=mamba_layers(2),
+                                        kv_cache_spec=mamba_spec(v, shapes=shapes)),
+                  v.kv.KVCacheGroupSpec(layer_names=attn_layers(1, 2),
+                                        kv_cache_spec=fa_spec(v, num_kv_heads=heads))]
+        return v.kv.KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+
+    hf = {"architectures": ["FalconH1ForCausalLM"], "mamba_n_groups": 1}
+    tp1 = model_spec_from_vllm(_vllm_config(v, hf, tp=1), kv_config(2, FALCON_SHAPES), 8)
+    # vLLM at TP=2: half the heads, the single Mamba group replicated on both ranks
+    tp2 = model_spec_from_vllm(_vllm_config(v, hf, tp=2), kv_config(1, ((3, 160), (2, 64, 16))), 8)
     assert (tp2.tp_rank, tp2.tp_size) == (0, 2)
-    assert tp2.fingerprint != tp1.fingerprint
-    assert tp2.fingerprint_fields["tp_size"] == 2
+    assert tp2.fingerprint == tp1.fingerprint
+    assert "tp_size" not in tp2.fingerprint_fields
+    assert [g.shards for g in tp2.groups] == [4, 2]
+    for g1, g2 in zip(tp1.groups, tp2.groups, strict=True):
+        assert [g1.page_tensors(16, p) for p in range(g1.shards)] == [
+            g2.page_tensors(16, p) for p in range(g2.shards)]
+    with pytest.raises(ValueError, match="rank shapes"):  # 2 of 2 KV heads is not a TP=2 split
+        model_spec_from_vllm(_vllm_config(v, hf, tp=2), kv_config(2, ((3, 160), (2, 64, 16))), 8)
+    with pytest.raises(ValueError, match="group count"):  # 1 group per rank: 1 or 2 in all?
+        model_spec_from_vllm(_vllm_config(v, {"architectures": ["X"]}, tp=2),
+                             kv_config(1, ((3, 160), (2, 64, 16))), 8)
 
 
 def test_ds_conv_layout_rejected(vllm_kv: SimpleNamespace,

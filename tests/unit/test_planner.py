@@ -213,19 +213,23 @@ from hybrid_offload.engine_spec import GroupKind, GroupSpec, make_model_spec
 from hybrid_offload.planner import HybridOffloadPlanner
 args = json.loads(sys.argv[1])
 groups = tuple(GroupSpec.from_dict(g) for g in args["groups"])
-p = HybridOffloadPlanner(make_model_spec(groups, args["fields"], tp_size=2), 128)
+p = HybridOffloadPlanner(make_model_spec(groups, args["fields"]), 128)
 hashes = p.chunk_hashes(args["tokens"], b"salt")
-print(json.dumps({"fp": p.spec.fingerprint, "keys": p.group_keys(hashes, tp_rank=1)}))
+keys = p.group_keys(hashes)
+shards = [[p.shard_keys(k, g) for k in ks] for g, ks in enumerate(keys)]
+print(json.dumps({"fp": p.spec.fingerprint, "keys": keys, "shards": shards}))
 """
 
 
 def test_keys_deterministic_across_processes_and_hash_seeds() -> None:
-    groups = (fa(0, 16), sw(1, 32, window=100), mamba(2, 128))
+    groups = (dataclasses.replace(fa(0, 16), shards=2), sw(1, 32, window=100), mamba(2, 128))
     toks = tokens(128 * 5 + 3)
-    p = planner(*groups, chunk=128, tp_size=2)
-    keys = p.group_keys(p.chunk_hashes(toks, b"salt"), tp_rank=1)
-    here = {"fp": p.spec.fingerprint, "keys": keys}
+    p = planner(*groups, chunk=128)
+    keys = p.group_keys(p.chunk_hashes(toks, b"salt"))
+    shards = [[p.shard_keys(k, g) for k in ks] for g, ks in enumerate(keys)]
+    here = {"fp": p.spec.fingerprint, "keys": keys, "shards": shards}
     assert len(here["keys"]) == 3 and all(len(k) == 5 for k in here["keys"])
+    assert [len(s[0]) for s in shards] == [2, 1, 1]
     args = json.dumps({"groups": [dataclasses.asdict(g) for g in groups],
                        "fields": MODEL_FIELDS, "tokens": toks})
     for seed in ("0", "12345"):
@@ -254,46 +258,66 @@ def test_keys_chained() -> None:
     assert p.group_keys(p.chunk_hashes([*base, 5, 6, 7])) == base_keys
 
 
-def test_keys_scoped_by_fingerprint_scope_group_and_rank() -> None:
+def test_keys_scoped_by_fingerprint_scope_group_and_shard() -> None:
     toks = tokens(64 * 4)
-    a = planner(fa(0, 16), mamba(1, 64), chunk=64)
-    other = model(fa(0, 16), mamba(1, 64), fields={**MODEL_FIELDS, "name": "x"})
+    groups = (dataclasses.replace(fa(0, 16), shards=2), mamba(1, 64))
+    a = planner(*groups, chunk=64)
+    other = model(*groups, fields={**MODEL_FIELDS, "name": "x"})
     b = HybridOffloadPlanner(other, 64)
     assert a.namespace != b.namespace
     all_keys: list[str] = []
     for p in (a, b):
         for scope in (b"", b"lora:adapter-1", b"salt:abc", b"lora:adapter-2"):
-            hashes = p.chunk_hashes(toks, scope)
-            for rank in (0, 1, 2):
-                keys = p.group_keys(hashes, tp_rank=rank)
-                assert len(keys) == 2 and all(len(k) == 4 for k in keys)
-                for group_keys in keys:
-                    for key in group_keys:
-                        assert key.startswith(p.namespace + "-")
-                        assert KEY_PATTERN.fullmatch(key), key
-                    check_keys(group_keys)
-                    all_keys.extend(group_keys)
-    # 2 fingerprints x 4 scopes x 3 ranks x 2 groups x 4 chunks, all distinct
-    assert len(set(all_keys)) == len(all_keys) == 2 * 4 * 3 * 2 * 4
+            keys = p.group_keys(p.chunk_hashes(toks, scope))
+            assert len(keys) == 2 and all(len(k) == 4 for k in keys)
+            for g, group_keys in enumerate(keys):
+                shard_keys = [s for k in group_keys for s in p.shard_keys(k, g)]
+                for key in [*group_keys, *shard_keys]:
+                    assert key.startswith(p.namespace + "-")
+                    assert KEY_PATTERN.fullmatch(key), key
+                check_keys(group_keys)
+                all_keys.extend({*group_keys, *shard_keys})
+    # 2 fingerprints x 4 scopes x (attention: 4 set keys + 8 shard keys; Mamba: 4 set keys)
+    assert len(set(all_keys)) == len(all_keys) == 2 * 4 * (4 + 8 + 4)
 
 
 def test_page_key_tail() -> None:
     p = planner(fa(0, 16), chunk=16)
     h = bytes(range(16))
-    keys = {p.page_key(h, g, r) for g in (0, 1, 255, 256, 65535) for r in (0, 1, 7, 65535)}
-    assert len(keys) == 20
-    assert p.page_key(h, 3, 1) == p.page_key(h, 3, 1)
-    assert p.page_key(h, 0) == p.page_key(h, 0, 0)
+    keys = {p.page_key(h, g) for g in (0, 1, 255, 256, 65535)}
+    assert len(keys) == 5
+    assert p.page_key(h, 3) == p.page_key(h, 3)
 
 
-def test_tp_rank_shares_namespace_tp_size_does_not() -> None:
-    groups = (fa(0, 16), mamba(1, 64))
-    r0 = planner(*groups, chunk=64, tp_size=2, tp_rank=0)
-    r1 = planner(*groups, chunk=64, tp_size=2, tp_rank=1)
-    t1 = planner(*groups, chunk=64, tp_size=1)
-    assert r0.namespace == r1.namespace != t1.namespace
+def test_keys_do_not_depend_on_tp_rank_or_size() -> None:
+    """Engines at every TP size share one namespace and key every page set alike."""
+    def group(heads: int) -> GroupSpec:
+        return dataclasses.replace(fa(0, 16), num_kv_heads=heads, total_kv_heads=4)
+
     toks = tokens(128)
-    assert r0.chunk_hashes(toks) == r1.chunk_hashes(toks)
+    made = [planner(group(4), chunk=64, max_shards=8),
+            planner(group(2), chunk=64, tp_size=2, tp_rank=0, max_shards=8),
+            planner(group(2), chunk=64, tp_size=2, tp_rank=1, max_shards=8),
+            planner(group(1), chunk=64, tp_size=4, tp_rank=3, max_shards=8)]
+    assert {p.spec.groups[0].shards for p in made} == {4}
+    assert len({p.namespace for p in made}) == 1
+    assert len({str(p.group_keys(p.chunk_hashes(toks))) for p in made}) == 1
+
+
+def test_sets_contain_needs_every_shard() -> None:
+    p = planner(dataclasses.replace(fa(0, 16), shards=2), mamba(1, 64), chunk=64)
+    keys = p.group_keys(p.chunk_hashes(tokens(128)))
+    stored = {*p.shard_keys(keys[0][0], 0), p.shard_keys(keys[0][1], 0)[1], keys[1][0], keys[1][1]}
+    asked: list[list[str]] = []
+
+    def contains(batch: list[str]) -> list[bool]:
+        asked.append(batch)
+        return [k in stored for k in batch]
+
+    sets = p.sets_contain(keys, contains)
+    assert sets([keys[0][0], keys[0][1], keys[1][0], keys[1][1]]) == [True, False, True, True]
+    assert len(asked) == 1 and len(asked[0]) == 6  # one backend call for all shards
+    assert sets([]) == []
 
 
 # ---- coverage: explicit cases ----------------------------------------------------------------

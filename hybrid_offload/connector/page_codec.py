@@ -1,0 +1,153 @@
+"""Page geometry of one KV cache group on this TP rank, and the copies between page shards and
+vLLM's KV cache.
+
+Worker side; torch work runs on the model-runner thread (see ``worker``). A (chunk, group) page
+set is ``group.shards`` pages (:mod:`hybrid_offload.tp_shards`); this rank writes the shards
+inside its part of the model (``written``) and reads the ones overlapping it (``read``), so a
+set written at any TP size loads at any other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybrid_offload.connector.metadata import PageJob
+from hybrid_offload.engine_spec import GroupSpec, ModelSpec
+from hybrid_offload.kv_layout import AttentionGroupLayout, MambaGroupLayout
+from hybrid_offload.page_format import PageHeader, header_len, page_len
+from hybrid_offload.tp_shards import Transfer, read_plan, shards_read, shards_written, transfers
+
+
+@dataclass(frozen=True)
+class Run:
+    """Copy ``length`` indices along ``axis`` of state tensor ``tensor``: this rank's tensor
+    from ``rank_start``, the shard's part ``part`` (its index in the shard's layer parts) from
+    ``part_start``."""
+
+    tensor: int
+    axis: int
+    part: int
+    part_start: int
+    rank_start: int
+    length: int
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+class PageCodec:
+    """Shard geometry of one group for this rank, and the copies into and out of its pages."""
+
+    def __init__(self, spec: ModelSpec, group: GroupSpec, chunk_tokens: int) -> None:
+        self.spec, self.group, self.chunk_tokens = spec, group, chunk_tokens
+        splits, shards, t, r = group.splits, group.shards, spec.tp_size, spec.tp_rank
+        self.written = shards_written(splits, shards, t, r)
+        self.read = shards_read(splits, shards, t, r)
+        self.tensors = {p: group.page_tensors(chunk_tokens, p) for p in {*self.written, *self.read}}
+        self.header_lens = {p: header_len(ts) for p, ts in self.tensors.items()}
+        self.page_lens = {p: page_len(ts) for p, ts in self.tensors.items()}
+        self.write_runs = {p: self._runs(p, [transfers(s, (shards, p), (t, r)) for s in splits])
+                           for p in self.written}
+        plans = [read_plan(s, shards, self.read, t, r) for s in splits]
+        self.read_runs = {p: self._runs(p, [plan[p] for plan in plans]) for p in self.read}
+
+    def _runs(self, shard: int, per_tensor: list[list[Transfer]]) -> list[Run]:
+        """Transfers (a = shard, b = rank) as runs over the shard's per-component parts."""
+        out, part = [], 0
+        for i, (split, runs) in enumerate(zip(self.group.splits, per_tensor, strict=True)):
+            offsets = split.offsets(self.group.shards, shard)
+            for t in runs:
+                out.append(Run(i, split.axis, part + t.component, t.a_start - offsets[t.component],
+                               t.b_start, t.length))
+            part += len(split.components)
+        return out
+
+    def header(self, page: PageJob, shard: int) -> PageHeader:
+        return PageHeader(
+            self.spec.fingerprint_bytes,
+            page.chunk_hash,
+            self.group.index,
+            self.group.kind,
+            page.chunk_index,
+            self.chunk_tokens,
+            self.tensors[shard],
+            shard,
+            self.group.shards,
+        )
+
+    # ---- payload views ----------------------------------------------------------------
+    def _attention_views(self, shard: int, payload: torch.Tensor) -> list[torch.Tensor]:
+        """Per layer, the shard's K and V as one ``(2, tokens, heads, head_size)`` view."""
+        tensors, views, offset = self.tensors[shard], [], 0
+        for k in tensors[::2]:
+            size = 2 * k.nbytes
+            views.append(payload[offset : offset + size].view(_dtype(k.dtype)).view(2, *k.shape))
+            offset += size
+        return views
+
+    def _state_views(self, shard: int, payload: torch.Tensor) -> list[list[torch.Tensor]]:
+        """Per layer, the shard's state parts (in ``page_tensors`` order) as typed tensors."""
+        tensors, offset, out = self.tensors[shard], 0, []
+        per_layer = len(tensors) // len(self.group.layer_names)
+        for layer in range(len(self.group.layer_names)):
+            parts = []
+            for t in tensors[layer * per_layer : (layer + 1) * per_layer]:
+                parts.append(payload[offset : offset + t.nbytes].view(_dtype(t.dtype)).view(t.shape))
+                offset += t.nbytes
+            out.append(parts)
+        return out
+
+    def _rank_states(self, raw: torch.Tensor) -> list[torch.Tensor]:
+        """One layer's state bytes in vLLM's block as typed tensors of this rank's shapes."""
+        out, offset = [], 0
+        for shape, dtype in zip(self.group.state_shapes, self.group.state_dtypes, strict=True):
+            torch_dtype = _dtype(dtype)
+            n = torch.Size(shape).numel() * torch_dtype.itemsize
+            out.append(raw[offset : offset + n].view(torch_dtype).view(shape))
+            offset += n
+        return out
+
+    # ---- copies -----------------------------------------------------------------------
+    def gather(self, layout: AttentionGroupLayout | MambaGroupLayout, page: PageJob,
+               shard: int, payload: torch.Tensor) -> None:
+        """Copy this rank's part of ``page`` for ``shard`` (one it writes) into ``payload``."""
+        runs = self.write_runs[shard]
+        if isinstance(layout, AttentionGroupLayout):
+            index = layout.element_index(list(page.block_ids), page.first_token, self.chunk_tokens)
+            (run,) = runs  # a written shard's heads are one run of this rank's heads
+            sub = index[:, :, run.rank_start : run.rank_start + run.length]
+            layout.gather(sub.contiguous(), self._attention_views(shard, payload))
+            return
+        block = page.block_ids[0]
+        for raw, parts in zip(layout.layers, self._state_views(shard, payload), strict=True):
+            states = self._rank_states(raw[block])
+            for run in runs:
+                parts[run.part].narrow(run.axis, run.part_start, run.length).copy_(
+                    states[run.tensor].narrow(run.axis, run.rank_start, run.length)
+                )
+
+    def scatter(self, layout: AttentionGroupLayout | MambaGroupLayout, page: PageJob,
+                shard: int, payload: torch.Tensor) -> None:
+        """Write this rank's part of ``shard`` (one it reads) from ``payload`` into the blocks."""
+        runs = self.read_runs[shard]
+        if isinstance(layout, AttentionGroupLayout):
+            skip = page.skip_tokens
+            index = layout.element_index(
+                list(page.block_ids), page.first_token + skip, self.chunk_tokens - skip
+            )
+            views = self._attention_views(shard, payload)
+            for run in runs:
+                sub = index[:, :, run.rank_start : run.rank_start + run.length]
+                layout.scatter(sub, [v[:, skip:, run.part_start : run.part_start + run.length]
+                                     for v in views])
+            return
+        for raw, parts in zip(layout.layers, self._state_views(shard, payload), strict=True):
+            for block in page.block_ids:
+                states = self._rank_states(raw[block])
+                for run in runs:
+                    states[run.tensor].narrow(run.axis, run.rank_start, run.length).copy_(
+                        parts[run.part].narrow(run.axis, run.part_start, run.length)
+                    )
