@@ -6,6 +6,7 @@ when :func:`create_backend` (or :func:`backend_class`) first needs their type.
 
 from .base import (
     KEY_PATTERN,
+    KEY_PREFIX_PATTERN,
     Backend,
     BackendClosedError,
     BackendConfig,
@@ -15,12 +16,15 @@ from .base import (
     BackendUnavailableError,
     Buffer,
     InvalidKeyError,
+    PageInfo,
     check_keys,
+    check_prefix,
 )
 from .registry import backend_class, create_backend, known_types, register_backend
 
 __all__ = [
     "KEY_PATTERN",
+    "KEY_PREFIX_PATTERN",
     "Backend",
     "BackendClosedError",
     "BackendConfig",
@@ -30,8 +34,10 @@ __all__ = [
     "BackendUnavailableError",
     "Buffer",
     "InvalidKeyError",
+    "PageInfo",
     "backend_class",
     "check_keys",
+    "check_prefix",
     "create_backend",
     "known_types",
     "register_backend",

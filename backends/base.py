@@ -31,18 +31,23 @@ Contract (every backend, checked by ``tests/contract``):
   it is False (the in-process cpu pool), the connector mirrors the index from worker reports.
 * ``close()`` releases resources, is idempotent and bounded in time; later calls raise
   :class:`BackendClosedError`.
+* **Listing (optional).** ``scan(prefix)`` yields a :class:`PageInfo` per stored page whose key
+  starts with ``prefix`` (for tools such as ``hybrid-offload cache``; the connector never calls
+  it). Backends that cannot list raise ``NotImplementedError``. See :meth:`Backend.scan`.
 """
 
 from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 # ``\Z``, not ``$``: ``$`` also matches before a trailing newline ("...\n" would pass).
 KEY_PATTERN = re.compile(r"\A[0-9a-f]{8,64}-[0-9a-f]{8,64}\Z")
+#: what may start a key: a (partial) namespace, optionally ``-`` and a (partial) digest
+KEY_PREFIX_PATTERN = re.compile(r"\A[0-9a-f]{0,64}(?:-[0-9a-f]{0,64})?\Z")
 
 Buffer = bytes | bytearray | memoryview
 
@@ -104,6 +109,28 @@ class BackendStats:
     evictions: int = 0
     evicted_bytes: int = 0
     errors: int = 0
+
+
+@dataclass(frozen=True)
+class PageInfo:
+    """One stored page as :meth:`Backend.scan` lists it.
+
+    ``size`` is the page's length in bytes. ``mtime`` is a wall-clock time (seconds since the
+    epoch) of the page's last use as the backend's LRU knows it: its last put or get (which one
+    a backend records is in its ``scan`` docstring), or None when the backend does not know.
+    """
+
+    key: str
+    size: int
+    mtime: float | None = None
+
+
+def check_prefix(prefix: str) -> None:
+    """Raise :class:`InvalidKeyError` unless ``prefix`` can start a well-formed key."""
+    if not isinstance(prefix, str) or KEY_PREFIX_PATTERN.fullmatch(prefix) is None:
+        raise InvalidKeyError(
+            f"invalid key prefix {prefix!r}: expected lowercase hex, optionally '-' and more hex"
+        )
 
 
 def check_keys(keys: Sequence[str]) -> None:
@@ -200,6 +227,30 @@ class Backend(ABC):
         keys to the scheduler process so its mirror of this backend's index stays exact.
         """
         return []
+
+    def scan(self, prefix: str = "") -> Iterator[PageInfo]:
+        """Yield a :class:`PageInfo` for every page whose key starts with ``prefix``.
+
+        Optional: the default raises ``NotImplementedError`` naming the backend type. Used by
+        maintenance tools (``hybrid-offload cache``), never by the connector.
+
+        * **Prefix.** ``prefix`` must match :data:`KEY_PREFIX_PATTERN` (e.g. a fingerprint, or
+          ``"<fingerprint>-"``), else :class:`InvalidKeyError` is raised before any I/O.
+        * **Order** is unspecified; every key is listed at most once per scan.
+        * **Consistency.** Not a snapshot: a page present for the whole scan is listed exactly
+          once; a page put, evicted or deleted while the scan runs may or may not be listed
+          (so a later get may miss a listed page).
+        * **Recency.** Listing does not refresh any page's LRU position or ``mtime``.
+        * **Blocking / threading.** Implementations are generators that block on I/O as they
+          go (pages are read from the medium or server in bounded batches, so memory does not
+          grow with the number of pages beyond what deduplication needs). They hold no backend
+          lock between yields: other threads may use the backend while a scan is suspended.
+          Errors surface from ``next()``: :class:`BackendUnavailableError` when the medium or a
+          server fails, :class:`BackendClosedError` after ``close()``.
+        """
+        raise NotImplementedError(
+            f"backend type {self.type_name!r} ({type(self).__name__}) cannot list its pages"
+        )
 
     @abstractmethod
     def close(self) -> None:

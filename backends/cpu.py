@@ -17,16 +17,18 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
   batch call takes it once. Nothing blocks beyond that lock and memory copies.
 * **Batches.** Items are applied in input order, so a later item of the same batch may evict
   an earlier one (it was stored: its answer stays True).
+* **Listing.** ``scan`` lists a snapshot of the keys taken under the lock; ``mtime`` is None
+  (the pool keeps an LRU order, not times).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
-from .base import Backend, BackendClosedError, BackendConfig, Buffer, check_keys
+from .base import Backend, BackendClosedError, BackendConfig, Buffer, PageInfo, check_keys, check_prefix
 
 __all__ = ["CpuBackend"]
 
@@ -131,6 +133,15 @@ class CpuBackend(Backend):
         with self._lock:
             self._check_open()
             return self._used
+
+    def scan(self, prefix: str = "") -> Iterator[PageInfo]:
+        """The pages stored when the scan starts (a snapshot of keys and sizes; no times)."""
+        check_prefix(prefix)
+        with self._lock:
+            self._check_open()
+            listed = [(key, len(data)) for key, data in self._pages.items() if key.startswith(prefix)]
+        for key, size in listed:
+            yield PageInfo(key, size, None)
 
     def take_evicted(self) -> list[str]:
         """Keys evicted or deleted since the last call, oldest first."""

@@ -13,8 +13,10 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
   decoder's verification catches that.
 * **Index and LRU.** Each instance keeps an index (key -> size, LRU order) rebuilt at start
   by scanning the tree in file-mtime order; puts and gets stamp the file's mtime, so the order
-  survives restarts. Capacity is enforced over that index: pages another process puts later
-  are not counted here (one writing process per path is the intended set-up).
+  survives restarts (an instance made with ``touch_on_read=False`` leaves mtimes alone on
+  gets: maintenance tools read pages without making them recent). Capacity is enforced over
+  that index: pages another process puts later are not counted here (one writing process per
+  path is the intended set-up).
 * **Cross-process visibility** (``shared_index = True``). ``contains_batch`` stats the files
   and gets read them, so pages written or deleted by other processes (the worker, seen from
   vLLM's scheduler process) show at once.
@@ -22,6 +24,9 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
   it, through a small thread pool (``io_threads``) for batches of more than a few pages,
   synchronously otherwise. Renames and evicting unlinks run under the lock, so this process's
   index always matches its files. ``get_into`` reads straight into the caller's buffers.
+* **Listing.** ``scan`` walks the directory tree (no lock held; one directory listed at a
+  time) and reports each page file's size and mtime (its last put or get); temp files,
+  foreign files, links and directories are skipped.
 * **Errors.** An ``OSError`` other than "not found" counts in ``stats.errors`` and is logged
   once per (operation, errno); that page is a miss (get) or refused (put, e.g. ``ENOSPC``;
   later puts keep trying). Only when ``path`` itself is gone or unusable does a put or get
@@ -31,6 +36,7 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -52,7 +58,9 @@ from .base import (
     BackendConfigError,
     BackendUnavailableError,
     Buffer,
+    PageInfo,
     check_keys,
+    check_prefix,
 )
 
 __all__ = ["DiskBackend"]
@@ -158,13 +166,18 @@ class DiskBackend(Backend):
             )
         return {**opts, "path": path}
 
-    def __init__(self, config: BackendConfig) -> None:
-        """Open ``path`` (created if missing) and index it; blocks for the scan."""
+    def __init__(self, config: BackendConfig, *, touch_on_read: bool = True) -> None:
+        """Open ``path`` (created if missing) and index it; blocks for the scan.
+
+        ``touch_on_read=False`` (maintenance tools, not a config option): gets leave the files'
+        mtimes alone, so reading pages does not make them recent.
+        """
         super().__init__(config)
         opts = self.validate_options(dict(config.options))
         self._root = os.path.abspath(opts["path"])
         self._fsync: bool = opts["fsync"]
         self._io_threads: int = opts["io_threads"]
+        self._touch_on_read = touch_on_read
         self._lock = threading.RLock()
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> size, LRU first
         self._used = 0
@@ -204,26 +217,56 @@ class DiskBackend(Backend):
     def _scan(self) -> Iterator[tuple[int, str, int]]:
         """Yield (mtime_ns, key, size) of every page file; remove dead writers' temp files."""
         now = time.time_ns()
+        on_tmp = functools.partial(self._remove_stale_tmp, now_ns=now)
+        for key, st in self._walk("", on_tmp, on_dir=self._dirs.add):
+            yield st.st_mtime_ns, key, st.st_size
+
+    def _fanout_dirs(self, prefix: str) -> Iterator[os.DirEntry[str]]:
+        """The ``<namespace>/<xx>`` directories that can hold keys starting with ``prefix``."""
+        namespace, dash, digest = prefix.partition("-")
         for ns_dir in _subdirs(self._root, _NAMESPACE_DIR):
+            if ns_dir.name != namespace if dash else not ns_dir.name.startswith(namespace):
+                continue
             for fan_dir in _subdirs(ns_dir.path, _FANOUT_DIR):
-                self._dirs.add(fan_dir.path)
-                with os.scandir(fan_dir.path) as entries:
-                    for entry in entries:
-                        name = entry.name
-                        if name.startswith(".") and name.endswith(_TMP_SUFFIX):
-                            self._remove_stale_tmp(entry, now)
-                            continue
-                        key = f"{ns_dir.name}-{name.removesuffix(_PAGE_SUFFIX)}"
-                        if (
-                            not name.endswith(_PAGE_SUFFIX)
-                            or not name.startswith(fan_dir.name)
-                            or KEY_PATTERN.fullmatch(key) is None
-                        ):
-                            continue
-                        with contextlib.suppress(FileNotFoundError):
-                            st = entry.stat(follow_symlinks=False)
-                            if stat.S_ISREG(st.st_mode):
-                                yield st.st_mtime_ns, key, st.st_size
+                if fan_dir.name.startswith(digest[:2]):
+                    yield fan_dir
+
+    def _walk(
+        self,
+        prefix: str,
+        on_tmp: Callable[[os.DirEntry[str]], None] | None = None,
+        on_dir: Callable[[str], None] | None = None,
+    ) -> Iterator[tuple[str, os.stat_result]]:
+        """(key, stat) of every page file whose key starts with ``prefix``; temp files go to
+        ``on_tmp`` and page directories to ``on_dir``; anything else in the tree (foreign
+        files, links, directories) is skipped."""
+        for fan_dir in self._fanout_dirs(prefix):
+            if on_dir is not None:
+                on_dir(fan_dir.path)
+            namespace = os.path.basename(os.path.dirname(fan_dir.path))
+            try:
+                with os.scandir(fan_dir.path) as it:
+                    entries = list(it)
+            except FileNotFoundError:  # removed since it was listed
+                continue
+            for entry in entries:
+                name = entry.name
+                if name.startswith(".") and name.endswith(_TMP_SUFFIX):
+                    if on_tmp is not None:
+                        on_tmp(entry)
+                    continue
+                key = f"{namespace}-{name.removesuffix(_PAGE_SUFFIX)}"
+                if (
+                    not name.endswith(_PAGE_SUFFIX)
+                    or not name.startswith(fan_dir.name)
+                    or KEY_PATTERN.fullmatch(key) is None
+                    or not key.startswith(prefix)
+                ):
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    st = entry.stat(follow_symlinks=False)
+                    if stat.S_ISREG(st.st_mode):
+                        yield key, st
 
     def _remove_stale_tmp(self, entry: os.DirEntry[str], now_ns: int) -> None:
         """Remove a crashed writer's temp file; keep one a live writer may still rename."""
@@ -436,7 +479,7 @@ class DiskBackend(Backend):
                 got = _read_exact(fd, size)
             elif size <= buf.nbytes and _readinto_exact(fd, buf[:size]):
                 got = size
-            if got is not None:
+            if got is not None and self._touch_on_read:
                 self._touch(fd)
             return got
         except OSError as exc:
@@ -504,6 +547,19 @@ class DiskBackend(Backend):
         with self._lock:
             self._check_open()
             return self._used
+
+    def scan(self, prefix: str = "") -> Iterator[PageInfo]:
+        """Every page file under ``path`` whose key starts with ``prefix``, also those other
+        processes wrote; ``mtime`` is the file's (last put or get). Temp files are skipped."""
+        check_prefix(prefix)
+        self._check_open()
+        if not os.path.isdir(self._root):
+            raise BackendUnavailableError(f"disk backend {self.name!r}: {self._root!r} is gone")
+        try:
+            for key, st in self._walk(prefix):
+                yield PageInfo(key, st.st_size, st.st_mtime)
+        except OSError as exc:
+            raise BackendUnavailableError(f"disk backend {self.name!r}: scan failed: {exc}") from exc
 
     def close(self) -> None:
         """Stop the I/O pool (waits for in-flight page I/O); pages stay on disk. Idempotent."""

@@ -53,6 +53,12 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
   deletes of one instance hold one lock, so this process never DELs a page that another of
   its threads just re-put. ``put_batch`` sends the caller's buffers before returning and keeps
   no reference; ``get_batch`` returns fresh ``bytes``.
+* **Listing.** ``scan`` walks the page keys with SCAN ``MATCH <prefix>:p:<key prefix>*`` (never
+  KEYS; in a cluster, every primary), about 1000 keys per round trip. ``size`` comes from the
+  shared index's size hash (STRLEN only for pages the index does not know), ``mtime`` from
+  OBJECT IDLETIME: the server's last read or write of the page, 1 s resolution, None under an
+  LFU ``maxmemory-policy``. Neither refreshes a page's LRU position or idle time (the STRLEN
+  of a page the index does not know counts as a read of it).
 * ``close()`` disconnects the pools (bounded, idempotent); later calls raise
   :class:`BackendClosedError`.
 """
@@ -64,6 +70,7 @@ import logging
 import os
 import re
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 from urllib.parse import unquote, urlsplit, urlunsplit
@@ -80,13 +87,16 @@ from redis.exceptions import (
 from redis.retry import Retry
 
 from .base import (
+    KEY_PATTERN,
     Backend,
     BackendClosedError,
     BackendConfig,
     BackendConfigError,
     BackendUnavailableError,
     Buffer,
+    PageInfo,
     check_keys,
+    check_prefix,
 )
 from .redis_index import RedisIndex
 
@@ -99,6 +109,7 @@ _PREFIX = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 _SCHEMES = {"redis": False, "rediss": False, "redis+cluster": True, "rediss+cluster": True}
 _NODE = re.compile(r"(?P<host>[^\s:]+|\[[0-9A-Fa-f:]+\]):(?P<port>\d{1,5})")
 _MAX_KEYS_PER_PIPELINE = 4096
+_SCAN_COUNT = 1000  # keys per SCAN round trip and per round of size/idle-time queries
 #: bytes per socket read of a reply. Inside an engine the load thread competes for the GIL with
 #: vLLM's busy step loop, and every read gives the GIL up for up to the switch interval (5 ms):
 #: redis-py's 64 KiB default read 2 MiB pages at ~20 MB/s there, 4 MiB reads at ~280 MB/s.
@@ -438,6 +449,58 @@ class RedisBackend(Backend):
                 deleted += sum(self._pipeline(client, [("delete", self._page_key(keys[j])) for j in chunk]))
             self._index.remove(client, list(dict.fromkeys(keys)))
         return deleted
+
+    def scan(self, prefix: str = "") -> Iterator[PageInfo]:
+        """Every page whose key starts with ``prefix`` (see "Listing" in the module docstring).
+
+        SCAN may return a key twice (while the server rehashes): keys are deduplicated, at the
+        cost of a set of the keys listed so far.
+        """
+        check_prefix(prefix)
+        self._check_open()
+        skip = len(self._page_key(""))
+        seen: set[str] = set()
+        with self._guard("scan"):
+            client = self._redis()
+            batch: list[str] = []
+            for name in client.scan_iter(match=self._page_key(prefix) + "*", count=_SCAN_COUNT):
+                key = (name.decode() if isinstance(name, bytes) else name)[skip:]
+                if key in seen or KEY_PATTERN.fullmatch(key) is None:
+                    continue  # another prefix's key that happens to match the pattern
+                seen.add(key)
+                batch.append(key)
+                if len(batch) >= _SCAN_COUNT:
+                    yield from self._describe(client, batch)
+                    batch = []
+            yield from self._describe(client, batch)
+
+    def _describe(self, client: Any, keys: list[str]) -> list[PageInfo]:
+        """Size and mtime of listed pages, in one pipeline (two for pages not indexed); pages
+        deleted since SCAN listed them are left out."""
+        if not keys:
+            return []
+        pipe = client.pipeline(transaction=False)
+        pipe.hmget(self._index.size, keys)
+        for key in keys:
+            pipe.object("idletime", self._page_key(key))
+        sizes, *idles = pipe.execute(raise_on_error=False)
+        if isinstance(sizes, Exception):
+            raise sizes
+        now = time.time()
+        present = [i for i, idle in enumerate(idles) if idle is not None]
+        unindexed = [i for i in present if sizes[i] is None]
+        if unindexed:
+            lengths = self._pipeline(client, [("strlen", self._page_key(keys[i])) for i in unindexed])
+            for i, length in zip(unindexed, lengths, strict=True):
+                sizes[i] = length
+        return [
+            PageInfo(
+                keys[i],
+                int(sizes[i]),
+                None if isinstance(idles[i], Exception) else now - int(idles[i]),
+            )
+            for i in present
+        ]
 
     def prepare_data_path(self) -> None:
         """Connect now (PING every node): an unreachable server shows at start-up."""

@@ -33,6 +33,10 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
 * **Threading.** One lock per peer serializes its control socket; one lock serializes the NIXL
   agent and the staging buffer (the client agent has no progress thread: it polls its own
   transfers). Counters have their own lock.
+* **Listing.** ``scan`` pages through each peer with SCAN; ``mtime`` is the peer's last commit
+  or GET, sent as an age (clocks need not agree). Pages a peer holds for keys the ring no longer
+  gives it (``peers`` changed; unreachable, its LRU evicts them) are not listed. A peer down or
+  too old to know SCAN raises :class:`BackendUnavailableError`: no peer is silently left out.
 * ``close()`` is idempotent and bounded: it closes sockets, forgets remote agents and
   deregisters the staging buffer.
 """
@@ -45,7 +49,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -57,7 +61,9 @@ from ..base import (
     BackendConfigError,
     BackendUnavailableError,
     Buffer,
+    PageInfo,
     check_keys,
+    check_prefix,
 )
 from . import protocol as p
 from .ring import HashRing
@@ -581,6 +587,25 @@ class NixlPeerBackend(Backend):
             except _PeerDownError:
                 usage[peer.address] = None
         return usage
+
+    scan_batch: ClassVar[int] = p.SCAN_MAX_ENTRIES  # keys per SCAN request
+
+    def scan(self, prefix: str = "") -> Iterator[PageInfo]:
+        """Each peer's pages whose key starts with ``prefix`` (see "Listing" above)."""
+        check_prefix(prefix)
+        self._check_open()
+        for peer in self._peers:
+            reply = p.ScanReply([("", 0, 0)], True)
+            while reply.more and reply.entries:
+                try:
+                    reply, _ = self._call(peer, p.Scan(prefix, reply.entries[-1][0], self.scan_batch))
+                except _PeerDownError as exc:
+                    old = " (too old for SCAN?)" if "unknown message type" in str(exc) else ""
+                    raise BackendUnavailableError(f"nixl_peer {self.name!r}: scan: {exc}{old}") from exc
+                now = time.time()
+                for key, size, idle_ms in reply.entries:
+                    if self._ring.node_for(key) == peer.address:
+                        yield PageInfo(key, size, now - idle_ms / 1000)
 
     def peer_for(self, key: str) -> str:
         """The address of the peer that owns ``key``."""

@@ -11,6 +11,8 @@
   pages to stay within capacity). Reservations never committed expire.
 * Reads: :meth:`PageIndex.get` pins the extents under a lease; an extent replaced, evicted or
   deleted while pinned is freed only when its last lease is released or expires.
+* Listing: each page keeps the clock time of its last commit or GET; :func:`scan_pages` picks
+  a key-ordered slice of a :meth:`PageIndex.pages_snapshot` without the lock.
 
 Not thread-safe by itself: the server calls it under one lock.
 """
@@ -18,13 +20,14 @@ Not thread-safe by itself: the server calls it under one lock.
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["ALIGN", "Extent", "ExtentAllocator", "PageIndex", "PoolStats"]
+__all__ = ["ALIGN", "Extent", "ExtentAllocator", "PageIndex", "PoolStats", "scan_pages"]
 
 ALIGN = 64
 
@@ -103,6 +106,7 @@ class ExtentAllocator:
 class _Page:
     size: int
     extent: Extent
+    used_at: float = 0.0  # clock time of the last commit or GET
 
 
 @dataclass
@@ -200,7 +204,8 @@ class PageIndex:
 
     def get(self, keys: list[str], owner: object) -> tuple[int, list[tuple[int, int] | None]]:
         """Pin and refresh each present page; ``(lease_id, [(offset, length) | None])``."""
-        lease = _Lease(owner, self._clock() + self.lease_timeout_s)
+        now = self._clock()
+        lease = _Lease(owner, now + self.lease_timeout_s)
         out: list[tuple[int, int] | None] = []
         for key in keys:
             page = self._pages.get(key)
@@ -208,6 +213,7 @@ class PageIndex:
                 out.append(None)
                 continue
             self._pages.move_to_end(key)
+            page.used_at = now
             page.extent.pins += 1
             lease.extents.append(page.extent)
             out.append((page.extent.offset, page.size))
@@ -248,6 +254,7 @@ class PageIndex:
         if res is None:
             return None
         committed, evictions, evicted_bytes = 0, res.evictions, res.evicted_bytes
+        now = self._clock()
         flags = list(success) + [False] * (len(res.items) - len(success))
         for (key, size, extent), ok in zip(res.items, flags, strict=False):
             if extent is None:
@@ -261,7 +268,7 @@ class PageIndex:
                 evicted = self._evict_lru(unpinned_only=False)
                 evictions += 1
                 evicted_bytes += evicted or 0
-            self._pages[key] = _Page(size, extent)
+            self._pages[key] = _Page(size, extent, now)
             self._used += size
             committed += 1
         return committed, evictions, evicted_bytes
@@ -294,3 +301,33 @@ class PageIndex:
 
     def stats(self) -> PoolStats:
         return PoolStats(self._used, self._reserved, self.allocator.free_bytes, len(self._pages))
+
+    # -- listing ----------------------------------------------------------------------------
+
+    def now(self) -> float:
+        """The index's clock (the one page use times are taken from)."""
+        return self._clock()
+
+    def pages_snapshot(self) -> list[tuple[str, _Page]]:
+        """The visible pages now, for :func:`scan_pages`: one C-speed copy of the index, so the
+        caller's lock is held only for that (sizes never change; use times are plain floats)."""
+        return list(self._pages.items())
+
+    def scan(self, prefix: str, after: str, limit: int) -> tuple[list[tuple[str, int, float]], bool]:
+        """:func:`scan_pages` over the pages now."""
+        return scan_pages(self.pages_snapshot(), prefix, after, limit, self._clock())
+
+
+def scan_pages(
+    snapshot: list[tuple[str, _Page]], prefix: str, after: str, limit: int, now: float
+) -> tuple[list[tuple[str, int, float]], bool]:
+    """The first ``limit`` pages in key order with keys starting with ``prefix`` and sorting
+    after ``after``: ``(key, size, seconds since last use)``; and whether more match.
+
+    O(pages) per call (a bounded heap, no full sort): listing n pages ``limit`` at a time costs
+    n / limit passes over the snapshot.
+    """
+    matches = (item for item in snapshot if item[0] > after and item[0].startswith(prefix))
+    first = heapq.nsmallest(max(0, limit) + 1, matches, key=lambda item: item[0])
+    entries = [(key, page.size, max(0.0, now - page.used_at)) for key, page in first[:limit]]
+    return entries, len(first) > limit

@@ -23,7 +23,14 @@ ALLOC      keys, sizes                         alloc id, per key offset or refus
 COMMIT     alloc id, per key success flags     committed count, evictions, evicted bytes
 DELETE     keys                                how many existed
 USED       -                                   used, reserved and free pool bytes, pages
+SCAN       key prefix, after key, limit        up to limit (key, size, idle ms) in key order
+                                               after ``after``, and whether more may follow
 =========  ==================================  =============================================
+
+Versioning: :data:`VERSION` changes only when the framing or an existing body changes. New
+request types are added without a bump (SCAN was): a peer that predates one answers
+:class:`Error` (``MALFORMED``, "unknown message type") and closes the connection, which the
+client reports as that peer lacking the feature.
 """
 
 from __future__ import annotations
@@ -34,13 +41,14 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import ClassVar
 
-from ..base import KEY_PATTERN
+from ..base import KEY_PATTERN, KEY_PREFIX_PATTERN
 
 __all__ = [
     "HEADER",
     "MAGIC",
     "MAX_BODY",
     "MISS",
+    "SCAN_MAX_ENTRIES",
     "VERSION",
     "Alloc",
     "AllocReply",
@@ -60,6 +68,8 @@ __all__ = [
     "ProtocolError",
     "Release",
     "ReleaseReply",
+    "Scan",
+    "ScanReply",
     "Used",
     "UsedReply",
     "decode_body",
@@ -75,6 +85,8 @@ HEADER = struct.Struct("!4sBBHII")  # magic, version, type, flags, request id, b
 MAX_BODY = 16 << 20
 MAX_KEYS = 1 << 20
 MISS = (1 << 64) - 1  # offset meaning "no such page" / "refused"
+#: entries per SCAN reply at most (a reply then stays below ~2.5 MiB, far under MAX_BODY)
+SCAN_MAX_ENTRIES = 16384
 _REPLY = 0x80
 
 _U8 = struct.Struct("!B")
@@ -448,6 +460,54 @@ class UsedReply(Message):
 
 
 @dataclass(frozen=True)
+class Scan(Message):
+    """List pages whose key starts with ``prefix`` and sorts after ``after`` ("" = from the
+    start), in key order, at most ``limit`` (the peer caps it at :data:`SCAN_MAX_ENTRIES`)."""
+
+    TYPE: ClassVar[int] = 9
+    prefix: str
+    after: str
+    limit: int
+
+    def body(self) -> bytes:
+        prefix, after = self.prefix.encode("ascii"), self.after.encode("ascii")
+        return _blob16(prefix) + _blob16(after) + _U32.pack(self.limit)
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> Scan:
+        prefix = reader.blob16().decode("ascii", errors="replace")
+        after = reader.blob16().decode("ascii", errors="replace")
+        if KEY_PREFIX_PATTERN.fullmatch(prefix) is None:
+            raise ProtocolError(ErrorCode.MALFORMED, f"SCAN: invalid key prefix {prefix[:80]!r}")
+        if after and KEY_PATTERN.fullmatch(after) is None:
+            raise ProtocolError(ErrorCode.MALFORMED, f"SCAN: invalid key {after[:80]!r}")
+        return cls(prefix, after, reader.u32())
+
+
+@dataclass(frozen=True)
+class ScanReply(Message):
+    """``entries``: ``(key, size, idle_ms)`` in key order, ``idle_ms`` the milliseconds since the
+    page's last commit or GET on the peer; ``more``: whether keys after the last may match."""
+
+    TYPE: ClassVar[int] = 9 | _REPLY
+    entries: list[tuple[str, int, int]]
+    more: bool
+
+    def body(self) -> bytes:
+        keys = [key for key, _, _ in self.entries]
+        sizes = [size for _, size, _ in self.entries]
+        idles = [idle for _, _, idle in self.entries]
+        return _U8.pack(int(self.more)) + _keys(keys) + _u64s(sizes) + _u64s(idles)
+
+    @classmethod
+    def parse(cls, reader: _Reader) -> ScanReply:
+        more = bool(reader.u8())
+        keys = reader.keys()
+        sizes, idles = reader.u64s(len(keys)), reader.u64s(len(keys))
+        return cls(list(zip(keys, sizes, idles, strict=True)), more)
+
+
+@dataclass(frozen=True)
 class Error(Message):
     TYPE: ClassVar[int] = 0xFF
     code: int
@@ -465,7 +525,8 @@ _TYPES: dict[int, type[Message]] = {
     cls.TYPE: cls
     for cls in (
         Hello, HelloReply, Lookup, LookupReply, Get, GetReply, Release, ReleaseReply, Alloc,
-        AllocReply, Commit, CommitReply, Delete, DeleteReply, Used, UsedReply, Error,
+        AllocReply, Commit, CommitReply, Delete, DeleteReply, Used, UsedReply, Scan, ScanReply,
+        Error,
     )
 }  # fmt: skip
 

@@ -11,6 +11,8 @@ protocol (:mod:`.protocol`) and keeps the index (:mod:`.pool`).
 * **Control channel.** A thread per connection (blocking sockets); one lock guards the index.
   The first message must be HELLO with the right token, else ERROR and the connection closes.
   A malformed or oversized message gets ERROR and closes that connection only.
+* **Listing.** SCAN copies the index under the lock (a C-speed list copy) and selects the
+  reply's key-ordered slice outside it, so listing a large pool does not stall data traffic.
 * **Leases and reservations** belong to their connection: when it closes they are released /
   aborted at once; a reaper thread also expires them after ``lease_timeout_s`` /
   ``alloc_timeout_s`` (a client that hangs between ALLOC and COMMIT does not leak pool space).
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import protocol as p
-from .pool import ALIGN, PageIndex
+from .pool import ALIGN, PageIndex, scan_pages
 
 __all__ = ["PeerOptions", "PeerServer", "default_pool_bytes", "run_peer"]
 
@@ -226,8 +228,19 @@ class PeerServer:
         self._send(conn, reply, request_id)
         return True
 
+    def _scan(self, request: p.Scan) -> p.ScanReply:
+        """Copy the index under the lock, pick the reply's slice outside it."""
+        with self._lock:
+            snapshot = self._index.pages_snapshot()
+            now = self._index.now()
+        limit = min(max(request.limit, 1), p.SCAN_MAX_ENTRIES)
+        entries, more = scan_pages(snapshot, request.prefix, request.after, limit, now)
+        return p.ScanReply([(key, size, round(idle * 1000)) for key, size, idle in entries], more)
+
     def _dispatch(self, conn: _Connection, request: p.Message) -> p.Message:
         index = self._index
+        if isinstance(request, p.Scan):
+            return self._scan(request)
         with self._lock:
             if isinstance(request, p.Lookup):
                 return p.LookupReply(index.lookup(request.keys))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import random
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from hybrid_offload.backends import (
     BackendClosedError,
     BackendStats,
     InvalidKeyError,
+    PageInfo,
 )
 
 MiB = 1 << 20
@@ -417,3 +419,70 @@ class BackendContract:
         assert sorted(backend.take_evicted()) == sorted([k[1], k[2]])
         backend.put_batch([(k[3], page(3, 1000))])  # a re-put is not an eviction
         assert backend.take_evicted() == []
+
+
+    # -- listing (optional: backends whose scan raises NotImplementedError skip these) -----
+
+    def _scan(self, backend: Backend, prefix: str = "") -> dict[str, PageInfo]:
+        """``scan(prefix)`` as key -> PageInfo; skips the test if the backend cannot list."""
+        try:
+            listed = list(backend.scan(prefix))
+        except NotImplementedError as exc:
+            pytest.skip(f"{type(backend).__name__} does not implement scan: {exc}")
+        assert all(isinstance(info, PageInfo) for info in listed)
+        by_key = {info.key: info for info in listed}
+        assert len(by_key) == len(listed), "scan listed a key twice"
+        return by_key
+
+    def test_scan_lists_exactly_the_pages_with_sizes(self, backend: Backend) -> None:
+        assert self._scan(backend) == {}
+        before = time.time()
+        pages = {key(i, ns): page(i, 100 * i) for i in range(12) for ns in (0x5EED0001, 0xABCD0002)}
+        assert backend.put_batch(list(pages.items())) == [True] * len(pages)
+        listed = self._scan(backend)
+        assert {k: info.size for k, info in listed.items()} == {k: len(v) for k, v in pages.items()}
+        for info in listed.values():  # redis idle times have 1 s resolution
+            assert info.mtime is None or before - 2 <= info.mtime <= time.time() + 2
+
+    def test_scan_omits_deleted_pages(self, backend: Backend) -> None:
+        keys = [key(i) for i in range(6)]
+        backend.put_batch([(k, page(i, 300)) for i, k in enumerate(keys)])
+        assert backend.delete_batch(keys[::2]) == 3
+        assert set(self._scan(backend)) == set(keys[1::2])
+        backend.delete_batch(keys)
+        assert self._scan(backend) == {}
+
+    def test_scan_prefix_filters(self, backend: Backend) -> None:
+        ours = [key(i, 0x5EED0001) for i in range(8)]
+        theirs = [key(i, 0x5EED0002) for i in range(8)]
+        backend.put_batch([(k, page(i, 50)) for i, k in enumerate(ours + theirs)])
+        assert set(self._scan(backend, "5eed0001")) == set(ours)
+        assert set(self._scan(backend, "5eed0001-")) == set(ours)
+        assert set(self._scan(backend, "5eed")) == set(ours + theirs)
+        digest_prefix = ours[3][: len("5eed0001-") + 3]
+        assert set(self._scan(backend, digest_prefix)) == {k for k in ours if k.startswith(digest_prefix)}
+        assert set(self._scan(backend, ours[5])) == {ours[5]}
+        assert self._scan(backend, "5eed0003") == {}
+        assert self._scan(backend, "5eed000").keys() == set(ours + theirs)
+
+    @pytest.mark.parametrize("bad", ["A", "5eed0001/", "../x", "5eed-00-1", "x", " 5eed"], ids=repr)
+    def test_scan_rejects_bad_prefixes(self, backend: Backend, bad: str) -> None:
+        self._scan(backend)  # skips if the backend cannot list
+        with pytest.raises(InvalidKeyError):
+            list(backend.scan(bad))
+
+    def test_scan_does_not_refresh_recency(self, open_backend: Callable[..., Backend]) -> None:
+        backend = open_backend(3000)
+        k = [key(i) for i in range(4)]
+        for i in range(3):
+            backend.put_batch([(k[i], page(i, 1000))])
+        assert set(self._scan(backend)) == set(k[:3])
+        backend.put_batch([(k[3], page(3, 1000))])  # evicts k0: the scan did not refresh it
+        assert backend.contains_batch(k) == [False, True, True, True]
+        assert set(self._scan(backend)) == set(k[1:])
+
+    def test_scan_after_close_raises(self, backend: Backend) -> None:
+        self._scan(backend)
+        backend.close()
+        with pytest.raises(BackendClosedError):
+            list(backend.scan())

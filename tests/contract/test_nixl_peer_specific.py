@@ -416,3 +416,91 @@ def test_index_pins_survive_eviction_and_fragmentation_evicts_more() -> None:
     assert offsets == [None]  # larger than capacity: refused
     index.commit(alloc_id, [False])
     assert index.stats() == index.stats().__class__(3 * ALIGN, 0, 2 * ALIGN, 3)
+
+
+# -- listing (SCAN) ----------------------------------------------------------------------------
+
+
+def test_scan_round_trips_and_rejects_bad_fields() -> None:
+    messages = [
+        p.Scan("5eed0001-ab", "", 10),
+        p.Scan("", key(3), 0),
+        p.ScanReply([(key(1), 10, 0), (key(2), 0, 1 << 40)], True),
+        p.ScanReply([], False),
+    ]
+    for message in messages:
+        frame = p.encode(message, 7)
+        msg_type, _, _ = p.decode_header(frame[: p.HEADER.size])
+        assert p.decode_body(msg_type, frame[p.HEADER.size :]) == message
+    for bad in (p.Scan("../x", "", 1), p.Scan("", "not-a-key", 1), p.Scan("A", "", 1)):
+        frame = p.encode(bad, 1)
+        with pytest.raises(p.ProtocolError) as info:
+            p.decode_body(p.Scan.TYPE, frame[p.HEADER.size :])
+        assert info.value.code == p.ErrorCode.MALFORMED
+
+
+def test_index_scan_pages_in_key_order_with_idle_times() -> None:
+    now = [100.0]
+    index = PageIndex(capacity=1 << 20, pool_size=1 << 20, clock=lambda: now[0])
+    owner = object()
+    keys = sorted(key(i) for i in range(10))
+    for i, k in enumerate(keys):
+        alloc_id, _ = index.alloc([k], [10 + i], owner)
+        index.commit(alloc_id, [True])
+    now[0] = 130.0
+    lease, _ = index.get([keys[4]], owner)  # a GET refreshes the use time
+    index.release(lease)
+    now[0] = 135.0
+    entries, more = index.scan("", "", 3)
+    assert [e[0] for e in entries] == keys[:3] and more
+    assert entries[0] == (keys[0], 10, 35.0)
+    entries, more = index.scan("", keys[2], 100)
+    assert [e[0] for e in entries] == keys[3:] and not more
+    assert entries[1] == (keys[4], 14, 5.0)
+    assert index.scan(keys[7], "", 5) == ([(keys[7], 17, 35.0)], False)
+    assert index.scan("5eed0002", "", 5) == ([], False)
+
+
+def test_scan_pages_through_several_peers(peers: PeerFactory, clients: Any) -> None:
+    group = [peers() for _ in range(3)]
+    addresses = [peer.address for peer in group]
+    backend = clients(addresses)
+    backend.scan_batch = 4  # many SCAN round trips per peer
+    keys = [key(i) for i in range(60)] + [key(i, 0x5EED0002) for i in range(10)]
+    assert all(backend.put_batch([(k, page(i, 10 + i)) for i, k in enumerate(keys)]))
+    listed = list(backend.scan())
+    assert sorted(info.key for info in listed) == sorted(keys)
+    assert {info.key: info.size for info in listed} == {k: 10 + i for i, k in enumerate(keys)}
+    assert sorted(info.key for info in backend.scan("5eed0002")) == sorted(keys[60:])
+    for address in addresses:  # a client of one peer owns all of that peer's pages
+        alone = clients([address])
+        assert {info.key for info in alone.scan()} == {k for k in keys if backend.peer_for(k) == address}
+    group[1].kill()
+    with pytest.raises(BackendUnavailableError, match="scan"):
+        list(backend.scan())
+
+
+def test_scan_on_a_peer_without_scan_is_reported(clients: Any) -> None:
+    """A peer that predates SCAN answers ERROR 'unknown message type' (request id 0) and
+    closes: the client raises BackendUnavailableError saying so."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+
+    def old_peer() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            _, rid = p.recv_message(conn)
+            p.send_message(conn, p.HelloReply("old-peer", b"", 0, 1 << 20, 1 << 20), rid)
+            header = conn.recv(p.HEADER.size)
+            msg_type = p.HEADER.unpack(header)[2]
+            p.send_message(conn, p.Error(p.ErrorCode.MALFORMED, f"unknown message type {msg_type}"), 0)
+
+    thread = threading.Thread(target=old_peer, daemon=True)
+    thread.start()
+    try:
+        backend = clients([address], **FAST)
+        with pytest.raises(BackendUnavailableError, match="too old for SCAN"):
+            list(backend.scan())
+    finally:
+        thread.join(timeout=10)
+        listener.close()

@@ -440,3 +440,27 @@ def test_two_processes_share_capacity_and_lru(server: RedisServer) -> None:
             other.put_batch([(key(5), page(5, 1000))])  # evicts k2, now the LRU
             assert backend.contains_batch([key(2), key(5)]) == [False, True]
             assert other.stats.evictions == 1 and backend.stats.evictions == 1
+
+
+# -- listing -----------------------------------------------------------------------------------
+
+
+def test_scan_lists_orphans_skips_foreign_keys_and_keeps_idle_times(server: RedisServer) -> None:
+    backend = make_redis(server.url)
+    prefix = backend.config.options["prefix"]
+    client = redis.Redis.from_url(server.url)
+    try:
+        backend.put_batch([(key(1), page(1, 700))])
+        client.set(f"{prefix}:p:{key(2)}", page(2, 300))  # an orphan: not in the index
+        client.set(f"{prefix}:p:not-a-page", b"x")  # matches the pattern, not a page key
+        client.set(f"{prefix}x:p:{key(3)}", b"y")  # another prefix
+        listed = {info.key: info for info in backend.scan()}
+        assert {k: info.size for k, info in listed.items()} == {key(1): 700, key(2): 300}
+        time.sleep(2.1)
+        again = {info.key: info for info in backend.scan()}
+        idle = time.time() - again[key(1)].mtime  # type: ignore[operator]
+        assert idle >= 0.9, "a scan must not reset the server's idle time of a page"
+        assert client.object("idletime", f"{prefix}:p:{key(1)}") >= 1
+    finally:
+        backend.close()
+        client.close()
