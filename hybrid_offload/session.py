@@ -26,7 +26,8 @@ exists (at most ``barrier_timeout_s``, default 300) before the next pass.
 Result: per pass, per prompt: output token ids, time to first token, cached tokens; and per
 pass the connector's scheduler counters (tokens loaded per backend, aligned prompt tokens).
 ``groups`` lists the top-level connector's KV cache groups with their page sizes (``page_len``:
-bytes of one stored page, header included) and ``chunk_tokens``; empty without a connector.
+bytes of one stored page set, all shards and headers included) and ``chunk_tokens``; empty
+without a connector.
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ def _group_pages() -> dict[str, Any]:
                     "kind": codec.group.kind.value,
                     "attention": codec.group.is_attention,
                     "layers": len(codec.group.layer_names),
-                    "page_len": codec.page_len,
+                    "shards": codec.group.shards,
+                    "page_len": sum(codec.page_lens[p] for p in codec.read),
                 }
                 for codec in conn.worker.codecs.values()
             ]

@@ -69,12 +69,15 @@ def test_cpu_then_disk_after_restart(arch: str, async_a: bool, model_dir, tmp_pa
 
 ZEROING_CHILD = """
 import sys
-import hybrid_offload.kv_layout as kv_layout
-def zero_scatter(self, block_ids, src):
-    for layer in self.layers:
-        for b in block_ids:
-            layer[b].zero_()
-kv_layout.MambaGroupLayout.scatter = zero_scatter
+import torch
+from hybrid_offload.connector import page_codec
+from hybrid_offload.kv_layout import MambaGroupLayout
+real_scatter = page_codec.PageCodec.scatter
+def zero_scatter(self, layout, page, shard, payload):
+    if isinstance(layout, MambaGroupLayout):
+        payload = torch.zeros_like(payload)
+    real_scatter(self, layout, page, shard, payload)
+page_codec.PageCodec.scatter = zero_scatter
 from hybrid_offload.session import main
 main(sys.argv[1:])
 """
