@@ -159,12 +159,19 @@ def _add_bench(subparsers: Subparsers) -> None:
     add_bench(subparsers)
 
 
+def _add_cache(subparsers: Subparsers) -> None:
+    from hybrid_offload.cli.cache import add_cache
+
+    add_cache(subparsers)
+
+
 _SUBCOMMANDS: list[Callable[[Subparsers], None]] = [
     _add_make_model,
     _add_demo,
     _add_peer,
     _add_serve,
     _add_bench,
+    _add_cache,
 ]
 
 

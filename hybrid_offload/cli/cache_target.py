@@ -1,0 +1,149 @@
+"""Which cache ``hybrid-offload cache`` works on, and opening it for maintenance.
+
+Target (exactly one): ``--disk PATH``, ``--redis URL`` (with ``--redis-prefix``), ``--peer
+HOST:PORT`` (repeatable, with ``--peer-token``), ``--backend-config FILE`` (one backend entry,
+YAML or JSON, shaped like an element of ``kv_connector_extra_config.backends``) or ``--config
+FILE --name NAME`` (a backend of a serve config such as ``configs/redis.yaml``). Every entry is
+validated by the connector's own config parser, so errors name the offending key.
+
+:func:`open_for_maintenance` opens the backend with the largest capacity, so opening never
+evicts (the disk backend evicts down to its capacity at start), and a disk cache with
+``touch_on_read=False``, so reading pages leaves file mtimes, the disk LRU clock, alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from hybrid_offload.backends import Backend, BackendConfig, backend_class, create_backend
+
+__all__ = ["OPEN_CAPACITY", "CacheCliError", "open_for_maintenance", "target_arguments", "target_config"]
+
+#: capacity the backend is opened with: never evict on open or on a (healing) read
+OPEN_CAPACITY = 1 << 62
+
+
+class CacheCliError(ValueError):
+    """Bad input: the message names what is wrong (exit status 2)."""
+
+
+def target_arguments() -> argparse.ArgumentParser:
+    """A parent parser with the target options (and ``--json``), shared by every action."""
+    parent = argparse.ArgumentParser(add_help=False)
+    target = parent.add_argument_group("target (exactly one)")
+    choice = target.add_mutually_exclusive_group(required=True)
+    choice.add_argument("--disk", type=Path, metavar="PATH", help="a disk backend's directory")
+    choice.add_argument("--redis", metavar="URL", help="a Redis server, e.g. redis://127.0.0.1:6379/0")
+    choice.add_argument(
+        "--peer",
+        action="append",
+        metavar="HOST:PORT",
+        help="a nixl_peer cache peer (repeat for several, listed as in the engine's 'peers')",
+    )
+    choice.add_argument(
+        "--backend-config",
+        type=Path,
+        metavar="FILE",
+        help="YAML/JSON file with one backend entry, as in kv_connector_extra_config.backends",
+    )
+    choice.add_argument(
+        "--config", type=Path, metavar="FILE", help="a serve config (configs/*.yaml), with --name"
+    )
+    target.add_argument("--name", metavar="BACKEND_NAME", help="which backend of --config")
+    target.add_argument("--redis-prefix", metavar="PREFIX", help="with --redis: key prefix (default: hop)")
+    target.add_argument("--peer-token", metavar="TOKEN", help="with --peer: the peers' shared secret")
+    parent.add_argument("--json", action="store_true", help="machine-readable output")
+    return parent
+
+
+def _load_mapping(path: Path) -> Any:
+    import yaml
+
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise CacheCliError(f"cannot read {path}: {exc}") from exc
+    is_json = path.suffix.lower() == ".json"
+    try:
+        return json.loads(text) if is_json else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise CacheCliError(f"{path}: not valid {'JSON' if is_json else 'YAML'}: {exc}") from exc
+
+
+def _entry_config(entry: Any, source: str) -> BackendConfig:
+    """Validate one backend entry the way the connector does."""
+    from hybrid_offload.config import ROOT, ConfigError, parse_offload_config
+
+    if not isinstance(entry, dict) or "type" not in entry:
+        raise CacheCliError(f"{source}: expected one backend entry (a mapping with a 'type'), got {entry!r}")
+    try:
+        return parse_offload_config({"backends": [entry]}).backends[0]
+    except ConfigError as exc:
+        raise CacheCliError(f"{source}: {str(exc).replace(f'{ROOT}.backends[0]', 'backend')}") from exc
+
+
+def _config_backend(path: Path, name: str) -> BackendConfig:
+    """Backend ``name`` of a serve config file."""
+    from hybrid_offload.cli.serve import load_config_file
+    from hybrid_offload.config import parse_offload_config
+
+    config = load_config_file(path)
+    backends = parse_offload_config(config["kv_connector_extra_config"]).backends
+    for backend in backends:
+        if backend.name == name:
+            return backend
+    names = ", ".join(repr(b.name) for b in backends) or "none"
+    raise CacheCliError(f"{path}: no backend named {name!r} (backends: {names})")
+
+
+def target_config(args: argparse.Namespace) -> BackendConfig:
+    """The BackendConfig the target arguments name (see the module docstring)."""
+    if args.name is not None and args.config is None:
+        raise CacheCliError("--name picks a backend of --config FILE; give --config too")
+    if args.redis_prefix is not None and args.redis is None:
+        raise CacheCliError("--redis-prefix only goes with --redis")
+    if args.peer_token is not None and args.peer is None:
+        raise CacheCliError("--peer-token only goes with --peer")
+    if args.config is not None:
+        if args.name is None:
+            raise CacheCliError(f"--config {args.config}: give --name BACKEND_NAME to pick its backend")
+        return _config_backend(args.config, args.name)
+    if args.backend_config is not None:
+        return _entry_config(_load_mapping(args.backend_config), str(args.backend_config))
+    if args.disk is not None:
+        entry: dict[str, Any] = {"type": "disk", "name": "disk", "path": str(args.disk)}
+        return _entry_config(entry, "--disk")
+    if args.redis is not None:
+        entry = {"type": "redis", "name": "redis", "url": args.redis}
+        if args.redis_prefix is not None:
+            entry["prefix"] = args.redis_prefix
+        return _entry_config(entry, "--redis")
+    entry = {"type": "nixl_peer", "name": "peer", "peers": list(args.peer)}
+    if args.peer_token is not None:
+        entry["token"] = args.peer_token
+    return _entry_config(entry, "--peer")
+
+
+def open_for_maintenance(config: BackendConfig) -> Backend:
+    """Open ``config``'s backend so that opening and reading evict nothing and a disk cache's
+    mtimes stay as they are (see the module docstring)."""
+    from hybrid_offload.backends.disk import DiskBackend
+
+    config = dataclasses.replace(config, capacity_bytes=OPEN_CAPACITY)
+    cls = backend_class(config.type)
+    if not cls.shared_index:
+        raise CacheCliError(
+            f"backend {config.name!r} (type {config.type!r}) lives inside the engine's worker process: "
+            "another process cannot see its pages"
+        )
+    if issubclass(cls, DiskBackend):
+        path = cls.validate_options(dict(config.options))["path"]
+        if not os.path.isdir(path):
+            raise CacheCliError(f"disk backend {config.name!r}: {path!r} is not a directory")
+        return cls(config, touch_on_read=False)
+    return create_backend(config)

@@ -1,0 +1,450 @@
+"""``hybrid-offload cache`` on real caches: real page files, a real redis-server, a real peer.
+
+Every test writes real pages (``encode_page``) for two fingerprints through the real backend,
+then runs the CLI as a subprocess and checks its output and exit status. The redis server and
+the peer process are started once per xdist worker (module fixtures; the ``xdist_group`` marks
+keep each backend's tests on one worker); tests keep apart by a unique redis prefix, and the
+peer is emptied before each test.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from hybrid_offload.backends import Backend, BackendConfig, create_backend
+from peer_servers import PeerProcess, start_peer
+from redis_servers import RedisServer, start_redis_server
+
+from hybrid_offload.engine_spec import GroupKind, TensorSpec
+from hybrid_offload.page_format import PageHeader, encode_page
+
+REPO = Path(__file__).resolve().parents[2]
+FP_A = "a1" * 16  # a hybrid model: attention group 0, Mamba group 1
+FP_B = "b2" * 16  # an attention model stored as two TP-portable shards per page set
+MiB = 1 << 20
+
+
+# -- real pages ---------------------------------------------------------------------------------
+
+
+def make_page(fp: str, group: int, chunk: int, shard: int = 0, shards: int = 1) -> tuple[str, bytes]:
+    """A valid page and its key ``<fp>-<digest>``."""
+    if group == 0:
+        heads = 2 // shards
+        tensors = tuple(TensorSpec(f"L0.{kv}", (16, heads, 32), "bfloat16") for kv in "kv")
+        kind = GroupKind.FULL_ATTENTION
+    else:
+        tensors = (TensorSpec("L0.conv", (4, 8), "float32"), TensorSpec("L0.ssm", (2, 4, 4), "float32"))
+        kind = GroupKind.MAMBA
+    seed = f"{fp}/{group}/{chunk}/{shard}".encode()
+    chunk_hash = hashlib.blake2b(seed, digest_size=16).digest()
+    header = PageHeader(bytes.fromhex(fp), chunk_hash, group, kind, chunk, 16, tensors, shard, shards)
+    payload = random.Random(seed).randbytes(sum(t.nbytes for t in tensors))
+    return f"{fp}-{hashlib.blake2b(seed + b'key', digest_size=16).hexdigest()}", encode_page(header, payload)
+
+
+def pages_a() -> dict[str, bytes]:
+    return dict(make_page(FP_A, group, chunk) for chunk in range(3) for group in (0, 1))
+
+
+def pages_b() -> dict[str, bytes]:
+    return dict(make_page(FP_B, 0, chunk, shard, 2) for chunk in range(2) for shard in range(2))
+
+
+def flipped(data: bytes) -> bytes:
+    return data[:-1] + bytes([data[-1] ^ 0xFF])
+
+
+# -- the three caches ---------------------------------------------------------------------------
+
+
+@dataclass
+class Cache:
+    """A real cache: CLI target arguments, a writer backend, and backend-specific surgery."""
+
+    kind: str
+    args: list[str]
+    backend: Backend
+    corrupt: Callable[[str, bytes], None]  # store a corrupted copy of the page
+    make_old: Callable[[list[str]], str]  # age these pages; returns an --older-than that hits them
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def put(self, pages: dict[str, bytes]) -> None:
+        assert self.backend.put_batch(list(pages.items())) == [True] * len(pages)
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = start_redis_server(tmp_path_factory.mktemp("redis"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def peer_process() -> Iterator[PeerProcess]:
+    peer = start_peer(64 * MiB)
+    try:
+        yield peer
+    finally:
+        peer.kill()
+
+
+def _disk_cache(tmp_path: Path) -> Cache:
+    root = tmp_path / "cache"
+    backend = create_backend(BackendConfig("disk", "w", 1 << 30, options={"path": str(root)}))
+
+    def page_path(key: str) -> Path:
+        namespace, digest = key.split("-")
+        return root / namespace / digest[:2] / f"{digest}.page"
+
+    def corrupt(key: str, data: bytes) -> None:
+        raw = bytearray(page_path(key).read_bytes())
+        raw[-1] ^= 0xFF  # flip a payload byte in place
+        page_path(key).write_bytes(bytes(raw))
+
+    def make_old(keys: list[str]) -> str:
+        stamp = time.time() - 8 * 86400
+        for key in keys:
+            os.utime(page_path(key), (stamp, stamp))
+        return "7d"
+
+    return Cache("disk", ["--disk", str(root)], backend, corrupt, make_old, {"root": root})
+
+
+def _redis_cache(server: RedisServer) -> Cache:
+    prefix = f"cli{uuid.uuid4().hex[:10]}"
+    options = {"url": server.url, "prefix": prefix}
+    backend = create_backend(BackendConfig("redis", "w", 1 << 30, options=options))
+    client = redis.Redis.from_url(server.url)
+
+    def corrupt(key: str, data: bytes) -> None:
+        client.set(f"{prefix}:p:{key}", flipped(data))
+
+    def make_old(keys: list[str]) -> str:
+        time.sleep(3.5)  # idle times have 1 s resolution; pages read just before a CLI run stay < 2.5 s
+        return "2.5s"
+
+    return Cache("redis", ["--redis", server.url, "--redis-prefix", prefix], backend, corrupt, make_old,
+                 {"client": client, "prefix": prefix})  # fmt: skip
+
+
+def _peer_cache(peer: PeerProcess) -> Cache:
+    options = {"peers": [peer.address], "timeout_s": 5.0}
+    backend = create_backend(BackendConfig("nixl_peer", "w", 1 << 30, options=options))
+    backend.delete_batch([info.key for info in backend.scan()])  # the peer is shared by the module
+
+    def corrupt(key: str, data: bytes) -> None:
+        assert backend.put_batch([(key, flipped(data))]) == [True]
+
+    def make_old(keys: list[str]) -> str:
+        time.sleep(3.0)
+        return "2s"
+
+    return Cache("nixl_peer", ["--peer", peer.address], backend, corrupt, make_old)
+
+
+@pytest.fixture(
+    params=[
+        "disk",
+        pytest.param("redis", marks=pytest.mark.xdist_group("cache-cli-redis")),
+        pytest.param("nixl_peer", marks=pytest.mark.xdist_group("cache-cli-peer")),
+    ]
+)
+def cache(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cache]:
+    if request.param == "disk":
+        made = _disk_cache(tmp_path)
+    elif request.param == "redis":
+        made = _redis_cache(request.getfixturevalue("redis_server"))
+    else:
+        made = _peer_cache(request.getfixturevalue("peer_process"))
+    try:
+        yield made
+    finally:
+        made.backend.close()
+        if "client" in made.extra:
+            made.extra["client"].close()
+
+
+def cli(*args: str, check: int | None = 0) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m hybrid_offload.cli.main cache ARGS``; assert the exit status ``check``."""
+    result = subprocess.run(
+        [sys.executable, "-m", "hybrid_offload.cli.main", "cache", *args],
+        capture_output=True, text=True, timeout=120, cwd=REPO, check=False,
+    )  # fmt: skip
+    if check is not None:
+        assert result.returncode == check, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+def cli_json(*args: str, check: int = 0) -> Any:
+    return json.loads(cli(*args, "--json", check=check).stdout)
+
+
+def sizes(pages: dict[str, bytes]) -> int:
+    return sum(map(len, pages.values()))
+
+
+# -- per backend --------------------------------------------------------------------------------
+
+
+def test_ls_counts_pages_and_bytes_per_fingerprint(cache: Cache) -> None:
+    a, b = pages_a(), pages_b()
+    cache.put({**a, **b})
+    listing = cli_json("ls", *cache.args)
+    rows = {row["fingerprint"]: row for row in listing["fingerprints"]}
+    assert set(rows) == {FP_A, FP_B}
+    assert (rows[FP_A]["pages"], rows[FP_A]["bytes"]) == (6, sizes(a))
+    assert (rows[FP_B]["pages"], rows[FP_B]["bytes"]) == (4, sizes(b))
+    assert listing["total"] == {"fingerprints": 2, "pages": 10, "bytes": sizes(a) + sizes(b)}
+    for row in rows.values():
+        assert 0 <= row["oldest_age_s"] < 120 and 0 <= row["newest_age_s"] <= row["oldest_age_s"]
+    text = cli("ls", *cache.args).stdout
+    line_a = next(line for line in text.splitlines() if line.startswith(FP_A))
+    assert line_a.split()[1:3] == ["6", str(sizes(a))]
+    assert f"total: 2 fingerprints, 10 pages, {sizes(a) + sizes(b)} bytes" in text
+    only_b = cli_json("ls", *cache.args, "--fingerprint", FP_B)
+    assert [row["fingerprint"] for row in only_b["fingerprints"]] == [FP_B]
+
+
+def test_inspect_prints_header_fields_and_tensor_table(cache: Cache) -> None:
+    b = pages_b()
+    cache.put({**pages_a(), **b})
+    key, data = make_page(FP_B, 0, 1, shard=1, shards=2)
+    info = cli_json("inspect", *cache.args, key)
+    assert info["valid"] and info["header_checksum"] == "ok" and info["payload_checksum"] == "ok"
+    assert info["fingerprint"] == FP_B and info["fingerprint_matches_key"]
+    fields = ("group_index", "kind", "chunk_index", "num_tokens", "shard", "shards", "size")
+    assert [info[f] for f in fields] == [0, "full_attention", 1, 16, 1, 2, len(data)]
+    tensor = {"shape": [16, 1, 32], "dtype": "bfloat16", "bytes": 1024}
+    assert info["tensors"] == [{"index": 0, **tensor}, {"index": 1, **tensor}]
+    assert info["header_len"] + info["payload_len"] == len(data)
+    text = cli("inspect", *cache.args, key).stdout
+    lines = [line.split() for line in text.splitlines()]
+    expected = [
+        ["kind", "full_attention"],
+        ["shards", "2"],
+        ["chunk_hash", info["chunk_hash"]],
+        ["1", "(16,", "1,", "32)", "bfloat16", "1024"],  # tensor table row
+        ["payload_checksum", "ok"],
+        ["valid", "yes"],
+    ]
+    for line in expected:
+        assert line in lines, text
+    first = cli_json("inspect", *cache.args, "--fingerprint", FP_B, "--first")
+    assert first["key"] == min(b)
+    cache.corrupt(key, data)
+    bad = cli_json("inspect", *cache.args, key, check=1)
+    assert not bad["valid"] and "checksum" in bad["payload_checksum"]
+
+
+def test_verify_clean_then_corrupt_then_delete_bad(cache: Cache) -> None:
+    a, b = pages_a(), pages_b()
+    cache.put({**a, **b})
+    clean = cli("verify", *cache.args, "--progress")
+    assert f"verified 10 pages ({sizes(a) + sizes(b)} bytes): 10 ok, 0 corrupt" in clean.stdout
+    assert "verified 10/10 pages" in clean.stderr
+    victim = sorted(b)[2]
+    cache.corrupt(victim, b[victim])
+    found = cli("verify", *cache.args, check=1)
+    assert f"corrupt {victim}: payload checksum mismatch" in found.stdout
+    assert "9 ok, 1 corrupt" in found.stdout
+    assert cli_json("verify", *cache.args, "--fingerprint", FP_A)["corrupt"] == 0  # A alone is clean
+    deleted = cli_json("verify", *cache.args, "--delete-bad", check=1)
+    assert (deleted["corrupt"], deleted["deleted"]) == (1, 1)
+    assert deleted["corrupt_pages"][0]["key"] == victim
+    assert cli_json("verify", *cache.args)["ok"] == 9
+    assert cache.backend.contains_batch([victim]) == [False]
+
+
+def test_gc_by_fingerprint_dry_run_then_for_real(cache: Cache) -> None:
+    a, b = pages_a(), pages_b()
+    cache.put({**a, **b})
+    dry = cli("gc", *cache.args, "--fingerprint", FP_B, "--dry-run")
+    assert f"would delete 4 pages ({sizes(b)} bytes" in dry.stdout
+    assert cache.backend.contains_batch(list(b)) == [True] * 4
+    done = cli_json("gc", *cache.args, "--fingerprint", FP_B)
+    assert (done["deleted_pages"], done["selected_bytes"], done["kept_pages"]) == (4, sizes(b), 0)
+    assert done["by_fingerprint"] == {FP_B: {"pages": 4, "bytes": sizes(b)}}
+    assert cache.backend.contains_batch(list(b)) == [False] * 4
+    assert [row["fingerprint"] for row in cli_json("ls", *cache.args)["fingerprints"]] == [FP_A]
+
+
+def test_gc_by_age_and_max_bytes_evicts_oldest_first(cache: Cache) -> None:
+    a, b = pages_a(), pages_b()
+    cache.put(a)
+    threshold = cache.make_old(list(a))
+    cache.put(b)
+    assert all(cache.backend.get_batch(list(b)))  # B was just used: only A is older than threshold
+    dry = cli_json("gc", *cache.args, "--older-than", threshold, "--dry-run")
+    assert (dry["selected_pages"], dry["deleted_pages"]) == (6, 0)
+    assert set(dry["by_fingerprint"]) == {FP_A}
+    one = cli_json("gc", *cache.args, "--max-bytes", str(sizes(a) + sizes(b) - 1))
+    assert one["deleted_pages"] == 1 and set(one["by_fingerprint"]) == {FP_A}
+    assert all(cache.backend.get_batch(list(b)))
+    rest = cli("gc", *cache.args, "--older-than", threshold)
+    assert "deleted 5 pages" in rest.stdout and "kept 4 pages" in rest.stdout
+    listing = cli_json("ls", *cache.args)["fingerprints"]
+    assert {row["fingerprint"]: row["pages"] for row in listing} == {FP_B: 4}
+    page_b = len(next(iter(b.values())))  # 2048 payload bytes + header
+    assert page_b > 2048 and 2 * page_b < 5 * 1024
+    kib = cli_json("gc", *cache.args, "--max-bytes", "5KiB")  # of 4 pages 2 fit in 5 KiB
+    assert kib["deleted_pages"] == 2 and kib["kept_bytes"] == 2 * page_b
+
+
+def test_stats_per_fingerprint_and_group(cache: Cache) -> None:
+    a, b = pages_a(), pages_b()
+    cache.put({**a, **b})
+    stats = cli_json("stats", *cache.args)
+    by_fp = {fp["fingerprint"]: fp for fp in stats["fingerprints"]}
+    groups_a = [(g["group_index"], g["kind"], g["pages"], g["shards"]) for g in by_fp[FP_A]["groups"]]
+    assert groups_a == [(0, "full_attention", 3, [[0, 1]]), (1, "mamba", 3, [[0, 1]])]
+    assert sum(g["bytes"] for g in by_fp[FP_A]["groups"]) == by_fp[FP_A]["bytes"] == sizes(a)
+    [group_b] = by_fp[FP_B]["groups"]
+    assert (group_b["pages"], group_b["bytes"], group_b["shards"]) == (4, sizes(b), [[0, 2], [1, 2]])
+    assert stats["unreadable"] == [] and stats["vanished"] == 0
+    text = cli("stats", *cache.args, "--fingerprint", FP_B).stdout
+    row = next(line for line in text.splitlines() if line.startswith(FP_B))
+    assert row.split() == [FP_B, "0", "full_attention", "4", str(sizes(b)), "0-1/2"]
+    assert FP_A not in text
+
+
+# -- disk, redis specifics ----------------------------------------------------------------------
+
+
+def test_disk_gc_and_verify_leave_foreign_files_and_mtimes(tmp_path: Path) -> None:
+    cache = _disk_cache(tmp_path)
+    root = cache.extra["root"]
+    with cache.backend:
+        a = pages_a()
+        cache.put(a)
+        cache.make_old(list(a))
+    ns_dir = root / FP_A
+    fan_dir = next(p for p in ns_dir.iterdir() if p.is_dir())
+    foreign = [root / "README.txt", ns_dir / "notes", fan_dir / "zz.page", fan_dir / "x.page.bak"]
+    live_tmp = fan_dir / f".{'0' * 32}.{os.getpid()}.abcdef.tmp"  # a live writer's temp file
+    for path in [*foreign, live_tmp]:
+        path.write_bytes(b"not a page")
+    before = {p: p.stat().st_mtime for p in root.rglob("*.page")}
+    assert cli_json("verify", "--disk", str(root))["ok"] == 6
+    assert {p: p.stat().st_mtime for p in root.rglob("*.page")} == before, "reads must not touch mtimes"
+    assert cli_json("gc", "--disk", str(root), "--max-bytes", "0")["deleted_pages"] == 6
+    assert all(p.read_bytes() == b"not a page" for p in [*foreign, live_tmp])
+    assert cli_json("ls", "--disk", str(root))["total"]["pages"] == 0
+
+
+def test_verify_flags_a_valid_page_under_another_fingerprint(tmp_path: Path) -> None:
+    cache = _disk_cache(tmp_path)
+    key_a, data_a = make_page(FP_A, 0, 0)
+    stolen = f"{FP_B}-{key_a.split('-')[1]}"
+    with cache.backend:
+        cache.put({key_a: data_a, stolen: data_a})
+    result = cli("verify", *cache.args, check=1)
+    assert f"corrupt {stolen}: header fingerprint {FP_A} is not the key's namespace {FP_B}" in result.stdout
+    info = cli_json("inspect", *cache.args, stolen, check=1)
+    assert info["payload_checksum"] == "ok" and not info["fingerprint_matches_key"] and not info["valid"]
+
+
+@pytest.mark.xdist_group("cache-cli-redis")
+def test_redis_gc_never_touches_other_keys(redis_server: RedisServer, tmp_path: Path) -> None:
+    cache = _redis_cache(redis_server)
+    client, prefix = cache.extra["client"], cache.extra["prefix"]
+    others = {f"{prefix}:p:not-a-page": b"1", f"{prefix}x:p:{FP_A}-{'0' * 32}": b"2", "unrelated": b"3"}
+    try:
+        cache.put(pages_a())
+        for name, value in others.items():
+            client.set(name, value)
+        assert cli_json("gc", *cache.args, "--max-bytes", "0")["deleted_pages"] == 6
+        assert {name: client.get(name) for name in others} == others
+        assert cache.backend.used_bytes() == 0
+    finally:
+        client.delete(*others)
+        cache.backend.close()
+        client.close()
+
+
+# -- choosing the target; bad input ------------------------------------------------------------
+
+
+def test_config_name_and_backend_config_targets(tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    cache = _disk_cache(tmp_path)
+    with cache.backend:
+        cache.put(pages_b())
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        "kv_connector: HybridOffloadConnector\nkv_connector_module_path: hybrid_offload.connector\n"
+        "kv_role: kv_both\nkv_connector_extra_config:\n  backends:\n"
+        "  - {type: cpu, name: cpu}\n"
+        f"  - {{type: disk, name: mydisk, path: '{root}', capacity_bytes: 1KiB}}\n"
+    )
+    listing = cli_json("ls", "--config", str(config), "--name", "mydisk")
+    assert listing["backend"] == {"type": "disk", "name": "mydisk"} and listing["total"]["pages"] == 4
+    entry = tmp_path / "one.json"
+    entry.write_text(json.dumps({"type": "disk", "name": "d", "path": str(root), "capacity_bytes": 1}))
+    assert cli_json("verify", "--backend-config", str(entry))["ok"] == 4  # opening never evicts
+    wrong = cli("ls", "--config", str(config), "--name", "nope", check=2)
+    assert "no backend named 'nope' (backends: 'cpu', 'mydisk')" in wrong.stderr
+    cpu = cli("ls", "--config", str(config), "--name", "cpu", check=2)  # in-process: nothing to list
+    assert "lives inside the engine's worker process" in cpu.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        ([], "one of the arguments --disk --redis --peer --backend-config --config is required"),
+        (["--disk", "/x", "--redis", "redis://h:1/0"], "not allowed with argument"),
+        (["--disk", "{missing}"], "is not a directory"),
+        (["--name", "x", "--disk", "{tmp}"], "--name picks a backend of --config"),
+        (["--config", "{tmp}/none.yaml", "--name", "x"], "cannot read config"),
+        (["--backend-config", "{tmp}/bad.yaml"], "backend: backend type 'disk': option 'path' is required"),
+        (["--redis", "http://127.0.0.1:1/0"], "option 'url': scheme must be one of"),
+        (["--peer", "nohost"], "'peers': peer address must be 'host:port'"),
+        (["--disk", "{tmp}", "--fingerprint", "xyz"], "want a fingerprint of 8-64 hex digits"),
+    ],
+)
+def test_bad_input_exits_2_naming_the_problem(tmp_path: Path, args: list[str], needle: str) -> None:
+    (tmp_path / "bad.yaml").write_text("type: disk\n")
+    args = [a.format(tmp=tmp_path, missing=tmp_path / "missing") for a in args]
+    result = cli("ls", *args, check=2)
+    assert needle in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("action", "needle"),
+    [
+        (["gc"], "gc needs --older-than, --max-bytes and/or --fingerprint"),
+        (["gc", "--older-than", "7 days"], "want a duration like 90s, 30m, 12h or 7d"),
+        (["gc", "--max-bytes", "lots"], "want a size like 1234, 500MB or 10GiB"),
+        (["inspect"], "give a page KEY, or --fingerprint FP --first"),
+        (["inspect", "../etc/passwd"], "invalid page key"),
+        (["inspect", f"{FP_A}-{'0' * 32}"], "no page"),
+    ],
+)
+def test_bad_action_arguments_exit_2(tmp_path: Path, action: list[str], needle: str) -> None:
+    result = cli(action[0], "--disk", str(tmp_path), *action[1:], check=2)
+    assert needle in result.stderr, result.stderr
+
+
+def test_unreachable_backends_exit_3(tmp_path: Path) -> None:
+    from redis_servers import free_port
+
+    port = free_port()
+    down = cli("ls", "--redis", f"redis://127.0.0.1:{port}/0", check=3)
+    assert "backend unavailable" in down.stderr and f"127.0.0.1:{port}" in down.stderr
+    peer_down = cli("verify", "--peer", f"127.0.0.1:{port}", check=3)
+    assert "backend unavailable" in peer_down.stderr
