@@ -91,14 +91,14 @@ def read_pages(backend: Backend, infos: Iterable[PageInfo]) -> Iterator[tuple[Pa
     """``(info, bytes or None if it vanished)`` per page, read ``BATCH_BYTES`` at a time."""
     batch: list[PageInfo] = []
     size = 0
-    for info in infos:
-        if batch and (size + info.size > BATCH_BYTES or len(batch) >= BATCH_PAGES):
+    for info in [*infos, None]:
+        if batch and (info is None or size + info.size > BATCH_BYTES or len(batch) >= BATCH_PAGES):
+            logger.debug("reading %d pages (%d bytes) from %s", len(batch), size, backend.name)
             yield from zip(batch, backend.get_batch([b.key for b in batch]), strict=True)
             batch, size = [], 0
-        batch.append(info)
-        size += info.size
-    if batch:
-        yield from zip(batch, backend.get_batch([b.key for b in batch]), strict=True)
+        if info is not None:
+            batch.append(info)
+            size += info.size
 
 
 def delete_pages(backend: Backend, keys: list[str]) -> int:
@@ -358,6 +358,7 @@ def cmd_gc(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
         per_fp[namespace(info.key)]["pages"] += 1
         per_fp[namespace(info.key)]["bytes"] += info.size
     deleted = 0 if args.dry_run else delete_pages(backend, [info.key for info in doomed])
+    logger.debug("gc of %s: %d pages selected, %d deleted", backend.name, len(doomed), deleted)
     unknown_age = sum(1 for info in infos if info.mtime is None) if args.older_than is not None else 0
     summary = {
         "dry_run": args.dry_run,
