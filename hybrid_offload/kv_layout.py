@@ -115,16 +115,7 @@ class MambaGroupLayout:
     """Addressing for one Mamba/GDN group: per layer, the unpadded state bytes of a block."""
 
     group: GroupSpec
-    layers: list[torch.Tensor]  # each (num_blocks, state_bytes) uint8 views
-
-    def gather(self, block_id: int, out: list[torch.Tensor]) -> None:
-        for layer, dst in zip(self.layers, out, strict=True):
-            dst.copy_(layer[block_id])
-
-    def scatter(self, block_ids: list[int], src: list[torch.Tensor]) -> None:
-        for layer, data in zip(self.layers, src, strict=True):
-            for block_id in block_ids:
-                layer[block_id].copy_(data)
+    layers: list[torch.Tensor]  # each (num_blocks, state_bytes) uint8 views; copies: page_codec
 
 
 def _attention_layout(group: GroupSpec, tensors: list[torch.Tensor], num_blocks: int) -> AttentionGroupLayout:

@@ -32,6 +32,7 @@ without a connector.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -108,10 +109,12 @@ def _group_pages() -> dict[str, Any]:
                     "layers": len(codec.group.layer_names),
                     "shards": codec.group.shards,
                     "page_len": sum(codec.page_lens[p] for p in codec.read),
+                    "spec": dataclasses.asdict(codec.group),
                 }
                 for codec in conn.worker.codecs.values()
             ]
-            return {"chunk_tokens": conn.planner.chunk_tokens, "groups": groups}
+            return {"chunk_tokens": conn.planner.chunk_tokens, "groups": groups,
+                    "fingerprint": conn.planner.spec.fingerprint}
     return {"chunk_tokens": 0, "groups": []}
 
 
