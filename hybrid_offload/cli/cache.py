@@ -176,17 +176,17 @@ def cmd_ls(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
     now = time.time()
     rows: dict[str, dict[str, Any]] = {}
     for info in backend.scan(f"{args.fingerprint}-" if args.fingerprint else ""):
-        row = rows.setdefault(namespace(info.key), {"pages": 0, "bytes": 0, "times": []})
+        row = rows.setdefault(namespace(info.key), {"pages": 0, "bytes": 0, "oldest": None, "newest": None})
         row["pages"] += 1
         row["bytes"] += info.size
         if info.mtime is not None:
-            row["times"].append(info.mtime)
-    listing = []
-    for fp, row in sorted(rows.items()):
-        oldest = min(row["times"]) if row["times"] else None
-        newest = max(row["times"]) if row["times"] else None
-        listing.append({"fingerprint": fp, "pages": row["pages"], "bytes": row["bytes"],
-                        "oldest_age_s": _age(now, oldest), "newest_age_s": _age(now, newest)})  # fmt: skip
+            row["oldest"] = info.mtime if row["oldest"] is None else min(row["oldest"], info.mtime)
+            row["newest"] = info.mtime if row["newest"] is None else max(row["newest"], info.mtime)
+    listing = [
+        {"fingerprint": fp, "pages": row["pages"], "bytes": row["bytes"],
+         "oldest_age_s": _age(now, row["oldest"]), "newest_age_s": _age(now, row["newest"])}
+        for fp, row in sorted(rows.items())
+    ]  # fmt: skip
     total = {"fingerprints": len(listing), "pages": sum(r["pages"] for r in listing),
              "bytes": sum(r["bytes"] for r in listing)}  # fmt: skip
     if args.json:
@@ -306,7 +306,7 @@ def cmd_verify(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
             ok += 1
         progress.update(done)
     progress.close()
-    deleted = delete_pages(backend, [b["key"] for b in bad]) if args.delete_bad and bad else 0
+    deleted = _delete_still_bad(backend, bad) if args.delete_bad and bad else 0
     summary = {"pages": len(infos), "bytes": sum(i.size for i in infos), "ok": ok,
                "corrupt": len(bad), "vanished": vanished, "deleted": deleted}  # fmt: skip
     if args.json:
@@ -319,6 +319,13 @@ def cmd_verify(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
         if args.delete_bad:
             out.write(f"deleted {deleted} corrupt pages ({sum(b['size'] for b in bad)} bytes)\n")
     return EXIT_CORRUPT if bad else EXIT_OK
+
+
+def _delete_still_bad(backend: Backend, bad: list[dict[str, Any]]) -> int:
+    """Delete the corrupt pages that are still corrupt (an engine may have re-stored one)."""
+    again = read_pages(backend, [PageInfo(item["key"], item["size"]) for item in bad])
+    still = [info.key for info, data in again if data is not None and check_page(info.key, data) is not None]
+    return delete_pages(backend, still)
 
 
 # -- gc ---------------------------------------------------------------------------------------
