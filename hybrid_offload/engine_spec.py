@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass, field
 from enum import StrEnum
 from math import prod
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import xxhash
@@ -50,6 +51,8 @@ DTYPE_SIZES: dict[str, int] = {
 
 # HF config keys that name where a model lives, not what it is.
 _VOLATILE_HF_KEYS = frozenset({"_name_or_path", "transformers_version", "_commit_hash"})
+# HF config keys vLLM fills in or normalises on the live config while it builds the model (RoPE)
+_RUNTIME_HF_KEYS = frozenset({"partial_rotary_factor", "rope_theta", "rope_parameters", "rope_scaling"})
 
 
 class GroupKind(StrEnum):
@@ -425,15 +428,39 @@ def _group_from_vllm(index: int, group: Any, shape: ModelShape | None = None) ->
     )
 
 
+def _config_file(model: str, revision: str | None) -> Path | None:
+    """The model's config.json: in its local directory, or in the Hugging Face hub cache."""
+    local = Path(model) / "config.json"
+    if local.is_file():
+        return local
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(model, "config.json", revision=revision)
+    except (ValueError, OSError):  # not a repo id, or no cache
+        return None
+    return Path(found) if isinstance(found, str) else None
+
+
+def _hf_config_digest(model_config: Any) -> str:
+    """Digest of the model's config as published: its config.json bytes where the file is at
+    hand, else the live config without what vLLM rewrites on it while building the model (a
+    process that did not build it, the scheduler at TP > 1, would see other values)."""
+    path = _config_file(str(model_config.model), model_config.revision)
+    if path is not None:
+        return xxhash.xxh3_128_hexdigest(path.read_bytes())
+    hf = model_config.hf_config.to_dict()
+    skip = _VOLATILE_HF_KEYS | _RUNTIME_HF_KEYS
+    return compute_fingerprint({k: v for k, v in hf.items() if k not in skip})
+
+
 def _model_fields(vllm_config: VllmConfig) -> dict[str, Any]:
     model_config = vllm_config.model_config
-    hf = model_config.hf_config.to_dict()
-    hf_clean = {k: v for k, v in hf.items() if k not in _VOLATILE_HF_KEYS}
     return {
         "name": str(model_config.model),
         "revision": model_config.revision,
         "architectures": list(getattr(model_config.hf_config, "architectures", None) or []),
-        "hf_config": compute_fingerprint(hf_clean),
+        "hf_config": _hf_config_digest(model_config),
         "dtype": _dtype_name(model_config.dtype),
         "kv_cache_dtype": str(vllm_config.cache_config.cache_dtype),
     }

@@ -122,12 +122,14 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._side = side
         self._stats_delta = StatsDelta(side.stats)
         ACTIVE_CONNECTORS.add(self)
+        logger.debug("hybrid-offload fingerprint %s covers %s", spec.fingerprint, spec.fingerprint_fields)
         logger.info(
-            "hybrid-offload %s (TP rank %d of %d): chunk_tokens=%d, groups (kind, block, shards)"
-            "=%s, backends=%s",
+            "hybrid-offload %s (TP rank %d of %d): fingerprint=%s, chunk_tokens=%d, groups (kind, "
+            "block, shards)=%s, backends=%s",
             role.name.lower(),
             spec.tp_rank,
             spec.tp_size,
+            spec.fingerprint,
             self.planner.chunk_tokens,
             [(g.kind.value, g.block_size, g.shards) for g in spec.groups],
             [b.name for b in config.backends] + [c.name for c in config.connectors],

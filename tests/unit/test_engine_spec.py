@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -382,3 +383,28 @@ def test_ds_conv_layout_rejected(vllm_kv: SimpleNamespace,
         monkeypatch.undo()
         get_conv_state_layout.cache_clear()
     assert get_conv_state_layout() == "SD"
+
+
+def test_hf_config_digest_ignores_what_vllm_patches_at_runtime(vllm_kv: SimpleNamespace,
+                                                               tmp_path: Path) -> None:
+    """vLLM adds fields (e.g. partial_rotary_factor) to the live HF config while it builds the
+    model; the scheduler process at TP > 1 never builds it. Both must agree on the fingerprint:
+    the digest comes from config.json where the file is at hand, else without those keys."""
+    v = vllm_kv
+    groups = [v.kv.KVCacheGroupSpec(layer_names=attn_layers(1), kv_cache_spec=fa_spec(v))]
+    kv_config = v.kv.KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+    hf = {"architectures": ["FalconH1ForCausalLM"], "hidden_size": 256}
+    patched = {**hf, "partial_rotary_factor": 1.0, "rope_theta": 1e4}
+    pristine = model_spec_from_vllm(_vllm_config(v, hf), kv_config).fingerprint
+    assert model_spec_from_vllm(_vllm_config(v, patched), kv_config).fingerprint == pristine
+
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+
+    def local(fields: dict[str, Any]) -> str:
+        config = _vllm_config(v, fields)
+        config.model_config.model = str(tmp_path)
+        return model_spec_from_vllm(config, kv_config).fingerprint
+
+    assert local(hf) == local(patched) == local({**hf, "hidden_size": 512})  # the file decides
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "hidden_size": 512}))
+    assert local(hf) != pristine

@@ -149,12 +149,13 @@ def test_mamba_views_address_unpadded_state_in_place() -> None:
     layout = kv_layout.build_layouts((group,), {"m0": page_view}, NUM_BLOCKS)[1]
     assert isinstance(layout, kv_layout.MambaGroupLayout)
     state = torch.arange(group.state_bytes, dtype=torch.int64).remainder(251).to(torch.uint8)
-    layout.scatter([2, 5], [state])
+    (view,) = layout.layers
+    assert view.shape == (NUM_BLOCKS, group.state_bytes)
+    view[2].copy_(state)  # writes through to vLLM's storage, padding untouched
     assert torch.equal(storage.view(torch.uint8)[2 * 4096 : 2 * 4096 + group.state_bytes], state)
     assert storage.view(torch.uint8)[2 * 4096 + group.state_bytes : 3 * 4096].sum() == 0
-    out = torch.empty(group.state_bytes, dtype=torch.uint8)
-    layout.gather(5, [out])
-    assert torch.equal(out, state)
+    storage.view(torch.uint8)[5 * 4096 : 5 * 4096 + group.state_bytes] = state
+    assert torch.equal(view[5], state)
 
 
 def test_unknown_attention_shape_is_refused() -> None:
