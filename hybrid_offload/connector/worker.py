@@ -136,6 +136,7 @@ class OffloadWorker:
         self._preempted: set[str] = set()
         self._switch = LoadSwitchInterval(load_switch_interval_s)
         self._bad_page_logged: set[str] = set()
+        self._namespace_checked = False
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.layouts = build_layouts(self.spec.groups, kv_caches, self.spec.num_blocks)
@@ -201,8 +202,24 @@ class OffloadWorker:
                     self._pending_bytes -= nbytes
                 self._store_queue.task_done()
 
+    def _check_namespace(self, key: str) -> None:
+        """Once: the scheduler's keys must carry this worker's fingerprint, or pages stored now
+        would never be found by an engine whose scheduler agrees with its workers."""
+        if self._namespace_checked:
+            return
+        self._namespace_checked = True
+        if not key.startswith(self.spec.fingerprint + "-"):
+            logger.error(
+                "hybrid-offload: the scheduler keys pages under %s but this worker's model "
+                "fingerprint is %s; pages stored now are not shared with other engines",
+                key.partition("-")[0],
+                self.spec.fingerprint,
+            )
+
     def _store_batch(self, batch: list[tuple[StoreJob, int, bytearray]]) -> None:
         per_backend: dict[str, list[tuple[str, bytearray]]] = {}
+        if batch:
+            self._check_namespace(batch[0][0].page.key)
         for job, shard, buf in batch:
             seal_page(buf, self.codecs[job.page.group].header(job.page, shard))
             key = self.planner.shard_keys(job.page.key, job.page.group)[shard]

@@ -9,7 +9,10 @@ round. float32: in bf16, vLLM's own TP=1 and TP=2 outputs already differ at near
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +49,7 @@ def test_tp1_pages_load_at_tp2_and_tp2_pages_at_tp1(model_dir, tmp_path: Path) -
     run_session_subprocess({**base, "connector": disk(tmp_path / "a"), "llm_kwargs": TP1})
     tp2 = run_session_subprocess({**base, "connector": disk(tmp_path / "a"), "llm_kwargs": TP2}, env=env)
     assert "TP rank 0 of 2" in tp2["log"] and "TP rank 1 of 2" in tp2["log"]
+    assert "not shared with other engines" not in tp2["log"]  # scheduler and ranks agree
     assert hit_rate(tp2, 0, "disk") >= 0.99
     assert tokens(tp2, 0) == expected
 
@@ -60,3 +64,22 @@ def test_tp1_pages_load_at_tp2_and_tp2_pages_at_tp1(model_dir, tmp_path: Path) -
     assert tokens(tp1, 0) == expected
     worker = tp1["passes"][0]["worker_total"]
     assert worker["bad_pages"] == 0 and worker["missing_pages"] == 0
+    check_with_cache_cli(tmp_path / "a", tmp_path / "b")
+
+
+def check_with_cache_cli(*dirs: Path) -> None:
+    """The cache CLI on both caches: every page verifies under its key's fingerprint, and the
+    caches written at TP=1 and TP=2 hold one model, in the same complete shard sets."""
+    seen = []
+    for path in dirs:
+        verify = subprocess.run([sys.executable, "-m", "hybrid_offload.cli.main", "cache", "verify",
+                                 "--disk", str(path)], capture_output=True, text=True, timeout=300)
+        assert verify.returncode == 0, verify.stdout + verify.stderr
+        stats = subprocess.run([sys.executable, "-m", "hybrid_offload.cli.main", "cache", "stats",
+                                "--disk", str(path), "--json"], capture_output=True, text=True,
+                               timeout=300, check=True)
+        (model,) = json.loads(stats.stdout)["fingerprints"]
+        shards = {g["kind"]: sorted({tuple(s) for s in g["shards"]}) for g in model["groups"]}
+        seen.append((model["fingerprint"], shards))
+    assert seen[0] == seen[1]
+    assert seen[0][1] == {"full_attention": [(0, 2), (1, 2)], "mamba": [(p, 8) for p in range(8)]}
