@@ -8,9 +8,11 @@ Pure logic: no torch, no I/O, no vLLM imports. Works on :class:`ModelSpec` from
 * Keys are a chain hash (xxh3-128) over the chunks' token ids, seeded with the model
   fingerprint and the request's cache scope (LoRA name, cache salt). They are the same in every
   process and across restarts; Python's ``hash()`` is never used.
-* One page per (chunk, group). For attention groups, the page of chunk ``i`` holds that
-  chunk's K/V. For Mamba/GDN groups, the page of chunk ``i`` holds the state after the chunk's
-  last token, i.e. at boundary ``N = (i + 1) * chunk``.
+* One page set per (chunk, group). For attention groups, the set of chunk ``i`` holds that
+  chunk's K/V. For Mamba/GDN groups, the set of chunk ``i`` holds the state after the chunk's
+  last token, i.e. at boundary ``N = (i + 1) * chunk``. A set is the group's ``shards`` pages
+  (one backend key each, :meth:`HybridOffloadPlanner.shard_keys`; see ``tp_shards``), and it is
+  present only when all of them are.
 * Coverage at boundary ``N`` (``k = N / chunk``): full attention needs every chunk in
   ``[start, k)``; sliding window only the chunks inside the window before ``N``; Mamba/GDN only
   the state page at ``N``, and only where vLLM can hold a state (``N`` a multiple of the group's

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from redis_servers import RedisServer, start_redis_server
 
 from hybrid_offload.models import build_model
 
@@ -31,3 +32,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> ModelFactory:
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A real redis-server for the tests of one module."""
+    server = start_redis_server(tmp_path_factory.mktemp("redis"))
+    try:
+        yield server
+    finally:
+        server.stop()

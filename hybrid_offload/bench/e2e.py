@@ -53,6 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--model-dir", type=Path, default=None, help="model directory (built if missing)")
     parser.add_argument("--seed", type=int, default=0, help="prompt seed")
+    parser.add_argument("--tp-shards", type=int, default=None,
+                        help="the connector's tp_shards (default: the connector's default)")
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -76,6 +78,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "scenarios": [s for s in SCENARIOS if s in scenarios or s == "cold"],
         "model_dir": str(model_dir),
         "seed": args.seed,
+        "tp_shards": args.tp_shards,
     }
 
 
@@ -151,7 +154,10 @@ def _run_engine(
         "max_tokens": 1,
         "passes": len(passes),
         "reset_prefix_cache": _resets(passes),
-        "connector": {"backends": [_backend(t, work, urls) for t in tiers]},
+        "connector": {
+            "backends": [_backend(t, work, urls) for t in tiers],
+            **({"tp_shards": settings["tp_shards"]} if settings.get("tp_shards") else {}),
+        },
         "llm_kwargs": {"max_model_len": max(settings["lengths"]) + 64},
     }
     started = time.perf_counter()

@@ -26,7 +26,7 @@ import pytest
 import redis
 from hybrid_offload.backends import Backend, BackendConfig, create_backend
 from peer_servers import PeerProcess, start_peer
-from redis_servers import RedisServer, start_redis_server
+from redis_servers import RedisServer
 
 from hybrid_offload.engine_spec import GroupKind, TensorSpec
 from hybrid_offload.page_format import PageHeader, encode_page
@@ -84,15 +84,6 @@ class Cache:
 
     def put(self, pages: dict[str, bytes]) -> None:
         assert self.backend.put_batch(list(pages.items())) == [True] * len(pages)
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = start_redis_server(tmp_path_factory.mktemp("redis"))
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

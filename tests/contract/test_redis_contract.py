@@ -8,22 +8,12 @@ pages survive a client restart.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from backend_contract import BackendContract
 from hybrid_offload.backends import Backend, BackendConfig, create_backend
-from redis_servers import RedisServer, start_redis_server
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = start_redis_server(tmp_path_factory.mktemp("redis"))
-    try:
-        yield server
-    finally:
-        server.stop()
+from redis_servers import RedisServer
 
 
 class TestRedisContract(BackendContract):
