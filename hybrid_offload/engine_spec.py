@@ -336,7 +336,7 @@ def mamba_splits(
         groups_r, rest = divmod(conv_r - x_r, 2 * state)
         if rest or groups_r < 1:
             return ()
-        groups = shape.mamba_n_groups
+        groups = shape.mamba_n_groups if t > 1 else groups_r  # TP=1: the shapes say it
         if groups is None:
             if t > 1 and groups_r == 1:
                 raise ShardLayoutError(
@@ -420,7 +420,9 @@ def _group_from_vllm(index: int, group: Any, shape: ModelShape | None = None) ->
             head_size=spec.head_size,
             head_size_v=spec.head_size_v,
             sliding_window=window if kind is GroupKind.SLIDING_WINDOW else None,
-            total_kv_heads=(shape.total_kv_heads if shape else 0) or spec.num_kv_heads,
+            # at TP=1 this rank's heads are all of them, whatever the HF config says
+            total_kv_heads=(shape.total_kv_heads if shape and shape.tp_size > 1 else 0)
+            or spec.num_kv_heads,
         )
     raise ValueError(
         f"KV cache group {index} has spec {type(spec).__name__}, which hybrid-offload does not "

@@ -88,14 +88,17 @@ class AttentionGroupLayout:
     kernel_blocks_per_block: int
     block_elems: int
 
-    def element_index(self, block_ids: list[int], first_token: int, num_tokens: int) -> torch.Tensor:
-        """Flat element indices, shape (2, num_tokens, heads, dim), for tokens
-        ``[first_token, first_token + num_tokens)`` of a request with this block table."""
+    def element_index(
+        self, block_ids: list[int], first_token: int, num_tokens: int, heads: slice = slice(None)
+    ) -> torch.Tensor:
+        """Flat element indices, shape (2, num_tokens, len(heads), dim), for tokens
+        ``[first_token, first_token + num_tokens)`` of a request with this block table and this
+        rank's KV heads ``heads``."""
         pos = torch.arange(first_token, first_token + num_tokens)
         bs = self.group.block_size
         table = torch.as_tensor(block_ids, dtype=torch.int64)
         kblock = table[pos // bs] * self.kernel_blocks_per_block + (pos % bs) // self.kernel_block
-        offset = self.perm[:, pos % self.kernel_block]  # (2, T, H, D)
+        offset = self.perm[:, :, heads][:, pos % self.kernel_block]  # (2, T, h, D)
         return kblock.view(1, -1, 1, 1) * self.block_elems + offset
 
     def gather(self, index: torch.Tensor, out: list[torch.Tensor]) -> None:

@@ -116,10 +116,10 @@ class PageCodec:
         """Copy this rank's part of ``page`` for ``shard`` (one it writes) into ``payload``."""
         runs = self.write_runs[shard]
         if isinstance(layout, AttentionGroupLayout):
-            index = layout.element_index(list(page.block_ids), page.first_token, self.chunk_tokens)
             (run,) = runs  # a written shard's heads are one run of this rank's heads
-            sub = index[:, :, run.rank_start : run.rank_start + run.length]
-            layout.gather(sub.contiguous(), self._attention_views(shard, payload))
+            heads = slice(run.rank_start, run.rank_start + run.length)
+            index = layout.element_index(list(page.block_ids), page.first_token, self.chunk_tokens, heads)
+            layout.gather(index, self._attention_views(shard, payload))
             return
         block = page.block_ids[0]
         for raw, parts in zip(layout.layers, self._state_views(shard, payload), strict=True):
@@ -135,14 +135,14 @@ class PageCodec:
         runs = self.read_runs[shard]
         if isinstance(layout, AttentionGroupLayout):
             skip = page.skip_tokens
-            index = layout.element_index(
-                list(page.block_ids), page.first_token + skip, self.chunk_tokens - skip
-            )
             views = self._attention_views(shard, payload)
             for run in runs:
-                sub = index[:, :, run.rank_start : run.rank_start + run.length]
-                layout.scatter(sub, [v[:, skip:, run.part_start : run.part_start + run.length]
-                                     for v in views])
+                index = layout.element_index(
+                    list(page.block_ids), page.first_token + skip, self.chunk_tokens - skip,
+                    slice(run.rank_start, run.rank_start + run.length),
+                )
+                layout.scatter(index, [v[:, skip:, run.part_start : run.part_start + run.length]
+                                       for v in views])
             return
         for raw, parts in zip(layout.layers, self._state_views(shard, payload), strict=True):
             for block in page.block_ids:
