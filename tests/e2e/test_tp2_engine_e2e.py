@@ -83,3 +83,16 @@ def check_with_cache_cli(*dirs: Path) -> None:
         seen.append((model["fingerprint"], shards))
     assert seen[0] == seen[1]
     assert seen[0][1] == {"full_attention": [(0, 2), (1, 2)], "mamba": [(p, 8) for p in range(8)]}
+
+
+def test_shard_count_below_the_tp_size_is_refused_naming_tp_shards(model_dir, tmp_path: Path) -> None:
+    """tp_shards: 1 (one page per set) cannot be written by two ranks: the engine does not
+    start, and the error names the key and what would work."""
+    env = tp2_env()
+    spec = {"model": str(model_dir("falcon_h1")), "prompts": [[5, 6, 7]], "max_tokens": 1,
+            "connector": {**disk(tmp_path / "c"), "tp_shards": 1}, "llm_kwargs": TP2}
+    with pytest.raises(RuntimeError) as failed:
+        run_session_subprocess(spec, env=env, timeout=300)
+    log = str(failed.value)
+    assert "kv_connector_extra_config.tp_shards (tensor_parallel_size=2)" in log
+    assert "multiple of the TP size" in log

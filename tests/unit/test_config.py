@@ -60,6 +60,8 @@ def test_defaults() -> None:
     assert cfg.load_switch_interval_s == 0.0005
     cfg = parse_offload_config({"backends": [{"type": "cpu"}], "load_switch_interval_s": 0})
     assert cfg.load_switch_interval_s == 0.0
+    assert cfg.tp_shards == 8
+    assert parse_offload_config({"backends": [{"type": "cpu"}], "tp_shards": 1}).tp_shards == 1
 
 
 def test_input_is_not_mutated() -> None:
@@ -187,6 +189,9 @@ BAD: dict[str, tuple[dict[str, Any] | None, str, tuple[str, ...]]] = {
     "switch-negative": (_with("load_switch_interval_s", -0.001), f"{ROOT}.load_switch_interval_s",
                         ("-0.001",)),
     "switch-string": (_with("load_switch_interval_s", "fast"), f"{ROOT}.load_switch_interval_s", ()),
+    "tp-shards-zero": (_with("tp_shards", 0), f"{ROOT}.tp_shards", ()),
+    "tp-shards-huge": (_with("tp_shards", 65), f"{ROOT}.tp_shards", ("64", "65")),
+    "tp-shards-string": (_with("tp_shards", "8"), f"{ROOT}.tp_shards", ()),
     "unknown-load-policy": (_with("load_policy", "fastest"), f"{ROOT}.load_policy",
                             ("'fastest'", "weighted", "ranged", "adaptive")),
     "store-threshold-zero": (_with("backends[1].store_threshold", 0),
