@@ -5,7 +5,9 @@ is chosen and opened by :mod:`.cache_target`: opening never evicts, and reading 
 leaves its mtimes (its LRU clock) alone. Redis and nixl_peer count a read as a use: after
 ``verify``, ``stats`` or ``inspect`` their pages look recently used. Opening a disk cache
 removes temp files of crashed writers, as every start of the backend does; nothing else that
-is not a page key is ever touched.
+is not a page key is ever touched. A fingerprint's model card (:mod:`hybrid_offload.model_card`,
+written by each engine at start-up) names its model in ``ls`` and ``stats``; ``verify`` checks
+cards apart from pages; ``gc`` deletes them like pages (an engine rewrites its card at start-up).
 
 Pages are listed with :meth:`Backend.scan` and read with ``get_batch`` in batches of at most
 ``BATCH_BYTES``, so memory is bounded by a batch, not by the cache. Exit status: 0 ok, 1 a
@@ -33,6 +35,7 @@ from hybrid_offload.cli.cache_target import (
     target_arguments,
     target_config,
 )
+from hybrid_offload.model_card import ModelCard, card_problem, decode_card, describe_card, is_card_key
 
 logger = logging.getLogger(__name__)
 
@@ -105,10 +108,21 @@ def delete_pages(backend: Backend, keys: list[str]) -> int:
     return sum(backend.delete_batch(keys[i : i + DELETE_BATCH]) for i in range(0, len(keys), DELETE_BATCH))
 
 
+def read_cards(backend: Backend, infos: Iterable[PageInfo]) -> dict[str, ModelCard | None]:
+    """Fingerprint -> its model card, or None where the card vanished or is not valid."""
+    cards: dict[str, ModelCard | None] = {}
+    for info, data in read_pages(backend, infos):
+        ok = data is not None and card_problem(info.key, data) is None
+        cards[namespace(info.key)] = decode_card(data) if ok and data is not None else None
+    return cards
+
+
 def check_page(key: str, data: bytes) -> str | None:
-    """Why the page stored under ``key`` is corrupt, or None if it is valid."""
+    """Why the page (or model card) stored under ``key`` is corrupt, or None if it is valid."""
     from hybrid_offload.page_format import PageFormatError, decode_page
 
+    if is_card_key(key):
+        return card_problem(key, data)
     try:
         header, _ = decode_page(data)
     except PageFormatError as exc:
@@ -172,19 +186,25 @@ class _Progress:
 
 
 def cmd_ls(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
-    """One line per fingerprint: pages, bytes, oldest and newest use."""
+    """One line per fingerprint: pages, bytes, oldest and newest use, model (from its card)."""
     now = time.time()
     rows: dict[str, dict[str, Any]] = {}
+    card_infos: list[PageInfo] = []
     for info in backend.scan(f"{args.fingerprint}-" if args.fingerprint else ""):
         row = rows.setdefault(namespace(info.key), {"pages": 0, "bytes": 0, "oldest": None, "newest": None})
+        if is_card_key(info.key):
+            card_infos.append(info)
+            continue
         row["pages"] += 1
         row["bytes"] += info.size
         if info.mtime is not None:
             row["oldest"] = info.mtime if row["oldest"] is None else min(row["oldest"], info.mtime)
             row["newest"] = info.mtime if row["newest"] is None else max(row["newest"], info.mtime)
+    cards = read_cards(backend, card_infos)
     listing = [
         {"fingerprint": fp, "pages": row["pages"], "bytes": row["bytes"],
-         "oldest_age_s": _age(now, row["oldest"]), "newest_age_s": _age(now, row["newest"])}
+         "oldest_age_s": _age(now, row["oldest"]), "newest_age_s": _age(now, row["newest"]),
+         "model": _model_name(cards.get(fp)), "card": None if (c := cards.get(fp)) is None else c.to_json()}
         for fp, row in sorted(rows.items())
     ]  # fmt: skip
     total = {"fingerprints": len(listing), "pages": sum(r["pages"] for r in listing),
@@ -192,10 +212,12 @@ def cmd_ls(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
     if args.json:
         _emit_json({"backend": _backend_info(backend), "fingerprints": listing, "total": total}, out)
         return EXIT_OK
-    out.write(f"{'FINGERPRINT':<34} {'PAGES':>8} {'BYTES':>14} {'SIZE':>10} {'OLDEST':>7} {'NEWEST':>7}\n")
+    out.write(f"{'FINGERPRINT':<34} {'PAGES':>8} {'BYTES':>14} {'SIZE':>10} {'OLDEST':>7} {'NEWEST':>7} "
+              "MODEL\n")  # fmt: skip
     for r in listing:
         out.write(f"{r['fingerprint']:<34} {r['pages']:>8} {r['bytes']:>14} {human_bytes(r['bytes']):>10} "
-                  f"{human_age(r['oldest_age_s']):>7} {human_age(r['newest_age_s']):>7}\n")  # fmt: skip
+                  f"{human_age(r['oldest_age_s']):>7} {human_age(r['newest_age_s']):>7} "
+                  f"{r['model'] or '?'}\n")  # fmt: skip
     out.write(f"total: {total['fingerprints']} fingerprints, {total['pages']} pages, {total['bytes']} bytes "
               f"({human_bytes(total['bytes'])})\n")  # fmt: skip
     return EXIT_OK
@@ -203,6 +225,10 @@ def cmd_ls(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
 
 def _backend_info(backend: Backend) -> dict[str, str]:
     return {"type": backend.type_name, "name": backend.name}
+
+
+def _model_name(card: ModelCard | None) -> str | None:
+    return (card.name or None) if card is not None else None
 
 
 # -- inspect ----------------------------------------------------------------------------------
@@ -256,6 +282,13 @@ def _print_description(info: dict[str, Any], out: TextIO) -> None:
             for t in value:
                 shape = "(" + ", ".join(map(str, t["shape"])) + ")"
                 out.write(f"  {t['index']:>4}  {shape:<24} {t['dtype']:<14} {t['bytes']:>12}\n")
+        elif name == "groups":
+            out.write(f"{'groups':<24} {len(value)}\n")
+            out.write(f"  {'#':>4}  {'KIND':<16} {'LAYERS':>6} {'SHARDS':>6}\n")
+            for g in value:
+                out.write(f"  {g['index']:>4}  {g['kind']:<16} {g['layers']:>6} {g['shards']:>6}\n")
+        elif isinstance(value, list):
+            out.write(f"{name:<24} {', '.join(map(str, value)) or '-'}\n")
         else:
             text = ("yes" if value else "no") if isinstance(value, bool) else value
             out.write(f"{name:<24} {text}\n")
@@ -269,7 +302,7 @@ def cmd_inspect(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
         raise CacheCliError("give a page KEY, or --fingerprint FP --first")
     key = args.key
     if key is None:
-        first = next(iter(list_pages(backend, args.fingerprint)), None)
+        first = next((i for i in list_pages(backend, args.fingerprint) if not is_card_key(i.key)), None)
         if first is None:
             raise CacheCliError(f"no pages of fingerprint {args.fingerprint} in {backend.name!r}")
         key = first.key
@@ -277,7 +310,7 @@ def cmd_inspect(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
     data = backend.get_batch([key])[0]
     if data is None:
         raise CacheCliError(f"no page {key} in {backend.type_name} backend {backend.name!r}")
-    info = describe_page(key, data)
+    info = describe_card(key, data) if is_card_key(key) else describe_page(key, data)
     if args.json:
         _emit_json(info, out)
     else:
@@ -294,28 +327,37 @@ def cmd_verify(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
     show = sys.stderr.isatty() if args.progress is None else args.progress
     progress = _Progress(len(infos), "verified", show)
     bad: list[dict[str, Any]] = []
-    ok = vanished = 0
+    ok = vanished = cards_ok = 0
     for done, (info, data) in enumerate(read_pages(backend, infos), 1):
+        card = is_card_key(info.key)
         if data is None:
             vanished += 1
         elif (error := check_page(info.key, data)) is not None:
-            bad.append({"key": info.key, "size": len(data), "error": error})
+            bad.append({"key": info.key, "size": len(data), "error": error, "card": card})
             if not args.json:
-                out.write(f"corrupt {info.key}: {error}\n")
+                out.write(f"corrupt {'model card ' if card else ''}{info.key}: {error}\n")
+        elif card:
+            cards_ok += 1
         else:
             ok += 1
         progress.update(done)
     progress.close()
     deleted = _delete_still_bad(backend, bad) if args.delete_bad and bad else 0
-    summary = {"pages": len(infos), "bytes": sum(i.size for i in infos), "ok": ok,
-               "corrupt": len(bad), "vanished": vanished, "deleted": deleted}  # fmt: skip
+    pages = [i for i in infos if not is_card_key(i.key)]
+    bad_cards = sum(1 for b in bad if b["card"])
+    summary = {"pages": len(pages), "bytes": sum(i.size for i in pages), "ok": ok,
+               "corrupt": len(bad) - bad_cards, "vanished": vanished, "deleted": deleted,
+               "cards": len(infos) - len(pages), "cards_ok": cards_ok,
+               "cards_corrupt": bad_cards}  # fmt: skip
     if args.json:
         _emit_json({**summary, "corrupt_pages": bad}, out)
     else:
         out.write(
             f"verified {summary['pages']} pages ({summary['bytes']} bytes): {ok} ok, "
-            f"{len(bad)} corrupt, {vanished} vanished while reading\n"
+            f"{summary['corrupt']} corrupt, {vanished} vanished while reading\n"
         )
+        if summary["cards"]:
+            out.write(f"verified {summary['cards']} model cards: {cards_ok} ok, {bad_cards} corrupt\n")
         if args.delete_bad:
             out.write(f"deleted {deleted} corrupt pages ({sum(b['size'] for b in bad)} bytes)\n")
     return EXIT_CORRUPT if bad else EXIT_OK
@@ -375,6 +417,7 @@ def cmd_gc(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
         "kept_pages": len(infos) - len(doomed),
         "kept_bytes": sum(info.size for info in infos) - sum(info.size for info in doomed),
         "unknown_age_pages": unknown_age,
+        "selected_cards": sum(1 for info in doomed if is_card_key(info.key)),
         "by_fingerprint": dict(sorted(per_fp.items())),
     }
     if args.json:
@@ -384,7 +427,8 @@ def cmd_gc(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
     count = len(doomed) if args.dry_run else deleted
     size = summary["selected_bytes"]
     dry = " (dry run: nothing deleted)" if args.dry_run else ""
-    out.write(f"{verb} {count} pages ({size} bytes, {human_bytes(size)}){dry}\n")
+    cards = f", {summary['selected_cards']} of them model cards" if summary["selected_cards"] else ""
+    out.write(f"{verb} {count} pages ({size} bytes, {human_bytes(size)}{cards}){dry}\n")
     for fp, row in summary["by_fingerprint"].items():
         out.write(f"  {fp}: {row['pages']} pages, {row['bytes']} bytes\n")
     out.write(f"kept {summary['kept_pages']} pages ({summary['kept_bytes']} bytes)\n")
@@ -415,16 +459,24 @@ def _format_shards(seen: Iterable[tuple[int, int]]) -> str:
 
 
 def gather_stats(backend: Backend, infos: list[PageInfo], progress: _Progress) -> dict[str, Any]:
-    """Per fingerprint and KV cache group (from page headers): pages, bytes, shards seen."""
+    """Per fingerprint (model name from its card) and KV cache group (from page headers):
+    pages, bytes, shards seen."""
     from hybrid_offload.page_format import PageFormatError, decode_header
 
     groups: dict[tuple[str, int, str], dict[str, Any]] = {}
+    models: dict[str, str | None] = {}
     unreadable: list[dict[str, str]] = []
     vanished = 0
     for done, (info, data) in enumerate(read_pages(backend, infos), 1):
         progress.update(done)
         if data is None:
             vanished += 1
+            continue
+        if is_card_key(info.key):
+            problem = card_problem(info.key, data)
+            if problem is not None:
+                unreadable.append({"key": info.key, "error": problem})
+            models[namespace(info.key)] = None if problem else _model_name(decode_card(data))
             continue
         try:
             header = decode_header(data)[0]
@@ -437,9 +489,10 @@ def gather_stats(backend: Backend, infos: list[PageInfo], progress: _Progress) -
         row["bytes"] += len(data)
         row["shards"].add((header.shard, header.shards))
     progress.close()
-    fingerprints: dict[str, dict[str, Any]] = {}
+    fingerprints = {fp: {"fingerprint": fp, "model": models.get(fp), "pages": 0, "bytes": 0, "groups": []}
+                    for fp in sorted({slot[0] for slot in groups} | set(models))}  # fmt: skip
     for (fp, group, kind), row in sorted(groups.items()):
-        entry = fingerprints.setdefault(fp, {"fingerprint": fp, "pages": 0, "bytes": 0, "groups": []})
+        entry = fingerprints[fp]
         entry["pages"] += row["pages"]
         entry["bytes"] += row["bytes"]
         entry["groups"].append({"group_index": group, "kind": kind, "pages": row["pages"],
@@ -460,7 +513,8 @@ def cmd_stats(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
         for g in fp["groups"]:
             out.write(f"{fp['fingerprint']:<34} {g['group_index']:>5} {g['kind']:<15} {g['pages']:>8} "
                       f"{g['bytes']:>14} {_format_shards(map(tuple, g['shards']))}\n")  # fmt: skip
-        out.write(f"{fp['fingerprint']:<34} {'all':>5} {'':<15} {fp['pages']:>8} {fp['bytes']:>14}\n")
+        out.write(f"{fp['fingerprint']:<34} {'all':>5} {'':<15} {fp['pages']:>8} {fp['bytes']:>14} "
+                  f"model: {fp['model'] or '?'}\n")  # fmt: skip
     for item in stats["unreadable"]:
         out.write(f"unreadable {item['key']}: {item['error']}\n")
     if stats["vanished"]:

@@ -40,6 +40,7 @@ from hybrid_offload.connector.page_codec import PageCodec
 from hybrid_offload.engine_spec import ModelSpec
 from hybrid_offload.kv_layout import AttentionGroupLayout, MambaGroupLayout, build_layouts
 from hybrid_offload.metrics import Locked, WorkerCounters
+from hybrid_offload.model_card import ModelCardError, card_from_spec, card_key, encode_card
 from hybrid_offload.page_format import PageFormatError, decode_page, seal_page
 from hybrid_offload.planner import HybridOffloadPlanner
 
@@ -156,6 +157,28 @@ class OffloadWorker:
                 )
             except Exception:  # best effort: the first put or get sets it up as well
                 logger.exception("backend %s: preparing the data path failed", name)
+        if self.spec.tp_rank == 0:
+            self._write_model_card()
+
+    def _write_model_card(self) -> None:
+        """Once, TP rank 0: this model's card (:mod:`hybrid_offload.model_card`) into every
+        writable backend another process can list, so ``hybrid-offload cache`` can name the
+        model of this fingerprint. Best effort. Not a page: never reported to the scheduler."""
+        try:
+            key = card_key(self.spec.fingerprint)
+            card = encode_card(card_from_spec(self.spec, self.planner.chunk_tokens))
+        except ModelCardError as exc:
+            logger.warning("hybrid-offload: no model card written: %s", exc)
+            return
+        for name, backend in self.backends.items():
+            if backend.config.read_only or not backend.shared_index:
+                continue  # in-process pools (cpu, lmcache) cannot be listed by another process
+            try:
+                backend.put_batch([(key, card)])
+            except BackendError as exc:  # prepare already warned about unreachable backends
+                logger.debug("backend %s: writing the model card failed: %s", name, exc)
+            except Exception:
+                logger.exception("backend %s: writing the model card failed", name)
 
     # ---- stores -----------------------------------------------------------------------
     def copy_out(self, stores: list[StoreJob]) -> None:

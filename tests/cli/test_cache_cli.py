@@ -28,7 +28,9 @@ from hybrid_offload.backends import Backend, BackendConfig, create_backend
 from peer_servers import PeerProcess, start_peer
 from redis_servers import RedisServer
 
+from hybrid_offload import FORMAT_VERSION
 from hybrid_offload.engine_spec import GroupKind, TensorSpec
+from hybrid_offload.model_card import CardGroup, ModelCard, card_key, encode_card
 from hybrid_offload.page_format import PageHeader, encode_page
 
 REPO = Path(__file__).resolve().parents[2]
@@ -62,6 +64,14 @@ def pages_a() -> dict[str, bytes]:
 
 def pages_b() -> dict[str, bytes]:
     return dict(make_page(FP_B, 0, chunk, shard, 2) for chunk in range(2) for shard in range(2))
+
+
+def make_card(fp: str, name: str) -> tuple[str, bytes]:
+    """A valid model card of ``fp`` (as an engine writes it at start-up) and its key."""
+    groups = (CardGroup(0, "full_attention", 1, 1), CardGroup(1, "mamba", 1, 1))
+    card = ModelCard(fp, name, None, ("TinyHybrid",), "bfloat16", "auto", 16, groups, FORMAT_VERSION,
+                     time.time())  # fmt: skip
+    return card_key(fp), encode_card(card)
 
 
 def flipped(data: bytes) -> bytes:
@@ -312,6 +322,86 @@ def test_stats_per_fingerprint_and_group(cache: Cache) -> None:
     row = next(line for line in text.splitlines() if line.startswith(FP_B))
     assert row.split() == [FP_B, "0", "full_attention", "4", str(sizes(b)), "0-1/2"]
     assert FP_A not in text
+
+
+# -- model cards --------------------------------------------------------------------------------
+
+FP_C = "c3" * 16  # a model that wrote its card but no pages yet
+
+
+def test_model_cards_name_the_models_and_are_not_pages(cache: Cache) -> None:
+    a, b = pages_a(), pages_b()
+    (key_a, card_a), (key_c, card_c) = make_card(FP_A, "org/hybrid-a"), make_card(FP_C, "/models/c")
+    cache.put({**a, **b, key_a: card_a, key_c: card_c})
+    listing = cli_json("ls", *cache.args)
+    rows = {row["fingerprint"]: row for row in listing["fingerprints"]}
+    assert {fp: (row["pages"], row["bytes"], row["model"]) for fp, row in rows.items()} == {
+        FP_A: (6, sizes(a), "org/hybrid-a"), FP_B: (4, sizes(b), None), FP_C: (0, 0, "/models/c")}
+    card = rows[FP_A]["card"]
+    assert (card["fingerprint"], card["chunk_tokens"], card["architectures"]) == (FP_A, 16, ["TinyHybrid"])
+    assert card["groups"] == [{"index": 0, "kind": "full_attention", "layers": 1, "shards": 1},
+                              {"index": 1, "kind": "mamba", "layers": 1, "shards": 1}]  # fmt: skip
+    assert rows[FP_B]["card"] is None and listing["total"]["pages"] == 10
+    text = cli("ls", *cache.args).stdout.splitlines()
+    assert text[0].split()[-1] == "MODEL"
+    assert {line.split()[0]: line.split()[-1] for line in text[1:-1]} == {
+        FP_A: "org/hybrid-a", FP_B: "?", FP_C: "/models/c"}
+
+    info = cli_json("inspect", *cache.args, key_a)
+    assert (info["type"], info["name"], info["valid"], info["fingerprint_matches_key"]) == (
+        "model card", "org/hybrid-a", True, True)
+    lines = [line.split() for line in cli("inspect", *cache.args, key_a).stdout.splitlines()]
+    assert ["name", "org/hybrid-a"] in lines and ["1", "mamba", "1", "1"] in lines, lines
+    assert cli_json("inspect", *cache.args, "--fingerprint", FP_A, "--first")["key"] == min(a)  # a page
+
+    verified = cli_json("verify", *cache.args)
+    counts = ("pages", "bytes", "ok", "corrupt", "cards", "cards_ok", "cards_corrupt")
+    assert [verified[k] for k in counts] == [10, sizes(a) + sizes(b), 10, 0, 2, 2, 0]
+    assert "verified 2 model cards: 2 ok, 0 corrupt" in cli("verify", *cache.args).stdout
+
+    stats = cli_json("stats", *cache.args)
+    by_fp = {fp["fingerprint"]: fp for fp in stats["fingerprints"]}
+    assert {fp: (e["model"], e["pages"], len(e["groups"])) for fp, e in by_fp.items()} == {
+        FP_A: ("org/hybrid-a", 6, 2), FP_B: (None, 4, 1), FP_C: ("/models/c", 0, 0)}
+    assert stats["unreadable"] == []
+    text = cli("stats", *cache.args).stdout.splitlines()
+    assert f"{FP_A} all 6 {sizes(a)} model: org/hybrid-a" in [" ".join(line.split()) for line in text]
+
+
+def test_verify_counts_a_corrupted_card_as_corrupt(cache: Cache) -> None:
+    a = pages_a()
+    key, card = make_card(FP_A, "org/hybrid-a")
+    cache.put({**a, key: card})
+    cache.corrupt(key, card)
+    found = cli("verify", *cache.args, check=1)
+    assert f"corrupt model card {key}: model card checksum mismatch" in found.stdout
+    assert "verified 6 pages" in found.stdout and "1 model cards: 0 ok, 1 corrupt" in found.stdout
+    report = cli_json("verify", *cache.args, check=1)
+    assert (report["ok"], report["corrupt"], report["cards_corrupt"]) == (6, 0, 1)
+    error = "model card checksum mismatch"
+    assert report["corrupt_pages"] == [{"key": key, "size": len(card), "error": error, "card": True}]
+    assert [row["model"] for row in cli_json("ls", *cache.args)["fingerprints"]] == [None]  # not trusted
+    assert [u["key"] for u in cli_json("stats", *cache.args)["unreadable"]] == [key]
+    assert cli_json("inspect", *cache.args, key, check=1)["valid"] is False
+    assert cli_json("verify", *cache.args, "--delete-bad", check=1)["deleted"] == 1
+    assert cache.backend.contains_batch([key]) == [False]
+    assert cli_json("verify", *cache.args)["cards"] == 0
+
+
+def test_gc_by_fingerprint_removes_the_card(cache: Cache) -> None:
+    a, b = pages_a(), pages_b()
+    cards = dict([make_card(FP_A, "org/hybrid-a"), make_card(FP_B, "org/attn-b")])
+    cache.put({**a, **b, **cards})
+    done = cli_json("gc", *cache.args, "--fingerprint", FP_B)
+    assert (done["deleted_pages"], done["selected_cards"], done["kept_pages"]) == (5, 1, 0)
+    assert cache.backend.contains_batch([card_key(FP_B), card_key(FP_A)]) == [False, True]
+    listing = cli_json("ls", *cache.args)["fingerprints"]
+    assert [(row["fingerprint"], row["model"], row["pages"]) for row in listing] == [
+        (FP_A, "org/hybrid-a", 6)
+    ]
+    everything = cli("gc", *cache.args, "--max-bytes", "0")  # by size: a card goes like a page
+    assert "deleted 7 pages" in everything.stdout and "1 of them model cards" in everything.stdout
+    assert cli_json("ls", *cache.args)["fingerprints"] == []
 
 
 # -- disk, redis specifics ----------------------------------------------------------------------

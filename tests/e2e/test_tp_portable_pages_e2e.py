@@ -29,6 +29,7 @@ from hybrid_offload.connector.metadata import PageJob
 from hybrid_offload.connector.page_codec import PageCodec
 from hybrid_offload.engine_spec import GroupSpec, ModelShape, ModelSpec, make_model_spec, mamba_splits
 from hybrid_offload.kv_layout import build_layouts
+from hybrid_offload.model_card import is_card_key
 from hybrid_offload.page_format import decode_page, seal_page
 from hybrid_offload.planner import HybridOffloadPlanner
 from hybrid_offload.session import run_session_subprocess
@@ -81,6 +82,8 @@ def capture(model: Path, disk: Path) -> Captured:
     chunk = out["chunk_tokens"]
     best: dict[int, tuple[int, memoryview]] = {}
     for path in disk.rglob("*.page"):
+        if is_card_key(f"{path.parent.parent.name}-{path.stem}"):
+            continue  # the engine's model card, not a page
         header, payload = decode_page(path.read_bytes())
         if header.chunk_index >= best.get(header.group_index, (-1, None))[0]:
             best[header.group_index] = (header.chunk_index, payload)

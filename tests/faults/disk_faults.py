@@ -20,6 +20,7 @@ from typing import Any
 
 from engine_runs import CHUNK_TOKENS, VOCAB
 
+from hybrid_offload.model_card import CARD_DIGEST
 from hybrid_offload.page_format import PageFormatError, decode_page, encode_page
 from hybrid_offload.session import ENGINE_ENV
 
@@ -39,8 +40,10 @@ def disk_backend(path: Path, name: str = "disk", **extra: Any) -> dict[str, Any]
 
 
 def page_files(root: Path) -> list[Path]:
-    """Page files under a disk backend's root, oldest write first (the order they were stored)."""
-    return sorted(root.rglob("*.page"), key=lambda p: p.lstat().st_mtime_ns)
+    """Page files under a disk backend's root, oldest write first (the order they were stored);
+    the engine's model card (``hybrid_offload.model_card``) is not a page."""
+    pages = [p for p in root.rglob("*.page") if p.name != f"{CARD_DIGEST}.page"]
+    return sorted(pages, key=lambda p: p.lstat().st_mtime_ns)
 
 
 def temp_files(root: Path) -> list[Path]:
@@ -59,7 +62,7 @@ def undecodable(blobs: dict[str, bytes]) -> dict[str, str]:
 
 
 def disk_blobs(root: Path) -> dict[str, bytes]:
-    return {str(p): p.read_bytes() for p in root.rglob("*.page") if p.is_file()}
+    return {str(p): p.read_bytes() for p in page_files(root) if p.is_file()}
 
 
 def foreign_model_page(data: bytes) -> bytes:
