@@ -24,10 +24,12 @@ from hybrid_offload.model_card import CARD_DIGEST
 from hybrid_offload.page_format import PageFormatError, decode_page, encode_page
 from hybrid_offload.session import ENGINE_ENV
 
-ARCH = "falcon_h1"  # one attention group + one Mamba group: 3 + 1 pages per prompt
+ARCH = "falcon_h1"  # one attention group + one Mamba group
 CHUNK = CHUNK_TOKENS[ARCH]
 DOCS = 6
-PAGES_PER_PROMPT = 4
+#: 3 attention chunks in 2 shards (its 2 KV heads) + the Mamba state in 8 shards (8 heads;
+#: the connector's default tp_shards is 8)
+PAGES_PER_PROMPT = 3 * 2 + 8
 
 
 def documents(n: int = DOCS, seed: int = 11) -> list[list[int]]:
