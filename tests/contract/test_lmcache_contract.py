@@ -7,7 +7,6 @@ Skipped only when LMCache is not installed (``scripts/install_lmcache.sh`` insta
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,22 +16,13 @@ pytest.importorskip(
 )
 from backend_contract import BackendContract
 from hybrid_offload.backends import Backend, BackendConfig, create_backend
-from redis_servers import RedisServer, start_redis_server
+from redis_servers import RedisServer
 
 # LMCache's loggers attach opentelemetry's deprecated LoggingHandler: not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning")
 # LMCache's Redis connector close() never returns: every close waits this long (bounded).
 CLOSE_TIMEOUT_S = 0.3
 _namespaces = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = start_redis_server(tmp_path_factory.mktemp("lmcache-redis"))
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 class TestLMCacheRedisContract(BackendContract):

@@ -35,13 +35,9 @@ MiB = 1 << 20
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+def server(redis_server: RedisServer) -> RedisServer:
     """One plain server shared by the tests of this module (unique prefixes keep them apart)."""
-    started = start_redis_server(tmp_path_factory.mktemp("redis"))
-    try:
-        yield started
-    finally:
-        started.stop()
+    return redis_server
 
 
 @pytest.fixture
