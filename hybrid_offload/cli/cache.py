@@ -21,7 +21,6 @@ import argparse
 import json
 import logging
 import os
-import re
 import sys
 import time
 from collections import defaultdict
@@ -32,6 +31,9 @@ from hybrid_offload.backends import Backend, BackendUnavailableError, PageInfo
 from hybrid_offload.cli.cache_target import (
     CacheCliError,
     open_for_maintenance,
+    parse_byte_size,
+    parse_duration,
+    parse_fingerprint,
     target_arguments,
     target_config,
 )
@@ -43,39 +45,6 @@ EXIT_OK, EXIT_CORRUPT, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
 BATCH_BYTES = 64 << 20
 BATCH_PAGES = 256
 DELETE_BATCH = 1000
-_FINGERPRINT = re.compile(r"[0-9a-f]{8,64}")
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
-_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-
-
-# -- argument types ---------------------------------------------------------------------------
-
-
-def parse_duration(text: str) -> float:
-    """Seconds from ``90s``, ``30m``, ``12h``, ``7d``, ``2w`` or a plain number of seconds."""
-    match = _DURATION.match(text.lower())
-    if match is None:
-        raise argparse.ArgumentTypeError(f"want a duration like 90s, 30m, 12h or 7d, got {text!r}")
-    return float(match.group(1)) * _DURATION_UNITS[match.group(2)]
-
-
-def parse_byte_size(text: str) -> int:
-    """Bytes from ``1234``, ``500MB`` or ``10GiB`` (0 allowed)."""
-    from hybrid_offload.config import ConfigError, parse_size
-
-    if text.strip() == "0":
-        return 0
-    try:
-        return parse_size(int(text) if text.strip().isdigit() else text, "size")
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(f"want a size like 1234, 500MB or 10GiB, got {text!r}") from exc
-
-
-def parse_fingerprint(text: str) -> str:
-    """A key namespace: 8 to 64 hex digits (case-insensitive)."""
-    if _FINGERPRINT.fullmatch(text.lower()) is None:
-        raise argparse.ArgumentTypeError(f"want a fingerprint of 8-64 hex digits, got {text!r}")
-    return text.lower()
 
 
 # -- reading ----------------------------------------------------------------------------------
