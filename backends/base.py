@@ -92,7 +92,7 @@ class BackendConfig:
     retry_after_s: float = 1.0
     retry_after_max_s: float = 30.0
     store_threshold: int = 1
-    store_output: bool = False
+    store_output: bool = True
     read_only: bool = False
 
 

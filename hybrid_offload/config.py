@@ -24,6 +24,10 @@ DEFAULT_LOAD_SWITCH_INTERVAL_S = 0.0005
 #: each (chunk, group) page set splits into up to this many TP-portable shards (see tp_shards.py)
 DEFAULT_TP_SHARDS = 8
 MAX_TP_SHARDS = 64
+#: models with recurrent state: a prefill also stores its state every this many tokens
+DEFAULT_CHECKPOINT_INTERVAL_TOKENS = 1024
+#: a lookup waits at most this long for stores of its prefix that are in flight
+DEFAULT_PENDING_STORE_WAIT_S = 2.0
 _TOP_KEYS = frozenset(
     {
         "chunk_tokens",
@@ -33,6 +37,8 @@ _TOP_KEYS = frozenset(
         "connectors",
         "load_switch_interval_s",
         "tp_shards",
+        "checkpoint_interval_tokens",
+        "pending_store_wait_s",
     }
 )
 _COMMON_BACKEND_KEYS = frozenset(
@@ -78,6 +84,8 @@ class OffloadConfig:
     connectors: tuple[ChildConnectorConfig, ...] = ()
     load_switch_interval_s: float = DEFAULT_LOAD_SWITCH_INTERVAL_S
     tp_shards: int = DEFAULT_TP_SHARDS
+    checkpoint_interval_tokens: int = DEFAULT_CHECKPOINT_INTERVAL_TOKENS
+    pending_store_wait_s: float = DEFAULT_PENDING_STORE_WAIT_S
 
 
 def open_backend(config: BackendConfig, index: int) -> Backend:
@@ -149,7 +157,7 @@ def _parse_backend(raw: Any, index: int) -> BackendConfig:
     if retry_max < retry:
         raise ConfigError(f"{key}.retry_after_max_s: must be >= retry_after_s ({retry}), got {retry_max}")
     threshold = _positive_int(raw.get("store_threshold", 1), f"{key}.store_threshold")
-    store_output = _flag(raw.get("store_output", False), f"{key}.store_output")
+    store_output = _flag(raw.get("store_output", True), f"{key}.store_output")
     read_only = _flag(raw.get("read_only", False), f"{key}.read_only")
     options = {k: v for k, v in raw.items() if k not in _COMMON_BACKEND_KEYS}
     try:
@@ -205,6 +213,18 @@ def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
     shards = _positive_int(extra.get("tp_shards", DEFAULT_TP_SHARDS), f"{ROOT}.tp_shards")
     if shards > MAX_TP_SHARDS:
         raise ConfigError(f"{ROOT}.tp_shards: at most {MAX_TP_SHARDS}, got {shards}")
+    interval = extra.get("checkpoint_interval_tokens", DEFAULT_CHECKPOINT_INTERVAL_TOKENS)
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+        raise ConfigError(
+            f"{ROOT}.checkpoint_interval_tokens: expected a number of tokens >= 0 (0: only the "
+            f"prompt's tail and junctions), got {interval!r}"
+        )
+    wait = extra.get("pending_store_wait_s", DEFAULT_PENDING_STORE_WAIT_S)
+    if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= 60:
+        raise ConfigError(
+            f"{ROOT}.pending_store_wait_s: must be a number of seconds in [0, 60] (0: never wait "
+            f"for stores in flight), got {wait!r}"
+        )
     return OffloadConfig(
         backends=backends,
         chunk_tokens=chunk,
@@ -213,6 +233,8 @@ def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
         connectors=connectors,
         load_switch_interval_s=float(switch),
         tp_shards=shards,
+        checkpoint_interval_tokens=interval,
+        pending_store_wait_s=float(wait),
     )
 
 

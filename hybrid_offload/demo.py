@@ -1,49 +1,49 @@
-"""``hybrid-offload demo``: the cache working on a hybrid model, start to finish.
+"""``hybrid-offload demo``: the cache working on a hybrid model, on traffic as people send it.
 
 1. Build a small random-weight model locally (no network).
-2. A baseline engine without the connector answers the prompts (greedy).
-3. Engine A with a cpu + disk cache: a cold pass, then the same prompts again (same-session
-   hits from the cpu tier). vLLM's own prefix cache is reset before every request, so every
-   hit is the connector's.
-4. Engine A exits; engine B starts on the same disk directory (a restart): hits from disk.
-5. Prints tokens loaded per backend, hit rate over the chunk-aligned prefix, TTFT cold vs hit,
-   and whether every output equals the baseline.
+2. Traffic (:mod:`hybrid_offload.bench.traffic`, seeded, lengths never aligned to anything):
+   a multi-turn chat whose turns carry the generated replies, documents asked several questions,
+   and prompts of random lengths asked twice.
+3. A baseline engine without the connector answers it (greedy).
+4. Engine A with a cpu + disk cache answers it; vLLM's own prefix cache is reset before every
+   request, so every cached token is the connector's.
+5. Engine A exits; engine B starts on the same disk directory (a restart) and answers it again.
+6. Prints, per kind of traffic, the reusable prefix (what earlier requests' prompts and replies
+   share with each request, floored to the chunk) and the share the cache served, TTFT without
+   and with the cache on the requests that had something to reuse, and whether every output
+   equals the baseline's.
+
+Every engine is its own process and vLLM's default multi-process engine.
 """
 
 from __future__ import annotations
 
 import json
-import random
 import shutil
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybrid_offload.session import run_session_subprocess
+from hybrid_offload.bench.workload_run import run_engine_subprocess
+from hybrid_offload.bench.workloads_report import coverage
 
-DOC_TOKENS = 2048
-SUFFIX_LENGTHS = (3, 41, 97)
-NUM_DOCS = 2
+#: chunk tokens of every tiny model here (the connector's default on vLLM CPU)
+CHUNK_TOKENS = 128
+TRAFFIC = [
+    {"name": "chat", "seed": 1, "size": {"conversations": 2, "turns": 4, "first": (300, 900),
+                                         "message": (60, 300), "reply": 100}},
+    {"name": "rag", "seed": 1, "size": {"docs": 2, "questions": 3, "doc": (1500, 2500), "question": (20, 200),
+                                        "reply": 16}},
+    {"name": "random", "seed": 1, "size": {"prompts": 3, "length": (1000, 4000), "reply": 16}},
+]
 
 
 @dataclass(frozen=True)
 class DemoOptions:
     arch: str = "qwen3_next"
     workdir: Path = Path("demo-output")
-    max_tokens: int = 16
-    async_scheduling: bool | None = None
-
-
-def demo_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
-    """Documents of DOC_TOKENS tokens, each asked several questions (short suffixes)."""
-    rng = random.Random(seed)
-    prompts = []
-    for _ in range(NUM_DOCS):
-        doc = [rng.randrange(3, vocab_size) for _ in range(DOC_TOKENS)]
-        for n in SUFFIX_LENGTHS:
-            prompts.append(doc + [rng.randrange(3, vocab_size) for _ in range(n)])
-    return prompts
+    dtype: str = "bfloat16"
 
 
 def _connector(disk_dir: Path, with_cpu: bool) -> dict[str, Any]:
@@ -56,25 +56,20 @@ def _connector(disk_dir: Path, with_cpu: bool) -> dict[str, Any]:
     return {"backends": backends}
 
 
-def _pass_summary(label: str, data: dict[str, Any]) -> dict[str, Any]:
-    sched = data["scheduler"]
-    loaded = {name: c.get("loaded_tokens", 0) for name, c in sched.get("backends", {}).items()}
-    aligned = sched.get("aligned_prompt_tokens", 0)
-    external = sched.get("external_tokens", 0)
-    return {
-        "pass": label,
-        "loaded_tokens": loaded,
-        "aligned_prefix_tokens": aligned,
-        "hit_rate": external / aligned if aligned else 0.0,
-        "ttft_mean_s": statistics.mean(r["ttft_s"] for r in data["requests"]),
-        "cold_ttfts_s": [r["ttft_s"] for r in data["requests"] if r["cached_tokens"] == 0],
-        "tokens": [r["tokens"] for r in data["requests"]],
-    }
+def _ttfts(base: list[list[dict[str, Any]]], run: list[list[dict[str, Any]]], earlier: Any = ()) -> tuple:
+    """Mean TTFT (s) without and with the cache over the requests that had something to reuse."""
+    per_request = coverage(run, CHUNK_TOKENS, earlier)["per_request"]
+    rows = [r for wave in run for r in wave]
+    cold = [b for wave in base for b in wave]
+    hit = [i for i, p in enumerate(per_request) if p["reusable"]]
+    if not hit:
+        return float("nan"), float("nan")
+    return (statistics.mean(cold[i]["ttft_s"] for i in hit), statistics.mean(rows[i]["ttft_s"] for i in hit))
 
 
 def run_demo(options: DemoOptions) -> dict[str, Any]:
     """Run the whole demo; return the summary (also written to workdir/summary.json)."""
-    from hybrid_offload.models import VOCAB_SIZE, build_model
+    from hybrid_offload.models import build_model
 
     work = options.workdir.resolve()
     model_dir = work / f"model-{options.arch}"
@@ -82,60 +77,48 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
         build_model(options.arch, model_dir)
     disk_dir = work / "disk-cache"
     shutil.rmtree(disk_dir, ignore_errors=True)
-    prompts = demo_prompts(VOCAB_SIZE)
-    llm_kwargs: dict[str, Any] = {}
-    if options.async_scheduling is not None:
-        llm_kwargs["async_scheduling"] = options.async_scheduling
-    base = {
-        "model": str(model_dir),
-        "prompts": prompts,
-        "max_tokens": options.max_tokens,
-        "llm_kwargs": llm_kwargs,
-        "reset_prefix_cache": "request",
-    }
-    baseline = run_session_subprocess({**base, "connector": None, "passes": 1})
-    engine_a = run_session_subprocess({**base, "connector": _connector(disk_dir, True), "passes": 2})
-    engine_b = run_session_subprocess({**base, "connector": _connector(disk_dir, False), "passes": 1})
-    expected = [r["tokens"] for r in baseline["passes"][0]["requests"]]
-    passes = [
-        _pass_summary("cold (engine A, pass 1)", engine_a["passes"][0]),
-        _pass_summary("same session (engine A, pass 2)", engine_a["passes"][1]),
-        _pass_summary("after restart (engine B, disk only)", engine_b["passes"][0]),
-    ]
-    summary = {
-        "arch": options.arch,
-        "prompts": len(prompts),
-        "prompt_tokens": [len(p) for p in prompts],
-        "baseline_ttft_mean_s": statistics.mean(r["ttft_s"] for r in baseline["passes"][0]["requests"]),
-        "passes": passes,
-        "ttft_cold_s": statistics.mean(passes[0]["cold_ttfts_s"] or [float("nan")]),
-        "ttft_hit_s": statistics.mean(p["ttft_mean_s"] for p in passes[1:]),
-        "outputs_identical": all(p["tokens"] == expected for p in passes),
-    }
+    base = {"model": str(model_dir), "dtype": options.dtype, "max_model_len": 8192, "workloads": TRAFFIC,
+            "sequential": True}
+    baseline = run_engine_subprocess({**base, "connector": None})
+    engine_a = run_engine_subprocess({**base, "connector": _connector(disk_dir, True)})
+    engine_b = run_engine_subprocess({**base, "connector": _connector(disk_dir, False)})
+    rows = []
+    for name in baseline["workloads"]:
+        ref = baseline["workloads"][name]["waves"]
+        a, b = engine_a["workloads"][name]["waves"], engine_b["workloads"][name]["waves"]
+        cov_a, cov_b = coverage(a, CHUNK_TOKENS), coverage(b, CHUNK_TOKENS, a)
+        cold, hit = _ttfts(ref, a)
+        rows.append({
+            "workload": name,
+            "requests": cov_a["requests"],
+            "prompt_tokens": [len(r["prompt"]) for wave in a for r in wave],
+            "same_session": {k: cov_a[k] for k in ("reusable", "served", "ratio")},
+            "after_restart": {k: cov_b[k] for k in ("reusable", "served", "ratio")},
+            "ttft_cold_s": cold,
+            "ttft_hit_s": hit,
+            "identical": [[r["output"] for r in w] for w in ref] == [[r["output"] for r in w] for w in a]
+            == [[r["output"] for r in w] for w in b],
+        })
+    summary = {"arch": options.arch, "dtype": options.dtype, "chunk_tokens": CHUNK_TOKENS, "workloads": rows,
+               "outputs_identical": all(r["identical"] for r in rows)}
     (work / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
 def format_summary(summary: dict[str, Any]) -> str:
-    lines = [
-        f"hybrid-offload demo: {summary['arch']}, {summary['prompts']} prompts of "
-        f"{min(summary['prompt_tokens'])}-{max(summary['prompt_tokens'])} tokens"
-    ]
-    lines.append(f"  baseline (no connector) TTFT mean: {summary['baseline_ttft_mean_s'] * 1000:.1f} ms")
-    for p in summary["passes"]:
-        loaded = ", ".join(f"{k}={v}" for k, v in p["loaded_tokens"].items()) or "none"
-        lines.append(f"  {p['pass']}")
-        lines.append(f"    tokens loaded per backend: {loaded}")
-        lines.append(
-            f"    hit rate over chunk-aligned prefix: {p['hit_rate'] * 100:.1f}% "
-            f"of {p['aligned_prefix_tokens']} tokens"
-        )
-        lines.append(f"    TTFT mean: {p['ttft_mean_s'] * 1000:.1f} ms")
-    cold, hit = summary["ttft_cold_s"], summary["ttft_hit_s"]
-    lines.append(
-        f"  TTFT cold vs hit: {cold * 1000:.1f} ms vs {hit * 1000:.1f} ms "
-        f"({cold / hit if hit else float('inf'):.2f}x; cold = requests that found nothing, "
-        "hit = the second pass and the restart)"
-    )
+    lines = [f"hybrid-offload demo: {summary['arch']} ({summary['dtype']}), vLLM's multi-process engine; "
+             f"reusable = what earlier prompts and replies share with a request, floored to "
+             f"{summary['chunk_tokens']} tokens"]
+    for row in summary["workloads"]:
+        sizes = row["prompt_tokens"]
+        lines.append(f"  {row['workload']}: {row['requests']} requests of {min(sizes)}-{max(sizes)} tokens")
+        for label, key in (("same session (engine A, cpu + disk)", "same_session"),
+                           ("after restart (engine B, disk only)", "after_restart")):
+            cov = row[key]
+            lines.append(f"    {label}: served {cov['served']} of {cov['reusable']} reusable tokens "
+                         f"({100 * cov['ratio']:.1f}%)")
+        cold, hit = row["ttft_cold_s"], row["ttft_hit_s"]
+        lines.append(f"    TTFT of requests with something to reuse: {cold * 1e3:.1f} ms without the cache, "
+                     f"{hit * 1e3:.1f} ms with it ({cold / hit if hit else float('inf'):.2f}x)")
     lines.append(f"  outputs identical: {'yes' if summary['outputs_identical'] else 'NO'}")
     return "\n".join(lines)

@@ -112,6 +112,12 @@ class AttentionGroupLayout:
         for layer, data in zip(self.layers, src, strict=True):
             layer.index_copy_(0, flat_index, data.reshape(-1))
 
+    def zero(self, index: torch.Tensor) -> None:
+        """Zero K/V at ``index`` in every layer."""
+        flat_index = index.reshape(-1)
+        for layer in self.layers:
+            layer.index_fill_(0, flat_index, 0)
+
 
 @dataclass
 class MambaGroupLayout:

@@ -88,11 +88,17 @@ class BackendCounters:
             self.group_hit_tokens[group] = self.group_hit_tokens.get(group, 0) + tokens
 
 
+#: why reusable tokens were not served (see ``hybrid_offload.connector.coverage``)
+LOSS_REASONS = ("no_state", "evicted", "backend_down")
+
+
 @dataclass
 class SchedulerCounters:
     """Scheduler-side totals; ``aligned_prompt_tokens`` sums, over requests, the tokens of the
     longest chunk-aligned prefix strictly below the prompt length (what a perfect cache could
-    load)."""
+    load). Per admitted request: ``served_tokens`` loaded, ``reusable_tokens`` that earlier
+    traffic shared (as far as this engine can tell), and the difference by reason in
+    ``lost_<reason>_tokens`` (:data:`LOSS_REASONS`)."""
 
     requests: int = 0
     aligned_prompt_tokens: int = 0
@@ -100,10 +106,23 @@ class SchedulerCounters:
     group_disagreements: int = 0
     failed_loads: int = 0
     preemptions: int = 0
+    served_tokens: int = 0
+    reusable_tokens: int = 0
+    lost_no_state_tokens: int = 0
+    lost_evicted_tokens: int = 0
+    lost_backend_down_tokens: int = 0
     backends: dict[str, BackendCounters] = field(default_factory=dict)
 
     def backend(self, name: str) -> BackendCounters:
         return self.backends.setdefault(name, BackendCounters())
+
+    def record_coverage(self, served: int, reusable: int, lost: Mapping[str, int]) -> None:
+        self.served_tokens += served
+        self.reusable_tokens += reusable
+        for reason, tokens in lost.items():
+            if reason in LOSS_REASONS:
+                name = f"lost_{reason}_tokens"
+                setattr(self, name, getattr(self, name) + tokens)
 
     def hit_rate(self) -> float:
         return self.external_tokens / self.aligned_prompt_tokens if self.aligned_prompt_tokens else 0.0
@@ -389,7 +408,8 @@ def summarize(data: Mapping[str, Any]) -> dict[str, int | float]:
     """A short, flat summary of a clean payload for log lines (connector-wide counters, then
     per backend: ``"<backend> <what>"``)."""
     out: dict[str, int | float] = {}
-    for key in ("requests", "external_tokens", "failed_loads", "stores_dropped"):
+    for key in ("requests", "external_tokens", "served_tokens", "reusable_tokens", "failed_loads",
+                "stores_dropped"):
         if key in data.get("counters", {}):
             out[key] = data["counters"][key]
     for name, entry in sorted(data.get("backends", {}).items()):

@@ -10,13 +10,14 @@ Pure logic: no torch, no I/O, no vLLM imports. Works on :class:`ModelSpec` from
   process and across restarts; Python's ``hash()`` is never used.
 * One page set per (chunk, group). For attention groups, the set of chunk ``i`` holds that
   chunk's K/V. For Mamba/GDN groups, the set of chunk ``i`` holds the state after the chunk's
-  last token, i.e. at boundary ``N = (i + 1) * chunk``. A set is the group's ``shards`` pages
-  (one backend key each, :meth:`HybridOffloadPlanner.shard_keys`; see ``tp_shards``), and it is
-  present only when all of them are.
+  last token, i.e. at boundary ``N = (i + 1) * chunk``; it exists only where a request's
+  computation stopped at ``N`` (see :func:`prefill_checkpoints`). A set is the group's
+  ``shards`` pages (one backend key each, :meth:`HybridOffloadPlanner.shard_keys`; see
+  ``tp_shards``), and it is present only when all of them are.
 * Coverage at boundary ``N`` (``k = N / chunk``): full attention needs every chunk in
   ``[start, k)``; sliding window only the chunks inside the window before ``N``; Mamba/GDN only
-  the state page at ``N``, and only where vLLM can hold a state (``N`` a multiple of the group's
-  state interval).
+  the state page at ``N``. In vLLM's "align" mode a state can be resumed at any chunk boundary,
+  also inside a Mamba block: it goes into the block that covers token ``N - 1``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ from hybrid_offload.engine_spec import GroupKind, GroupSpec, ModelSpec
 logger = logging.getLogger(__name__)
 
 DEFAULT_MIN_CHUNK_TOKENS = 256
+#: Default chunk (= checkpoint granularity) for hybrid models: a divisor of every block size, at
+#: most this. vLLM's CPU scheduler ends prefill steps at multiples of 128 tokens (its default
+#: block size); finer chunks mean more, smaller pages.
+DEFAULT_HYBRID_CHUNK_TOKENS = 128
 
 
 class PlannerConfigError(ValueError):
@@ -44,7 +49,6 @@ class PlannerConfigError(ValueError):
 class GroupPlan:
     """How one group maps onto chunks.
 
-    ``state_interval``: Mamba groups can only provide or accept a state at multiples of it.
     ``window_chunks``: sliding-window groups need this many chunks before a boundary.
     ``blocks_per_chunk`` / ``chunks_per_block``: how the group's vLLM blocks relate to chunks
     (one of them is 1); ``unsplittable``: a Mamba group with one block per request (no align
@@ -52,7 +56,6 @@ class GroupPlan:
     """
 
     group: GroupSpec
-    state_interval: int
     window_chunks: int | None
     blocks_per_chunk: int
     chunks_per_block: int
@@ -69,11 +72,14 @@ class GroupPlan:
 
 @dataclass(frozen=True)
 class LoadablePrefix:
-    """Result of a lookup: ``tokens`` (a chunk boundary, 0 if nothing loads) and, per group, the
-    largest boundary that group alone would allow (for diagnostics)."""
+    """Result of a lookup: ``tokens`` (a chunk boundary, 0 if nothing loads), per group the
+    largest boundary that group alone would allow (for diagnostics), and ``attention_tokens``:
+    how far the full-attention pages reach without a gap (a boundary beyond ``tokens`` there
+    means earlier traffic shared more of this prefix than any stored state covers)."""
 
     tokens: int
     per_group_tokens: tuple[int, ...]
+    attention_tokens: int = 0
 
     @property
     def groups_disagree(self) -> bool:
@@ -81,20 +87,20 @@ class LoadablePrefix:
 
 
 def default_chunk_tokens(groups: Sequence[GroupSpec], max_model_len: int = 0) -> int:
-    """The default chunk: the lcm of the splittable groups' block sizes.
+    """The default chunk.
 
-    With a Mamba group in align mode the chunk must not exceed its block size (vLLM only
-    holds states at block boundaries), so the lcm is used as is; attention-only models round it
-    up to at least 256 tokens to keep pages large.
+    With a Mamba group in align mode the chunk is also the granularity of state checkpoints
+    (a request resumes at a chunk boundary), so it is fine: the largest divisor of every block
+    size not above :data:`DEFAULT_HYBRID_CHUNK_TOKENS`. Attention-only models use the lcm of
+    their block sizes, rounded up to at least 256 tokens to keep pages large.
     """
     sizes = [g.block_size for g in groups if not _is_unsplittable(g, max_model_len)]
     if not sizes:
         return DEFAULT_MIN_CHUNK_TOKENS
+    if any(g.kind is GroupKind.MAMBA for g in groups if not _is_unsplittable(g, max_model_len)):
+        return math.gcd(DEFAULT_HYBRID_CHUNK_TOKENS, *sizes)
     chunk = math.lcm(*sizes)
-    if not any(g.kind is GroupKind.MAMBA and not _is_unsplittable(g, max_model_len)
-               for g in groups):
-        chunk *= max(1, math.ceil(DEFAULT_MIN_CHUNK_TOKENS / chunk))
-    return chunk
+    return chunk * max(1, math.ceil(DEFAULT_MIN_CHUNK_TOKENS / chunk))
 
 
 def _is_unsplittable(group: GroupSpec, max_model_len: int) -> bool:
@@ -103,8 +109,8 @@ def _is_unsplittable(group: GroupSpec, max_model_len: int) -> bool:
 
 def _plan_group(group: GroupSpec, chunk: int, max_model_len: int) -> GroupPlan:
     if _is_unsplittable(group, max_model_len):
-        return GroupPlan(group, state_interval=chunk, window_chunks=None, blocks_per_chunk=1,
-                         chunks_per_block=1, unsplittable=True)
+        return GroupPlan(group, window_chunks=None, blocks_per_chunk=1, chunks_per_block=1,
+                         unsplittable=True)
     block = group.block_size
     if block <= chunk:
         if chunk % block:
@@ -123,8 +129,7 @@ def _plan_group(group: GroupSpec, chunk: int, max_model_len: int) -> GroupPlan:
     window = None
     if group.kind is GroupKind.SLIDING_WINDOW:
         window = max(1, math.ceil(max(1, (group.sliding_window or 1) - 1) / chunk))
-    interval = math.lcm(chunk, block) if group.kind is GroupKind.MAMBA else chunk
-    return GroupPlan(group, interval, window, per_chunk, per_block)
+    return GroupPlan(group, window, per_chunk, per_block)
 
 
 def chain_chunk_hashes(seed: bytes, token_ids: Sequence[int], chunk: int) -> list[bytes]:
@@ -221,8 +226,6 @@ class HybridOffloadPlanner:
 
     def group_allows(self, plan: GroupPlan, k: int, present: Sequence[bool], start_chunk: int) -> bool:
         """Whether ``plan``'s group can be restored at boundary ``k`` given its page presence."""
-        if plan.kind is GroupKind.MAMBA and (k * self.chunk_tokens) % plan.state_interval:
-            return False
         return all(present[i] for i in self.needed_chunks(plan, k, start_chunk))
 
     def loadable_prefix(
@@ -252,7 +255,8 @@ class HybridOffloadPlanner:
         while k > start and not all(self.group_allows(p, k, presence[p.index], start) for p in self.plans):
             k -= 1
         tokens = k * self.chunk_tokens if k > start else 0
-        return LoadablePrefix(tokens, per_group)
+        attention = bound * self.chunk_tokens if bound > start else 0
+        return LoadablePrefix(tokens, per_group, attention)
 
     def _group_bound(self, plan: GroupPlan, present: Sequence[bool], start: int, k_max: int) -> int:
         for k in range(k_max, start, -1):
@@ -279,10 +283,36 @@ class HybridOffloadPlanner:
 
     # ---- worker-side positions --------------------------------------------------------
     def mamba_state_block_index(self, plan: GroupPlan, boundary_tokens: int) -> int:
-        """Index in the request's block table of the block holding the state at a boundary."""
+        """Index in the request's block table of the block holding the state at a boundary:
+        the block covering token ``boundary - 1`` (vLLM's running-state slot in align mode)."""
         if plan.unsplittable:
             return 0
-        return boundary_tokens // plan.group.block_size - 1
+        return (boundary_tokens - 1) // plan.group.block_size
+
+    @property
+    def has_state_groups(self) -> bool:
+        """Whether some group restores a recurrent state (whose position must be a checkpoint)."""
+        return any(p.kind is GroupKind.MAMBA for p in self.plans)
+
+
+def prefill_checkpoints(prefill_end: int, chunk: int, interval: int, junction: int = 0) -> list[int]:
+    """Positions (ascending, each a multiple of ``chunk``, below ``prefill_end``) where a prefill
+    should stop so that its recurrent state can be stored.
+
+    * the tail: the last chunk boundary before ``prefill_end`` (a repeated prompt, or one that
+      extends this one, resumes there; vLLM recomputes at least one token);
+    * every multiple of ``interval`` (0: none), so prompts that share only a part of this one
+      find a state near where they diverge;
+    * ``junction`` (0: none): a boundary up to which earlier traffic shares this prefix
+      without a stored state there (the next request sharing it resumes there).
+    """
+    tail = (prefill_end - 1) // chunk * chunk if prefill_end > 0 else 0
+    stops = set(range(interval, tail, interval)) if interval > 0 else set()
+    if tail > 0:
+        stops.add(tail)
+    if 0 < junction < prefill_end and junction % chunk == 0:
+        stops.add(junction)
+    return sorted(stops)
 
 
 def _longest_present_run(present: Sequence[bool], start: int, limit: int) -> int:

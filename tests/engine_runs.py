@@ -11,7 +11,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-CHUNK_TOKENS = {"qwen3_next": 640, "falcon_h1": 384, "llama": 256}
+CHUNK_TOKENS = {"qwen3_next": 128, "falcon_h1": 128, "llama": 256}  # the defaults
 VOCAB = 2048
 
 

@@ -1,4 +1,4 @@
-"""`hybrid-offload bench {backends,e2e,load}`: each benchmark module registers its own flags
+"""`hybrid-offload bench {backends,e2e,load,workloads}`: each benchmark module registers its own flags
 with ``add_arguments(parser)`` and runs with ``run(args) -> int``."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ BENCHMARKS = {
     "backends": "store/load GB/s and latency per backend vs physical ceilings and LMCache",
     "e2e": "TTFT and prefill throughput per prompt length: cold, vLLM hit, our tiers",
     "load": "concurrency load against `vllm serve` by connector configuration",
+    "workloads": "share of the reusable prefix served on chat, agent, RAG and random traffic",
 }
 
 

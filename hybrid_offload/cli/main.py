@@ -59,7 +59,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """Run the end-to-end demo and print its summary; exit 1 if outputs differ."""
     from hybrid_offload.demo import DemoOptions, format_summary, run_demo
 
-    summary = run_demo(DemoOptions(arch=args.arch, workdir=args.workdir, max_tokens=args.max_tokens))
+    dtype = args.dtype or ("bfloat16" if args.arch == "qwen3_next" else "float32")
+    summary = run_demo(DemoOptions(arch=args.arch, workdir=args.workdir, dtype=dtype))
     print(format_summary(summary))
     return 0 if summary["outputs_identical"] else 1
 
@@ -69,13 +70,16 @@ def _add_demo(subparsers: Subparsers) -> None:
 
     p = subparsers.add_parser(
         "demo",
-        help="run a hybrid model with the cache: cold, same-session hit, restart hit",
-        description="Builds a small model, runs vLLM with a cpu+disk cache, restarts it, and "
-        "prints tokens loaded per backend, hit rates, TTFT and whether outputs are identical.",
+        help="run a hybrid model with the cache on chat, documents and repeated prompts",
+        description="Builds a small model, runs a chat, documents with questions and prompts asked "
+        "twice through vLLM with a cpu+disk cache, restarts it, and prints the share of the "
+        "reusable prefix served, TTFT and whether outputs equal an engine without the cache.",
     )
     p.add_argument("--arch", choices=ARCHS, default=DEFAULT_ARCH)
     p.add_argument("--workdir", type=Path, default=Path("demo-output"))
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                   help="model dtype (default: bfloat16 for qwen3_next, whose CPU kernels need it, "
+                   "float32 otherwise)")
     p.set_defaults(handler=cmd_demo)
 
 

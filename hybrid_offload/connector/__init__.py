@@ -108,7 +108,13 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self.children = ForeignConnectors(config.connectors, vllm_config, role, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             self._require_recompute_on_failure()
-            self.scheduler = OffloadScheduler(self.planner, config.backends, config.load_policy)
+            self.scheduler = OffloadScheduler(
+                self.planner,
+                config.backends,
+                config.load_policy,
+                checkpoint_interval=config.checkpoint_interval_tokens,
+                pending_wait_s=config.pending_store_wait_s,
+            )
         else:
             self.worker = OffloadWorker(
                 spec,
@@ -205,7 +211,7 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         meta = native_metadata(self._get_connector_metadata())
         assert self.worker is not None and isinstance(meta, OffloadMetadata)
-        self.worker.copy_out(meta.stores)
+        self.worker.save(meta)
         if self.children is not None:
             self.children.wait_for_save()
 
@@ -357,21 +363,28 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
-        ours = self.scheduler.request_finished(request)
+        ours, report = self.scheduler.request_finished(request)
         if self.children is None:
-            return ours, None
+            return ours, report
         delay, params = self.children.request_finished(request, block_ids)
-        return ours or delay, params
+        return ours or delay, _merge_params(report, params)
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
-        ours = self.scheduler.request_finished(request)
+        ours, report = self.scheduler.request_finished(request)
         if self.children is None:
-            return ours, None
+            return ours, report
         delay, params = self.children.request_finished_all_groups(request, block_ids)
-        return ours or delay, params
+        return ours or delay, _merge_params(report, params)
+
+    def prefill_stop(self, request: Request, start: int, end: int) -> int:
+        """Where a prefill step of ``request`` from ``start`` that vLLM would end at ``end``
+        must end instead so that its recurrent state lands on a checkpoint (see
+        ``vllm_plugin``); ``end`` when none lies strictly inside."""
+        assert self.scheduler is not None
+        return self.scheduler.prefill_stop(request.request_id, start, end)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         return () if self.children is None else self.children.take_events()
@@ -380,7 +393,10 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return self.children is not None and self.children.has_pending_block_frees()
 
     def has_pending_push_work(self) -> bool:
-        return self.children is not None and self.children.has_pending_push_work()
+        """True while ended requests' held pages wait for a step to be committed, so that vLLM
+        runs that step now rather than with the next request."""
+        ours = self.scheduler is not None and self.scheduler.has_ended_work()
+        return ours or (self.children is not None and self.children.has_pending_push_work())
 
     def reset_cache(self) -> bool | None:
         """vLLM's ``reset_prefix_cache(reset_external=True)`` (e.g. after a weight update): pages
@@ -389,6 +405,13 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         if self.scheduler is not None:
             self.scheduler.reset_cache()
         return True if self.children is None else self.children.reset_cache()
+
+
+def _merge_params(ours: dict[str, Any] | None, theirs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The request's ``kv_transfer_params``: the children's, plus our coverage report."""
+    if ours is None or theirs is None:
+        return theirs if ours is None else ours
+    return {**theirs, **ours}
 
 
 #: ``kv_connector: "MultiConnector"`` with this module path selects this connector too, so a vLLM

@@ -35,6 +35,19 @@ class PageJob:
 
 
 @dataclass(frozen=True)
+class ClearRange:
+    """Zero tokens ``[first_token, first_token + num_tokens)`` of attention block ``block_id`` in
+    group ``group``: the part of a load's last block that the load does not fill. vLLM skips
+    zeroing blocks a connector loads, and stale bytes there (e.g. a Mamba state's) can read as
+    NaN in attention kernels that touch a whole tile."""
+
+    group: int
+    block_id: int
+    first_token: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
 class LoadSegment:
     """Pages to read from one backend."""
 
@@ -50,6 +63,7 @@ class LoadJob:
     req_id: str
     segments: tuple[LoadSegment, ...]
     fallbacks: tuple[str, ...] = ()
+    clears: tuple[ClearRange, ...] = ()
 
     @property
     def pages(self) -> tuple[PageJob, ...]:
@@ -58,8 +72,24 @@ class LoadJob:
 
 @dataclass(frozen=True)
 class StoreJob:
-    """Copy ``page`` out of the KV cache now and put it into ``backends`` (in background)."""
+    """Copy ``page`` out of the KV cache now and put it into ``backends`` (in background).
 
+    With ``hold``, the copy is kept by the worker under ``(req_id, group, chunk_index)`` until a
+    :class:`CommitJob` stores it (its key is not known yet, or only the request's last one of
+    its kind is worth storing); a later held state of the same request and group replaces it.
+    """
+
+    page: PageJob
+    backends: tuple[str, ...]
+    req_id: str = ""
+    hold: bool = False
+
+
+@dataclass(frozen=True)
+class CommitJob:
+    """Store the page held for ``(req_id, page.group, page.chunk_index)`` under ``page``'s key."""
+
+    req_id: str
     page: PageJob
     backends: tuple[str, ...]
 
@@ -70,6 +100,9 @@ class OffloadMetadata(KVConnectorMetadata):
 
     loads: list[LoadJob] = field(default_factory=list)
     stores: list[StoreJob] = field(default_factory=list)
+    commits: list[CommitJob] = field(default_factory=list)
+    #: requests whose held copies are dropped after this step's commits
+    releases: list[str] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
 
 
@@ -80,14 +113,17 @@ LoadSample = tuple[int, float, bool]
 @dataclass
 class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
     """Per backend since the last report: the keys stored and evicted (for index mirrors) and
-    the measured load calls (for the adaptive load policy)."""
+    the measured load calls (for the adaptive load policy); ``settled``: page-set keys whose
+    store this worker finished (stored, failed or dropped), once per key and worker."""
 
     stored: dict[str, list[str]] = field(default_factory=dict)
     evicted: dict[str, list[str]] = field(default_factory=dict)
     load_samples: dict[str, list[LoadSample]] = field(default_factory=dict)
+    settled: list[str] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, OffloadWorkerMetadata)
+        self.settled.extend(other.settled)
         for mine, theirs in (
             (self.stored, other.stored),
             (self.evicted, other.evicted),
@@ -98,6 +134,6 @@ class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
         return self
 
     def is_empty(self) -> bool:
-        return not any(self.stored.values()) and not any(self.evicted.values()) and not any(
-            self.load_samples.values()
-        )
+        return not self.settled and not any(self.stored.values()) and not any(
+            self.evicted.values()
+        ) and not any(self.load_samples.values())

@@ -29,7 +29,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from hybrid_offload.config import parse_offload_config
-from hybrid_offload.metrics import ERROR_KINDS, clean_payload, merge_payloads, payload_is_empty, summarize
+from hybrid_offload.metrics import (
+    ERROR_KINDS,
+    LOSS_REASONS,
+    clean_payload,
+    merge_payloads,
+    payload_is_empty,
+    summarize,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -59,7 +66,14 @@ CONNECTOR_COUNTERS = {
     "external_tokens": ("external_tokens", "Prompt tokens scheduled to load from any backend."),
     "failed_loads": ("failed_loads", "Loads that failed (the request was recomputed)."),
     "stores_dropped": ("stores_dropped", "Pages not stored because the store queue was full."),
+    "served_tokens": ("served_tokens", "Tokens loaded for admitted requests (beyond vLLM's own hit)."),
+    "reusable_tokens": (
+        "reusable_tokens",
+        "Tokens of admitted requests that earlier traffic shared, as far as this engine can tell.",
+    ),
 }
+#: connector-wide payload counter -> reason label of hybrid_offload_lost_tokens_total
+LOST_COUNTERS = {f"lost_{reason}_tokens": reason for reason in LOSS_REASONS}
 #: payload gauge -> (metric name, help), label ``backend``
 GAUGE_METRICS = {
     "available": ("backend_available", "1 while the backend is usable, 0 while it backs off."),
@@ -162,6 +176,11 @@ class HybridOffloadPromMetrics(KVConnectorPromMetrics):
             documentation="Backend errors by kind: " + ", ".join(ERROR_KINDS) + ".",
             labelnames=[*names, "backend", "kind"],
         )
+        self._lost = self._counter_cls(
+            name=PREFIX + "lost_tokens",
+            documentation="Reusable tokens not served, by reason: " + ", ".join(LOSS_REASONS) + ".",
+            labelnames=[*names, "reason"],
+        )
         self._group_hits = self._counter_cls(
             name=PREFIX + "group_hit_tokens",
             documentation="Prompt tokens one KV-cache group alone could load, per lookup.",
@@ -194,6 +213,8 @@ class HybridOffloadPromMetrics(KVConnectorPromMetrics):
         for labels in self.per_engine_labelvalues.values():
             for counter in self._connector_counters.values():
                 counter.labels(*labels)
+            for reason in LOSS_REASONS:
+                self._lost.labels(*labels, reason)
             for backend in backends:
                 for counter in self._backend_counters.values():
                     counter.labels(*labels, backend)
@@ -214,6 +235,8 @@ class HybridOffloadPromMetrics(KVConnectorPromMetrics):
         for key, value in data.get("counters", {}).items():
             if key in self._connector_counters and value > 0:
                 self._connector_counters[key].labels(*labels).inc(value)
+            elif key in LOST_COUNTERS and value > 0:
+                self._lost.labels(*labels, LOST_COUNTERS[key]).inc(value)
         for name, entry in data.get("backends", {}).items():
             backend = _label(name)
             for key, value in entry.get("counters", {}).items():

@@ -8,38 +8,43 @@ presence into a :class:`~.policy.LoadChoice`: the prefix to load and each page's
 
 Loads are asynchronous (the request waits in WAITING_FOR_REMOTE_KVS while the worker reads;
 pages missing in their backend are tried in the others), so a failed load is reported per
-request and vLLM recomputes it. Stores are planned per step and per backend store policy: an
-attention page as soon as its chunk is computed, a Mamba/GDN state page when a step ends
-exactly on a chunk boundary (the only moment vLLM holds that state); output chunks only for
-backends with ``store_output``; a chunk only once ``store_threshold`` requests have seen it.
-A preempted request forgets its blocks and, when resumed, is looked up again, so it loads
-what was offloaded before the preemption instead of recomputing it.
+request and vLLM recomputes it. A lookup whose prefix is still being stored waits for it
+(:mod:`.pending`). Stores are planned per step by :class:`~.store_plan.StorePlanner`; for
+models with recurrent state the lookup also fixes where the request's prefill stops so that its
+state can be stored (its tail, every ``checkpoint_interval_tokens``, and the junction where
+earlier traffic shared more of the prefix than any stored state covers), which vLLM's scheduler
+asks through :meth:`OffloadScheduler.prefill_stop` (see ``vllm_plugin``). A preempted request
+forgets its blocks and, when resumed, is looked up again, so it loads what was offloaded
+before the preemption instead of recomputing it.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from hybrid_offload.backends.base import Backend, BackendConfig, BackendError
 from hybrid_offload.backends.registry import backend_class
 from hybrid_offload.config import open_backend
+from hybrid_offload.connector.coverage import coverage
 from hybrid_offload.connector.health import BackendHealth
 from hybrid_offload.connector.metadata import (
+    ClearRange,
     LoadJob,
     LoadSegment,
     OffloadMetadata,
     OffloadWorkerMetadata,
     PageJob,
-    StoreJob,
 )
+from hybrid_offload.connector.pending import DEFAULT_PENDING_STORE_WAIT_S, PendingStores
 from hybrid_offload.connector.policy import BackendMatch, LoadChoice, make_policy, presence_matrix
+from hybrid_offload.connector.request_state import RequestState, extend_keys, page_job
+from hybrid_offload.connector.store_plan import StorePlanner
 from hybrid_offload.engine_spec import GroupKind
 from hybrid_offload.metrics import Locked, SchedulerCounters
-from hybrid_offload.planner import GroupPlan, HybridOffloadPlanner, chain_chunk_hashes
+from hybrid_offload.planner import HybridOffloadPlanner, LoadablePrefix, chain_chunk_hashes
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -101,7 +106,8 @@ class BackendView:
 
 
 class ChunkSightings:
-    """How many requests saw each chunk (by chunk hash), for ``store_threshold``; LRU-bounded."""
+    """How many requests saw each chunk (by chunk hash), for ``store_threshold`` and to tell
+    which prefixes earlier traffic shared; LRU-bounded."""
 
     def __init__(self, capacity: int = MAX_TRACKED_CHUNKS) -> None:
         self._counts: OrderedDict[bytes, int] = OrderedDict()
@@ -117,32 +123,13 @@ class ChunkSightings:
     def count(self, chunk_hash: bytes) -> int:
         return self._counts.get(chunk_hash, 0)
 
-
-@dataclass
-class RequestState:
-    """What the scheduler side tracks per live request (``request`` is vLLM's, read-only)."""
-
-    request: Request
-    prompt_len: int
-    seed: bytes
-    chunk_hashes: list[bytes]
-    keys: list[list[str]]
-    block_ids: list[list[int]] = field(default_factory=list)
-    choice: LoadChoice | None = None
-    load_start: int = 0
-    load_end: int = 0
-    load_pending: bool = False
-    loading: bool = False
-    load_failed: bool = False
-    hit_tokens: dict[str, int] = field(default_factory=dict)
-    warned_disagreement: bool = False
-    store_from_chunk: int | None = None
-    next_store_chunk: int = 0
-    known_present: dict[str, set[str]] = field(default_factory=dict)
-
-    @property
-    def req_id(self) -> str:
-        return self.request.request_id
+    def shared_chunks(self, chunk_hashes: list[bytes], start: int = 0) -> int:
+        """Length of the run of chunks from ``start`` that another request saw too (the request
+        itself counts once)."""
+        c = start
+        while c < len(chunk_hashes) and self._counts.get(chunk_hashes[c], 0) >= 2:
+            c += 1
+        return c
 
 
 class OffloadScheduler:
@@ -153,6 +140,10 @@ class OffloadScheduler:
         planner: HybridOffloadPlanner,
         backends: tuple[BackendConfig, ...],
         load_policy: str = "weighted",
+        *,
+        checkpoint_interval: int = 0,
+        pending_wait_s: float = DEFAULT_PENDING_STORE_WAIT_S,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.planner = planner
         self.stats = Locked(SchedulerCounters())
@@ -160,9 +151,11 @@ class OffloadScheduler:
         self._by_name = {v.name: v for v in self.views}
         self._fallback_order = tuple(v.name for v in sorted(self.views, key=lambda v: -v.config.load_weight))
         self.policy = make_policy(load_policy, planner)
-        self._store_output = any(v.config.store_output for v in self.views)
         self._sightings = ChunkSightings()
+        self.pending = PendingStores(pending_wait_s, clock) if clock else PendingStores(pending_wait_s)
+        self.stores = StorePlanner(planner, self.views, self._sightings, self.pending, checkpoint_interval)
         self._requests: dict[str, RequestState] = {}
+        self._ended = OffloadMetadata()  # commits and releases of requests that ended since the last step
         self._generation = 0
 
     # ---- lookup -----------------------------------------------------------------------
@@ -185,39 +178,50 @@ class OffloadScheduler:
             )
         return state
 
-    def _extend_keys(self, state: RequestState, num_tokens: int) -> None:
-        """Key the chunks of the first ``num_tokens`` tokens beyond the prompt (output tokens)."""
-        chunk = self.planner.chunk_tokens
-        have = len(state.chunk_hashes)
-        tokens = state.request.all_token_ids
-        want = min(num_tokens, len(tokens)) // chunk
-        if want <= have:
-            return
-        prev = state.chunk_hashes[-1] if have else state.seed
-        new = chain_chunk_hashes(prev, list(tokens[have * chunk : want * chunk]), chunk)
-        state.chunk_hashes.extend(new)
-        for group_keys, more in zip(state.keys, self.planner.group_keys(new), strict=True):
-            group_keys.extend(more)
-        self._sightings.see(new)
-
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         """Tokens loadable beyond ``num_computed_tokens`` as the load policy chooses; loads are
-        async. A resumed (preempted) request is looked up over its prompt and output so far."""
+        async. None (vLLM asks again next step) while pages of this prefix are being stored. A
+        resumed (preempted) request is looked up over its prompt and output so far."""
         state = self._request_state(request)
         if state is None or state.loading or state.load_failed or state.load_pending:
             return 0, False
         num_tokens = max(state.prompt_len, request.num_tokens)
         if num_tokens > state.prompt_len:
-            self._extend_keys(state, num_tokens)
-        matches = [self._match(view, state, num_tokens, num_computed_tokens) for view in self.views]
+            self._sightings.see(extend_keys(state, self.planner, num_tokens))
+        start = num_computed_tokens // self.planner.chunk_tokens
+        if self.pending.should_wait(state.req_id, (k for keys in state.keys for k in keys[start:])):
+            return None, False
+        self.pending.done_waiting(state.req_id)
+        lookups = [self._match(view, state, num_tokens, num_computed_tokens) for view in self.views]
+        matches = [m for m, _ in lookups]
         choice = self.policy.choose(matches, num_computed_tokens, num_tokens)
         state.choice, state.load_start = choice, num_computed_tokens
+        self._plan_checkpoints(state, num_computed_tokens, choice, [r for _, r in lookups])
         if choice is None:
             return 0, False
         state.load_end = choice.end_tokens
         return choice.end_tokens - num_computed_tokens, True
 
-    def _match(self, view: BackendView, state: RequestState, num_tokens: int, computed: int) -> BackendMatch:
+    def _plan_checkpoints(
+        self, state: RequestState, computed: int, choice: LoadChoice | None,
+        results: list[LoadablePrefix | None],
+    ) -> None:
+        """Where the prefill stops to store states, and this lookup's coverage estimate."""
+        chunk = self.planner.chunk_tokens
+        served = choice.end_tokens if choice is not None else computed
+        attention = max((r.attention_tokens for r in results if r is not None), default=0)
+        shared = self._sightings.shared_chunks(state.chunk_hashes, computed // chunk) * chunk
+        limit = self.planner.max_boundary_chunks(max(state.prompt_len, state.request.num_tokens)) * chunk
+        attention, shared = min(attention, limit), min(shared, limit)
+        reach = max(attention, shared)
+        state.checkpoints = self.stores.checkpoints(state, reach if reach > served else 0)
+        state.coverage = coverage(computed, served, attention, shared, any(r is None for r in results))
+
+    def _match(
+        self, view: BackendView, state: RequestState, num_tokens: int, computed: int
+    ) -> tuple[BackendMatch, LoadablePrefix | None]:
         present: set[str] = set()
         sets_contain = self.planner.sets_contain(state.keys, view.contains)
 
@@ -234,11 +238,12 @@ class OffloadScheduler:
             with self.stats.lock:
                 self.stats.counters.backend(view.name).unavailable += 1
             self.stats.record_error(view.name, "lookup")
-            return BackendMatch(view.name, view.config.load_weight, 0, ())
+            return BackendMatch(view.name, view.config.load_weight, 0, ()), None
         state.known_present.setdefault(view.name, set()).update(present)
         self._count_lookup(view.name, state, result.tokens, result.per_group_tokens)
         presence = presence_matrix(state.keys, present, k_max, start)
-        return BackendMatch(view.name, view.config.load_weight, result.tokens, presence)
+        match = BackendMatch(view.name, view.config.load_weight, result.tokens, presence)
+        return match, None if view.health.is_down else result  # still down: it was skipped
 
     def _count_lookup(self, name: str, state: RequestState, tokens: int, per_group: tuple[int, ...]) -> None:
         disagree = any(t != tokens for t in per_group)
@@ -249,7 +254,7 @@ class OffloadScheduler:
             counters.record_lookup(tokens, aligned, groups)
             if disagree and tokens:
                 self.stats.counters.group_disagreements += 1
-        if disagree and tokens and not state.warned_disagreement:
+        if disagree and tokens and not state.warned_disagreement and not self.planner.has_state_groups:
             state.warned_disagreement = True
             logger.warning(
                 "request %s: groups disagree on the loadable prefix in %s %s; loading %d tokens",
@@ -259,17 +264,41 @@ class OffloadScheduler:
                 tokens,
             )
 
+    def prefill_stop(self, req_id: str, start: int, end: int) -> int:
+        """Where a prefill step from ``start`` that vLLM would end at ``end`` must stop instead:
+        the request's first checkpoint strictly inside, else ``end``."""
+        state = self._requests.get(req_id)
+        if state is not None:
+            for stop in state.checkpoints:
+                if start < stop < end:
+                    return stop
+        return end
+
     def update_state_after_alloc(
         self, request: Request, block_ids: tuple[list[int], ...], num_external_tokens: int
     ) -> None:
         state = self._requests.get(request.request_id)
-        if state is None or num_external_tokens <= 0 or state.choice is None:
+        if state is None:
+            return
+        self._count_coverage(state, num_external_tokens)
+        if num_external_tokens <= 0 or state.choice is None:
             return
         state.block_ids = [list(ids) for ids in block_ids]
         state.load_start = state.load_end - num_external_tokens
         state.load_pending = True
         choice = LoadChoice(state.load_start, state.load_end, state.choice.sources, state.choice.score)
         state.hit_tokens = choice.tokens_by_backend(self.planner)
+
+    def _count_coverage(self, state: RequestState, num_external_tokens: int) -> None:
+        """Once per admission: the last lookup's coverage (served as vLLM admitted it)."""
+        cov = state.coverage
+        if cov is None or state.coverage_counted:
+            return
+        state.coverage_counted = True
+        if num_external_tokens != cov.served:  # vLLM trimmed the load, or a child connector serves it
+            cov = state.coverage = cov.with_served(num_external_tokens)
+        with self.stats.lock:
+            self.stats.counters.record_coverage(cov.served, cov.reusable, cov.lost)
 
     def hit_sources(self, req_id: str) -> dict[str, int]:
         """Tokens of the planned load per hit source ("host", "disk", "p2p", ...)."""
@@ -296,9 +325,9 @@ class OffloadScheduler:
 
     # ---- per-step metadata ----------------------------------------------------------
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadMetadata:
-        meta = OffloadMetadata()
+        meta, self._ended = self._ended, OffloadMetadata()
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
-            self.handle_preemption(req_id)
+            self.handle_preemption(req_id, meta)
             meta.preempted.append(req_id)
         for state in self._requests.values():
             if state.load_pending:
@@ -308,7 +337,7 @@ class OffloadScheduler:
             if state is None:
                 continue
             state.block_ids = [list(ids) for ids in new.block_ids]
-            self._plan_stores(
+            self.stores.plan_step(
                 state, new.num_computed_tokens, scheduler_output.num_scheduled_tokens[new.req_id], meta
             )
         cached = scheduler_output.scheduled_cached_reqs
@@ -323,31 +352,44 @@ class OffloadScheduler:
             elif new_ids is not None:
                 for group_ids, more in zip(state.block_ids, new_ids, strict=True):
                     group_ids.extend(more)
-            self._plan_stores(
+            self.stores.plan_step(
                 state, cached.num_computed_tokens[i], scheduler_output.num_scheduled_tokens[req_id], meta
             )
         return meta
 
-    def handle_preemption(self, req_id: str) -> None:
-        """vLLM freed the request's blocks; when it is scheduled again, it is looked up anew
-        (pages stored before the preemption load instead of being recomputed)."""
+    def has_ended_work(self) -> bool:
+        """Whether requests that ended left commits or releases for the next step (vLLM keeps
+        stepping while this is true, so they do not wait for the next request)."""
+        return bool(self._ended.commits or self._ended.releases)
+
+    def handle_preemption(self, req_id: str, meta: OffloadMetadata | None = None) -> None:
+        """vLLM freed the request's blocks: what the worker holds for it is committed, and when
+        it is scheduled again it is looked up anew (pages stored before the preemption load
+        instead of being recomputed)."""
         with self.stats.lock:
             self.stats.counters.preemptions += 1
         state = self._requests.get(req_id)
         if state is not None:
+            self.stores.finish(state, meta if meta is not None else self._ended)
             state.block_ids = []
             state.store_from_chunk = None
             state.next_store_chunk = 0
+            state.coverage_counted = False
 
     def _load_job(self, state: RequestState) -> LoadJob:
         assert state.choice is not None
         chunk = self.planner.chunk_tokens
         start, end = state.load_start // chunk, state.load_end // chunk
         segments: dict[str, list[PageJob]] = {}
+        clears: list[ClearRange] = []
         for plan in self.planner.plans:
             for c in self.planner.needed_chunks(plan, end, start):
-                page = self._page_job(plan, state, c, load_boundary=state.load_end)
+                page = page_job(self.planner, state, plan, c, load_start=state.load_start)
                 segments.setdefault(state.choice.sources[(plan.index, c)], []).append(page)
+            bs = plan.group.block_size
+            if plan.kind is not GroupKind.MAMBA and state.load_end % bs:
+                block = state.block_ids[plan.index][state.load_end // bs]
+                clears.append(ClearRange(plan.index, block, state.load_end % bs, bs - state.load_end % bs))
         state.load_pending = False
         state.loading = True
         state.store_from_chunk = end
@@ -359,72 +401,8 @@ class OffloadScheduler:
             state.req_id,
             tuple(LoadSegment(name, tuple(pages)) for name, pages in segments.items()),
             self._fallback_order,
+            tuple(clears),
         )
-
-    def _page_job(
-        self, plan: GroupPlan, state: RequestState, c: int, load_boundary: int | None = None
-    ) -> PageJob:
-        chunk = self.planner.chunk_tokens
-        table = state.block_ids[plan.index]
-        key, chunk_hash = state.keys[plan.index][c], state.chunk_hashes[c]
-        if plan.kind is GroupKind.MAMBA:
-            boundary = (c + 1) * chunk
-            index = self.planner.mamba_state_block_index(plan, boundary)
-            blocks = (table[index],)
-            if load_boundary is not None:
-                blocks = tuple(b for b in table[index:] if b)
-            return PageJob(key, plan.index, c, chunk_hash, blocks)
-        bs = plan.group.block_size
-        first, last = c * chunk, (c + 1) * chunk - 1
-        skip = max(0, state.load_start - first) if load_boundary is not None else 0
-        return PageJob(
-            key, plan.index, c, chunk_hash, tuple(table[first // bs : last // bs + 1]), first % bs, skip
-        )
-
-    def _plan_stores(self, state: RequestState, computed: int, scheduled: int, meta: OffloadMetadata) -> None:
-        """Store pages that this step completes: attention chunks fully computed, and the Mamba
-        state when the step ends exactly on a chunk boundary (output tokens only for backends
-        with ``store_output``)."""
-        if state.loading or not self.views:
-            return
-        chunk = self.planner.chunk_tokens
-        if state.store_from_chunk is None:
-            # A chunk partly covered by vLLM's local hit is still whole in the request's blocks.
-            state.store_from_chunk = computed // chunk
-            state.next_store_chunk = state.store_from_chunk
-        limit = state.prompt_len
-        if self._store_output and computed + scheduled > state.prompt_len:
-            self._extend_keys(state, computed + scheduled)  # tokens not sampled yet stay unkeyed
-            limit = max(limit, len(state.chunk_hashes) * chunk)
-        after = min(computed + scheduled, limit)
-        first = max(state.next_store_chunk, state.store_from_chunk)
-        last_full = after // chunk
-        for c in range(first, last_full):
-            for plan in self.planner.plans:
-                if plan.kind is not GroupKind.MAMBA:
-                    self._emit_store(meta, self._page_job(plan, state, c), state)
-        if computed + scheduled == after and after % chunk == 0 and after // chunk > state.store_from_chunk:
-            for plan in self.planner.plans:
-                if plan.kind is GroupKind.MAMBA and after % plan.state_interval == 0:
-                    job = self._page_job(plan, state, after // chunk - 1)
-                    if all(job.block_ids):
-                        self._emit_store(meta, job, state)
-        state.next_store_chunk = max(state.next_store_chunk, last_full)
-
-    def _emit_store(self, meta: OffloadMetadata, page: PageJob, state: RequestState) -> None:
-        output = (page.chunk_index + 1) * self.planner.chunk_tokens > state.prompt_len
-        seen = self._sightings.count(page.chunk_hash)
-        targets = tuple(
-            v.name
-            for v in self.views
-            if not v.config.read_only
-            and (v.config.store_output or not output)
-            and seen >= v.config.store_threshold
-            and page.key not in state.known_present.get(v.name, ())
-            and not v.health.is_down
-        )
-        if targets:
-            meta.stores.append(StoreJob(page, targets))
 
     # ---- worker feedback and request end ---------------------------------------------
     def update_connector_output(
@@ -436,6 +414,7 @@ class OffloadScheduler:
             for name, samples in worker_meta.load_samples.items():
                 for nbytes, seconds, ok in samples:
                     self.policy.observe(name, nbytes, seconds, ok)
+            self.pending.settle(worker_meta.settled)
         for req_id in finished_recving or ():
             state = self._requests.get(req_id)
             if state is not None:
@@ -450,11 +429,17 @@ class OffloadScheduler:
                     state.store_from_chunk = None
                     state.known_present.clear()
 
-    def request_finished(self, request: Request) -> bool:
-        """Forget the request; True while a load into its blocks is still in flight (vLLM then
-        frees them when the worker reports that load finished)."""
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        """Forget the request; commit what the worker holds for it (with the next step). True
+        while a load into its blocks is still in flight (vLLM then frees them when the worker
+        reports that load finished); the request's coverage for ``kv_transfer_params``."""
         state = self._requests.pop(request.request_id, None)
-        return state is not None and state.loading
+        self.pending.done_waiting(request.request_id)
+        if state is None:
+            return False, None
+        self.stores.finish(state, self._ended)
+        report = {"hybrid_offload": state.coverage.as_dict()} if state.coverage is not None else None
+        return state.loading, report
 
     def refresh_gauges(self) -> None:
         """Copy each backend's availability (as this process sees it) and capacity into the
@@ -470,6 +455,7 @@ class OffloadScheduler:
         (stale after a weight update). Requests already known keep their keys."""
         self._generation += 1
         self._sightings = ChunkSightings()
+        self.stores.sightings = self._sightings
         logger.warning(
             "hybrid-offload cache reset: pages stored so far are no longer loaded (generation %d)",
             self._generation,

@@ -2,10 +2,12 @@
 
 Threads and blocking:
 
-* The model-runner thread calls :meth:`OffloadWorker.copy_out` in ``wait_for_save`` (after
-  the forward): the only synchronous work is copying this step's completed chunks and
-  boundary states out of the KV cache into page buffers. Sealing (checksums) and backend puts
-  run on the store thread.
+* The model-runner thread calls :meth:`OffloadWorker.save` in ``wait_for_save`` (after the
+  forward): the only synchronous work is copying this step's completed chunks and boundary
+  states out of the KV cache into page buffers. Pages the scheduler cannot key yet are *held*
+  (kept by request, group and chunk) until a commit names their key, or dropped when their
+  request is released. Sealing (checksums) and backend puts run on the store thread, which
+  reports every page set it finished (``settled``) so that lookups waiting for it go on.
 * :meth:`OffloadWorker.start_loads` hands load jobs to the load thread, which reads and
   verifies pages; :meth:`OffloadWorker.finished` (model-runner thread, between forwards)
   writes them into the blocks vLLM allocated for the waiting requests and reports them.
@@ -30,8 +32,11 @@ from hybrid_offload.backends.base import Backend, BackendConfig, BackendError
 from hybrid_offload.config import open_backend
 from hybrid_offload.connector.health import BackendHealth
 from hybrid_offload.connector.metadata import (
+    ClearRange,
+    CommitJob,
     LoadJob,
     LoadSample,
+    OffloadMetadata,
     OffloadWorkerMetadata,
     PageJob,
     StoreJob,
@@ -63,6 +68,10 @@ class ShardRead:
 
 #: a verified shard ready to be written into the KV cache
 Decoded = tuple[ShardRead, memoryview]
+#: one shard's sealed-to-be page buffer, queued for the store thread
+QueuedShard = tuple[StoreJob, int, bytearray]
+#: held copies: (request, group, chunk) -> this rank's shards
+HoldKey = tuple[str, int, int]
 
 
 class LoadSwitchInterval:
@@ -123,8 +132,11 @@ class OffloadWorker:
         self._usage_at: dict[str, float] = {}
         self._max_pending = max_pending_store_bytes
         self._pending_bytes = 0
+        self._held: dict[HoldKey, list[tuple[int, bytearray]]] = {}
+        self._held_bytes = 0
         self._lock = threading.Lock()
         self._stored: dict[str, list[str]] = {}
+        self._settled: list[str] = []
         self._load_samples: dict[str, list[LoadSample]] = {}
         self._store_queue: queue.Queue = queue.Queue()
         self._store_thread = threading.Thread(
@@ -134,6 +146,7 @@ class OffloadWorker:
         threading.Thread(target=self._prepare_data_paths, name="hybrid-offload-prepare", daemon=True).start()
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="hybrid-offload-load")
         self._loads: dict[str, Future] = {}
+        self._clears: dict[str, tuple[ClearRange, ...]] = {}
         self._preempted: set[str] = set()
         self._switch = LoadSwitchInterval(load_switch_interval_s)
         self._bad_page_logged: set[str] = set()
@@ -181,33 +194,101 @@ class OffloadWorker:
                 logger.exception("backend %s: writing the model card failed", name)
 
     # ---- stores -----------------------------------------------------------------------
+    def save(self, meta: OffloadMetadata) -> None:
+        """``wait_for_save``: copy this step's pages out (stores and holds), commit held pages,
+        then drop what released requests still hold."""
+        self.copy_out(meta.stores)
+        self.commit(meta.commits)
+        for req_id in meta.releases:
+            for key in [k for k in self._held if k[0] == req_id]:
+                self._drop_held(key)
+
     def copy_out(self, stores: list[StoreJob]) -> None:
-        """Copy this step's pages (this rank's shards of them) out of the KV cache and queue
-        them for the store thread."""
+        """Copy this step's pages (this rank's shards of them) out of the KV cache: stores are
+        queued for the store thread, holds kept until committed."""
         if not stores or not self.layouts:
+            self._settle([job.page.key for job in stores if not job.hold])
             return
-        batch: list[tuple[StoreJob, int, bytearray]] = []
+        batch: list[QueuedShard] = []
         nbytes = 0
         for job in stores:
             codec = self.codecs[job.page.group]
             size = sum(codec.page_lens[p] for p in codec.written)
+            if not self._admit(job, size, nbytes):
+                continue
+            shards = [(shard, self._gather(job.page, shard)) for shard in codec.written]
+            if job.hold:
+                self._hold(job, shards, size)
+            else:
+                batch.extend((job, shard, buf) for shard, buf in shards)
+                nbytes += size
+        self._queue(batch, nbytes)
+
+    def _admit(self, job: StoreJob, size: int, queued: int) -> bool:
+        """Whether the pending-bytes budget takes ``size`` more bytes (holds have a budget of
+        their own); a dropped store is counted and settled."""
+        with self._lock:
+            used = self._held_bytes if job.hold else self._pending_bytes + queued
+            if used + size <= self._max_pending:
+                return True
+        self._count("stores_dropped")
+        if not job.hold:
+            self._settle([job.page.key])
+        return False
+
+    def _gather(self, page: PageJob, shard: int) -> bytearray:
+        codec = self.codecs[page.group]
+        buf = bytearray(codec.page_lens[shard])
+        payload = torch.frombuffer(buf, dtype=torch.uint8)[codec.header_lens[shard] :]
+        codec.gather(self.layouts[page.group], page, shard, payload)
+        return buf
+
+    def _hold(self, job: StoreJob, shards: list[tuple[int, bytearray]], size: int) -> None:
+        page = job.page
+        if not self.codecs[page.group].group.is_attention:  # the newest state replaces older ones
+            for key in [k for k in self._held if k[0] == job.req_id and k[1] == page.group]:
+                self._drop_held(key)
+        self._drop_held((job.req_id, page.group, page.chunk_index))
+        self._held[(job.req_id, page.group, page.chunk_index)] = shards
+        with self._lock:
+            self._held_bytes += size
+
+    def _drop_held(self, key: HoldKey) -> list[tuple[int, bytearray]] | None:
+        shards = self._held.pop(key, None)
+        if shards is not None:
             with self._lock:
-                if self._pending_bytes + nbytes + size > self._max_pending:
-                    self._count("stores_dropped")
-                    continue
-            for shard in codec.written:
-                buf = bytearray(codec.page_lens[shard])
-                payload = torch.frombuffer(buf, dtype=torch.uint8)[codec.header_lens[shard] :]
-                codec.gather(self.layouts[job.page.group], job.page, shard, payload)
-                batch.append((job, shard, buf))
-            nbytes += size
-        if batch:
+                self._held_bytes -= sum(len(buf) for _, buf in shards)
+        return shards
+
+    def commit(self, commits: list[CommitJob]) -> None:
+        """Queue held pages under the keys the scheduler knows now (a page no longer held,
+        e.g. dropped for the budget, is settled as it is)."""
+        batch: list[QueuedShard] = []
+        nbytes = 0
+        for commit in commits:
+            shards = self._drop_held((commit.req_id, commit.page.group, commit.page.chunk_index))
+            if shards is None:
+                self._settle([commit.page.key])
+                continue
+            job = StoreJob(commit.page, commit.backends, commit.req_id)
+            batch.extend((job, shard, buf) for shard, buf in shards)
+            nbytes += sum(len(buf) for _, buf in shards)
+        self._queue(batch, nbytes)
+
+    def _queue(self, batch: list[QueuedShard], nbytes: int) -> None:
+        if not batch:
+            return
+        with self._lock:
+            self._pending_bytes += nbytes
+        self._store_queue.put((batch, nbytes))
+        with self.stats.lock:
+            self.stats.counters.pages_copied_out += len(batch)
+            self.stats.counters.bytes_copied_out += nbytes
+
+    def _settle(self, keys: list[str]) -> None:
+        if keys:
             with self._lock:
-                self._pending_bytes += nbytes
-            self._store_queue.put((batch, nbytes))
-            with self.stats.lock:
-                self.stats.counters.pages_copied_out += len(batch)
-                self.stats.counters.bytes_copied_out += nbytes
+                self._settled.extend(keys)
 
     def _store_loop(self) -> None:
         while True:
@@ -223,6 +304,7 @@ class OffloadWorker:
             finally:
                 with self._lock:
                     self._pending_bytes -= nbytes
+                self._settle(list(dict.fromkeys(job.page.key for job, _, _ in batch)))
                 self._store_queue.task_done()
 
     def _check_namespace(self, key: str) -> None:
@@ -239,7 +321,7 @@ class OffloadWorker:
                 self.spec.fingerprint,
             )
 
-    def _store_batch(self, batch: list[tuple[StoreJob, int, bytearray]]) -> None:
+    def _store_batch(self, batch: list[QueuedShard]) -> None:
         per_backend: dict[str, list[tuple[str, bytearray]]] = {}
         if batch:
             self._check_namespace(batch[0][0].page.key)
@@ -282,6 +364,7 @@ class OffloadWorker:
     def start_loads(self, loads: list[LoadJob]) -> None:
         for job in loads:
             self._loads[job.req_id] = self._loader.submit(self._load, job)
+            self._clears[job.req_id] = job.clears
         self._switch.loading(bool(self._loads))
 
     def _load(self, job: LoadJob) -> list[Decoded] | None:
@@ -397,6 +480,7 @@ class OffloadWorker:
                 continue
             del self._loads[req_id]
             recving.add(req_id)
+            clears = self._clears.pop(req_id, ())
             if req_id in self._preempted:
                 self._preempted.discard(req_id)
                 failed.add(req_id)
@@ -408,6 +492,8 @@ class OffloadWorker:
                         self.layouts[read.page.group], read.page, read.shard,
                         torch.frombuffer(payload, dtype=torch.uint8),
                     )
+                if decoded is not None:
+                    self._clear(clears)
             except Exception:
                 logger.exception("hybrid-offload load of request %s failed", req_id)
                 decoded = None
@@ -416,17 +502,25 @@ class OffloadWorker:
         self._switch.loading(bool(self._loads))
         return recving, failed
 
+    def _clear(self, clears: Iterable[ClearRange]) -> None:
+        """Zero the parts of a load's last attention blocks that the load did not fill."""
+        for clear in clears:
+            layout = self.layouts[clear.group]
+            assert isinstance(layout, AttentionGroupLayout)
+            layout.zero(layout.element_index([clear.block_id], clear.first_token, clear.num_tokens))
+
     def worker_meta(self) -> OffloadWorkerMetadata | None:
         with self._lock:
             stored, self._stored = self._stored, {}
             samples, self._load_samples = self._load_samples, {}
+            settled, self._settled = self._settled, []
         evicted = {}
         for name, backend in self.backends.items():
             if not backend.shared_index:
                 keys = backend.take_evicted()
                 if keys:
                     evicted[name] = keys
-        meta = OffloadWorkerMetadata(stored=stored, evicted=evicted, load_samples=samples)
+        meta = OffloadWorkerMetadata(stored=stored, evicted=evicted, load_samples=samples, settled=settled)
         return None if meta.is_empty() else meta
 
     # ---- helpers ----------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from hybrid_offload.backends.base import BackendConfig
@@ -21,8 +22,9 @@ def worlds() -> Iterator[Callable[..., World]]:
         chunk: int,
         backends: tuple[BackendConfig, ...] = (cpu_config(),),
         policy: str = "weighted",
+        **scheduler_kw: Any,
     ) -> World:
-        made.append(World(spec, chunk, backends, policy))
+        made.append(World(spec, chunk, backends, policy, **scheduler_kw))
         return made[-1]
 
     yield make

@@ -246,19 +246,20 @@ def test_load_and_store_policy_keys() -> None:
             "load_policy": "ranged",
             "backends": [
                 {"type": "cpu"},
-                {"type": "cpu", "name": "b", "store_threshold": 3, "store_output": True, "read_only": True},
+                {"type": "cpu", "name": "b", "store_threshold": 3, "store_output": False, "read_only": True},
             ],
         }
     )
     assert cfg.load_policy == "ranged"
+    # generated tokens are stored by default
     assert (cfg.backends[0].store_threshold, cfg.backends[0].store_output, cfg.backends[0].read_only) == (
         1,
-        False,
+        True,
         False,
     )
     assert (cfg.backends[1].store_threshold, cfg.backends[1].store_output, cfg.backends[1].read_only) == (
         3,
-        True,
+        False,
         True,
     )
     assert not {"store_threshold", "store_output", "read_only"} & set(cfg.backends[1].options)

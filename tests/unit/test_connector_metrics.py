@@ -219,6 +219,8 @@ def test_scheduler_counts_lookups_hits_misses_groups_and_loads(worlds) -> None:
         "aligned_prompt_tokens": 48,
         "external_tokens": 24,
         "group_disagreements": 1,  # request a: attention could load 16 tokens, Mamba 8
+        "served_tokens": 24,  # request b, admitted: all of what earlier traffic shared
+        "reusable_tokens": 24,
     }
     cpu = payload["backends"]["cpu"]
     assert cpu["counters"] == {"lookups": 2, "hit_tokens": 32, "miss_tokens": 16, "loaded_tokens": 24}

@@ -1,9 +1,11 @@
 """OffloadScheduler scenarios with fake vLLM requests/scheduler outputs and real backends.
 
 The fakes follow vLLM 0.32 (hybrid align mode): ``block_ids[group]`` is a request's block
-table per KV cache group, the Mamba state after N tokens lives at block index N/bs - 1 of the
-Mamba table, id 0 is the null block, and async loads go get_num_new_matched_tokens ->
-update_state_after_alloc -> build_connector_meta (LoadJob) -> update_connector_output.
+table per KV cache group, the Mamba state after N tokens lives at block index (N - 1) // bs of
+the Mamba table (the block covering token N - 1, also inside a block), id 0 is the null block,
+and async loads go get_num_new_matched_tokens -> update_state_after_alloc ->
+build_connector_meta (LoadJob) -> update_connector_output. Prefill steps end where the
+connector's ``prefill_stop`` says (vLLM's split, patched by ``vllm_plugin``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from hybrid_offload.backends.disk import DiskBackend
 
 from hybrid_offload.connector.health import BackendHealth
 from hybrid_offload.connector.metadata import (
+    ClearRange,
+    CommitJob,
     LoadJob,
     LoadSegment,
     OffloadMetadata,
@@ -125,12 +129,24 @@ class World:
     """A planner plus a scheduler; keys of prompts; ways to make backends hold pages."""
 
     def __init__(
-        self, spec: ModelSpec, chunk: int, backends: tuple[BackendConfig, ...], policy: str = "weighted"
+        self, spec: ModelSpec, chunk: int, backends: tuple[BackendConfig, ...], policy: str = "weighted",
+        **scheduler_kw: Any,
     ) -> None:
         self.planner = HybridOffloadPlanner(spec, chunk)
-        self.sched = OffloadScheduler(self.planner, backends, policy)
+        self.clock = [0.0]
+        self.sched = OffloadScheduler(
+            self.planner, backends, policy, clock=lambda: self.clock[0], **scheduler_kw
+        )
         self.configs = {c.name: c for c in backends}
         self._writers: dict[str, Any] = {}
+
+    def complete(self, meta: OffloadMetadata) -> None:
+        """Report what a worker would after ``meta``: stores and commits done (cpu pages
+        visible in the mirror)."""
+        pages = [s.page for s in meta.stores if not s.hold] + [c.page for c in meta.commits]
+        stored = {name: [p.key for p in pages] for name in self.configs if self.configs[name].type == "cpu"}
+        report = OffloadWorkerMetadata(stored=stored, settled=[p.key for p in pages])
+        self.sched.update_connector_output(report, None, None)
 
     def keys(self, tokens: list[int], scope: bytes = b"") -> list[list[str]]:
         return self.planner.group_keys(self.planner.chunk_hashes(tokens, scope))
@@ -158,8 +174,43 @@ class World:
 
 
 def store_summary(meta: OffloadMetadata) -> list[tuple[int, int, tuple[int, ...], int]]:
-    """(group, chunk, block_ids, first_token) of every StoreJob, in emitted order."""
-    return [(s.page.group, s.page.chunk_index, s.page.block_ids, s.page.first_token) for s in meta.stores]
+    """(group, chunk, block_ids, first_token) of every StoreJob (not holds), in emitted order."""
+    return [
+        (s.page.group, s.page.chunk_index, s.page.block_ids, s.page.first_token)
+        for s in meta.stores if not s.hold
+    ]
+
+
+def hold_summary(meta: OffloadMetadata) -> list[tuple[int, int, tuple[int, ...], int]]:
+    """(group, chunk, block_ids, first_token) of every held copy, in emitted order."""
+    return [
+        (s.page.group, s.page.chunk_index, s.page.block_ids, s.page.first_token)
+        for s in meta.stores if s.hold
+    ]
+
+
+def commit_summary(meta: OffloadMetadata) -> list[tuple[str, int, int]]:
+    """(request, group, chunk) of every commit, in emitted order."""
+    return [(c.req_id, c.page.group, c.page.chunk_index) for c in meta.commits]
+
+
+def run_prefill(
+    w: World, req: FakeRequest, tables: tuple[list[int], ...], budget: int
+) -> list[OffloadMetadata]:
+    """Schedule ``req``'s whole prompt in steps of at most ``budget`` tokens, shortened to the
+    connector's checkpoints as vLLM's patched split does; the metadata of every step."""
+    metas, computed, n = [], 0, len(req.prompt_token_ids)
+    while computed < n:
+        end = w.sched.prefill_stop(req.request_id, computed, min(n, computed + budget))
+        if computed == 0:
+            meta = w.sched.build_connector_meta(step(new=[new_req(req.request_id, tables, 0)],
+                                                     scheduled={req.request_id: end}))
+        else:
+            meta = w.sched.build_connector_meta(step(cached=[(req.request_id, None, computed)],
+                                                     scheduled={req.request_id: end - computed}))
+        metas.append(meta)
+        computed = end
+    return metas
 
 
 def attn_page(
@@ -184,39 +235,131 @@ def start_load(w: World, req: FakeRequest, computed: int, tables: tuple[list[int
 
 
 # ---- store planning -------------------------------------------------------------------------
-def test_stores_follow_chunk_completion_and_mamba_boundaries(worlds) -> None:
-    """Prompt of 3.5 chunks (28 tokens, chunk = block = 8): one chunk, then the rest, then decode."""
+def test_stores_follow_chunk_completion_and_checkpoints(worlds) -> None:
+    """Prompt of 3.5 chunks (28 tokens, chunk = block = 8): the prefill stops at the tail
+    checkpoint 24 (its state is stored), then the rest; decoding holds states and output
+    chunks, and the request's end commits the last ones."""
     w = worlds(make_spec(8, 8), 8)
     tokens = prompt(28)
     req = FakeRequest("r1", tokens)
     assert w.sched.get_num_new_matched_tokens(req, 0) == (0, False)
     w.sched.update_state_after_alloc(req, ([10], [20]), 0)
+    assert w.sched.prefill_stop("r1", 0, 28) == 24
+    assert w.sched.prefill_stop("r1", 24, 28) == 28
+    assert w.sched.prefill_stop("r1", 0, 16) == 16
 
-    meta = w.sched.build_connector_meta(step(new=[new_req("r1", ([10], [20]), 0)], scheduled={"r1": 8}))
+    tables = ([10, 11, 12, 13], [0, 0, 22, 23])
+    meta = w.sched.build_connector_meta(step(new=[new_req("r1", tables, 0)], scheduled={"r1": 24}))
     assert not meta.loads
     assert meta.stores == [
-        StoreJob(attn_page(w, tokens, 0, (10,)), ("cpu",)),
-        StoreJob(mamba_page(w, tokens, 0, (20,)), ("cpu",)),  # step ended on 8: state at index 0
+        StoreJob(attn_page(w, tokens, 0, (10,)), ("cpu",), "r1"),
+        StoreJob(attn_page(w, tokens, 1, (11,)), ("cpu",), "r1"),
+        StoreJob(attn_page(w, tokens, 2, (12,)), ("cpu",), "r1"),
+        StoreJob(mamba_page(w, tokens, 2, (22,)), ("cpu",), "r1"),  # state at 24: index 2
     ]
+    # 24 -> 28: no chunk completes, 28 is not a chunk boundary
+    meta = w.sched.build_connector_meta(step(cached=[("r1", None, 24)], scheduled={"r1": 4}))
+    assert meta.stores == []
 
-    # 8 -> 28: chunks 1 and 2 complete; 28 is not a chunk boundary, so no Mamba state.
-    meta = w.sched.build_connector_meta(
-        step(cached=[("r1", ([11, 12, 13], [21, 22, 23]), 8)], scheduled={"r1": 20})
-    )
-    assert store_summary(meta) == [(ATTN, 1, (11,), 0), (ATTN, 2, (12,), 0)]
+    # decoding: the step ending on 32 completes chunk 3 and holds the state there; its last
+    # input token is known (sync scheduling), so the chunk is stored and the state held
+    req.output_token_ids = [1, 2, 3, 4]
+    for computed in (28, 29, 30):
+        meta = w.sched.build_connector_meta(step(cached=[("r1", None, computed)], scheduled={"r1": 1}))
+        assert meta.stores == []
+    meta = w.sched.build_connector_meta(step(cached=[("r1", None, 31)], scheduled={"r1": 1}))
+    out = tokens + req.output_token_ids
+    assert meta.stores == [
+        StoreJob(attn_page(w, out, 3, (13,)), ("cpu",), "r1"),
+        StoreJob(PageJob("", MAMBA, 3, b"", (23,)), (), "r1", hold=True),
+    ]
+    # the end commits the held state under its key, and releases the request's copies
+    assert w.sched.request_finished(req) == (False, {"hybrid_offload": {
+        "local_tokens": 0, "served_tokens": 0, "reusable_tokens": 0, "lost_tokens": {}}})
+    meta = w.sched.build_connector_meta(step())
+    assert meta.commits == [CommitJob("r1", mamba_page(w, out, 3, (23,)), ("cpu",))]
+    assert meta.releases == ["r1"]
 
-    # decode: 28 -> 29 -> 32; 32 is a chunk boundary but beyond the prompt: nothing is stored.
-    for computed, n in ((28, 1), (29, 3), (32, 1), (33, 7)):
-        meta = w.sched.build_connector_meta(step(cached=[("r1", None, computed)], scheduled={"r1": n}))
-        assert meta.stores == [], computed
 
-
-def test_mamba_state_stored_at_every_step_that_ends_on_a_boundary(worlds) -> None:
+def test_async_scheduling_holds_output_chunks_until_their_tokens_are_known(worlds) -> None:
+    """Under async scheduling a step's last input token is sampled after it is planned: the
+    completed chunk is copied and held, and committed once the token is known."""
     w = worlds(make_spec(8, 8), 8)
+    tokens = prompt(20)
+    req = FakeRequest("r1", tokens)
+    w.sched.get_num_new_matched_tokens(req, 0)
+    tables = ([10, 11, 12], [0, 21, 22])
+    run_prefill(w, req, tables, 64)
+    req.output_token_ids = [1, 2, 3]  # position 23's token (the 4th output) is not sampled yet
+    meta = w.sched.build_connector_meta(step(cached=[("r1", None, 23)], scheduled={"r1": 1}))
+    assert hold_summary(meta) == [(ATTN, 2, (12,), 0), (MAMBA, 2, (22,), 0)]
+    assert store_summary(meta) == []
+    req.output_token_ids = [1, 2, 3, 4]
+    meta = w.sched.build_connector_meta(step(cached=[("r1", None, 24)], scheduled={"r1": 1}))
+    assert commit_summary(meta) == [("r1", ATTN, 2)]
+    assert meta.commits[0].page == attn_page(w, tokens + req.output_token_ids, 2, (12,))
+    w.sched.request_finished(req)
+    assert commit_summary(w.sched.build_connector_meta(step())) == [("r1", MAMBA, 2)]
+
+
+def test_preemption_commits_what_the_worker_holds(worlds) -> None:
+    w = worlds(make_spec(8, 8), 8)
+    req = FakeRequest("r1", prompt(12), output_token_ids=[5, 6, 7, 8])
+    w.sched.get_num_new_matched_tokens(req, 0)
+    run_prefill(w, req, ([10, 11], [20, 21]), 64)
+    meta = w.sched.build_connector_meta(step(cached=[("r1", None, 15)], scheduled={"r1": 1}))
+    assert hold_summary(meta) == [(MAMBA, 1, (21,), 0)]
+    meta = w.sched.build_connector_meta(step(preempted={"r1"}))
+    assert commit_summary(meta) == [("r1", MAMBA, 1)] and meta.releases == ["r1"]
+    assert meta.preempted == ["r1"]
+
+
+def test_checkpoint_interval_and_junction_stops(worlds) -> None:
+    w = worlds(make_spec(8, 8), 8, checkpoint_interval=16)
+    tokens = prompt(60)
+    w.sched.get_num_new_matched_tokens(FakeRequest("r1", tokens), 0)
+    stops, start = [], 0
+    while start < 60:
+        start = w.sched.prefill_stop("r1", start, 60)
+        stops.append(start)
+    assert stops == [16, 32, 48, 56, 60]  # every 16, the tail (59 // 8 * 8), the prompt end
+    # a sibling sharing 40 tokens: attention pages reach 40, no state there -> junction at 40
+    w.hold("cpu", w.chunk_keys(tokens, range(5), (ATTN,)))
+    sibling = FakeRequest("r2", tokens[:40] + prompt(30, offset=500))
+    assert w.sched.get_num_new_matched_tokens(sibling, 0) == (0, False)
+    assert w.sched.prefill_stop("r2", 32, 70) == 40
+    assert w.sched.prefill_stop("r2", 0, 70) == 16
+
+
+def test_a_lookup_waits_for_stores_of_its_prefix(worlds) -> None:
+    w = worlds(make_spec(8, 8), 8, pending_wait_s=2.0)
+    tokens = prompt(28)
+    first = FakeRequest("r1", tokens)
+    w.sched.get_num_new_matched_tokens(first, 0)
+    metas = run_prefill(w, first, ([10, 11, 12, 13], [0, 0, 22, 23]), 64)
+    again = FakeRequest("r2", tokens)
+    assert w.sched.get_num_new_matched_tokens(again, 0) == (None, False)  # stores in flight
+    w.clock[0] = 1.0
+    assert w.sched.get_num_new_matched_tokens(again, 0) == (None, False)
+    for meta in metas:
+        w.complete(meta)
+    assert w.sched.get_num_new_matched_tokens(again, 0) == (24, True)
+    # stores never reported: the lookup goes on after the wait
+    other = FakeRequest("r3", prompt(28, offset=100))
+    w.sched.get_num_new_matched_tokens(other, 0)
+    run_prefill(w, other, ([1, 2, 3, 4], [0, 0, 7, 8]), 64)
+    late = FakeRequest("r4", prompt(28, offset=100))
+    assert w.sched.get_num_new_matched_tokens(late, 0) == (None, False)
+    w.clock[0] = 3.5
+    assert w.sched.get_num_new_matched_tokens(late, 0) == (0, False)
+
+
+def test_mamba_state_stored_only_at_checkpoints(worlds) -> None:
+    """Steps vLLM ends elsewhere (its token budget) store no state; checkpoints do."""
+    w = worlds(make_spec(8, 8), 8, checkpoint_interval=16)
     tokens = prompt(28)
     req = FakeRequest("r1", tokens)
     w.sched.get_num_new_matched_tokens(req, 0)
-    attn, mamba = [10, 11, 12, 13], [20, 21, 22, 23]
     summaries = [
         store_summary(
             w.sched.build_connector_meta(step(new=[new_req("r1", ([10], [20]), 0)], scheduled={"r1": 8}))
@@ -225,31 +368,30 @@ def test_mamba_state_stored_at_every_step_that_ends_on_a_boundary(worlds) -> Non
             w.sched.build_connector_meta(step(cached=[("r1", ([11], [21]), 8)], scheduled={"r1": 8}))
         ),
         store_summary(
-            w.sched.build_connector_meta(
-                step(cached=[("r1", ([12, 13], [22, 23]), 16)], scheduled={"r1": 12})
-            )
+            w.sched.build_connector_meta(step(cached=[("r1", ([12, 13], [22, 23]), 16)], scheduled={"r1": 8}))
         ),
     ]
     assert summaries == [
-        [(ATTN, 0, (attn[0],), 0), (MAMBA, 0, (mamba[0],), 0)],
-        [(ATTN, 1, (attn[1],), 0), (MAMBA, 1, (mamba[1],), 0)],  # ends on 16 -> index 1
-        [(ATTN, 2, (attn[2],), 0)],  # ends on 28: no state
+        [(ATTN, 0, (10,), 0)],  # 8: vLLM's stop, not a checkpoint
+        [(ATTN, 1, (11,), 0), (MAMBA, 1, (21,), 0)],  # 16: the interval
+        [(ATTN, 2, (12,), 0), (MAMBA, 2, (22,), 0)],  # 24: the tail
     ]
 
 
-def test_prompt_ending_on_a_boundary_stores_its_last_state(worlds) -> None:
+def test_prompt_ending_on_a_boundary_holds_its_last_state(worlds) -> None:
+    """The state at the prompt's end is not a checkpoint (a repeat resumes one chunk earlier)
+    but the start of the reply: it is held like a decoding state."""
     w = worlds(make_spec(8, 8), 8)
     tokens = prompt(32)
-    w.sched.get_num_new_matched_tokens(FakeRequest("r1", tokens), 0)
-    tables = ([10, 11, 12, 13], [0, 0, 0, 23])  # align mode: earlier Mamba blocks may be null
-    meta = w.sched.build_connector_meta(step(new=[new_req("r1", tables, 0)], scheduled={"r1": 32}))
-    assert store_summary(meta) == [
-        (ATTN, 0, (10,), 0),
-        (ATTN, 1, (11,), 0),
-        (ATTN, 2, (12,), 0),
-        (ATTN, 3, (13,), 0),
-        (MAMBA, 3, (23,), 0),
+    req = FakeRequest("r1", tokens)
+    w.sched.get_num_new_matched_tokens(req, 0)
+    tables = ([10, 11, 12, 13], [0, 0, 22, 23])  # align mode: earlier Mamba blocks may be null
+    metas = run_prefill(w, req, tables, 64)
+    assert [store_summary(m) for m in metas] == [
+        [(ATTN, 0, (10,), 0), (ATTN, 1, (11,), 0), (ATTN, 2, (12,), 0), (MAMBA, 2, (22,), 0)],
+        [(ATTN, 3, (13,), 0)],
     ]
+    assert hold_summary(metas[1]) == [(MAMBA, 3, (23,), 0)]
 
 
 def test_mamba_state_in_a_null_block_is_not_stored(worlds) -> None:
@@ -262,21 +404,24 @@ def test_mamba_state_in_a_null_block_is_not_stored(worlds) -> None:
 
 
 def test_split_blocks_chunk_smaller_than_block(worlds) -> None:
-    """chunk 4 < block 8: two chunks per attention block; Mamba states only every 8 tokens."""
+    """chunk 4 < block 8: two chunks per attention block; a state anywhere on a chunk boundary,
+    in the block covering the token before it."""
     w = worlds(make_spec(8, 8), 4)
     tokens = prompt(22)
     w.sched.get_num_new_matched_tokens(FakeRequest("r1", tokens), 0)
     s1 = w.sched.build_connector_meta(step(new=[new_req("r1", ([10], [20]), 0)], scheduled={"r1": 4}))
-    s2 = w.sched.build_connector_meta(step(cached=[("r1", ([11], [21]), 4)], scheduled={"r1": 12}))
-    s3 = w.sched.build_connector_meta(step(cached=[("r1", ([12], [22]), 16)], scheduled={"r1": 6}))
-    assert store_summary(s1) == [(ATTN, 0, (10,), 0)]  # 4 is a chunk boundary, not a state boundary
+    assert w.sched.prefill_stop("r1", 4, 22) == 20
+    s2 = w.sched.build_connector_meta(step(cached=[("r1", ([11, 12], [21, 22]), 4)], scheduled={"r1": 16}))
+    s3 = w.sched.build_connector_meta(step(cached=[("r1", None, 20)], scheduled={"r1": 2}))
+    assert store_summary(s1) == [(ATTN, 0, (10,), 0)]  # 4 is not a checkpoint
     assert store_summary(s2) == [
         (ATTN, 1, (10,), 4),
         (ATTN, 2, (11,), 0),
         (ATTN, 3, (11,), 4),
-        (MAMBA, 3, (21,), 0),  # state after 16 tokens: block index 16 / 8 - 1 = 1
+        (ATTN, 4, (12,), 0),
+        (MAMBA, 4, (22,), 0),  # state after 20 tokens: block index 19 // 8 = 2
     ]
-    assert store_summary(s3) == [(ATTN, 4, (12,), 0)]  # tokens 20..21 are not a full chunk
+    assert store_summary(s3) == []  # tokens 20..21 are not a full chunk
 
 
 def test_partial_local_hit_still_stores_the_partly_local_chunk(worlds) -> None:
@@ -436,7 +581,7 @@ def test_multimodal_and_embedding_requests_are_ignored(worlds, extra: dict[str, 
         step(new=[new_req("r1", ([1] * 5, [2] * 5), 0)], scheduled={"r1": 40})
     )
     assert meta.loads == [] and meta.stores == []
-    assert w.sched.request_finished(req) is False
+    assert w.sched.request_finished(req) == (False, None)
 
 
 # ---- load jobs ------------------------------------------------------------------------------
@@ -473,21 +618,23 @@ def test_load_job_pages_for_an_unaligned_start(worlds) -> None:
 
 
 def test_load_job_for_split_blocks_and_aligned_start(worlds) -> None:
-    """chunk 4 < block 8 with a local hit of 8 tokens: chunks 2..5, two per block."""
+    """chunk 4 < block 8 with a local hit of 8 tokens: chunks 2..6, two per block; the load
+    ends inside block 13, whose rest is zeroed."""
     w = worlds(make_spec(8, 8), 4)
     tokens = prompt(30)
     w.hold("cpu", w.chunk_keys(tokens, range(7)))
     req = FakeRequest("r1", tokens)
-    # 28 would be the last chunk boundary below 30, but Mamba states exist only every 8 tokens
-    assert w.sched.get_num_new_matched_tokens(req, 8) == (16, True)
-    job = start_load(w, req, 8, ([10, 11, 12, 13], [20, 21, 22, 23]))
+    assert w.sched.get_num_new_matched_tokens(req, 8) == (20, True)  # 28: inside a Mamba block
+    job = start_load(w, req, 8, ([10, 11, 12, 13], [0, 0, 0, 23]))
     assert job.pages == (
         attn_page(w, tokens, 2, (11,), 0),
         attn_page(w, tokens, 3, (11,), 4),
         attn_page(w, tokens, 4, (12,), 0),
         attn_page(w, tokens, 5, (12,), 4),
-        mamba_page(w, tokens, 5, (22, 23)),
+        attn_page(w, tokens, 6, (13,), 0),
+        mamba_page(w, tokens, 6, (23,)),
     )
+    assert job.clears == (ClearRange(ATTN, 13, 4, 4),)
 
 
 def test_stores_resume_after_the_loaded_prefix(worlds) -> None:
@@ -500,7 +647,8 @@ def test_stores_resume_after_the_loaded_prefix(worlds) -> None:
     # while loading, vLLM does not schedule it; once finished_recving is seen it comes back as new
     w.sched.update_connector_output(None, {"r1"}, None)
     meta = w.sched.build_connector_meta(step(new=[new_req("r1", tables, 32)], scheduled={"r1": 8}))
-    assert store_summary(meta) == [(ATTN, 4, (14,), 0), (MAMBA, 4, (24,), 0)]
+    assert store_summary(meta) == [(ATTN, 4, (14,), 0)]
+    assert hold_summary(meta) == [(MAMBA, 4, (24,), 0)]  # the prompt's end, the reply's start
 
 
 def test_failed_load_is_not_retried_and_recompute_stores_from_chunk_zero(worlds) -> None:
@@ -516,15 +664,14 @@ def test_failed_load_is_not_retried_and_recompute_stores_from_chunk_zero(worlds)
     assert w.sched.get_num_new_matched_tokens(req, 0) == (0, False)
     assert w.sched.get_num_new_matched_tokens(req, 0) == (0, False)
     w.sched.update_state_after_alloc(req, tables, 0)
-    meta = w.sched.build_connector_meta(step(new=[new_req("r1", tables, 0)], scheduled={"r1": 40}))
+    meta = w.sched.build_connector_meta(step(new=[new_req("r1", tables, 0)], scheduled={"r1": 32}))
     assert meta.loads == []
     assert store_summary(meta) == [
         (ATTN, 0, (10,), 0),
         (ATTN, 1, (11,), 0),
         (ATTN, 2, (12,), 0),
         (ATTN, 3, (13,), 0),
-        (ATTN, 4, (14,), 0),
-        (MAMBA, 4, (24,), 0),
+        (MAMBA, 3, (23,), 0),
     ]
     assert all(s.backends == ("cpu",) for s in meta.stores)  # also the pages the mirror "had"
 
@@ -537,20 +684,20 @@ def test_request_finished_holds_blocks_only_while_a_load_is_in_flight(worlds) ->
 
     aborted = FakeRequest("aborted", tokens)
     start_load(w, aborted, 0, tables)
-    assert w.sched.request_finished(aborted) is True  # load still writing into its blocks
+    assert w.sched.request_finished(aborted)[0] is True  # load still writing into its blocks
     w.sched.update_connector_output(None, {"aborted"}, None)  # state already gone: no error
 
     done = FakeRequest("done", tokens)
     start_load(w, done, 0, tables)
     w.sched.update_connector_output(None, {"done"}, None)
-    assert w.sched.request_finished(done) is False
+    assert w.sched.request_finished(done)[0] is False
 
     failed = FakeRequest("failed", tokens)
     start_load(w, failed, 0, tables)
     w.sched.update_connector_output(None, {"failed"}, {"failed"})
-    assert w.sched.request_finished(failed) is False
+    assert w.sched.request_finished(failed)[0] is False
 
-    assert w.sched.request_finished(FakeRequest("never-loaded", tokens)) is False
+    assert w.sched.request_finished(FakeRequest("never-loaded", tokens)) == (False, None)
 
 
 def test_alloc_without_external_tokens_plans_no_load(worlds) -> None:
@@ -561,7 +708,7 @@ def test_alloc_without_external_tokens_plans_no_load(worlds) -> None:
     assert w.sched.get_num_new_matched_tokens(req, 0) == (32, True)
     w.sched.update_state_after_alloc(req, ([], []), 0)  # vLLM could not allocate: retried later
     assert w.sched.build_connector_meta(step()).loads == []
-    assert w.sched.request_finished(req) is False
+    assert w.sched.request_finished(req)[0] is False
 
 
 def test_disk_lookup_sees_pages_written_by_another_process(worlds, tmp_path: Path) -> None:
@@ -607,7 +754,8 @@ def test_unavailable_shared_backend_is_skipped_while_down_then_used_again(worlds
         meta = w.sched.build_connector_meta(
             step(new=[new_req("r2", ([1, 2, 3], [4, 5, 6]), 0)], scheduled={"r2": 24})
         )
-        assert meta.stores and all(s.backends == ("cpu",) for s in meta.stores)  # no stores to it
+        assert meta.stores and all(s.backends == ("cpu",) for s in meta.stores if not s.hold)
+        w.complete(meta)
 
         FlakyDiskBackend.error = None
         clock[0] = 1.0  # the wait is over: the next lookup probes and finds the pages

@@ -30,7 +30,15 @@ from hybrid_offload.backends import (
 from hybrid_offload.backends.cpu import CpuBackend
 
 from hybrid_offload.connector.health import BackendHealth
-from hybrid_offload.connector.metadata import LoadJob, LoadSegment, PageJob, StoreJob
+from hybrid_offload.connector.metadata import (
+    ClearRange,
+    CommitJob,
+    LoadJob,
+    LoadSegment,
+    OffloadMetadata,
+    PageJob,
+    StoreJob,
+)
 from hybrid_offload.connector.page_codec import PageCodec
 from hybrid_offload.connector.worker import LoadSwitchInterval, OffloadWorker
 from hybrid_offload.engine_spec import GroupKind, GroupSpec, ModelSpec, make_model_spec
@@ -318,7 +326,8 @@ def test_copy_out_before_kv_caches_are_registered_is_a_no_op() -> None:
         page = PageJob(planner.page_key(hashes[0], ATTN), ATTN, 0, hashes[0], (1,))
         worker.copy_out([StoreJob(page, ("cpu",))])
         worker.flush(10)
-        assert worker.worker_meta() is None
+        meta = worker.worker_meta()  # nothing stored; the page is settled (lookups go on)
+        assert meta is not None and not meta.stored and meta.settled == [page.key]
     finally:
         worker.shutdown(10)
 
@@ -378,6 +387,28 @@ def test_load_leaves_skipped_tokens_alone(world) -> None:
         assert torch.equal(got[0, 3:], written[layer][0][3:16]) and torch.equal(
             got[1, 3:], written[layer][1][3:16]
         )
+
+
+def test_load_ending_inside_a_block_zeroes_the_rest_of_it(world) -> None:
+    """vLLM does not zero blocks a connector loads into; stale bytes after the loaded tokens
+    (e.g. a former Mamba state's, NaN as bf16) must not stay where the kernel reads a tile."""
+    w = world(chunk=BS // 2)
+    src, dst = [3, 7], [9, 10]
+    written = w.cache.write_tokens(src, 0, 12)
+    w.worker.copy_out([StoreJob(w.attn_page(c, src), ("cpu",)) for c in range(3)])
+    w.worker.flush(10)
+    for cache in w.cache.attn.values():
+        cache[10].fill_(float("nan"))  # stale contents of the load's last block
+    before = w.cache.snapshot()
+    job = load_job(tuple(w.attn_page(c, dst) for c in range(3)))
+    job = LoadJob(job.req_id, job.segments, job.fallbacks, (ClearRange(ATTN, 10, 4, BS - 4),))
+    w.worker.start_loads([job])
+    assert w.finish("req")[1] == set()
+    for layer, got in zip(ATTN_LAYERS, read_tokens(w, dst, 0, 12), strict=True):
+        assert torch.equal(got[0], written[layer][0]) and torch.equal(got[1], written[layer][1])
+    for got in read_tokens(w, dst, 12, BS - 4):
+        assert not got.isnan().any() and not got.any()
+    assert_only_blocks_changed(before, w, set(dst))
 
 
 def stored_world(world, *backends: BackendConfig) -> tuple[World, list[PageJob], dict[str, torch.Tensor]]:
@@ -530,6 +561,60 @@ def test_request_finished_during_its_load_is_reported_once_as_received(world) ->
     assert freed == ["req"]
 
 
+# ---- held copies ----------------------------------------------------------------------------------
+def test_held_pages_are_stored_only_when_committed(world) -> None:
+    w = world()
+    table, state_blocks = [3, 7, 5], [2, 4]
+    w.cache.write_tokens(table, 0, 24)
+    w.cache.fill_states(state_blocks)
+    unkeyed = PageJob("", ATTN, 2, b"", (5,))
+    w.worker.save(OffloadMetadata(stores=[
+        StoreJob(unkeyed, (), "r1", hold=True),
+        StoreJob(PageJob("", MAMBA, 1, b"", (2,)), (), "r1", hold=True),
+    ]))
+    first_state = b"".join(w.cache.state(layer, 2) for layer in MAMBA_LAYERS)
+    # a later state of the same request and group replaces the held one
+    w.worker.save(OffloadMetadata(stores=[StoreJob(PageJob("", MAMBA, 2, b"", (4,)), (), "r1", hold=True)]))
+    expected_state = b"".join(w.cache.state(layer, 4) for layer in MAMBA_LAYERS)
+    assert expected_state != first_state
+    for tensor in [*w.cache.attn.values(), *w.cache.storage.values()]:
+        tensor.zero_()  # held copies were taken when the step ended
+    w.worker.flush(10)
+    assert w.worker.worker_meta() is None  # nothing stored, nothing to settle yet
+
+    attn, state, old_state = w.attn_page(2, table), w.mamba_page(2, (4,)), w.mamba_page(1, (2,))
+    w.worker.save(OffloadMetadata(
+        commits=[CommitJob("r1", attn, ("cpu",)), CommitJob("r1", state, ("cpu",)),
+                 CommitJob("r1", old_state, ("cpu",))],  # replaced: settled, not stored
+        releases=["r1"],
+    ))
+    w.worker.flush(10)
+    meta = w.worker.worker_meta()
+    assert meta is not None and sorted(meta.stored["cpu"]) == sorted([attn.key, state.key])
+    assert sorted(meta.settled) == sorted([attn.key, state.key, old_state.key])
+    data = w.backend("cpu").get_batch([state.key])[0]
+    _, payload = decode_page(data, w.worker.codecs[MAMBA].header(state, 0))
+    assert bytes(payload) == expected_state
+
+
+def test_release_drops_what_a_request_holds(world) -> None:
+    w = world(max_pending=attn_page_len())
+    w.cache.write_tokens([3], 0, 8)
+    hold = StoreJob(PageJob("", ATTN, 0, b"", (3,)), (), "r1", hold=True)
+    w.worker.save(OffloadMetadata(stores=[hold]))
+    # the hold budget is full: a second request's copy is dropped and counted
+    w.worker.save(OffloadMetadata(stores=[StoreJob(PageJob("", ATTN, 0, b"", (3,)), (), "r2", hold=True)]))
+    assert w.counters()["stores_dropped"] == 1
+    w.worker.save(OffloadMetadata(releases=["r1"]))
+    w.worker.save(OffloadMetadata(stores=[StoreJob(PageJob("", ATTN, 0, b"", (3,)), (), "r2", hold=True)]))
+    assert w.counters()["stores_dropped"] == 1  # room again
+    page = w.attn_page(0, [3])
+    w.worker.save(OffloadMetadata(commits=[CommitJob("r1", page, ("cpu",))]))  # released: no page
+    w.worker.flush(10)
+    meta = w.worker.worker_meta()
+    assert meta is not None and not meta.stored and meta.settled == [page.key]
+
+
 # ---- bounded store queue ---------------------------------------------------------------------------
 def test_stores_beyond_max_pending_bytes_are_dropped(world) -> None:
     w = world(max_pending=1)
@@ -539,7 +624,8 @@ def test_stores_beyond_max_pending_bytes_are_dropped(world) -> None:
     w.worker.flush(10)
     assert w.counters()["stores_dropped"] == 3
     assert w.counters()["pages_copied_out"] == 0
-    assert w.worker.worker_meta() is None
+    meta = w.worker.worker_meta()
+    assert meta is not None and not meta.stored and meta.settled == [p.key for p in pages]
     assert w.backend("cpu").contains_batch([p.key for p in pages]) == [False] * 3
 
 

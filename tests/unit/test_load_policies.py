@@ -149,7 +149,7 @@ def test_store_threshold_and_read_only(worlds) -> None:
         replace(cpu_config("second-sight"), store_threshold=2),
         replace(cpu_config("ro"), read_only=True),
     )
-    w = worlds(make_spec(8, 8), 8, backends)
+    w = worlds(make_spec(8, 8), 8, backends, pending_wait_s=0)
     tokens = prompt(20)  # 2 chunks: 2 attention pages + the state at 16
     for i, expected in enumerate(({"always": 3}, {"always": 3, "second-sight": 3})):
         req = FakeRequest(f"r{i}", tokens)
@@ -159,7 +159,7 @@ def test_store_threshold_and_read_only(worlds) -> None:
 
 
 def test_output_chunks_are_stored_only_where_store_output(worlds) -> None:
-    w = worlds(make_spec(8, 8), 8, (cpu_config("prompt"), replace(cpu_config("all"), store_output=True)))
+    w = worlds(make_spec(8, 8), 8, (replace(cpu_config("prompt"), store_output=False), cpu_config("all")))
     req = FakeRequest("r", prompt(12))
     w.sched.get_num_new_matched_tokens(req, 0)
     assert stores_by_backend(w, "r", req.prompt_token_ids, 0, 12) == {"prompt": 1, "all": 1}  # chunk 0
@@ -167,10 +167,14 @@ def test_output_chunks_are_stored_only_where_store_output(worlds) -> None:
     meta = w.sched.build_connector_meta(step(cached=[("r", None, 12)], scheduled={"r": 1}))
     assert meta.stores == []
     meta = w.sched.build_connector_meta(step(cached=[("r", None, 15)], scheduled={"r": 1}))
-    stored = [(j.page.group, j.page.chunk_index, j.backends) for j in meta.stores]
-    assert stored == [(ATTN, 1, ("all",)), (MAMBA, 1, ("all",))]  # 16 tokens: chunk 1 and its state
+    stored = [(j.page.group, j.page.chunk_index, j.backends, j.hold) for j in meta.stores]
+    # 16 tokens: chunk 1, and its state held until the request ends
+    assert stored == [(ATTN, 1, ("all",), False), (MAMBA, 1, (), True)]
     hashes = w.planner.chunk_hashes(req.all_token_ids)
     assert meta.stores[0].page.chunk_hash == hashes[1]
+    w.sched.request_finished(req)
+    meta = w.sched.build_connector_meta(step())
+    assert [(c.page.group, c.page.chunk_index, c.backends) for c in meta.commits] == [(MAMBA, 1, ("all",))]
 
 
 def test_preempted_request_resumes_from_offloaded_prompt_and_output(worlds) -> None:

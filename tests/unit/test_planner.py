@@ -81,11 +81,14 @@ def tokens(n: int, seed: int = 0) -> list[int]:
     ("groups", "expected"),
     [
         ((fa(0, 128), mamba(1, 128)), 128),
-        # qwen3-next-like: vLLM raises the attention block to the GDN page size
-        ((fa(0, 640), mamba(1, 640)), 640),
-        ((fa(0, 16), mamba(1, 64)), 64),  # lcm, not rounded up: Mamba caps the chunk
-        ((fa(0, 48), mamba(1, 32)), 96),
-        ((fa(0, 16), sw(1, 16), mamba(2, 128)), 128),
+        # qwen3-next-like: vLLM raises the attention block to the GDN page size; states are
+        # checkpointed at a finer granularity inside it
+        ((fa(0, 640), mamba(1, 640)), 128),
+        ((fa(0, 256), mamba(1, 256)), 128),
+        ((fa(0, 16), mamba(1, 64)), 16),  # a divisor of every block: a resume point in each
+        ((fa(0, 48), mamba(1, 32)), 16),
+        ((fa(0, 16), sw(1, 16), mamba(2, 128)), 16),
+        ((fa(0, 544), mamba(1, 544)), 32),
         ((fa(0, 16),), 256),
         ((fa(0, 16), sw(1, 32)), 256),
         ((fa(0, 96),), 288),  # lcm 96 rounded up to a multiple >= 256
@@ -124,7 +127,6 @@ def test_block_dividing_chunk() -> None:
     p = planner(fa(0, 16), sw(1, 32), mamba(2, 64), chunk=128)
     ratios = [(pl.blocks_per_chunk, pl.chunks_per_block) for pl in p.plans]
     assert ratios == [(8, 1), (4, 1), (2, 1)]
-    assert [pl.state_interval for pl in p.plans] == [128, 128, 128]
     assert not any(pl.unsplittable for pl in p.plans)
 
 
@@ -132,10 +134,12 @@ def test_block_split_into_chunks() -> None:
     p = planner(fa(0, 512), mamba(1, 512), sw(2, 256, window=300), chunk=128)
     ratios = [(pl.blocks_per_chunk, pl.chunks_per_block) for pl in p.plans]
     assert ratios == [(1, 4), (1, 4), (1, 2)]
-    assert p.plans[1].state_interval == 512  # Mamba states only at its block boundaries
     assert p.plans[2].window_chunks == 3  # 299 tokens before N -> 3 chunks of 128
+    # the state at N lives in the block covering token N - 1, also inside a block
     assert p.mamba_state_block_index(p.plans[1], 1024) == 1
     assert p.mamba_state_block_index(p.plans[1], 512) == 0
+    assert p.mamba_state_block_index(p.plans[1], 640) == 1
+    assert p.mamba_state_block_index(p.plans[1], 128) == 0
 
 
 @pytest.mark.parametrize(
@@ -168,7 +172,7 @@ def test_non_positive_chunk(chunk: int) -> None:
 
 def test_unsplittable_mamba_accepts_any_chunk() -> None:
     p = planner(fa(0, 16), mamba(1, 40_003, "none"), chunk=48)
-    assert p.plans[1].unsplittable and p.plans[1].state_interval == 48
+    assert p.plans[1].unsplittable
 
 
 def test_sliding_window_chunks() -> None:
@@ -380,16 +384,17 @@ def test_mamba_needs_only_the_state_at_n() -> None:
     assert r.tokens == 0 and r.groups_disagree
 
 
-def test_mamba_state_interval() -> None:
-    # Mamba block 256 with chunk 128: states only at multiples of 256
+def test_mamba_state_inside_a_block() -> None:
+    # Mamba block 256 with chunk 128: a state resumes at any chunk boundary, inside blocks too
     p = planner(fa(0, C), mamba(1, 2 * C), chunk=C)
     full = [present(10), present(10)]
-    assert p.loadable_prefix(full, 1000).tokens == 6 * C  # k=7 is odd
+    assert p.loadable_prefix(full, 1000).tokens == 7 * C
     assert p.loadable_prefix(full, 6 * C + 1).tokens == 6 * C
-    assert p.loadable_prefix(full, 6 * C).tokens == 4 * C
-    assert p.loadable_prefix(full, 2 * C).tokens == 0  # k=1 is not a state boundary
-    odd = [i in (2, 4) for i in range(10)]  # states at k=3, k=5: not boundaries
-    assert p.loadable_prefix([present(10), odd], 1000).tokens == 0
+    assert p.loadable_prefix(full, 6 * C).tokens == 5 * C
+    assert p.loadable_prefix(full, 2 * C).tokens == C
+    odd = [i in (2, 4) for i in range(10)]  # states at k=3 and k=5 only
+    assert p.loadable_prefix([present(10), odd], 1000).tokens == 5 * C
+    assert p.loadable_prefix([present(10), odd], 1000).attention_tokens == 7 * C
 
 
 def test_unsplittable_mamba_any_boundary() -> None:
@@ -489,9 +494,7 @@ def reference_allows(
         assert g.sliding_window is not None
         lo = max(start_tokens, n - (g.sliding_window - 1))
         return all(pres[c] for c in chunks_covering(lo, n))
-    if g.mamba_cache_mode == "align" and n % g.block_size:
-        return False  # vLLM holds states only at its block boundaries
-    return pres[k - 1]  # the state after chunk k-1, i.e. at N
+    return pres[k - 1]  # the state after chunk k-1, i.e. at N (in the block holding token N-1)
 
 
 def reference(

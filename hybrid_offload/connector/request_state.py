@@ -1,0 +1,103 @@
+"""What the scheduler side tracks per live request (shared by lookup and store planning)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from hybrid_offload.connector.coverage import Coverage
+from hybrid_offload.connector.metadata import PageJob
+from hybrid_offload.connector.policy import LoadChoice
+from hybrid_offload.engine_spec import GroupKind
+from hybrid_offload.planner import GroupPlan, HybridOffloadPlanner, chain_chunk_hashes
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+
+@dataclass
+class RequestState:
+    """One request as the scheduler side sees it (``request`` is vLLM's, read-only).
+
+    Keys: ``chunk_hashes[c]`` and ``keys[group][c]`` cover the known full chunks of the prompt
+    and, as they are generated, of the output. Loads: ``choice`` is the last lookup's plan, a
+    load is ``load_pending`` until its job is sent and ``loading`` until the worker reports it.
+    Stores: chunks below ``store_from_chunk`` are not stored (loaded, or vLLM's own hit);
+    ``next_store_chunk`` is the first attention chunk not planned yet; ``checkpoints`` are the
+    prefill positions where the prefill stops and its state is stored; ``held_attention`` and
+    ``held_state`` are the chunk indices whose pages the worker holds until they are committed.
+    """
+
+    request: Request
+    prompt_len: int
+    seed: bytes
+    chunk_hashes: list[bytes]
+    keys: list[list[str]]
+    block_ids: list[list[int]] = field(default_factory=list)
+    choice: LoadChoice | None = None
+    load_start: int = 0
+    load_end: int = 0
+    load_pending: bool = False
+    loading: bool = False
+    load_failed: bool = False
+    hit_tokens: dict[str, int] = field(default_factory=dict)
+    warned_disagreement: bool = False
+    store_from_chunk: int | None = None
+    next_store_chunk: int = 0
+    known_present: dict[str, set[str]] = field(default_factory=dict)
+    checkpoints: tuple[int, ...] = ()
+    held_attention: set[int] = field(default_factory=set)
+    held_state: int | None = None
+    coverage: Coverage | None = None
+    coverage_counted: bool = False
+
+    @property
+    def req_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def known_tokens(self) -> int:
+        """Tokens whose ids are known now (prompt and sampled output)."""
+        return len(self.request.all_token_ids)
+
+
+def extend_keys(state: RequestState, planner: HybridOffloadPlanner, num_tokens: int) -> list[bytes]:
+    """Key the full chunks of the first ``num_tokens`` known tokens beyond those keyed (output
+    tokens, or a resumed request's); returns the new chunk hashes."""
+    chunk = planner.chunk_tokens
+    have = len(state.chunk_hashes)
+    tokens = state.request.all_token_ids
+    want = min(num_tokens, len(tokens)) // chunk
+    if want <= have:
+        return []
+    prev = state.chunk_hashes[-1] if have else state.seed
+    new = chain_chunk_hashes(prev, list(tokens[have * chunk : want * chunk]), chunk)
+    state.chunk_hashes.extend(new)
+    for group_keys, more in zip(state.keys, planner.group_keys(new), strict=True):
+        group_keys.extend(more)
+    return new
+
+
+def page_job(
+    planner: HybridOffloadPlanner, state: RequestState, plan: GroupPlan, c: int, *,
+    load_start: int | None = None, keyed: bool = True,
+) -> PageJob:
+    """Page set ``(c, plan's group)`` of ``state`` in its block table.
+
+    Attention: the chunk's tokens (a load from ``load_start`` skips what vLLM holds). Mamba: the
+    block holding the state at boundary ``(c + 1) * chunk``; a load writes every block from
+    there on (vLLM may already have allocated the next running block). ``keyed=False`` leaves
+    key and chunk hash empty (a held copy, keyed when committed).
+    """
+    chunk = planner.chunk_tokens
+    table = state.block_ids[plan.index]
+    key, chunk_hash = (state.keys[plan.index][c], state.chunk_hashes[c]) if keyed else ("", b"")
+    if plan.kind is GroupKind.MAMBA:
+        index = planner.mamba_state_block_index(plan, (c + 1) * chunk)
+        blocks = (table[index],) if load_start is None else tuple(b for b in table[index:] if b)
+        return PageJob(key, plan.index, c, chunk_hash, blocks)
+    bs = plan.group.block_size
+    first, last = c * chunk, (c + 1) * chunk - 1
+    skip = max(0, load_start - first) if load_start is not None else 0
+    blocks = tuple(table[first // bs : last // bs + 1])
+    return PageJob(key, plan.index, c, chunk_hash, blocks, first % bs, skip)

@@ -1,0 +1,173 @@
+"""Store planning: which pages each step copies out, which the worker holds, and when they commit.
+
+Scheduler side, scheduler thread. Per scheduled request and step (``computed`` tokens before
+it, ``scheduled`` in it, ``end = computed + scheduled`` after it):
+
+* Attention: every chunk the step completes. Its key needs the chunk's token ids; under async
+  scheduling the step's last input token may not be sampled yet when the step is planned, so
+  such a chunk is copied now and *held* by the worker, then committed once its tokens are known
+  (the next steps, or when the request ends) -- never lost when the request ends right after.
+* Recurrent state (Mamba/GDN): vLLM holds it only at the end of a step. During the prefill it
+  is stored when the step ends on one of the request's ``checkpoints`` (see
+  :func:`~hybrid_offload.planner.prefill_checkpoints`; the scheduler makes prefill steps stop
+  there). During decoding, every step ending on a chunk boundary replaces the worker's held
+  copy; the last one is committed when the request finishes or is preempted, so the next turn of
+  a conversation, which repeats the reply, resumes at the end of it.
+* Output pages only for backends with ``store_output``; a chunk only once ``store_threshold``
+  requests have seen it; never into ``read_only`` backends or pages a backend is known to hold.
+
+Every store or commit sent to the workers is registered in :class:`PendingStores` until the
+workers report it, so a lookup of the same prefix waits for it instead of missing it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from hybrid_offload.connector.metadata import CommitJob, OffloadMetadata, PageJob, StoreJob
+from hybrid_offload.connector.pending import PendingStores
+from hybrid_offload.connector.request_state import RequestState, extend_keys, page_job
+from hybrid_offload.engine_spec import GroupKind
+from hybrid_offload.planner import HybridOffloadPlanner, prefill_checkpoints
+from hybrid_offload.tp_shards import shards_written
+
+if TYPE_CHECKING:
+    from hybrid_offload.connector.scheduler import BackendView, ChunkSightings
+
+
+class StorePlanner:
+    """Emits store, hold and commit jobs into a step's metadata (see the module docstring)."""
+
+    def __init__(
+        self,
+        planner: HybridOffloadPlanner,
+        views: Sequence[BackendView],
+        sightings: ChunkSightings,
+        pending: PendingStores,
+        checkpoint_interval: int = 0,
+    ) -> None:
+        self.planner = planner
+        self.views = views
+        self.sightings = sightings
+        self.pending = pending
+        chunk = planner.chunk_tokens
+        self.checkpoint_interval = -(-checkpoint_interval // chunk) * chunk if checkpoint_interval else 0
+        writable = [v for v in views if not v.config.read_only]
+        self.stores_anything = bool(writable)
+        self.stores_output = any(v.config.store_output for v in writable)
+        spec = planner.spec
+        self._writers = [  # TP ranks that write a shard of each group's page sets
+            max(1, sum(bool(shards_written(g.splits, g.shards, spec.tp_size, r))
+                       for r in range(spec.tp_size)))
+            for g in spec.groups
+        ]
+
+    # ---- checkpoints ------------------------------------------------------------------
+    def checkpoints(self, state: RequestState, junction: int = 0) -> tuple[int, ...]:
+        """Where this request's prefill stops to store its state (none without state groups or
+        writable backends). A resumed request's prefill also replays its output so far."""
+        if not (self.planner.has_state_groups and self.stores_anything):
+            return ()
+        prefill_end = max(state.prompt_len, state.request.num_tokens - 1)
+        return tuple(
+            prefill_checkpoints(prefill_end, self.planner.chunk_tokens, self.checkpoint_interval, junction)
+        )
+
+    # ---- per step -----------------------------------------------------------------------
+    def plan_step(self, state: RequestState, computed: int, scheduled: int, meta: OffloadMetadata) -> None:
+        if state.loading or not self.stores_anything:
+            return
+        chunk = self.planner.chunk_tokens
+        if state.store_from_chunk is None:
+            # A chunk partly covered by vLLM's local hit is still whole in the request's blocks.
+            state.store_from_chunk = computed // chunk
+            state.next_store_chunk = state.store_from_chunk
+        end = computed + scheduled
+        limit = end if self.stores_output else min(end, state.prompt_len)
+        self.sightings.see(extend_keys(state, self.planner, limit))
+        keyed = len(state.chunk_hashes)
+        last_full = limit // chunk
+        attention = [p for p in self.planner.plans if p.kind is not GroupKind.MAMBA]
+        for c in range(max(state.next_store_chunk, state.store_from_chunk), last_full):
+            if c < keyed:
+                for plan in attention:
+                    self._store(meta, state, page_job(self.planner, state, plan, c))
+            elif attention:
+                for plan in attention:
+                    self._hold(meta, state, page_job(self.planner, state, plan, c, keyed=False))
+                state.held_attention.add(c)
+        state.next_store_chunk = max(state.next_store_chunk, last_full)
+        self._commit_attention(state, meta)
+        if end % chunk or end // chunk <= state.store_from_chunk or end > limit:
+            return
+        c = end // chunk - 1
+        mamba = [p for p in self.planner.plans if p.kind is GroupKind.MAMBA]
+        if end in state.checkpoints and c < keyed:
+            for plan in mamba:
+                job = page_job(self.planner, state, plan, c)
+                if all(job.block_ids):
+                    self._store(meta, state, job)
+        elif end >= state.prompt_len and self.stores_output and mamba:
+            jobs = [page_job(self.planner, state, plan, c, keyed=False) for plan in mamba]
+            if all(all(job.block_ids) for job in jobs):
+                for job in jobs:
+                    self._hold(meta, state, job)
+                state.held_state = c
+
+    def finish(self, state: RequestState, meta: OffloadMetadata) -> None:
+        """The request ends or is preempted: commit what the worker holds for it whose tokens
+        are known (the decoding state only if every held attention chunk before it commits),
+        and release the rest."""
+        extend_keys(state, self.planner, state.known_tokens)
+        uncommitted = self._commit_attention(state, meta)
+        c = state.held_state
+        if c is not None and c < len(state.chunk_hashes) and not any(a <= c for a in uncommitted):
+            for plan in self.planner.plans:
+                if plan.kind is GroupKind.MAMBA:
+                    self._commit(meta, state, page_job(self.planner, state, plan, c))
+        state.held_attention.clear()
+        state.held_state = None
+        meta.releases.append(state.req_id)
+
+    def _commit_attention(self, state: RequestState, meta: OffloadMetadata) -> list[int]:
+        """Commit held attention chunks that are keyed now; the ones still not keyed."""
+        waiting = []
+        for c in sorted(state.held_attention):
+            if c < len(state.chunk_hashes):
+                for plan in self.planner.plans:
+                    if plan.kind is not GroupKind.MAMBA:
+                        self._commit(meta, state, page_job(self.planner, state, plan, c))
+            else:
+                waiting.append(c)
+        state.held_attention = set(waiting)
+        return waiting
+
+    # ---- jobs ---------------------------------------------------------------------------
+    def _targets(self, page: PageJob, state: RequestState) -> tuple[str, ...]:
+        output = (page.chunk_index + 1) * self.planner.chunk_tokens > state.prompt_len
+        seen = self.sightings.count(page.chunk_hash)
+        return tuple(
+            v.name
+            for v in self.views
+            if not v.config.read_only
+            and (v.config.store_output or not output)
+            and seen >= v.config.store_threshold
+            and page.key not in state.known_present.get(v.name, ())
+            and not v.health.is_down
+        )
+
+    def _store(self, meta: OffloadMetadata, state: RequestState, page: PageJob) -> None:
+        targets = self._targets(page, state)
+        if targets:
+            meta.stores.append(StoreJob(page, targets, state.req_id))
+            self.pending.add(page.key, self._writers[page.group])
+
+    def _hold(self, meta: OffloadMetadata, state: RequestState, page: PageJob) -> None:
+        meta.stores.append(StoreJob(page, (), state.req_id, hold=True))
+
+    def _commit(self, meta: OffloadMetadata, state: RequestState, page: PageJob) -> None:
+        targets = self._targets(page, state)
+        if targets:
+            meta.commits.append(CommitJob(state.req_id, page, targets))
+            self.pending.add(page.key, self._writers[page.group])
