@@ -325,7 +325,9 @@ class OffloadWorker:
         per_backend: dict[str, list[tuple[str, bytearray]]] = {}
         if batch:
             self._check_namespace(batch[0][0].page.key)
-        for job, shard, buf in batch:
+        # Deepest page first: a backend's LRU then keeps a prefix more recent than the pages
+        # that need it (a state needs every chunk before it), and evicts from the deep end.
+        for job, shard, buf in reversed(batch):
             seal_page(buf, self.codecs[job.page.group].header(job.page, shard))
             key = self.planner.shard_keys(job.page.key, job.page.group)[shard]
             for name in job.backends:
@@ -379,7 +381,7 @@ class OffloadWorker:
         spans = []
         for segment in job.segments:
             first = len(reads)
-            for page in segment.pages:
+            for page in reversed(segment.pages):  # deepest first, as stores (LRU recency)
                 codec = self.codecs[page.group]
                 keys = self.planner.shard_keys(page.key, page.group)
                 reads.extend(ShardRead(page, p, keys[p], codec) for p in codec.read)

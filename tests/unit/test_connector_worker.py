@@ -561,6 +561,28 @@ def test_request_finished_during_its_load_is_reported_once_as_received(world) ->
     assert freed == ["req"]
 
 
+def test_a_full_backend_evicts_a_chain_from_its_deep_end(world) -> None:
+    """Pages go to a backend deepest first (and are read deepest first), so its LRU keeps the
+    prefix, which every deeper page needs, and drops the state and the last chunks first."""
+    w = world(cpu(capacity=3 * attn_page_len()))
+    table = [3, 7, 5]
+    w.cache.write_tokens(table, 0, 24)
+    w.cache.fill_states([2])
+    pages = [w.attn_page(c, table) for c in range(3)] + [w.mamba_page(2, (2,))]
+    w.worker.copy_out([StoreJob(p, ("cpu",)) for p in pages])
+    w.worker.flush(10)
+    held = w.backend("cpu").contains_batch([p.key for p in pages])
+    assert held[0] and held[1] and not held[3]  # the prefix stays, the state went first
+    # a load refreshes the prefix last as well: a new page then evicts the deep end again
+    w.worker.start_loads([load_job(tuple(p for p, h in zip(pages, held, strict=True) if h))])
+    w.finish("req")
+    extra = w.attn_page(4, [1, 2, 3, 4, 6])
+    w.cache.write_tokens([1, 2, 3, 4, 6], 32, 8)
+    w.worker.copy_out([StoreJob(extra, ("cpu",))])
+    w.worker.flush(10)
+    assert w.backend("cpu").contains_batch([pages[0].key, pages[1].key]) == [True, True]
+
+
 # ---- held copies ----------------------------------------------------------------------------------
 def test_held_pages_are_stored_only_when_committed(world) -> None:
     w = world()
