@@ -13,7 +13,11 @@
    and with the cache on the requests that had something to reuse, and whether every output
    equals the baseline's.
 
-Every engine is its own process and vLLM's default multi-process engine.
+Every engine is its own process and vLLM's default multi-process engine. The default model is
+Falcon-H1-style in float32, where identical greedy tokens are a real check. In bf16 (Qwen3-Next
+on CPU, whose GDN kernels need it) a reply's KV and state computed while decoding differ in the
+last bits from the same tokens prefilled in the next turn, and near-tied logits of a random
+model flip: there the token comparison is reported, not required.
 """
 
 from __future__ import annotations
@@ -39,11 +43,14 @@ TRAFFIC = [
 ]
 
 
+DEFAULT_DEMO_ARCH = "falcon_h1"
+
+
 @dataclass(frozen=True)
 class DemoOptions:
-    arch: str = "qwen3_next"
+    arch: str = DEFAULT_DEMO_ARCH
     workdir: Path = Path("demo-output")
-    dtype: str = "bfloat16"
+    dtype: str = "float32"
 
 
 def _connector(disk_dir: Path, with_cpu: bool) -> dict[str, Any]:
@@ -65,6 +72,17 @@ def _ttfts(base: list[list[dict[str, Any]]], run: list[list[dict[str, Any]]], ea
     if not hit:
         return float("nan"), float("nan")
     return (statistics.mean(cold[i]["ttft_s"] for i in hit), statistics.mean(rows[i]["ttft_s"] for i in hit))
+
+
+def _differing(ref: list[list[dict[str, Any]]], run: list[list[dict[str, Any]]]) -> list[int]:
+    """Per request whose output differs from the reference: the index of its first other token."""
+    out = []
+    expected, got = ([r["output"] for w in x for r in w] for x in (ref, run))
+    for a, b in zip(expected, got, strict=True):
+        if a != b:
+            out.append(next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                            min(len(a), len(b))))
+    return out
 
 
 def run_demo(options: DemoOptions) -> dict[str, Any]:
@@ -96,11 +114,11 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
             "after_restart": {k: cov_b[k] for k in ("reusable", "served", "ratio")},
             "ttft_cold_s": cold,
             "ttft_hit_s": hit,
-            "identical": [[r["output"] for r in w] for w in ref] == [[r["output"] for r in w] for w in a]
-            == [[r["output"] for r in w] for w in b],
+            "differing": _differing(ref, a) + _differing(ref, b),
         })
     summary = {"arch": options.arch, "dtype": options.dtype, "chunk_tokens": CHUNK_TOKENS, "workloads": rows,
-               "outputs_identical": all(r["identical"] for r in rows)}
+               "outputs_identical": not any(r["differing"] for r in rows),
+               "requests": 2 * sum(r["requests"] for r in rows)}
     (work / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -120,5 +138,12 @@ def format_summary(summary: dict[str, Any]) -> str:
         cold, hit = row["ttft_cold_s"], row["ttft_hit_s"]
         lines.append(f"    TTFT of requests with something to reuse: {cold * 1e3:.1f} ms without the cache, "
                      f"{hit * 1e3:.1f} ms with it ({cold / hit if hit else float('inf'):.2f}x)")
-    lines.append(f"  outputs identical: {'yes' if summary['outputs_identical'] else 'NO'}")
+    if summary["outputs_identical"]:
+        lines.append("  outputs identical: yes")
+    elif summary["dtype"] == "float32":
+        lines.append("  outputs identical: NO")
+    else:
+        first = sorted(i for r in summary["workloads"] for i in r["differing"])
+        lines.append(f"  outputs identical: no ({len(first)} of {summary['requests']} requests differ, from "
+                     f"token {first[0]} on; {summary['dtype']}: expected, compare in float32)")
     return "\n".join(lines)

@@ -115,8 +115,8 @@ SIZES: dict[str, dict[str, dict[str, int | tuple[int, int]]]] = {
         "chat": {"conversations": 3, "turns": 5, "first": (200, 1200), "message": (60, 300), "reply": 120},
         "agent": {"agents": 2, "steps": 5, "system": (1500, 2500), "task": (60, 300), "tool": (200, 600),
                   "reply": 100},
-        "system_prompt": {"questions": 10, "system": (1000, 2500), "question": (20, 300), "reply": 24},
-        "rag": {"docs": 3, "questions": 6, "doc": (1500, 5000), "question": (20, 200), "reply": 24},
+        "system_prompt": {"questions": 12, "system": (1000, 2500), "question": (20, 300), "reply": 24},
+        "rag": {"docs": 3, "questions": 8, "doc": (1500, 5000), "question": (20, 200), "reply": 24},
         "random": {"prompts": 6, "length": (1000, 16000), "reply": 16},
     },
     "small": {
