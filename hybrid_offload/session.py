@@ -42,8 +42,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+#: in-process engine, small KV cache, offline; the same compute cores with and without a
+#: connector (see ``hybrid_offload.bench.workload_run.ENGINE_ENV``)
 ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",

@@ -34,8 +34,12 @@ from typing import Any
 
 from hybrid_offload.bench.traffic import Wave, WorkloadSpec, run_workload
 
-#: environment of an engine process: small KV cache, offline, no tokenizer threads
+#: environment of an engine process: small KV cache, offline, no tokenizer threads, and the same
+#: compute cores with and without a connector (vLLM CPU reserves a core for its scheduler process
+#: plus one more when a kv_transfer_config is set; on 2 cores the connector's engine then computes
+#: on both and a plain engine on one: 2x the prefill time, nothing to do with the cache)
 ENGINE_ENV = {
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
     "VLLM_CPU_KVCACHE_SPACE": "2",
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",

@@ -12,7 +12,10 @@ generated the baseline's tokens.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -70,7 +73,25 @@ def run_arch(arch: str, workloads: list[dict[str, Any]], engines: list[str], wor
         result["wall_s"] = round(time.perf_counter() - started, 1)
         logger.info("%s %s: %.0fs", arch, engine, result["wall_s"])
         runs[engine] = result
+        if engine == "ours":
+            result["stored"] = stored_bytes(disk)
     return runs
+
+
+def stored_bytes(disk: Path) -> dict[str, int]:
+    """Pages and bytes the connector stored on disk, per group kind (``hybrid-offload cache
+    stats``): what the traffic cost in storage."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "hybrid_offload.cli.main", "cache", "stats", "--disk", str(disk), "--json"],
+        capture_output=True, text=True, timeout=600, check=True,
+    )
+    out: dict[str, int] = {}
+    for fingerprint in json.loads(proc.stdout)["fingerprints"]:
+        for group in fingerprint["groups"]:
+            kind = "state" if group["kind"] == "mamba" else "attention"
+            out[f"{kind}_pages"] = out.get(f"{kind}_pages", 0) + group["pages"]
+            out[f"{kind}_bytes"] = out.get(f"{kind}_bytes", 0) + group["bytes"]
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,22 +108,27 @@ def run(args: argparse.Namespace) -> int:
     workloads = [{"name": n, "seed": args.seed, "size": SIZES[size][n]} for n in names]
     began = time.perf_counter()
     rows: list[dict[str, Any]] = []
+    storage: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="hybrid-offload-bench-workloads-") as tmp:
         work = Path(tmp)
         for arch in archs:
             model_dir = build_model(arch, work / f"{arch}-model")
             runs = run_arch(arch, workloads, engines, work, model_dir)
             rows += workloads_report.workload_rows(arch, CHUNK_TOKENS, runs, arch not in BF16_ONLY)
+            storage.append({"arch": arch, **runs["ours"].get("stored", {}),
+                            "tokens": workloads_report.tokens_processed(runs["ours"])})
             print(workloads_report.table(rows[-len(names):]), flush=True)
     payload = {
         "args": {"archs": archs, "workloads": workloads, "engines": engines, "seed": args.seed,
                  "chunk_tokens": CHUNK_TOKENS},
         "engines": {e: workloads_report.ENGINES[e] for e in engines},
         "rows": rows,
+        "storage": storage,
         "wall_s": round(time.perf_counter() - began, 1),
     }
     path = write_results("workloads", payload, out_dir=args.out, quick=args.quick)
     plots = workloads_report.plots(path, rows)
     print(workloads_report.table(rows))
+    print(workloads_report.storage_table(storage))
     print(f"\nwrote {path} and {', '.join(str(p) for p in plots)} ({payload['wall_s']}s)")
     return 0

@@ -115,6 +115,25 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     return format_table(rows, COLUMNS)
 
 
+def tokens_processed(run: dict[str, Any]) -> int:
+    """Prompt and generated tokens of every request of an engine's run."""
+    return sum(len(r["prompt"]) + len(r["output"]) for w in run["workloads"].values()
+               for wave in w["waves"] for r in wave)
+
+
+def storage_table(storage: Sequence[dict[str, Any]]) -> str:
+    """What the ``ours`` engine stored per arch: attention and state pages and bytes."""
+    rows = []
+    for s in storage:
+        att, state = s.get("attention_bytes", 0), s.get("state_bytes", 0)
+        rows.append({"arch": s["arch"], "tokens": s.get("tokens"), "attention MiB": round(att / 2**20, 1),
+                     "state MiB": round(state / 2**20, 1),
+                     "state / attention": round(state / att, 2) if att else None,
+                     "bytes / token": round((att + state) / s["tokens"]) if s.get("tokens") else None})
+    return format_table(rows, ("arch", "tokens", "attention MiB", "state MiB", "state / attention",
+                               "bytes / token"))
+
+
 def plots(path: Path, rows: Sequence[dict[str, Any]]) -> list[Path]:
     """Share of the reusable prefix served, per (arch, workload) and engine."""
     labels = [f"{r['arch']}/{r['workload']}" for r in rows]

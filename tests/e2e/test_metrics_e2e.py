@@ -129,3 +129,10 @@ def test_connector_stats_reach_vllms_prometheus_logger(model_dir, tmp_path: Path
     assert scraped(text, "hybrid_offload_errors_total", kind="bad_page", **cpu) == 0
     assert scraped(text, "hybrid_offload_requests_total", engine="0") > 0
     assert scraped(text, "hybrid_offload_external_tokens_total", engine="0") == scheduler_total
+    # coverage: every request admitted was served all that earlier requests shared with it
+    served = sum(p["scheduler"]["served_tokens"] for p in result["passes"])
+    assert served == scheduler_total
+    assert scraped(text, "hybrid_offload_served_tokens_total", engine="0") == served
+    assert scraped(text, "hybrid_offload_reusable_tokens_total", engine="0") == served
+    for reason in ("no_state", "evicted", "backend_down"):
+        assert scraped(text, "hybrid_offload_lost_tokens_total", reason=reason, engine="0") == 0
