@@ -249,9 +249,9 @@ def test_worker_counts_stores_loads_latency_usage_and_evictions(world) -> None: 
     spec = make_worker_spec()
     mamba_len = PageCodec(spec, spec.groups[MAMBA], 8).page_lens[0]
     small = cpu(capacity=2 * attn_page_len() + mamba_len)  # 3 attention + 1 Mamba page stored: 1 evicted
-    w, pages, _ = stored_world(world, small)
+    w, pages, _ = stored_world(world, small)  # stored deepest first: the Mamba page goes first
     delta = StatsDelta(w.worker.stats)
-    w.worker.start_loads([load_job((pages[2], pages[3]), "cpu", "r")])
+    w.worker.start_loads([load_job((pages[0], pages[1]), "cpu", "r")])
     assert w.finish("r") == ({"r"}, set())
     w.worker.refresh_gauges()
     cpu_entry = delta.take()["backends"]["cpu"]

@@ -684,8 +684,9 @@ def test_worker_meta_reports_stores_once_and_cpu_evictions(world, tmp_path: Path
     w.worker.flush(10)
     meta = w.worker.worker_meta()
     assert meta is not None
-    assert meta.stored == {"cpu": keys, "disk": keys}
-    assert meta.evicted == {"cpu": [keys[0]]}  # LRU; the disk backend's index is shared: no report
+    # each batch goes in deepest first: keys 1, 0, then 2 (which evicts the oldest, key 1)
+    assert meta.stored == {"cpu": [keys[1], keys[0], keys[2]], "disk": [keys[1], keys[0], keys[2]]}
+    assert meta.evicted == {"cpu": [keys[1]]}  # LRU; the disk backend's index is shared: no report
     assert w.worker.worker_meta() is None
 
 
@@ -705,9 +706,9 @@ def test_unavailable_backend_never_raises_into_the_caller(world) -> None:
     assert counters["backends"]["cpu"]["stored_pages"] == len(pages) + 1
     assert counters["backend_errors"] >= 1
     meta = w.worker.worker_meta()
-    assert meta is not None and meta.stored == {
-        "cpu": [*(p.key for p in pages), more.key],
-        "flaky": [p.key for p in pages],
+    assert meta is not None and meta.stored == {  # each batch deepest first
+        "cpu": [*(p.key for p in reversed(pages)), more.key],
+        "flaky": [p.key for p in reversed(pages)],
     }
 
     dst = [11, 6, 13]
