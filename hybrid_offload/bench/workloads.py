@@ -36,7 +36,7 @@ CHUNK_TOKENS = 128
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--archs", default=",".join(ARCHS), help="comma separated architectures")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma separated workloads")
-    parser.add_argument("--seed", type=int, default=0, help="traffic seed")
+    parser.add_argument("--seed", type=int, default=1, help="traffic seed")
     parser.add_argument("--engines", default="baseline,vllm,ours,restart",
                         help="comma separated subset of " + ",".join(workloads_report.ENGINES))
 
