@@ -31,6 +31,10 @@ Contract (every backend, checked by ``tests/contract``):
   it is False (the in-process cpu pool), the connector mirrors the index from worker reports.
 * ``close()`` releases resources, is idempotent and bounded in time; later calls raise
   :class:`BackendClosedError`.
+* **Recency (optional).** ``touch_batch(keys)`` makes stored keys the most recently used, in
+  order, without reading them (the connector keeps a prefix more recent than the pages that
+  need it). Backends whose LRU it refreshes say so with ``touch_refreshes = True``; the others
+  ignore it.
 * **Listing (optional).** ``scan(prefix)`` yields a :class:`PageInfo` per stored page whose key
   starts with ``prefix`` (for tools such as ``hybrid-offload cache``; the connector never calls
   it). Backends that cannot list raise ``NotImplementedError``. See :meth:`Backend.scan`.
@@ -150,6 +154,8 @@ class Backend(ABC):
     #: tier reported to vLLM's prompt-tokens-by-source metric: "host", "disk", "p2p" or
     #: "external_unspecified" (vllm.v1.metrics.cache_hit_source.CacheHitSource values)
     hit_source: ClassVar[str] = "external_unspecified"
+    #: whether :meth:`touch_batch` refreshes this backend's LRU (else it is a no-op)
+    touch_refreshes: ClassVar[bool] = False
     #: type-specific option names and their defaults; anything else is rejected
     option_defaults: ClassVar[dict[str, Any]] = {}
 
@@ -219,6 +225,14 @@ class Backend(ABC):
         transfer memory, handshake with servers). Called once by the connector's worker on a
         background thread; may block; a :class:`BackendError` is logged there, never fatal."""
         return  # most backends have nothing to set up
+
+    def touch_batch(self, keys: Sequence[str]) -> None:
+        """Make each stored key in ``keys`` the most recently used, in order (the last key ends
+        most recent), without reading it; keys not stored are ignored.
+
+        Optional: the default checks the keys and does nothing (``touch_refreshes = False``).
+        """
+        check_keys(keys)
 
     def take_evicted(self) -> list[str]:
         """Keys evicted or deleted since the last call (for index mirrors; may be empty).

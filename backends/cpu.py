@@ -39,6 +39,7 @@ class CpuBackend(Backend):
     type_name: ClassVar[str] = "cpu"
     shared_index: ClassVar[bool] = False
     hit_source: ClassVar[str] = "host"
+    touch_refreshes: ClassVar[bool] = True
     option_defaults: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, config: BackendConfig) -> None:
@@ -116,6 +117,14 @@ class CpuBackend(Backend):
         with self._lock:
             self._check_open()
             return [key in self._pages for key in keys]
+
+    def touch_batch(self, keys: Sequence[str]) -> None:
+        check_keys(keys)
+        with self._lock:
+            self._check_open()
+            for key in keys:
+                if key in self._pages:
+                    self._pages.move_to_end(key)
 
     def delete_batch(self, keys: Sequence[str]) -> int:
         check_keys(keys)

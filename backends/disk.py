@@ -12,8 +12,8 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
   removed at start. Without ``fsync`` a power loss may leave a page with wrong bytes; the page
   decoder's verification catches that.
 * **Index and LRU.** Each instance keeps an index (key -> size, LRU order) rebuilt at start
-  by scanning the tree in file-mtime order; puts and gets stamp the file's mtime, so the order
-  survives restarts (an instance made with ``touch_on_read=False`` leaves mtimes alone on
+  by scanning the tree in file-mtime order; puts, gets and touches stamp the file's mtime, so
+  the order survives restarts (an instance made with ``touch_on_read=False`` leaves mtimes alone on
   gets: maintenance tools read pages without making them recent). Capacity is enforced over
   that index: pages another process puts later are not counted here (one writing process per
   path is the intended set-up).
@@ -144,6 +144,7 @@ class DiskBackend(Backend):
     type_name: ClassVar[str] = "disk"
     shared_index: ClassVar[bool] = True
     hit_source: ClassVar[str] = "disk"
+    touch_refreshes: ClassVar[bool] = True
     option_defaults: ClassVar[dict[str, Any]] = {"path": None, "fsync": False, "io_threads": 4}
 
     @classmethod
@@ -530,6 +531,22 @@ class DiskBackend(Backend):
         found = [self._exists(key) for key in keys]
         self._forget_missing([k for k, f in zip(keys, found, strict=True) if not f])
         return found
+
+    def touch_batch(self, keys: Sequence[str]) -> None:
+        """Stamp each page file's mtime, in order (its LRU position, also after a restart).
+
+        Synchronous: one ``utime`` per page, no read; a page missing or not a regular file is
+        skipped (links are not followed).
+        """
+        check_keys(keys)
+        self._check_open()
+        for key in keys:
+            stamp = _next_stamp()
+            with contextlib.suppress(OSError):
+                os.utime(self._paths(key)[1], ns=(stamp, stamp), follow_symlinks=False)
+                with self._lock:
+                    if key in self._index:
+                        self._index.move_to_end(key)
 
     def delete_batch(self, keys: Sequence[str]) -> int:
         check_keys(keys)

@@ -236,6 +236,7 @@ class LMCacheBackend(Backend):
 
     type_name: ClassVar[str] = "lmcache"
     shared_index: ClassVar[bool] = False
+    touch_refreshes: ClassVar[bool] = True
     option_defaults: ClassVar[dict[str, Any]] = {
         "remote_url": None,
         "namespace": "hybrid-offload",
@@ -571,6 +572,15 @@ class LMCacheBackend(Backend):
         with self._lock:
             self._check_open()
             return [key in self._pages for key in keys]
+
+    def touch_batch(self, keys: Sequence[str]) -> None:
+        """Refresh the client-side LRU index, in order (no remote I/O)."""
+        check_keys(keys)
+        with self._lock:
+            self._check_open()
+            for key in keys:
+                if key in self._pages:
+                    self._pages.move_to_end(key)
 
     def delete_batch(self, keys: Sequence[str]) -> int:
         check_keys(keys)

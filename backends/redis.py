@@ -15,8 +15,8 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
 * **Capacity and LRU** are shared (``shared_index = True``): a put SETs the pages, then one
   script accounts them and evicts least recently used pages (of any client) until ``used <=
   capacity_bytes``; this client then DELs the victims. The capacity enforced is that of the
-  client putting. Gets refresh recency; ``contains_batch`` does not. A page larger than the
-  capacity is refused before any I/O; a page the server refuses (``maxmemory`` with
+  client putting. Gets and ``touch_batch`` refresh recency; ``contains_batch`` does not. A
+  page larger than the capacity is refused before any I/O; a page the server refuses (``maxmemory`` with
   ``noeviction``: OOM) is refused too, never raised.
 * **Misses and hits heal the index.** Pages can vanish behind the index (server
   ``maxmemory`` eviction, TTL expiry, another client's delete). A get that misses a page still
@@ -184,6 +184,7 @@ class RedisBackend(Backend):
 
     type_name: ClassVar[str] = "redis"
     shared_index: ClassVar[bool] = True
+    touch_refreshes: ClassVar[bool] = True
     option_defaults: ClassVar[dict[str, Any]] = dict(_COMMON_DEFAULTS)
     #: whether this type is always a cluster (else: only with a ``+cluster`` url scheme)
     _cluster_type: ClassVar[bool] = False
@@ -435,6 +436,15 @@ class RedisBackend(Backend):
             for chunk in self._chunks([0] * len(keys)):
                 found += self._pipeline(client, [("exists", self._page_key(keys[j])) for j in chunk])
         return [bool(n) for n in found]
+
+    def touch_batch(self, keys: Sequence[str]) -> None:
+        """Refresh the indexed pages' LRU ticks, in order (one script, no page I/O)."""
+        check_keys(keys)
+        self._check_open()
+        if not keys:
+            return
+        with self._guard("touch"):
+            self._index.refresh(self._redis(), list(dict.fromkeys(keys)))
 
     def delete_batch(self, keys: Sequence[str]) -> int:
         """Delete pages and forget them; return how many pages existed."""

@@ -141,6 +141,19 @@ return {healed, freed, adopted}
 """
 )
 
+# ARGV: page keys, oldest first. Indexed ones get fresh ticks in that order (ZADD XX never
+# re-adds a key deleted meanwhile); the others are ignored. Returns nothing.
+_REFRESH = (
+    _PRELUDE
+    + """
+local tick = next_ticks(#ARGV)
+for i = 1, #ARGV do
+  redis.call('ZADD', LRU, 'XX', tick, ARGV[i])
+  tick = tick + 1
+end
+"""
+)
+
 # No ARGV. Returns the bytes accounted (repairing the index first if needed).
 _USED = _PRELUDE + "\nreturn load_used()\n"
 
@@ -182,6 +195,7 @@ class RedisIndex:
 
     _account = _Script(_ACCOUNT)
     _touch = _Script(_TOUCH)
+    _refresh = _Script(_REFRESH)
     _remove = _Script(_REMOVE)
     _used = _Script(_USED)
 
@@ -229,6 +243,11 @@ class RedisIndex:
             args += pair
         healed, freed, adopted = self._touch(client, self.keys, args)
         return int(healed), int(freed), int(adopted)
+
+    def refresh(self, client: Any, keys: Sequence[str]) -> None:
+        """Make the indexed ``keys`` the most recently used, in order (no page I/O)."""
+        if keys:
+            self._refresh(client, self.keys, list(keys))
 
     def remove(self, client: Any, keys: Sequence[str]) -> int:
         """Forget ``keys``; return the bytes they accounted."""

@@ -27,7 +27,7 @@ from typing import Any
 
 #: error kinds per backend: failed lookup/get/put/delete calls, pages that failed verification
 #: or were absent at load time, and calls skipped while the backend was backing off
-ERROR_KINDS = ("lookup", "get", "put", "delete", "bad_page", "missing_page", "skipped")
+ERROR_KINDS = ("lookup", "get", "put", "delete", "touch", "bad_page", "missing_page", "skipped")
 #: gauge fields of :class:`BackendCounters`; how two sources combine (scheduler + worker,
 #: several workers): availability is the minimum (down anywhere is down), sizes the maximum
 #: (a shared backend reports the same usage from every process: summing would double count)

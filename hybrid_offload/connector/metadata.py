@@ -94,6 +94,15 @@ class CommitJob:
     backends: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class TouchJob:
+    """After the stores queued before it, refresh ``pages`` ((key, group) page sets, oldest
+    first) in ``backends``: a backend's LRU then evicts them in that order."""
+
+    pages: tuple[tuple[str, int], ...]
+    backends: tuple[str, ...]
+
+
 @dataclass
 class OffloadMetadata(KVConnectorMetadata):
     """This step's work for the worker side."""
@@ -103,6 +112,7 @@ class OffloadMetadata(KVConnectorMetadata):
     commits: list[CommitJob] = field(default_factory=list)
     #: requests whose held copies are dropped after this step's commits
     releases: list[str] = field(default_factory=list)
+    touches: list[TouchJob] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
 
 

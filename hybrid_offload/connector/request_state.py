@@ -25,7 +25,8 @@ class RequestState:
     Stores: chunks below ``store_from_chunk`` are not stored (loaded, or vLLM's own hit);
     ``next_store_chunk`` is the first attention chunk not planned yet; ``checkpoints`` are the
     prefill positions where the prefill stops and its state is stored; ``held_attention`` and
-    ``held_state`` are the chunk indices whose pages the worker holds until they are committed.
+    ``held_state`` are the chunk indices whose pages the worker holds until they are committed;
+    ``stored``: pages were sent to a backend since the request's chain was last touched.
     """
 
     request: Request
@@ -48,6 +49,7 @@ class RequestState:
     checkpoints: tuple[int, ...] = ()
     held_attention: set[int] = field(default_factory=set)
     held_state: int | None = None
+    stored: bool = False
     coverage: Coverage | None = None
     coverage_counted: bool = False
 

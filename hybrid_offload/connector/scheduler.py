@@ -69,6 +69,7 @@ class BackendView:
         cls = backend_class(config.type)
         self.shared = cls.shared_index
         self.hit_source = cls.hit_source
+        self.touch_refreshes = cls.touch_refreshes
         self._backend: Backend | None = open_backend(config, index) if self.shared else None
         self._mirror: set[str] = set()
         self.health = BackendHealth(config.name, config.retry_after_s, config.retry_after_max_s)

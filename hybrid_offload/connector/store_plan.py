@@ -13,6 +13,12 @@ it, ``scheduled`` in it, ``end = computed + scheduled`` after it):
   there). During decoding, every step ending on a chunk boundary replaces the worker's held
   copy; the last one is committed when the request finishes or is preempted, so the next turn of
   a conversation, which repeats the reply, resumes at the end of it.
+* When a request that stored pages ends, its pages are *touched* deepest first in every
+  backend whose LRU refreshes (:class:`TouchJob`), after its stores: the prefix, which every
+  deeper page needs, is then more recent than its extensions, also those stored by later turns
+  of a conversation. A full backend evicts from the deep end of a chain, so a page is evicted
+  only after every page that needs it, and the pages it leaves that can no longer load (the
+  attention beyond the deepest state left) are the next to go.
 * Output pages only for backends with ``store_output``; a chunk only once ``store_threshold``
   requests have seen it; never into ``read_only`` backends or pages a backend is known to hold.
 
@@ -25,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from hybrid_offload.connector.metadata import CommitJob, OffloadMetadata, PageJob, StoreJob
+from hybrid_offload.connector.metadata import CommitJob, OffloadMetadata, PageJob, StoreJob, TouchJob
 from hybrid_offload.connector.pending import PendingStores
 from hybrid_offload.connector.request_state import RequestState, extend_keys, page_job
 from hybrid_offload.engine_spec import GroupKind
@@ -129,6 +135,26 @@ class StorePlanner:
         state.held_attention.clear()
         state.held_state = None
         meta.releases.append(state.req_id)
+        self._touch(state, meta)
+
+    def _touch(self, state: RequestState, meta: OffloadMetadata) -> None:
+        """Refresh the request's chain deepest first (per chunk its states, then attention)."""
+        if not state.stored:
+            return
+        state.stored = False
+        targets = tuple(
+            v.name for v in self.views
+            if v.touch_refreshes and not v.config.read_only and not v.health.is_down
+        )  # fmt: skip
+        if not targets:
+            return
+        order = sorted(self.planner.plans, key=lambda p: p.kind is not GroupKind.MAMBA)
+        pages = tuple(
+            (state.keys[plan.index][c], plan.index)
+            for c in reversed(range(len(state.chunk_hashes)))
+            for plan in order
+        )
+        meta.touches.append(TouchJob(pages, targets))
 
     def _commit_attention(self, state: RequestState, meta: OffloadMetadata) -> list[int]:
         """Commit held attention chunks that are keyed now; the ones still not keyed."""
@@ -162,6 +188,7 @@ class StorePlanner:
         if targets:
             meta.stores.append(StoreJob(page, targets, state.req_id))
             self.pending.add(page.key, self._writers[page.group])
+            state.stored = True
 
     def _hold(self, meta: OffloadMetadata, state: RequestState, page: PageJob) -> None:
         meta.stores.append(StoreJob(page, (), state.req_id, hold=True))
@@ -171,3 +198,4 @@ class StorePlanner:
         if targets:
             meta.commits.append(CommitJob(state.req_id, page, targets))
             self.pending.add(page.key, self._writers[page.group])
+            state.stored = True

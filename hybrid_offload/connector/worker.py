@@ -40,6 +40,7 @@ from hybrid_offload.connector.metadata import (
     OffloadWorkerMetadata,
     PageJob,
     StoreJob,
+    TouchJob,
 )
 from hybrid_offload.connector.page_codec import PageCodec
 from hybrid_offload.engine_spec import ModelSpec
@@ -196,12 +197,14 @@ class OffloadWorker:
     # ---- stores -----------------------------------------------------------------------
     def save(self, meta: OffloadMetadata) -> None:
         """``wait_for_save``: copy this step's pages out (stores and holds), commit held pages,
-        then drop what released requests still hold."""
+        drop what released requests still hold, then queue the recency refreshes."""
         self.copy_out(meta.stores)
         self.commit(meta.commits)
         for req_id in meta.releases:
             for key in [k for k in self._held if k[0] == req_id]:
                 self._drop_held(key)
+        for touch in meta.touches:
+            self._store_queue.put(touch)
 
     def copy_out(self, stores: list[StoreJob]) -> None:
         """Copy this step's pages (this rank's shards of them) out of the KV cache: stores are
@@ -296,6 +299,14 @@ class OffloadWorker:
             if item is _STOP:
                 self._store_queue.task_done()  # or a later flush() would wait for it forever
                 return
+            if isinstance(item, TouchJob):
+                try:
+                    self._touch(item)
+                except Exception:  # the store thread must survive anything a backend does
+                    logger.exception("hybrid-offload touch failed")
+                finally:
+                    self._store_queue.task_done()
+                continue
             batch, nbytes = item
             try:
                 self._store_batch(batch)
@@ -355,6 +366,27 @@ class OffloadWorker:
                 counters.stored_pages += len(stored)
                 counters.stored_bytes += sum(len(b) for (k, b), ok in zip(items, results, strict=True) if ok)
                 counters.store_failures += len(items) - len(stored)
+
+    def _touch(self, job: TouchJob) -> None:
+        """Store thread: refresh this rank's shards of ``job.pages`` in order."""
+        keys = [
+            self.planner.shard_keys(key, group)[shard]
+            for key, group in job.pages
+            for shard in self.codecs[group].written
+        ]
+        for name in job.backends:
+            backend = self.backends.get(name)
+            if backend is None or not backend.touch_refreshes or not keys:
+                continue
+            if not self.health[name].available():
+                self._backend_error(name, "touch", _SkippedError())
+                continue
+            try:
+                backend.touch_batch(keys)
+            except BackendError as exc:
+                self._backend_error(name, "touch", exc)
+                continue
+            self.health[name].record_success()
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until queued stores are written (used at shutdown and by tests)."""

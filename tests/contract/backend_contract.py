@@ -259,6 +259,23 @@ class BackendContract:
         assert backend.contains_batch(k) == [False, False, True, False, True, True, True]
         assert backend.used_bytes() == 4000
 
+    def test_touch_refreshes_recency_in_order(self, open_backend: Callable[..., Backend]) -> None:
+        backend = open_backend(4000)
+        k = [key(i) for i in range(6)]
+        for i in range(4):
+            backend.put_batch([(k[i], page(i, 1000))])
+        backend.touch_batch([k[5], k[1], k[0]])  # k5 absent: ignored; k1 then k0 most recent
+        with pytest.raises(InvalidKeyError):
+            backend.touch_batch(["../x"])
+        backend.put_batch([(k[4], page(4, 1000))])
+        if not backend.touch_refreshes:
+            assert backend.contains_batch(k[:2]) == [False, True]  # a no-op: k0 was oldest
+            return
+        assert backend.contains_batch(k) == [True, True, False, True, True, False]
+        backend.put_batch([(k[5], page(5, 1000))])
+        assert backend.contains_batch(k) == [True, True, False, False, True, True]
+        assert backend.get_batch([k[0], k[1]]) == [page(0, 1000), page(1, 1000)]
+
     def test_page_larger_than_capacity_refused(self, open_backend: Callable[..., Backend]) -> None:
         backend = open_backend(4000)
         keys = [key(i) for i in range(3)]

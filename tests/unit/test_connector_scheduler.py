@@ -34,6 +34,7 @@ from hybrid_offload.connector.metadata import (
     OffloadWorkerMetadata,
     PageJob,
     StoreJob,
+    TouchJob,
 )
 from hybrid_offload.connector.scheduler import OffloadScheduler
 from hybrid_offload.engine_spec import GroupKind, GroupSpec, ModelSpec, make_model_spec
@@ -312,6 +313,34 @@ def test_preemption_commits_what_the_worker_holds(worlds) -> None:
     meta = w.sched.build_connector_meta(step(preempted={"r1"}))
     assert commit_summary(meta) == [("r1", MAMBA, 1)] and meta.releases == ["r1"]
     assert meta.preempted == ["r1"]
+
+
+def test_a_request_that_stored_touches_its_chain_deepest_first(worlds, tmp_path: Path) -> None:
+    """At its end a request that stored pages refreshes its whole chain (found or stored),
+    deepest chunk first and per chunk the state before the attention, in the writable
+    backends whose LRU refreshes; a request that stored nothing touches nothing."""
+    ro = BackendConfig("disk", "ro", 1 << 30, read_only=True, options={"path": str(tmp_path / "ro")})
+    w = worlds(make_spec(8, 8), 8, backends=(cpu_config(), disk_config(tmp_path), ro))
+    tokens = prompt(24)
+    req = FakeRequest("r1", tokens)
+    w.sched.get_num_new_matched_tokens(req, 0)
+    for meta in run_prefill(w, req, ([10, 11, 12], [20, 21, 22]), 64):
+        w.complete(meta)
+    w.sched.request_finished(req)
+    meta = w.sched.build_connector_meta(step())
+    keys = w.keys(tokens)
+    chain = tuple((keys[g][c], g) for c in (2, 1, 0) for g in (MAMBA, ATTN))
+    assert meta.touches == [TouchJob(chain, ("cpu", "disk"))]
+    w.complete(meta)
+
+    # a request that stored nothing (its chunks are below the store threshold) touches nothing
+    w = worlds(make_spec(8, 8), 8, backends=(BackendConfig("cpu", "cpu", 1 << 30, store_threshold=2),))
+    req = FakeRequest("r2", tokens)
+    w.sched.get_num_new_matched_tokens(req, 0)
+    assert all(store_summary(m) == [] for m in run_prefill(w, req, ([10, 11, 12], [20, 21, 22]), 64))
+    w.sched.request_finished(req)
+    meta = w.sched.build_connector_meta(step())
+    assert meta.releases == ["r2"] and meta.touches == []
 
 
 def test_checkpoint_interval_and_junction_stops(worlds) -> None:

@@ -38,6 +38,7 @@ from hybrid_offload.connector.metadata import (
     OffloadMetadata,
     PageJob,
     StoreJob,
+    TouchJob,
 )
 from hybrid_offload.connector.page_codec import PageCodec
 from hybrid_offload.connector.worker import LoadSwitchInterval, OffloadWorker
@@ -581,6 +582,36 @@ def test_a_full_backend_evicts_a_chain_from_its_deep_end(world) -> None:
     w.worker.copy_out([StoreJob(extra, ("cpu",))])
     w.worker.flush(10)
     assert w.backend("cpu").contains_batch([pages[0].key, pages[1].key]) == [True, True]
+
+
+def test_a_touched_chain_is_evicted_from_its_deep_end_across_turns(world) -> None:
+    """Turn 2 of a chat stores the extension of turn 1's chain after it; the touch that ends
+    turn 2 (deepest first, the state before the attention) makes a full backend evict in
+    exactly that order: turn 2's state, then its attention (which no state needs any more),
+    and the prefix every page needs last. Without the touch turn 1's prefix would go first,
+    leaving turn 2's pages unloadable."""
+    spec = make_spec()
+    lens = [PageCodec(spec, spec.groups[g], BS).page_lens[0] for g in (ATTN, MAMBA)]
+    w = world(cpu(capacity=4 * lens[0] + 2 * lens[1]))
+    table = [3, 7, 5, 9]
+    w.cache.write_tokens(table, 0, 32)
+    w.cache.fill_states([2, 4])
+    turn1 = [w.attn_page(0, table), w.attn_page(1, table), w.mamba_page(1, (2,))]
+    turn2 = [w.attn_page(2, table), w.attn_page(3, table), w.mamba_page(3, (4,))]
+    for pages in (turn1, turn2):
+        w.worker.save(OffloadMetadata(stores=[StoreJob(p, ("cpu",)) for p in pages]))
+    chain = tuple((w.planner.page_key(w.hashes[c], g), g) for c in (3, 2, 1, 0) for g in (MAMBA, ATTN))
+    w.worker.save(OffloadMetadata(touches=[TouchJob(chain, ("cpu",))]))
+    w.worker.flush(10)
+    backend = w.backend("cpu")
+    order = [k for k, _ in chain if backend.contains_batch([k])[0]]  # oldest first
+    assert len(order) == 6
+    for i in range(8):
+        backend.put_batch([(w.planner.page_key(w.planner.chunk_hashes([i] * BS)[0], ATTN), bytes(lens[0]))])
+        present = backend.contains_batch(order)
+        gone = present.index(True) if any(present) else len(order)
+        assert present == [False] * gone + [True] * (len(order) - gone)
+    assert backend.contains_batch(order) == [False] * 6
 
 
 # ---- held copies ----------------------------------------------------------------------------------
