@@ -89,7 +89,7 @@ class BackendCounters:
 
 
 #: why reusable tokens were not served (see ``hybrid_offload.connector.coverage``)
-LOSS_REASONS = ("no_state", "evicted", "backend_down")
+LOSS_REASONS = ("no_state", "evicted", "not_stored", "backend_down")
 
 
 @dataclass
@@ -110,6 +110,7 @@ class SchedulerCounters:
     reusable_tokens: int = 0
     lost_no_state_tokens: int = 0
     lost_evicted_tokens: int = 0
+    lost_not_stored_tokens: int = 0
     lost_backend_down_tokens: int = 0
     backends: dict[str, BackendCounters] = field(default_factory=dict)
 

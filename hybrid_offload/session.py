@@ -205,16 +205,18 @@ def run_session(spec: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def run_session_subprocess(
-    spec: dict[str, Any], timeout: float = 900.0, env: dict[str, str] | None = None
+def run_module_subprocess(
+    module: str, spec: dict[str, Any], *, timeout: float, env: dict[str, str], what: str
 ) -> dict[str, Any]:
-    """Run a session in a fresh Python process; raise RuntimeError with its log on failure."""
-    with tempfile.TemporaryDirectory(prefix="hybrid-offload-session-") as tmp:
+    """Run ``python -m module spec.json out.json`` in a fresh process with ``env`` over this
+    one's; its JSON result plus ``log`` (its output). RuntimeError with the log's tail naming
+    ``what`` when it fails or writes nothing."""
+    with tempfile.TemporaryDirectory(prefix="hybrid-offload-run-") as tmp:
         spec_path, out_path = Path(tmp, "spec.json"), Path(tmp, "out.json")
         spec_path.write_text(json.dumps(spec))
         proc = subprocess.run(
-            [sys.executable, "-m", "hybrid_offload.session", str(spec_path), str(out_path)],
-            env={**os.environ, **ENGINE_ENV, **(env or {})},
+            [sys.executable, "-m", module, str(spec_path), str(out_path)],
+            env={**os.environ, **env},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -222,10 +224,19 @@ def run_session_subprocess(
             check=False,
         )
         if proc.returncode != 0 or not out_path.exists():
-            raise RuntimeError(f"session failed (exit {proc.returncode}):\n{proc.stdout[-6000:]}")
+            raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{proc.stdout[-6000:]}")
         result = json.loads(out_path.read_text())
         result["log"] = proc.stdout
         return result
+
+
+def run_session_subprocess(
+    spec: dict[str, Any], timeout: float = 900.0, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Run a session in a fresh Python process; raise RuntimeError with its log on failure."""
+    return run_module_subprocess(
+        "hybrid_offload.session", spec, timeout=timeout, env={**ENGINE_ENV, **(env or {})}, what="session"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

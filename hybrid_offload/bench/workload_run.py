@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -110,23 +108,12 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
 def run_engine_subprocess(spec: dict[str, Any], timeout: float = 1800.0,
                           env: dict[str, str] | None = None) -> dict[str, Any]:
     """:func:`run_engine` in a fresh Python process; RuntimeError with its log on failure."""
-    with tempfile.TemporaryDirectory(prefix="hybrid-offload-workload-") as tmp:
-        spec_path, out_path = Path(tmp, "spec.json"), Path(tmp, "out.json")
-        spec_path.write_text(json.dumps(spec))
-        proc = subprocess.run(
-            [sys.executable, "-m", "hybrid_offload.bench.workload_run", str(spec_path), str(out_path)],
-            env={**os.environ, **ENGINE_ENV, **(env or {})},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
-        if proc.returncode != 0 or not out_path.exists():
-            raise RuntimeError(f"engine run failed (exit {proc.returncode}):\n{proc.stdout[-6000:]}")
-        result = json.loads(out_path.read_text())
-        result["log"] = proc.stdout
-        return result
+    from hybrid_offload.session import run_module_subprocess
+
+    return run_module_subprocess(
+        "hybrid_offload.bench.workload_run", spec, timeout=timeout, env={**ENGINE_ENV, **(env or {})},
+        what="engine run",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

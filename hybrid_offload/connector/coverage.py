@@ -7,8 +7,10 @@ saw: the longest prefix that earlier requests' prompts and outputs shared with t
 as any attention page or sighting reaches. Lost tokens (``reusable - served``) are attributed:
 
 * ``backend_down``: a backend could not be asked (down, timing out, backing off);
-* ``evicted``: chunks this engine saw earlier are not in any backend any more (evicted, or
-  their store was dropped);
+* ``evicted``: chunks this engine saw and stored earlier are not in any backend any more
+  (evicted, deleted, or their store was dropped);
+* ``not_stored``: chunks this engine saw were never sent to a backend: a request running
+  alongside is computing them now, or they are below ``store_threshold``;
 * ``no_state``: attention pages reach further than any stored state: earlier traffic never
   stopped there (a branch point; this request stores a state there for the next one).
 """
@@ -45,10 +47,12 @@ class Coverage:
 
 
 def coverage(
-    local: int, served_end: int, attention_end: int, seen_end: int, backend_down: bool
+    local: int, served_end: int, attention_end: int, seen_end: int, backend_down: bool,
+    gap_stored: bool = True,
 ) -> Coverage:
     """Attribute ``max(served_end, attention_end, seen_end) - served_end`` (all token positions,
-    ``>= local``) to the reasons above."""
+    ``>= local``) to the reasons above; ``gap_stored``: whether the first chunk no backend holds
+    was stored before (``evicted``) or never (``not_stored``)."""
     served_end = max(served_end, local)
     reach = max(attention_end, served_end)
     reusable_end = max(reach, seen_end)
@@ -59,7 +63,7 @@ def coverage(
             reasons["backend_down"] = lost
         else:
             if seen_end > reach:
-                reasons["evicted"] = seen_end - reach
+                reasons["evicted" if gap_stored else "not_stored"] = seen_end - reach
             if reach > served_end:
                 reasons["no_state"] = reach - served_end
     return Coverage(local, served_end - local, reusable_end - local, reasons)

@@ -108,27 +108,37 @@ class BackendView:
 
 class ChunkSightings:
     """How many requests saw each chunk (by chunk hash), for ``store_threshold`` and to tell
-    which prefixes earlier traffic shared; LRU-bounded."""
+    which prefixes earlier traffic shared, and whether its pages were ever sent to a backend;
+    LRU-bounded."""
 
     def __init__(self, capacity: int = MAX_TRACKED_CHUNKS) -> None:
-        self._counts: OrderedDict[bytes, int] = OrderedDict()
+        self._counts: OrderedDict[bytes, list[int]] = OrderedDict()  # hash -> [count, stored]
         self._capacity = capacity
 
     def see(self, chunk_hashes: Iterable[bytes]) -> None:
         for h in chunk_hashes:
-            self._counts[h] = self._counts.get(h, 0) + 1
+            entry = self._counts.setdefault(h, [0, 0])
+            entry[0] += 1
             self._counts.move_to_end(h)
         while len(self._counts) > self._capacity:
             self._counts.popitem(last=False)
 
+    def mark_stored(self, chunk_hash: bytes) -> None:
+        entry = self._counts.get(chunk_hash)
+        if entry is not None:
+            entry[1] = 1
+
     def count(self, chunk_hash: bytes) -> int:
-        return self._counts.get(chunk_hash, 0)
+        return self._counts.get(chunk_hash, (0, 0))[0]
+
+    def was_stored(self, chunk_hash: bytes) -> bool:
+        return bool(self._counts.get(chunk_hash, (0, 0))[1])
 
     def shared_chunks(self, chunk_hashes: list[bytes], start: int = 0) -> int:
         """Length of the run of chunks from ``start`` that another request saw too (the request
         itself counts once)."""
         c = start
-        while c < len(chunk_hashes) and self._counts.get(chunk_hashes[c], 0) >= 2:
+        while c < len(chunk_hashes) and self.count(chunk_hashes[c]) >= 2:
             c += 1
         return c
 
@@ -218,7 +228,10 @@ class OffloadScheduler:
         attention, shared = min(attention, limit), min(shared, limit)
         reach = max(attention, shared)
         state.checkpoints = self.stores.checkpoints(state, reach if reach > served else 0)
-        state.coverage = coverage(computed, served, attention, shared, any(r is None for r in results))
+        gap = max(attention, served) // chunk  # the first chunk no backend holds
+        stored = gap < len(state.chunk_hashes) and self._sightings.was_stored(state.chunk_hashes[gap])
+        down = any(r is None for r in results)
+        state.coverage = coverage(computed, served, attention, shared, down, stored)
 
     def _match(
         self, view: BackendView, state: RequestState, num_tokens: int, computed: int

@@ -188,6 +188,7 @@ class StorePlanner:
         if targets:
             meta.stores.append(StoreJob(page, targets, state.req_id))
             self.pending.add(page.key, self._writers[page.group])
+            self.sightings.mark_stored(page.chunk_hash)
             state.stored = True
 
     def _hold(self, meta: OffloadMetadata, state: RequestState, page: PageJob) -> None:
@@ -198,4 +199,5 @@ class StorePlanner:
         if targets:
             meta.commits.append(CommitJob(state.req_id, page, targets))
             self.pending.add(page.key, self._writers[page.group])
+            self.sightings.mark_stored(page.chunk_hash)
             state.stored = True

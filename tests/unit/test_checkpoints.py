@@ -96,6 +96,10 @@ def test_coverage_attributes_the_gap() -> None:
     cov = coverage(local=512, served_end=0, attention_end=1024, seen_end=0, backend_down=False)
     assert cov == Coverage(512, 0, 512, {"no_state": 512})
     assert coverage(0, 2048, 1024, 1024, False) == Coverage(0, 2048, 2048, {})
+    # the chunks seen beyond every page were never stored (computed alongside, or below the
+    # store threshold): not evicted
+    cov = coverage(0, 1024, 1536, 2048, backend_down=False, gap_stored=False)
+    assert cov.lost == {"not_stored": 512, "no_state": 512}
 
 
 def test_coverage_with_served() -> None:

@@ -343,6 +343,31 @@ def test_a_request_that_stored_touches_its_chain_deepest_first(worlds, tmp_path:
     assert meta.releases == ["r2"] and meta.touches == []
 
 
+def test_coverage_tells_chunks_never_stored_from_evicted_ones(worlds) -> None:
+    """Two requests saw a prompt that is below the store threshold (3): the third finds nothing
+    stored, and its lost tokens are ``not_stored``; once stored and gone, ``evicted``."""
+    w = worlds(make_spec(8, 8), 8, backends=(BackendConfig("cpu", "cpu", 1 << 30, store_threshold=3),))
+    tokens = prompt(24)
+
+    def run(req_id: str) -> dict[str, Any]:
+        req = FakeRequest(req_id, tokens)
+        assert w.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        for meta in run_prefill(w, req, ([10, 11, 12], [20, 21, 22]), 64):
+            w.complete(meta)
+        report = w.sched.request_finished(req)[1]
+        w.complete(w.sched.build_connector_meta(step()))
+        assert report is not None
+        return report["hybrid_offload"]
+
+    assert run("r1")["lost_tokens"] == {}
+    assert run("r2")["lost_tokens"] == {"not_stored": 16}  # r1 saw it, nothing stored
+    assert run("r3")["lost_tokens"] == {"not_stored": 16}  # r3 is the third: it stores
+    w.sched.update_connector_output(  # everything r3 stored is evicted
+        OffloadWorkerMetadata(evicted={"cpu": w.chunk_keys(tokens, range(3))}), None, None
+    )
+    assert run("r4")["lost_tokens"] == {"evicted": 16}
+
+
 def test_checkpoint_interval_and_junction_stops(worlds) -> None:
     w = worlds(make_spec(8, 8), 8, checkpoint_interval=16)
     tokens = prompt(60)
