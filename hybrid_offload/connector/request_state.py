@@ -26,7 +26,8 @@ class RequestState:
     ``next_store_chunk`` is the first attention chunk not planned yet; ``checkpoints`` are the
     prefill positions where the prefill stops and its state is stored; ``held_attention`` and
     ``held_state`` are the chunk indices whose pages the worker holds until they are committed;
-    ``stored``: pages were sent to a backend since the request's chain was last touched.
+    ``stored``: pages were sent to a backend since the request's chain was last touched;
+    ``state_chunks``: the chunks whose state pages it sent.
     """
 
     request: Request
@@ -50,6 +51,7 @@ class RequestState:
     held_attention: set[int] = field(default_factory=set)
     held_state: int | None = None
     stored: bool = False
+    state_chunks: set[int] = field(default_factory=set)
     coverage: Coverage | None = None
     coverage_counted: bool = False
 

@@ -138,7 +138,9 @@ class StorePlanner:
         self._touch(state, meta)
 
     def _touch(self, state: RequestState, meta: OffloadMetadata) -> None:
-        """Refresh the request's chain deepest first (per chunk its states, then attention)."""
+        """Refresh the request's chain deepest first: every attention chunk, and the states it
+        stored or loaded (per chunk the state before the attention). Other states on the chain
+        are not needed by these pages and may age."""
         if not state.stored:
             return
         state.stored = False
@@ -148,11 +150,15 @@ class StorePlanner:
         )  # fmt: skip
         if not targets:
             return
-        order = sorted(self.planner.plans, key=lambda p: p.kind is not GroupKind.MAMBA)
+        states = set(state.state_chunks)
+        if state.load_end:
+            states.add(state.load_end // self.planner.chunk_tokens - 1)
+        mamba = [p for p in self.planner.plans if p.kind is GroupKind.MAMBA]
+        attention = [p for p in self.planner.plans if p.kind is not GroupKind.MAMBA]
         pages = tuple(
             (state.keys[plan.index][c], plan.index)
             for c in reversed(range(len(state.chunk_hashes)))
-            for plan in order
+            for plan in (mamba + attention if c in states else attention)
         )
         meta.touches.append(TouchJob(pages, targets))
 
@@ -187,9 +193,14 @@ class StorePlanner:
         targets = self._targets(page, state)
         if targets:
             meta.stores.append(StoreJob(page, targets, state.req_id))
-            self.pending.add(page.key, self._writers[page.group])
-            self.sightings.mark_stored(page.chunk_hash)
-            state.stored = True
+            self._stored(state, page)
+
+    def _stored(self, state: RequestState, page: PageJob) -> None:
+        self.pending.add(page.key, self._writers[page.group])
+        self.sightings.mark_stored(page.chunk_hash)
+        state.stored = True
+        if self.planner.plans[page.group].kind is GroupKind.MAMBA:
+            state.state_chunks.add(page.chunk_index)
 
     def _hold(self, meta: OffloadMetadata, state: RequestState, page: PageJob) -> None:
         meta.stores.append(StoreJob(page, (), state.req_id, hold=True))
@@ -198,6 +209,4 @@ class StorePlanner:
         targets = self._targets(page, state)
         if targets:
             meta.commits.append(CommitJob(state.req_id, page, targets))
-            self.pending.add(page.key, self._writers[page.group])
-            self.sightings.mark_stored(page.chunk_hash)
-            state.stored = True
+            self._stored(state, page)

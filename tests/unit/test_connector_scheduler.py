@@ -316,9 +316,10 @@ def test_preemption_commits_what_the_worker_holds(worlds) -> None:
 
 
 def test_a_request_that_stored_touches_its_chain_deepest_first(worlds, tmp_path: Path) -> None:
-    """At its end a request that stored pages refreshes its whole chain (found or stored),
-    deepest chunk first and per chunk the state before the attention, in the writable
-    backends whose LRU refreshes; a request that stored nothing touches nothing."""
+    """At its end a request that stored pages refreshes its chain (every attention chunk, found
+    or stored, and the states it stored or loaded), deepest chunk first and per chunk the state
+    before the attention, in the writable backends whose LRU refreshes; a request that stored
+    nothing touches nothing."""
     ro = BackendConfig("disk", "ro", 1 << 30, read_only=True, options={"path": str(tmp_path / "ro")})
     w = worlds(make_spec(8, 8), 8, backends=(cpu_config(), disk_config(tmp_path), ro))
     tokens = prompt(24)
@@ -329,9 +330,27 @@ def test_a_request_that_stored_touches_its_chain_deepest_first(worlds, tmp_path:
     w.sched.request_finished(req)
     meta = w.sched.build_connector_meta(step())
     keys = w.keys(tokens)
-    chain = tuple((keys[g][c], g) for c in (2, 1, 0) for g in (MAMBA, ATTN))
+    # states where it stored them: its tail checkpoint (16) and its last decoding state (24)
+    chain = tuple((keys[g][c], g) for c in (2, 1, 0) for g in ((MAMBA, ATTN) if c else (ATTN,)))
     assert meta.touches == [TouchJob(chain, ("cpu", "disk"))]
     w.complete(meta)
+
+    # the next turn extends the prompt: it loads 24 tokens (the state r1 held at 24), stores the
+    # rest, and touches its chain with the state it loaded but not r1's state at 16
+    longer = prompt(40)
+    r2 = FakeRequest("r2", longer)
+    tables = ([30, 31, 32, 33, 34], [0, 0, 42, 43, 44])
+    assert start_load(w, r2, 0, tables).req_id == "r2"
+    w.sched.update_connector_output(None, {"r2"}, None)
+    assert w.sched.prefill_stop("r2", 24, 40) == 32
+    w.complete(w.sched.build_connector_meta(step(new=[new_req("r2", tables, 24)], scheduled={"r2": 8})))
+    w.complete(w.sched.build_connector_meta(step(cached=[("r2", None, 32)], scheduled={"r2": 8})))
+    w.sched.request_finished(r2)
+    keys = w.keys(longer)
+    states = {4, 3, 2}  # held at 40 and committed; its tail checkpoint 32; loaded at 24
+    groups = {c: (MAMBA, ATTN) if c in states else (ATTN,) for c in range(5)}
+    chain = tuple((keys[g][c], g) for c in (4, 3, 2, 1, 0) for g in groups[c])
+    assert w.sched.build_connector_meta(step()).touches == [TouchJob(chain, ("cpu", "disk"))]
 
     # a request that stored nothing (its chunks are below the store threshold) touches nothing
     w = worlds(make_spec(8, 8), 8, backends=(BackendConfig("cpu", "cpu", 1 << 30, store_threshold=2),))
