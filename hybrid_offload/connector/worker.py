@@ -31,6 +31,7 @@ import torch
 from hybrid_offload.backends.base import Backend, BackendConfig, BackendError
 from hybrid_offload.config import open_backend
 from hybrid_offload.connector.health import BackendHealth
+from hybrid_offload.connector.held import HeldCopies
 from hybrid_offload.connector.metadata import (
     ClearRange,
     CommitJob,
@@ -71,8 +72,6 @@ class ShardRead:
 Decoded = tuple[ShardRead, memoryview]
 #: one shard's sealed-to-be page buffer, queued for the store thread
 QueuedShard = tuple[StoreJob, int, bytearray]
-#: held copies: (request, group, chunk) -> this rank's shards
-HoldKey = tuple[str, int, int]
 
 
 class LoadSwitchInterval:
@@ -133,8 +132,7 @@ class OffloadWorker:
         self._usage_at: dict[str, float] = {}
         self._max_pending = max_pending_store_bytes
         self._pending_bytes = 0
-        self._held: dict[HoldKey, list[tuple[int, bytearray]]] = {}
-        self._held_bytes = 0
+        self._held = HeldCopies()
         self._lock = threading.Lock()
         self._stored: dict[str, list[str]] = {}
         self._settled: list[str] = []
@@ -201,8 +199,7 @@ class OffloadWorker:
         self.copy_out(meta.stores)
         self.commit(meta.commits)
         for req_id in meta.releases:
-            for key in [k for k in self._held if k[0] == req_id]:
-                self._drop_held(key)
+            self._held.release(req_id)
         for touch in meta.touches:
             self._store_queue.put(touch)
 
@@ -221,7 +218,9 @@ class OffloadWorker:
                 continue
             shards = [(shard, self._gather(job.page, shard)) for shard in codec.written]
             if job.hold:
-                self._hold(job, shards, size)
+                page = job.page
+                newest_only = not codec.group.is_attention  # the newest state replaces older ones
+                self._held.hold((job.req_id, page.group, page.chunk_index), shards, newest_only=newest_only)
             else:
                 batch.extend((job, shard, buf) for shard, buf in shards)
                 nbytes += size
@@ -231,7 +230,7 @@ class OffloadWorker:
         """Whether the pending-bytes budget takes ``size`` more bytes (holds have a budget of
         their own); a dropped store is counted and settled."""
         with self._lock:
-            used = self._held_bytes if job.hold else self._pending_bytes + queued
+            used = self._held.nbytes if job.hold else self._pending_bytes + queued
             if used + size <= self._max_pending:
                 return True
         self._count("stores_dropped")
@@ -246,30 +245,13 @@ class OffloadWorker:
         codec.gather(self.layouts[page.group], page, shard, payload)
         return buf
 
-    def _hold(self, job: StoreJob, shards: list[tuple[int, bytearray]], size: int) -> None:
-        page = job.page
-        if not self.codecs[page.group].group.is_attention:  # the newest state replaces older ones
-            for key in [k for k in self._held if k[0] == job.req_id and k[1] == page.group]:
-                self._drop_held(key)
-        self._drop_held((job.req_id, page.group, page.chunk_index))
-        self._held[(job.req_id, page.group, page.chunk_index)] = shards
-        with self._lock:
-            self._held_bytes += size
-
-    def _drop_held(self, key: HoldKey) -> list[tuple[int, bytearray]] | None:
-        shards = self._held.pop(key, None)
-        if shards is not None:
-            with self._lock:
-                self._held_bytes -= sum(len(buf) for _, buf in shards)
-        return shards
-
     def commit(self, commits: list[CommitJob]) -> None:
         """Queue held pages under the keys the scheduler knows now (a page no longer held,
         e.g. dropped for the budget, is settled as it is)."""
         batch: list[QueuedShard] = []
         nbytes = 0
         for commit in commits:
-            shards = self._drop_held((commit.req_id, commit.page.group, commit.page.chunk_index))
+            shards = self._held.take((commit.req_id, commit.page.group, commit.page.chunk_index))
             if shards is None:
                 self._settle([commit.page.key])
                 continue

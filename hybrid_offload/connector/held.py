@@ -1,0 +1,46 @@
+"""Page copies the worker holds until the scheduler commits them under a key.
+
+A copy is held when its key is not known yet (under async scheduling an output chunk whose last
+token is not sampled when its step is planned) or when only a request's last one of its kind is
+worth storing (the decoding state: a newer one replaces the older). The scheduler side later
+sends a commit (the copy is stored under the key it names) or a release (the request's copies
+are dropped). Model-runner thread only; the worker budgets :attr:`HeldCopies.nbytes`.
+"""
+
+from __future__ import annotations
+
+#: (request, group, chunk index)
+HoldKey = tuple[str, int, int]
+#: this rank's shards of one page set: (shard, page buffer)
+Shards = list[tuple[int, bytearray]]
+
+
+class HeldCopies:
+    """The held copies of every live request, and their total size."""
+
+    def __init__(self) -> None:
+        self._copies: dict[HoldKey, Shards] = {}
+        self.nbytes = 0
+
+    def hold(self, key: HoldKey, shards: Shards, *, newest_only: bool) -> None:
+        """Keep ``shards`` under ``key`` (replacing a copy there); with ``newest_only`` the
+        request's other copies of the same group are dropped."""
+        req_id, group, _ = key
+        if newest_only:
+            for other in [k for k in self._copies if k[0] == req_id and k[1] == group]:
+                self.take(other)
+        self.take(key)
+        self._copies[key] = shards
+        self.nbytes += sum(len(buf) for _, buf in shards)
+
+    def take(self, key: HoldKey) -> Shards | None:
+        """Remove and return the copy under ``key`` (None if none is held)."""
+        shards = self._copies.pop(key, None)
+        if shards is not None:
+            self.nbytes -= sum(len(buf) for _, buf in shards)
+        return shards
+
+    def release(self, req_id: str) -> None:
+        """Drop every copy of ``req_id``."""
+        for key in [k for k in self._copies if k[0] == req_id]:
+            self.take(key)
