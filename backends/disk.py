@@ -7,8 +7,9 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
   ``0o700``, files ``0o600``. ``path`` is never re-created after start: if it vanishes (disk
   unmounted) the medium has failed.
 * **Atomic pages.** A put writes ``.<digest>.<pid>.<random>.tmp`` beside the page (fsynced if
-  ``fsync``), then ``os.replace``-s it onto the page name, so a crash mid-write leaves only a
-  temp file, never a visible page. Temp files of dead writers, or older than ten minutes, are
+  ``fsync``), then ``os.replace``-s it onto the page name (with ``fsync``, each directory a put
+  renamed into is fsynced once after its renames), so a crash mid-write leaves only a temp
+  file, never a visible page. Temp files of dead writers, or older than ten minutes, are
   removed at start. Without ``fsync`` a power loss may leave a page with wrong bytes; the page
   decoder's verification catches that.
 * **Index and LRU.** Each instance keeps an index (key -> size, LRU order) rebuilt at start
@@ -458,7 +459,21 @@ class DiskBackend(Backend):
                 if isinstance(tmp, str):
                     results[i] = self._commit(items[i][0], tmp, views[i].nbytes)
             self.stats.put_refused += results.count(False)
+        if self._fsync:
+            self._fsync_dirs({self._paths(items[i][0])[0] for i in todo if results[i]})
         return results
+
+    def _fsync_dirs(self, directories: set[str]) -> None:
+        """Make the renames durable: fsync each directory a page was renamed into, once."""
+        for directory in sorted(directories):
+            try:
+                fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                self._note_error("put", directory, exc)
 
     # -- get -------------------------------------------------------------------------------
 

@@ -142,19 +142,23 @@ def test_directory_and_file_modes(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("fsync", [True, False])
 def test_fsync_option(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fsync: bool) -> None:
-    synced: list[int] = []
+    """With ``fsync``: every page file, then once per put each directory a page was renamed
+    into (the rename is durable); without: nothing."""
+    synced: list[bool] = []  # per fsync: was it a directory
     real_fsync = os.fsync
 
     def counting_fsync(fd: int) -> None:
-        synced.append(fd)
+        synced.append(stat.S_ISDIR(os.fstat(fd).st_mode))
         real_fsync(fd)
 
     monkeypatch.setattr(os, "fsync", counting_fsync)
     with make_disk(tmp_path / "store", fsync=fsync) as backend:
-        assert backend.put_batch([(key(i), page(i, 100)) for i in range(10)]) == [True] * 10
+        batch = [(key(i), page(i, 100)) for i in range(10)]
+        assert backend.put_batch(batch) == [True] * 10
         assert backend.put_batch([(key(10), page(10, 100))]) == [True]
         assert backend.get_batch([key(10)]) == [page(10, 100)]
-    assert len(synced) == (11 if fsync else 0)
+        directories = len({backend._paths(k)[0] for k, _ in batch}) + 1
+    assert (synced.count(False), synced.count(True)) == ((11, directories) if fsync else (0, 0))
 
 
 def test_lru_order_survives_reopen(tmp_path: Path) -> None:
