@@ -15,6 +15,7 @@ from typing import Any
 
 from hybrid_offload.backends.base import Backend, BackendConfig, BackendConfigError
 from hybrid_offload.backends.registry import backend_class, create_backend
+from hybrid_offload.secrets import Secret, SecretError, secret_from_options
 
 ROOT = "kv_connector_extra_config"
 DEFAULT_CAPACITY_BYTES = 1 << 30
@@ -39,8 +40,13 @@ _TOP_KEYS = frozenset(
         "tp_shards",
         "checkpoint_interval_tokens",
         "pending_store_wait_s",
+        "model_version",
+        "secret",
+        "secret_file",
+        "secret_env",
     }
 )
+MAX_MODEL_VERSION_LEN = 256
 _COMMON_BACKEND_KEYS = frozenset(
     {
         "type",
@@ -86,6 +92,12 @@ class OffloadConfig:
     tp_shards: int = DEFAULT_TP_SHARDS
     checkpoint_interval_tokens: int = DEFAULT_CHECKPOINT_INTERVAL_TOKENS
     pending_store_wait_s: float = DEFAULT_PENDING_STORE_WAIT_S
+    model_version: str | None = None
+    secret: Secret | None = None
+
+    @property
+    def secret_bytes(self) -> bytes | None:
+        return None if self.secret is None else self.secret.value
 
 
 def open_backend(config: BackendConfig, index: int) -> Backend:
@@ -225,6 +237,18 @@ def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
             f"{ROOT}.pending_store_wait_s: must be a number of seconds in [0, 60] (0: never wait "
             f"for stores in flight), got {wait!r}"
         )
+    version = extra.get("model_version")
+    if version is not None and (
+        not isinstance(version, str) or not 0 < len(version) <= MAX_MODEL_VERSION_LEN
+    ):
+        raise ConfigError(
+            f"{ROOT}.model_version: expected a non-empty string of at most "
+            f"{MAX_MODEL_VERSION_LEN} characters naming the weights, got {version!r}"
+        )
+    try:
+        secret = secret_from_options(extra, "secret", what=ROOT)
+    except SecretError as exc:
+        raise ConfigError(str(exc)) from None
     return OffloadConfig(
         backends=backends,
         chunk_tokens=chunk,
@@ -235,6 +259,8 @@ def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
         tp_shards=shards,
         checkpoint_interval_tokens=interval,
         pending_store_wait_s=float(wait),
+        model_version=version,
+        secret=secret,
     )
 
 

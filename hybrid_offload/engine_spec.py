@@ -8,6 +8,8 @@ and :class:`GroupSpec`, which are plain data and can be built by hand in tests.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -16,9 +18,8 @@ from math import prod
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import xxhash
-
 from hybrid_offload import FORMAT_VERSION
+from hybrid_offload.model_identity import weights_identity
 from hybrid_offload.tp_shards import (
     Component,
     ShardLayoutError,
@@ -257,9 +258,10 @@ class ModelSpec:
 
 
 def compute_fingerprint(fields: dict[str, Any]) -> str:
-    """Stable 128-bit hex digest of canonical JSON (sorted keys; no Python ``hash()``)."""
+    """Stable 128-bit hex digest (sha256, truncated) of canonical JSON (sorted keys; no
+    Python ``hash()``)."""
     blob = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str).encode()
-    return xxhash.xxh3_128_hexdigest(blob)
+    return hashlib.sha256(blob).hexdigest()[:32]
 
 
 def make_model_spec(
@@ -450,21 +452,62 @@ def _hf_config_digest(model_config: Any) -> str:
     process that did not build it, the scheduler at TP > 1, would see other values)."""
     path = _config_file(str(model_config.model), model_config.revision)
     if path is not None:
-        return xxhash.xxh3_128_hexdigest(path.read_bytes())
+        return hashlib.sha256(path.read_bytes()).hexdigest()
     hf = model_config.hf_config.to_dict()
     skip = _VOLATILE_HF_KEYS | _RUNTIME_HF_KEYS
     return compute_fingerprint({k: v for k, v in hf.items() if k not in skip})
 
 
-def _model_fields(vllm_config: VllmConfig) -> dict[str, Any]:
+def _hf_overrides(overrides: Any) -> Any:
+    """``hf_overrides`` as JSON: a dict as is, a function by its qualified name."""
+    if callable(overrides):
+        return f"callable:{getattr(overrides, '__module__', '?')}.{getattr(overrides, '__qualname__', '?')}"
+    return overrides or {}
+
+
+def _weights_fields(vllm_config: VllmConfig, model_version: str | None) -> dict[str, Any]:
+    """What names the weights: the operator's ``model_version`` where given, else what
+    :mod:`~hybrid_offload.model_identity` finds (a warning where it finds nothing)."""
+    if model_version:
+        return {"model_version": model_version}
     model_config = vllm_config.model_config
+    load_format = str(getattr(vllm_config.load_config, "load_format", "auto"))
+    if load_format == "dummy":
+        return {"dummy": True, "seed": model_config.seed}
+    identity = weights_identity(str(model_config.model), model_config.revision)
+    if "unidentified" in identity:
+        _warn_unidentified(str(model_config.model))
+    return identity
+
+
+@functools.cache
+def _warn_unidentified(model: str) -> None:
+    logger.warning(
+        "hybrid-offload cannot identify the weights of %r (no hub snapshot, no local weight "
+        "files): pages are keyed by its name and config only, so weights changed under that "
+        "name would be served stale pages. Set kv_connector_extra_config.model_version.",
+        model,
+    )
+
+
+def _model_fields(vllm_config: VllmConfig, model_version: str | None = None) -> dict[str, Any]:
+    """Everything about the model that changes its KV for the same tokens."""
+    model_config = vllm_config.model_config
+    cache_config = vllm_config.cache_config
     return {
         "name": str(model_config.model),
         "revision": model_config.revision,
+        "code_revision": model_config.code_revision,
         "architectures": list(getattr(model_config.hf_config, "architectures", None) or []),
         "hf_config": _hf_config_digest(model_config),
+        "hf_overrides": _hf_overrides(model_config.hf_overrides),
+        "weights": _weights_fields(vllm_config, model_version),
+        "quantization": model_config.quantization,
+        "model_impl": str(getattr(model_config, "model_impl", "auto")),
+        "load_format": str(getattr(vllm_config.load_config, "load_format", "auto")),
         "dtype": _dtype_name(model_config.dtype),
-        "kv_cache_dtype": str(vllm_config.cache_config.cache_dtype),
+        "kv_cache_dtype": str(cache_config.cache_dtype),
+        "kv_cache_dtype_skip_layers": sorted(getattr(cache_config, "kv_cache_dtype_skip_layers", None) or []),
     }
 
 
@@ -481,9 +524,13 @@ def _model_shape(vllm_config: VllmConfig) -> ModelShape:
 
 
 def model_spec_from_vllm(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, max_shards: int | None = None
+    vllm_config: VllmConfig,
+    kv_cache_config: KVCacheConfig,
+    max_shards: int | None = None,
+    model_version: str | None = None,
 ) -> ModelSpec:
-    """Translate vLLM's configs into a ModelSpec (call once per connector)."""
+    """Translate vLLM's configs into a ModelSpec (call once per connector). ``model_version``
+    (the operator's name for the weights) replaces the identity found from the files."""
     shape = _model_shape(vllm_config)
     groups = tuple(
         _group_from_vllm(i, g, shape) for i, g in enumerate(kv_cache_config.kv_cache_groups)
@@ -499,7 +546,7 @@ def model_spec_from_vllm(
             tp_rank = 0
     return make_model_spec(
         groups,
-        _model_fields(vllm_config),
+        _model_fields(vllm_config, model_version),
         max_model_len=vllm_config.model_config.max_model_len,
         num_blocks=kv_cache_config.num_blocks,
         tp_rank=tp_rank,

@@ -8,11 +8,16 @@ pages in every process and across restarts.
 
 Layout (little-endian)::
 
-    fixed header  (struct _FIXED)
+    fixed header  (struct _FIXED; the chunk hash is 32 bytes, the MAC 32 zero bytes unless signed)
     tensor table  n_tensors x (dtype code u8, ndim u8, dims u32 x ndim)
     zero padding  so that the header is a multiple of 64 bytes
     header xxh3-64 over everything above (the last 8 header bytes)
     payload       payload_len bytes, checksummed with xxh3-64 in the fixed header
+
+The checksums catch corruption, not forgery. Where a cache has a secret key (shared tiers that
+others can write), pages are signed: the MAC field holds HMAC-SHA256 under the key over the
+header (MAC zeroed, without the header checksum) and the payload, and a reader with the key
+refuses unsigned or badly signed pages.
 
 Decoding never trusts sizes before checking them against hard bounds, so a hostile page
 cannot make the decoder allocate without limit. No pickle, no torch.load.
@@ -20,6 +25,8 @@ cannot make the decoder allocate without limit. No pickle, no torch.load.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
 from dataclasses import dataclass
 from math import prod
@@ -42,8 +49,13 @@ _KIND_CODES = {GroupKind.FULL_ATTENTION: 1, GroupKind.SLIDING_WINDOW: 2, GroupKi
 _CODE_KINDS = {code: kind for kind, code in _KIND_CODES.items()}
 
 # magic, version, header_len, fingerprint, chunk_hash, group, kind, shard, shards,
-# chunk_index, num_tokens, n_tensors, payload_len, payload_checksum
-_FIXED = struct.Struct("<4sHI16s16sHBHHIIHQQ")
+# chunk_index, num_tokens, n_tensors, payload_len, payload_checksum, mac
+_FIXED = struct.Struct("<4sHI16s32sHBHHIIHQQ32s")
+MAC_LEN = 32
+FINGERPRINT_LEN = 16
+CHUNK_HASH_LEN = 32
+_MAC_OFFSET = _FIXED.size - MAC_LEN
+_NO_MAC = bytes(MAC_LEN)
 _CHECKSUM = struct.Struct("<Q")
 
 
@@ -57,6 +69,8 @@ class PageHeader:
 
     ``shard`` of ``shards``: which tensor-parallel-portable piece of its (chunk, group) page set
     the page holds (see ``hybrid_offload.tp_shards``); 0 of 1 when the set is one page.
+    ``signed``: (decoded pages) the page carries a MAC; whether it verifies is checked by
+    :func:`decode_page` with the key.
     """
 
     fingerprint: bytes
@@ -68,6 +82,7 @@ class PageHeader:
     tensors: tuple[TensorSpec, ...]
     shard: int = 0
     shards: int = 1
+    signed: bool = False
 
     @property
     def payload_len(self) -> int:
@@ -92,14 +107,28 @@ def page_len(tensors: tuple[TensorSpec, ...]) -> int:
     return header_len(tensors) + sum(t.nbytes for t in tensors)
 
 
-def seal_page(buf: bytearray | memoryview, header: PageHeader) -> None:
-    """Write the header into ``buf`` whose payload region (after ``header_len``) is filled.
+def _mac(key: bytes, header: bytes | memoryview, payload: memoryview) -> bytes:
+    """HMAC-SHA256 over ``header`` (its MAC field zero, no header checksum) and ``payload``."""
+    h = hmac.new(key, digestmod=hashlib.sha256)
+    h.update(header)
+    h.update(payload)
+    return h.digest()
+
+
+def seal_page(buf: bytearray | memoryview, header: PageHeader, key: bytes | None = None) -> None:
+    """Write the header into ``buf`` whose payload region (after ``header_len``) is filled,
+    signed under ``key`` where one is given.
 
     ``buf`` must be exactly ``page_len(header.tensors)`` bytes. The payload is not copied.
     """
     view = memoryview(buf).cast("B")
     hlen = header_len(header.tensors)
     plen = header.payload_len
+    if len(header.fingerprint) != FINGERPRINT_LEN or len(header.chunk_hash) != CHUNK_HASH_LEN:
+        raise PageFormatError(
+            f"fingerprint and chunk hash must be {FINGERPRINT_LEN} and {CHUNK_HASH_LEN} bytes, got "
+            f"{len(header.fingerprint)} and {len(header.chunk_hash)}"
+        )
     if len(view) != hlen + plen:
         raise PageFormatError(f"page buffer is {len(view)} bytes, expected {hlen + plen}")
     payload_checksum = xxhash.xxh3_64_intdigest(view[hlen:])
@@ -107,23 +136,26 @@ def seal_page(buf: bytearray | memoryview, header: PageHeader) -> None:
         MAGIC, FORMAT_VERSION, hlen, header.fingerprint, header.chunk_hash,
         header.group_index, _KIND_CODES[header.kind], header.shard, header.shards,
         header.chunk_index, header.num_tokens, len(header.tensors), plen, payload_checksum,
+        _NO_MAC,
     )
     table = _tensor_table(header.tensors)
     end = _FIXED.size + len(table)
     view[: _FIXED.size] = fixed
     view[_FIXED.size : end] = table
     view[end : hlen - _CHECKSUM.size] = bytes(hlen - _CHECKSUM.size - end)
+    if key:
+        view[_MAC_OFFSET:_FIXED.size] = _mac(key, view[: hlen - _CHECKSUM.size], view[hlen:])
     view[hlen - _CHECKSUM.size : hlen] = _CHECKSUM.pack(
         xxhash.xxh3_64_intdigest(view[: hlen - _CHECKSUM.size])
     )
 
 
-def encode_page(header: PageHeader, payload: bytes | memoryview) -> bytes:
+def encode_page(header: PageHeader, payload: bytes | memoryview, key: bytes | None = None) -> bytes:
     """Convenience: header + a payload given as one buffer."""
     hlen = header_len(header.tensors)
     buf = bytearray(hlen + len(payload))
     buf[hlen:] = payload
-    seal_page(buf, header)
+    seal_page(buf, header, key)
     return bytes(buf)
 
 
@@ -152,7 +184,7 @@ def decode_header(data: bytes | bytearray | memoryview) -> tuple[PageHeader, int
     if len(view) < _FIXED.size + _CHECKSUM.size:
         raise PageFormatError(f"page too short ({len(view)} bytes)")
     (magic, version, hlen, fingerprint, chunk_hash, group, kind, shard, shards,
-     chunk_index, num_tokens, n_tensors, plen, payload_checksum) = _FIXED.unpack_from(view, 0)
+     chunk_index, num_tokens, n_tensors, plen, payload_checksum, mac) = _FIXED.unpack_from(view, 0)
     if magic != MAGIC:
         raise PageFormatError("bad magic: not a hybrid-offload page")
     if version != FORMAT_VERSION:
@@ -170,17 +202,18 @@ def decode_header(data: bytes | bytearray | memoryview) -> tuple[PageHeader, int
     if sum(prod(t.shape) * DTYPE_SIZES[t.dtype] for t in tensors) != plen:
         raise PageFormatError("tensor table does not add up to the payload length")
     header = PageHeader(fingerprint, chunk_hash, group, _CODE_KINDS[kind], chunk_index,
-                        num_tokens, tensors, shard, shards)
+                        num_tokens, tensors, shard, shards, signed=mac != _NO_MAC)
     return header, hlen, payload_checksum
 
 
 def decode_page(
-    data: bytes | bytearray | memoryview, expected: PageHeader | None = None
+    data: bytes | bytearray | memoryview, expected: PageHeader | None = None, key: bytes | None = None
 ) -> tuple[PageHeader, memoryview]:
     """Verify a whole page and return its header and payload (a view into ``data``).
 
     With ``expected``, every identifying field and the tensor shapes/dtypes must match it,
-    so a valid page stored under the wrong key is rejected too.
+    so a valid page stored under the wrong key is rejected too. With ``key``, the page must be
+    signed under it (a page without a valid MAC is refused).
     """
     view = memoryview(data).cast("B")
     header, hlen, payload_checksum = decode_header(view)
@@ -189,9 +222,21 @@ def decode_page(
     payload = view[hlen:]
     if xxhash.xxh3_64_intdigest(payload) != payload_checksum:
         raise PageFormatError("payload checksum mismatch")
+    if key:
+        _check_mac(view, hlen, payload, key)
     if expected is not None:
         _check_expected(header, expected)
     return header, payload
+
+
+def _check_mac(view: memoryview, hlen: int, payload: memoryview, key: bytes) -> None:
+    mac = bytes(view[_MAC_OFFSET:_FIXED.size])
+    if mac == _NO_MAC:
+        raise PageFormatError("page is not signed, and this cache requires signed pages")
+    unsigned = bytearray(view[: hlen - _CHECKSUM.size])
+    unsigned[_MAC_OFFSET:_FIXED.size] = _NO_MAC
+    if not hmac.compare_digest(mac, _mac(key, unsigned, payload)):
+        raise PageFormatError("page signature does not verify under this cache's key")
 
 
 def _check_expected(got: PageHeader, want: PageHeader) -> None:

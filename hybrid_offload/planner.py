@@ -5,9 +5,12 @@ Pure logic: no torch, no I/O, no vLLM imports. Works on :class:`ModelSpec` from
 
 * A prompt is cut into chunks of ``chunk_tokens`` tokens. Chunk ``i`` covers tokens
   ``[i * chunk, (i + 1) * chunk)``; only full chunks are ever stored or loaded.
-* Keys are a chain hash (xxh3-128) over the chunks' token ids, seeded with the model
-  fingerprint and the request's cache scope (LoRA name, cache salt). They are the same in every
-  process and across restarts; Python's ``hash()`` is never used.
+* Keys are a chain hash over the chunks' token ids, seeded with the model fingerprint and the
+  request's cache scope (LoRA adapter, cache salt, weights version): sha256, or HMAC-SHA256
+  with the cache's secret key where one is configured (then nobody without the key can tell
+  which key a prompt has). They are the same in every process and across restarts; Python's
+  ``hash()`` is never used. Chain hashes are 32 bytes and every page's header carries its own,
+  checked on load, so page keys (128 bits of a sha256) can be short.
 * One page set per (chunk, group). For attention groups, the set of chunk ``i`` holds that
   chunk's K/V. For Mamba/GDN groups, the set of chunk ``i`` holds the state after the chunk's
   last token, i.e. at boundary ``N = (i + 1) * chunk``; it exists only where a request's
@@ -22,13 +25,14 @@ Pure logic: no torch, no I/O, no vLLM imports. Works on :class:`ModelSpec` from
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import xxhash
 
 from hybrid_offload.engine_spec import GroupKind, GroupSpec, ModelSpec
 
@@ -132,47 +136,62 @@ def _plan_group(group: GroupSpec, chunk: int, max_model_len: int) -> GroupPlan:
     return GroupPlan(group, window, per_chunk, per_block)
 
 
-def chain_chunk_hashes(seed: bytes, token_ids: Sequence[int], chunk: int) -> list[bytes]:
-    """Chained 16-byte hashes, one per full chunk: ``h[i] = xxh3_128(h[i-1] || tokens_i)``."""
+def chain_chunk_hashes(
+    seed: bytes, token_ids: Sequence[int], chunk: int, key: bytes | None = None
+) -> list[bytes]:
+    """Chained 32-byte hashes, one per full chunk: ``h[i] = sha256(h[i-1] || tokens_i)``, or
+    HMAC-SHA256 under ``key``; tokens as little-endian int64."""
     n_full = len(token_ids) // chunk
     if n_full == 0:
         return []
-    tokens = np.asarray(token_ids[: n_full * chunk], dtype="<i8")
+    tokens = np.asarray(token_ids[: n_full * chunk], dtype="<i8").tobytes()
+    step = chunk * 8
     out: list[bytes] = []
     prev = seed
     for i in range(n_full):
-        h = xxhash.xxh3_128()
-        h.update(prev)
-        h.update(tokens[i * chunk : (i + 1) * chunk].tobytes())
-        prev = h.digest()
+        data = prev + tokens[i * step : (i + 1) * step]
+        prev = hmac.digest(key, data, "sha256") if key else hashlib.sha256(data).digest()
         out.append(prev)
     return out
+
+
+def _short_digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:32]
 
 
 class HybridOffloadPlanner:
     """Maps token prefixes to page keys and decides the longest loadable prefix."""
 
-    def __init__(self, spec: ModelSpec, chunk_tokens: int | None = None) -> None:
+    def __init__(
+        self, spec: ModelSpec, chunk_tokens: int | None = None, key: bytes | None = None
+    ) -> None:
+        """``key``: the cache's secret (keyed chain hashes); None for sha256."""
         if chunk_tokens is not None and chunk_tokens <= 0:
             raise PlannerConfigError(f"chunk_tokens must be positive, got {chunk_tokens}")
         self.spec = spec
         self.chunk_tokens = chunk_tokens or default_chunk_tokens(spec.groups, spec.max_model_len)
         self.plans = tuple(_plan_group(g, self.chunk_tokens, spec.max_model_len) for g in spec.groups)
         self.namespace = spec.fingerprint
+        self._key = key
 
     # ---- keys -------------------------------------------------------------------------
     def scope_seed(self, scope: bytes = b"") -> bytes:
-        """The chain seed: fingerprint plus a request scope (LoRA, cache salt)."""
-        return xxhash.xxh3_128_digest(self.spec.fingerprint_bytes + b"\x00" + scope)
+        """The chain seed: fingerprint plus a request scope (see ``connector.scope``)."""
+        data = self.spec.fingerprint_bytes + b"\x00" + scope
+        return hmac.digest(self._key, data, "sha256") if self._key else hashlib.sha256(data).digest()
+
+    def chain(self, prev: bytes, token_ids: Sequence[int]) -> list[bytes]:
+        """Hashes of the full chunks of ``token_ids`` following chain hash (or seed) ``prev``."""
+        return chain_chunk_hashes(prev, token_ids, self.chunk_tokens, self._key)
 
     def chunk_hashes(self, token_ids: Sequence[int], scope: bytes = b"") -> list[bytes]:
-        return chain_chunk_hashes(self.scope_seed(scope), token_ids, self.chunk_tokens)
+        return self.chain(self.scope_seed(scope), token_ids)
 
     def page_key(self, chunk_hash: bytes, group_index: int) -> str:
         """Key of one (chunk, group) page set: ``<fingerprint>-<digest>``. A set of one shard
         is stored under this key; otherwise each shard under :meth:`shard_keys`."""
         tail = group_index.to_bytes(2, "little")
-        return f"{self.namespace}-{xxhash.xxh3_128_hexdigest(chunk_hash + tail)}"
+        return f"{self.namespace}-{_short_digest(chunk_hash + tail)}"
 
     def group_keys(self, chunk_hashes: Sequence[bytes]) -> list[list[str]]:
         """Page-set keys per group (outer) per chunk (inner)."""
@@ -186,7 +205,7 @@ class HybridOffloadPlanner:
         namespace, _, digest = page_key.partition("-")
         tail = shards.to_bytes(2, "little")
         return [
-            f"{namespace}-{xxhash.xxh3_128_hexdigest(bytes.fromhex(digest) + p.to_bytes(2, 'little') + tail)}"
+            f"{namespace}-{_short_digest(bytes.fromhex(digest) + p.to_bytes(2, 'little') + tail)}"
             for p in range(shards)
         ]
 

@@ -126,7 +126,7 @@ def make_page(kind: PageKind) -> bytes:
     attn, state = _groups()[kind.model]
     group = attn if kind.group == "attention" else state
     tensors = group.page_tensors(kind.chunk_tokens)
-    header = PageHeader(os.urandom(16), os.urandom(16), group.index,
+    header = PageHeader(os.urandom(16), os.urandom(32), group.index,
                         GroupKind(group.kind), 0, kind.chunk_tokens, tensors)  # fmt: skip
     page = encode_page(header, os.urandom(header.payload_len))
     assert len(page) == kind.page_bytes

@@ -94,11 +94,13 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         config = parse_offload_config(self._kv_transfer_config.kv_connector_extra_config)
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         try:
-            spec = model_spec_from_vllm(vllm_config, kv_cache_config, config.tp_shards)
+            spec = model_spec_from_vllm(
+                vllm_config, kv_cache_config, config.tp_shards, config.model_version
+            )
         except ShardLayoutError as exc:
             raise ConfigError(f"{ROOT}.tp_shards (tensor_parallel_size={tp_size}): {exc}") from exc
         try:
-            self.planner = HybridOffloadPlanner(spec, config.chunk_tokens)
+            self.planner = HybridOffloadPlanner(spec, config.chunk_tokens, config.secret_bytes)
         except PlannerConfigError as exc:
             raise ConfigError(f"{ROOT}.chunk_tokens: {exc}") from exc
         self.scheduler: OffloadScheduler | None = None
@@ -122,6 +124,7 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 config.backends,
                 config.max_pending_store_bytes,
                 load_switch_interval_s=config.load_switch_interval_s,
+                secret=config.secret_bytes,
             )
         side = self.scheduler or self.worker
         assert side is not None

@@ -9,7 +9,7 @@ from hybrid_offload.connector.coverage import Coverage
 from hybrid_offload.connector.metadata import PageJob
 from hybrid_offload.connector.policy import LoadChoice
 from hybrid_offload.engine_spec import GroupKind
-from hybrid_offload.planner import GroupPlan, HybridOffloadPlanner, chain_chunk_hashes
+from hybrid_offload.planner import GroupPlan, HybridOffloadPlanner
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -27,7 +27,8 @@ class RequestState:
     prefill positions where the prefill stops and its state is stored; ``held_attention`` and
     ``held_state`` are the chunk indices whose pages the worker holds until they are committed;
     ``stored``: pages were sent to a backend since the request's chain was last touched;
-    ``state_chunks``: the chunks whose state pages it sent.
+    ``state_chunks``: the chunks whose state pages it sent. ``stale``: keyed before a cache
+    reset (a weight update): it stores nothing more.
     """
 
     request: Request
@@ -54,6 +55,7 @@ class RequestState:
     state_chunks: set[int] = field(default_factory=set)
     coverage: Coverage | None = None
     coverage_counted: bool = False
+    stale: bool = False
 
     @property
     def req_id(self) -> str:
@@ -75,7 +77,7 @@ def extend_keys(state: RequestState, planner: HybridOffloadPlanner, num_tokens: 
     if want <= have:
         return []
     prev = state.chunk_hashes[-1] if have else state.seed
-    new = chain_chunk_hashes(prev, list(tokens[have * chunk : want * chunk]), chunk)
+    new = planner.chain(prev, list(tokens[have * chunk : want * chunk]))
     state.chunk_hashes.extend(new)
     for group_keys, more in zip(state.keys, planner.group_keys(new), strict=True):
         group_keys.extend(more)

@@ -21,6 +21,7 @@ before the preemption instead of recomputing it.
 from __future__ import annotations
 
 import logging
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -41,10 +42,11 @@ from hybrid_offload.connector.metadata import (
 from hybrid_offload.connector.pending import DEFAULT_PENDING_STORE_WAIT_S, PendingStores
 from hybrid_offload.connector.policy import BackendMatch, LoadChoice, make_policy, presence_matrix
 from hybrid_offload.connector.request_state import RequestState, extend_keys, page_job
+from hybrid_offload.connector.scope import AdapterIdentities, ScopeError, request_scope
 from hybrid_offload.connector.store_plan import StorePlanner
 from hybrid_offload.engine_spec import GroupKind
 from hybrid_offload.metrics import Locked, SchedulerCounters
-from hybrid_offload.planner import HybridOffloadPlanner, LoadablePrefix, chain_chunk_hashes
+from hybrid_offload.planner import HybridOffloadPlanner, LoadablePrefix
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -167,18 +169,27 @@ class OffloadScheduler:
         self.stores = StorePlanner(planner, self.views, self._sightings, self.pending, checkpoint_interval)
         self._requests: dict[str, RequestState] = {}
         self._ended = OffloadMetadata()  # commits and releases of requests that ended since the last step
-        self._generation = 0
+        self._epoch = ""  # weights epoch: a random nonce after each cache reset
+        self._adapters = AdapterIdentities()
 
     # ---- lookup -----------------------------------------------------------------------
     def _request_state(self, request: Request) -> RequestState | None:
+        """The request's state, keyed on first sight; a request keyed before a cache reset is
+        keyed anew when it is looked up again (resumed), unless a load is in flight. None:
+        the request does not use the cache (multimodal, embeddings, a malformed scope)."""
         state = self._requests.get(request.request_id)
-        if state is not None:
+        if state is not None and not (state.stale and not (state.loading or state.load_pending)):
             return state
         if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
             return None
+        try:
+            scope = request_scope(request, self._epoch, self._adapters)
+        except ScopeError as exc:
+            logger.warning("request %s does not use the cache: %s", request.request_id, exc)
+            return None
         prompt = list(request.prompt_token_ids or [])
-        seed = self.planner.scope_seed(_request_scope(request, self._generation))
-        hashes = chain_chunk_hashes(seed, prompt, self.planner.chunk_tokens)
+        seed = self.planner.scope_seed(scope)
+        hashes = self.planner.chain(seed, prompt)
         state = RequestState(request, len(prompt), seed, hashes, self.planner.group_keys(hashes))
         self._requests[request.request_id] = state
         self._sightings.see(hashes)
@@ -465,29 +476,20 @@ class OffloadScheduler:
             )
 
     def reset_cache(self) -> None:
-        """Start a new key generation: requests from now on never match pages stored before
-        (stale after a weight update). Requests already known keep their keys."""
-        self._generation += 1
+        """Start a new weights epoch (after a weight update): requests from now on never match
+        pages stored before, in this engine, after a restart or in another engine, unless they
+        name a weights version. Requests keyed before store nothing more (what they computed
+        may straddle the update; held copies are released) and are keyed anew when resumed."""
+        self._epoch = os.urandom(16).hex()
         self._sightings = ChunkSightings()
         self.stores.sightings = self._sightings
+        for state in self._requests.values():
+            state.stale = True
         logger.warning(
-            "hybrid-offload cache reset: pages stored so far are no longer loaded (generation %d)",
-            self._generation,
+            "hybrid-offload cache reset: pages stored so far are no longer loaded (weights epoch %s)",
+            self._epoch,
         )
 
     def shutdown(self) -> None:
         for view in self.views:
             view.close()
-
-
-def _request_scope(request: Request, generation: int = 0) -> bytes:
-    """Bytes that must scope keys beyond the tokens: LoRA adapter, cache salt, and the key
-    generation after a cache reset."""
-    parts = [f"gen:{generation}"] if generation else []
-    lora = getattr(request, "lora_request", None)
-    if lora is not None:
-        parts.append(f"lora:{lora.lora_name}:{lora.lora_int_id}")
-    salt = getattr(request, "cache_salt", None)
-    if salt:
-        parts.append(f"salt:{salt}")
-    return "\x1f".join(parts).encode()

@@ -82,7 +82,7 @@ class StorePlanner:
 
     # ---- per step -----------------------------------------------------------------------
     def plan_step(self, state: RequestState, computed: int, scheduled: int, meta: OffloadMetadata) -> None:
-        if state.loading or not self.stores_anything:
+        if state.loading or state.stale or not self.stores_anything:
             return
         chunk = self.planner.chunk_tokens
         if state.store_from_chunk is None:
@@ -124,7 +124,13 @@ class StorePlanner:
     def finish(self, state: RequestState, meta: OffloadMetadata) -> None:
         """The request ends or is preempted: commit what the worker holds for it whose tokens
         are known (the decoding state only if every held attention chunk before it commits),
-        and release the rest."""
+        and release the rest. A stale request (keyed before a cache reset) commits nothing."""
+        if state.stale:
+            state.held_attention.clear()
+            state.held_state = None
+            state.stored = False
+            meta.releases.append(state.req_id)
+            return
         extend_keys(state, self.planner, state.known_tokens)
         uncommitted = self._commit_attention(state, meta)
         c = state.held_state

@@ -117,9 +117,12 @@ class OffloadWorker:
         max_pending_store_bytes: int,
         *,
         load_switch_interval_s: float = 0.0,
+        secret: bytes | None = None,
     ) -> None:
+        """``secret``: pages are signed with it and must verify under it (see ``page_format``)."""
         self.spec = spec
         self.planner = planner
+        self._secret = secret
         self.codecs = {g.index: PageCodec(spec, g, planner.chunk_tokens) for g in spec.groups}
         self.backends: dict[str, Backend] = {c.name: open_backend(c, i) for i, c in enumerate(backends)}
         self.health = {
@@ -321,7 +324,7 @@ class OffloadWorker:
         # Deepest page first: a backend's LRU then keeps a prefix more recent than the pages
         # that need it (a state needs every chunk before it), and evicts from the deep end.
         for job, shard, buf in reversed(batch):
-            seal_page(buf, self.codecs[job.page.group].header(job.page, shard))
+            seal_page(buf, self.codecs[job.page.group].header(job.page, shard), self._secret)
             key = self.planner.shard_keys(job.page.key, job.page.group)[shard]
             for name in job.backends:
                 per_backend.setdefault(name, []).append((key, buf))
@@ -446,7 +449,9 @@ class OffloadWorker:
                 self.stats.record_error(name, "missing_page")
                 continue
             try:
-                _, payload = decode_page(memoryview(buf)[:size], read.codec.header(read.page, read.shard))
+                _, payload = decode_page(
+                    memoryview(buf)[:size], read.codec.header(read.page, read.shard), self._secret
+                )
             except PageFormatError as exc:
                 self._count("bad_pages")
                 self.stats.record_error(name, "bad_page")

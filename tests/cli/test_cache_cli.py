@@ -52,7 +52,7 @@ def make_page(fp: str, group: int, chunk: int, shard: int = 0, shards: int = 1) 
         tensors = (TensorSpec("L0.conv", (4, 8), "float32"), TensorSpec("L0.ssm", (2, 4, 4), "float32"))
         kind = GroupKind.MAMBA
     seed = f"{fp}/{group}/{chunk}/{shard}".encode()
-    chunk_hash = hashlib.blake2b(seed, digest_size=16).digest()
+    chunk_hash = hashlib.blake2b(seed, digest_size=32).digest()
     header = PageHeader(bytes.fromhex(fp), chunk_hash, group, kind, chunk, 16, tensors, shard, shards)
     payload = random.Random(seed).randbytes(sum(t.nbytes for t in tensors))
     return f"{fp}-{hashlib.blake2b(seed + b'key', digest_size=16).hexdigest()}", encode_page(header, payload)

@@ -153,8 +153,8 @@ class RankCache:
 
     def job(self, group: GroupSpec, key: str) -> PageJob:
         if group.is_attention:
-            return PageJob(key, group.index, 0, bytes(16), tuple(range(self.blocks - 1)))
-        return PageJob(key, group.index, 0, bytes(16), (0,))
+            return PageJob(key, group.index, 0, bytes(32), tuple(range(self.blocks - 1)))
+        return PageJob(key, group.index, 0, bytes(32), (0,))
 
     def _attention_tokens(self, cache: torch.Tensor, block: int) -> list[tuple[slice, torch.Tensor]]:
         out = []
@@ -203,7 +203,7 @@ def write(cap: Captured, t: int, backend: Any) -> dict[int, str]:
         cache = RankCache(spec, cap.chunk_tokens)
         items = []
         for g in spec.groups:
-            set_keys[g.index] = planner.page_key(bytes(16), g.index)
+            set_keys[g.index] = planner.page_key(bytes(32), g.index)
             for layer, full in zip(g.layer_names, cap.tensors[g.index], strict=True):
                 cache.put(g, layer, vllm_view(cap, g, full, t, r))
             codec = PageCodec(spec, g, cap.chunk_tokens)

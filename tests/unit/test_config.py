@@ -264,3 +264,28 @@ def test_load_and_store_policy_keys() -> None:
     )
     assert not {"store_threshold", "store_output", "read_only"} & set(cfg.backends[1].options)
     assert parse_offload_config({"backends": [{"type": "cpu"}]}).load_policy == "weighted"
+
+
+def test_model_version_and_secret(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """issue 14: an operator's weights name; the cache secret from a file or the environment,
+    never a literal (the config is a command-line argument)."""
+    assert parse_offload_config({**good(), "model_version": "llama-ft-7"}).model_version == "llama-ft-7"
+    for bad in ("", 7, "x" * 257):
+        with pytest.raises(ConfigError, match="model_version"):
+            parse_offload_config({**good(), "model_version": bad})
+    with pytest.raises(ConfigError, match="'secret_file'"):
+        parse_offload_config({**good(), "secret": "hunter2"})
+    path = tmp_path / "secret"
+    path.write_text("hunter2\n")
+    config = parse_offload_config({**good(), "secret_file": str(path)})
+    assert config.secret_bytes == b"hunter2" and "hunter2" not in repr(config)
+    monkeypatch.setenv("HO_TEST_SECRET", "s3")
+    assert parse_offload_config({**good(), "secret_env": "HO_TEST_SECRET"}).secret_bytes == b"s3"
+    for extra, why in (({"secret_env": "HO_TEST_UNSET"}, "unset"),
+                       ({"secret_file": str(tmp_path / "absent")}, "cannot read"),
+                       ({"secret_file": str(path), "secret_env": "HO_TEST_SECRET"}, "not both")):
+        with pytest.raises(ConfigError, match=why):
+            parse_offload_config({**good(), **extra})
+    path.chmod(0o666)
+    with pytest.raises(ConfigError, match="world-writable"):
+        parse_offload_config({**good(), "secret_file": str(path)})

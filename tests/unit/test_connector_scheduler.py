@@ -78,6 +78,7 @@ class FakeRequest:
     lora_request: Any = None
     cache_salt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

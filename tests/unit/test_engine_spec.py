@@ -305,13 +305,15 @@ class _HFConfig:
         return dict(self._fields)
 
 
-def _vllm_config(v: SimpleNamespace, hf: dict[str, Any], tp: int = 1) -> SimpleNamespace:
+def _vllm_config(v: SimpleNamespace, hf: dict[str, Any], tp: int = 1, **model: Any) -> SimpleNamespace:
+    fields = {"model": "/models/tiny", "revision": None, "code_revision": None,
+              "quantization": None, "hf_overrides": {}, "model_impl": "auto", "seed": 0, **model}
     return SimpleNamespace(
-        model_config=SimpleNamespace(model="/models/tiny", revision=None,
-                                     hf_config=_HFConfig(**hf), dtype=v.torch.bfloat16,
-                                     max_model_len=8192, get_total_num_kv_heads=lambda: 2),
-        cache_config=SimpleNamespace(cache_dtype="auto"),
+        model_config=SimpleNamespace(hf_config=_HFConfig(**hf), dtype=v.torch.bfloat16,
+                                     max_model_len=8192, get_total_num_kv_heads=lambda: 2, **fields),
+        cache_config=SimpleNamespace(cache_dtype="auto", kv_cache_dtype_skip_layers=[]),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+        load_config=SimpleNamespace(load_format="auto"),
     )
 
 
@@ -408,3 +410,37 @@ def test_hf_config_digest_ignores_what_vllm_patches_at_runtime(vllm_kv: SimpleNa
     assert local(hf) == local(patched) == local({**hf, "hidden_size": 512})  # the file decides
     (tmp_path / "config.json").write_text(json.dumps({**hf, "hidden_size": 512}))
     assert local(hf) != pristine
+
+
+def test_fingerprint_covers_what_changes_kv(vllm_kv: SimpleNamespace, tmp_path: Path) -> None:
+    """Weights (files in the model directory), code revision, quantization, HF overrides and an
+    operator's model_version each change the fingerprint (issue 14 H3, M6)."""
+    v = vllm_kv
+    groups = [v.kv.KVCacheGroupSpec(layer_names=attn_layers(1), kv_cache_spec=fa_spec(v))]
+    kv_config = v.kv.KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+    hf = {"architectures": ["FalconH1ForCausalLM"], "hidden_size": 256}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    weights = tmp_path / "model.safetensors"
+    header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
+    weights.write_bytes(len(header).to_bytes(8, "little") + header + bytes(16))
+
+    def fp(model_version: str | None = None, **model: Any) -> str:
+        config = _vllm_config(v, hf, model=str(tmp_path), **model)
+        return model_spec_from_vllm(config, kv_config, model_version=model_version).fingerprint
+
+    base = fp()
+    assert fp() == base
+    others = {
+        "code_revision": fp(code_revision="abc"),
+        "quantization": fp(quantization="fp8"),
+        "hf_overrides": fp(hf_overrides={"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+        "model_version": fp("v2"),
+    }
+    assert len(set(others.values()) | {base}) == len(others) + 1, others
+    # the same bytes' shape, new values written in place: the file's mtime changes
+    stat = weights.stat()
+    weights.write_bytes(len(header).to_bytes(8, "little") + header + b"\x01" * 16)
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    assert fp() != base
+    # an operator-managed version names the weights alone: the files no longer matter
+    assert fp("v2") == others["model_version"]

@@ -52,7 +52,7 @@ MAMBA = GroupSpec(
 def make_header(group: GroupSpec = ATTN, **changes: object) -> PageHeader:
     header = PageHeader(
         fingerprint=bytes.fromhex("00112233445566778899aabbccddeeff"),
-        chunk_hash=bytes(range(100, 116)),
+        chunk_hash=bytes(range(100, 132)),
         group_index=group.index,
         kind=group.kind,
         chunk_index=7,
@@ -80,7 +80,7 @@ def reseal(data: bytes, **fields: int | bytes) -> bytes:
     """Rewrite fixed-header fields and recompute the header checksum, as a forger would."""
     names = ["magic", "version", "header_len", "fingerprint", "chunk_hash", "group", "kind",
              "shard", "shards", "chunk_index", "num_tokens", "n_tensors", "payload_len",
-             "payload_checksum"]
+             "payload_checksum", "mac"]
     values = dict(zip(names, pf._FIXED.unpack_from(data, 0), strict=True))
     values.update(fields)
     buf = bytearray(data)
@@ -156,7 +156,7 @@ def test_header_is_64_byte_aligned_for_any_table() -> None:
         assert hlen % HEADER_ALIGN == 0
         assert hlen >= pf._FIXED.size + sum(2 + 4 * len(t.shape) for t in tensors) + 8
         assert hlen - HEADER_ALIGN < pf._FIXED.size + sum(2 + 4 * len(t.shape) for t in tensors) + 8
-        header = PageHeader(b"\x01" * 16, b"\x02" * 16, 0, GroupKind.MAMBA, 0, 0, tensors)
+        header = PageHeader(b"\x01" * 16, b"\x02" * 32, 0, GroupKind.MAMBA, 0, 0, tensors)
         got, _ = decode_page(encode_page(header, bytes(header.payload_len)))
         assert layout(got.tensors) == layout(tensors)
 
@@ -177,7 +177,7 @@ def _retyped(tensors: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
 
 FIELD_CHANGES = {
     "fingerprint": {"fingerprint": bytes.fromhex("00112233445566778899aabbccddeefe")},
-    "chunk_hash": {"chunk_hash": bytes(range(101, 117))},
+    "chunk_hash": {"chunk_hash": bytes(range(101, 133))},
     "group_index": {"group_index": 3},
     "kind": {"kind": GroupKind.SLIDING_WINDOW},
     "chunk_index": {"chunk_index": 8},
@@ -318,8 +318,8 @@ def _hostile_page(table: bytes, n_tensors: int, payload_len: int, tail: bytes = 
     size = pf._FIXED.size + len(table) + 8
     hlen = -(-size // 64) * 64
     buf = bytearray(hlen)
-    pf._FIXED.pack_into(buf, 0, MAGIC, FORMAT_VERSION, hlen, b"\0" * 16, b"\0" * 16, 0, 3, 0, 1,
-                        0, 0, n_tensors, payload_len, xxhash.xxh3_64_intdigest(tail))
+    pf._FIXED.pack_into(buf, 0, MAGIC, FORMAT_VERSION, hlen, b"\0" * 16, b"\0" * 32, 0, 3, 0, 1,
+                        0, 0, n_tensors, payload_len, xxhash.xxh3_64_intdigest(tail), bytes(32))
     buf[pf._FIXED.size : pf._FIXED.size + len(table)] = table
     buf[hlen - 8 :] = xxhash.xxh3_64_intdigest(bytes(buf[: hlen - 8])).to_bytes(8, "little")
     return bytes(buf) + tail
@@ -415,3 +415,38 @@ def test_no_pickle_or_torch_load_in_sources() -> None:
         if uses:
             offenders[str(path.relative_to(REPO))] = uses
     assert offenders == {}
+
+
+# ---- signed pages (issue 14 M4) --------------------------------------------------------------
+def test_signed_pages_verify_only_under_their_key() -> None:
+    """Checksums stop corruption, not forgery: anyone who can write a shared tier can re-encode
+    a page with other KV and valid checksums. Under a cache secret, pages carry HMAC-SHA256 and a
+    reader with the secret refuses unsigned, re-signed-elsewhere or tampered pages."""
+    key = b"cache secret"
+    header = make_header(MAMBA)
+    payload = payload_for(header, 1)
+    signed = encode_page(header, payload, key)
+    got, view = decode_page(signed, header, key)
+    assert got.signed and bytes(view) == payload
+    assert not decode_page(encode_page(header, payload), header)[0].signed
+    forged = encode_page(header, payload_for(header, 2))  # a forger without the key
+    assert bytes(decode_page(forged, header)[1]) != payload  # what an unkeyed reader would take
+    for bad, why in ((forged, "not signed"), (encode_page(header, payload, b"other key"), "does not verify")):
+        with pytest.raises(PageFormatError, match=why):
+            decode_page(bad, header, key)
+    # tampering with any signed byte (payload or an identifying header field), checksums redone
+    tampered = bytearray(signed)
+    tampered[-1] ^= 1
+    hlen = header_len(header.tensors)
+    tampered = reseal(bytes(tampered), payload_checksum=xxhash.xxh3_64_intdigest(bytes(tampered[hlen:])))
+    with pytest.raises(PageFormatError, match="does not verify"):
+        decode_page(tampered, None, key)
+    with pytest.raises(PageFormatError, match="does not verify"):
+        decode_page(reseal(signed, chunk_index=8), None, key)
+
+
+def test_seal_refuses_short_identity_fields() -> None:
+    """A 16-byte chunk hash would be zero-padded into the 32-byte field silently."""
+    header = make_header(ATTN, chunk_hash=bytes(16))
+    with pytest.raises(PageFormatError, match="32"):
+        encode_page(header, payload_for(header))

@@ -7,6 +7,8 @@ written from the coverage rules stated in token terms, not from the planner's ow
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import json
 import os
 import struct
@@ -15,7 +17,6 @@ import sys
 from collections.abc import Sequence
 
 import pytest
-import xxhash
 from hybrid_offload.backends.base import KEY_PATTERN, check_keys
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -191,17 +192,36 @@ def test_sliding_window_chunks() -> None:
 
 # ---- keys ------------------------------------------------------------------------------------
 def test_chunk_hashes_match_reference() -> None:
+    """sha256 chains (issue 14 M4: no fast non-cryptographic hash anyone can collide)."""
     p = planner(fa(0, 16), mamba(1, 64), chunk=64)
     toks = tokens(64 * 3 + 17)
     hashes = p.chunk_hashes(toks, b"lora:a")
     assert len(hashes) == 3  # the partial chunk has no hash
-    prev = xxhash.xxh3_128_digest(p.spec.fingerprint_bytes + b"\x00" + b"lora:a")
+    prev = hashlib.sha256(p.spec.fingerprint_bytes + b"\x00" + b"lora:a").digest()
     for i, h in enumerate(hashes):
-        prev = xxhash.xxh3_128_digest(prev + struct.pack("<64q", *toks[i * 64 : (i + 1) * 64]))
-        assert h == prev and len(h) == 16
+        prev = hashlib.sha256(prev + struct.pack("<64q", *toks[i * 64 : (i + 1) * 64])).digest()
+        assert h == prev and len(h) == 32
     assert chain_chunk_hashes(b"seed", toks, 64) == chain_chunk_hashes(b"seed", tuple(toks), 64)
     assert chain_chunk_hashes(b"seed", toks[:63], 64) == []
     assert p.chunk_hashes([]) == []
+
+
+def test_keyed_chunk_hashes_are_hmac_sha256() -> None:
+    """With the cache's secret, chains are HMAC-SHA256 under it: keys of the same prompt differ
+    per secret, and nobody without it can compute them (issue 14 M4)."""
+    spec = planner(fa(0, 16), chunk=64).spec
+    secret = b"s3cret-key"
+    keyed = HybridOffloadPlanner(spec, 64, secret)
+    toks = tokens(64 * 2)
+    prev = hmac.digest(secret, spec.fingerprint_bytes + b"\x00", "sha256")
+    want = []
+    for i in range(2):
+        prev = hmac.digest(secret, prev + struct.pack("<64q", *toks[i * 64 : (i + 1) * 64]), "sha256")
+        want.append(prev)
+    assert keyed.chunk_hashes(toks) == want
+    plain, other = HybridOffloadPlanner(spec, 64), HybridOffloadPlanner(spec, 64, b"other")
+    keys = [q.group_keys(q.chunk_hashes(toks)) for q in (keyed, plain, other)]
+    assert len({json.dumps(k) for k in keys}) == 3
 
 
 def test_large_token_ids_are_not_truncated() -> None:

@@ -1,0 +1,107 @@
+"""A request's cache scope: what besides the model and its tokens decides the request's KV.
+
+The scope seeds the request's key chain (:meth:`HybridOffloadPlanner.scope_seed`). It is
+canonical JSON, so no field value can make two different scopes encode alike:
+
+* ``lora``: the adapter's name, path and identity (its files, see
+  :func:`~hybrid_offload.model_identity.adapter_identity`), never its per-process integer id;
+* ``salt``: vLLM's ``cache_salt``;
+* ``weights``: the weights version, where the weights differ from those the engine started with
+  (the fingerprint names those): the request's ``kv_transfer_params["hybrid_offload"]
+  ["weights_version"]`` where the caller gives one (engines of a fleet that applied the same
+  update share pages), else the engine's epoch: empty until the first cache reset, then a
+  random nonce per reset (a restart or another engine never reuses it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+from hybrid_offload.model_identity import adapter_identity
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+#: the request parameter namespace (``kv_transfer_params``) and the key in it
+PARAMS_KEY = "hybrid_offload"
+WEIGHTS_VERSION_KEY = "weights_version"
+MAX_WEIGHTS_VERSION_LEN = 256
+
+
+class ScopeError(ValueError):
+    """A request's scope cannot be told (a malformed weights version): it does not use the
+    cache."""
+
+
+class AdapterIdentities:
+    """LoRA adapter identities by path, recomputed when a file of the adapter changes (a stat of
+    its directory's entries per lookup, its JSON files and weight headers read only then)."""
+
+    def __init__(self) -> None:
+        self._cache: dict[str, tuple[tuple[Any, ...], str]] = {}
+
+    @staticmethod
+    def _signature(path: str) -> tuple[Any, ...]:
+        try:
+            with os.scandir(path) as entries:
+                return tuple(sorted(
+                    (e.name, st.st_size, st.st_mtime_ns, st.st_ino)
+                    for e in entries
+                    for st in (e.stat(),)
+                ))  # fmt: skip
+        except (OSError, ValueError):  # missing, not a directory, a NUL in the path
+            return ()
+
+    def get(self, path: str) -> str:
+        signature = self._signature(path)
+        cached = self._cache.get(path)
+        if cached is not None and cached[0] == signature and signature:
+            return cached[1]
+        identity = json.dumps(adapter_identity(path), sort_keys=True, separators=(",", ":"))
+        self._cache[path] = (signature, identity)
+        return identity
+
+
+def weights_version(request: Request) -> str | None:
+    """The caller's weights version for this request, None when it gives none; raises
+    :class:`ScopeError` when it is not a non-empty string of at most 256 characters."""
+    params = getattr(request, "kv_transfer_params", None)
+    ours = params.get(PARAMS_KEY) if isinstance(params, dict) else None
+    if not isinstance(ours, dict) or WEIGHTS_VERSION_KEY not in ours:
+        return None
+    version = ours[WEIGHTS_VERSION_KEY]
+    if not isinstance(version, str) or not 0 < len(version) <= MAX_WEIGHTS_VERSION_LEN:
+        raise ScopeError(
+            f"kv_transfer_params.{PARAMS_KEY}.{WEIGHTS_VERSION_KEY} must be a non-empty string of "
+            f"at most {MAX_WEIGHTS_VERSION_LEN} characters, got {version!r}"
+        )
+    return version
+
+
+def request_scope(request: Request, epoch: str, adapters: AdapterIdentities) -> bytes:
+    """The request's scope bytes (see the module docstring); raises :class:`ScopeError`."""
+    scope: dict[str, Any] = {}
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        path = str(getattr(lora, "lora_path", "") or "")
+        scope["lora"] = {
+            "name": lora.lora_name,
+            "path": path,
+            "identity": adapters.get(path) if path else "",
+        }
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        scope["salt"] = salt
+    version = weights_version(request)
+    if version is not None:
+        scope["weights"] = {"version": version}
+    elif epoch:
+        scope["weights"] = {"epoch": epoch}
+    if not scope:
+        return b""
+    return json.dumps(scope, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()

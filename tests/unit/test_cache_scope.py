@@ -1,0 +1,143 @@
+"""What scopes a request's keys besides the model and its tokens (issue 14: L6, M6 LoRA, M5).
+
+Scopes are canonical JSON: no crafted LoRA name or salt makes two scopes alias. A LoRA adapter
+is named by its path and files, not by its per-process integer id. A cache reset (weight update)
+starts a random epoch, so neither a restart nor another engine reuses pre-update pages, while
+callers that name a weights version share pages across engines; requests that straddle the
+update store nothing more.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_connector_scheduler import ATTN, FakeRequest, make_spec, new_req, prompt, step
+
+from hybrid_offload.connector.scope import AdapterIdentities, request_scope
+
+TOKENS = prompt(20)  # 2 chunks of 8
+
+
+def lora(name: str, path: str, int_id: int = 1) -> SimpleNamespace:
+    return SimpleNamespace(lora_name=name, lora_int_id=int_id, lora_path=path)
+
+
+def params(version: object) -> dict:
+    return {"hybrid_offload": {"weights_version": version}}
+
+
+def keys(w, req: FakeRequest) -> list[list[str]]:
+    state = w.sched._request_state(req)
+    return [list(k) for k in state.keys]
+
+
+_text = st.text(max_size=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(a=st.tuples(_text, _text, _text, _text), b=st.tuples(_text, _text, _text, _text))
+def test_scope_encoding_is_unambiguous(a: tuple[str, ...], b: tuple[str, ...]) -> None:
+    """Different (LoRA name, LoRA path, salt, weights version) never encode alike (L6: a LoRA
+    name holding the old separator and "salt:" aliased another request's scope)."""
+    adapters = AdapterIdentities()
+
+    def scope(name: str, path: str, salt: str, version: str) -> bytes:
+        req = FakeRequest("r", [1], lora_request=lora(name, path) if name or path else None,
+                          cache_salt=salt or None,
+                          kv_transfer_params=params(version) if version else None)
+        return request_scope(req, "", adapters)
+
+    if a != b:
+        assert scope(*a) != scope(*b)
+
+
+def test_crafted_lora_name_does_not_alias_a_salted_scope(worlds) -> None:
+    w = worlds(make_spec(8, 8), 8)
+    salted = FakeRequest("a", TOKENS, lora_request=lora("x", "/nonexistent/x", 1), cache_salt="y")
+    crafted = FakeRequest("b", TOKENS, lora_request=lora("x:1\x1fsalt:y", "/nonexistent/x", 1))
+    assert keys(w, salted) != keys(w, crafted)
+
+
+def _adapter(directory: Path, rank: int, weights: bytes) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "adapter_config.json").write_text(json.dumps({"r": rank, "lora_alpha": 16}))
+    tensor = {"dtype": "F32", "shape": [len(weights) // 4], "data_offsets": [0, len(weights)]}
+    header = json.dumps({"a": tensor})
+    (directory / "adapter_model.safetensors").write_bytes(
+        len(header).to_bytes(8, "little") + header.encode() + weights)
+    return directory
+
+
+def test_lora_is_scoped_by_its_path_and_files_not_its_integer_id(worlds, tmp_path: Path) -> None:
+    """M6: same name and id, another adapter (path or files) -> other keys; the same adapter
+    under another integer id (ids are per process) -> the same keys."""
+    w = worlds(make_spec(8, 8), 8)
+    a = _adapter(tmp_path / "a", 8, bytes(64))
+    b = _adapter(tmp_path / "b", 8, bytes(64))
+    base = keys(w, FakeRequest("1", TOKENS, lora_request=lora("sql", str(a), 1)))
+    assert keys(w, FakeRequest("2", TOKENS, lora_request=lora("sql", str(a), 7))) == base
+    assert keys(w, FakeRequest("3", TOKENS, lora_request=lora("sql", str(b), 1))) != base
+    # the adapter at the same path retrained: its weights rewritten in place (new mtime)
+    st_ = (a / "adapter_model.safetensors").stat()
+    _adapter(a, 8, b"\x01" * 64)
+    os.utime(a / "adapter_model.safetensors", ns=(st_.st_atime_ns, st_.st_mtime_ns + 10**6))
+    assert keys(w, FakeRequest("4", TOKENS, lora_request=lora("sql", str(a), 1))) != base
+    _adapter(a, 16, b"\x01" * 64)  # another rank in adapter_config.json
+    assert keys(w, FakeRequest("5", TOKENS, lora_request=lora("sql", str(a), 1))) not in (base,)
+
+
+def test_reset_epochs_differ_across_engines_and_restarts(worlds) -> None:
+    """M5: after one reset each, two engines (or one restarted) must not share keys: their
+    weights may differ. The pre-reset keys (the startup weights) are shared."""
+    w1, w2 = worlds(make_spec(8, 8), 8), worlds(make_spec(8, 8), 8)
+    assert keys(w1, FakeRequest("a", TOKENS)) == keys(w2, FakeRequest("a", TOKENS))
+    before = keys(w1, FakeRequest("a", TOKENS))
+    w1.sched.reset_cache()
+    w2.sched.reset_cache()
+    k1, k2 = keys(w1, FakeRequest("b", TOKENS)), keys(w2, FakeRequest("b", TOKENS))
+    assert k1 != k2 and before not in (k1, k2)
+
+
+def test_caller_weights_version_is_shared_across_engines(worlds) -> None:
+    """A fleet that applied the same update and says so shares pages; a malformed version makes
+    the request skip the cache (when in doubt, miss) instead of failing it."""
+    w1, w2 = worlds(make_spec(8, 8), 8), worlds(make_spec(8, 8), 8)
+    w1.sched.reset_cache()
+    w2.sched.reset_cache()
+
+    def versioned(req_id: str, version: object) -> FakeRequest:
+        return FakeRequest(req_id, TOKENS, kv_transfer_params=params(version))
+
+    assert keys(w1, versioned("a", "step-42")) == keys(w2, versioned("a", "step-42"))
+    assert keys(w1, versioned("b", "step-43")) != keys(w1, versioned("c", "step-42"))
+    for bad in (42, "", "x" * 257):
+        req = versioned(f"bad{bad!r}"[:20], bad)
+        assert w1.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        assert w1.sched._request_state(req) is None
+
+
+def test_requests_straddling_a_reset_store_nothing_more(worlds) -> None:
+    """M5: a request computing when the weights change stores no further page (its later KV
+    comes from other weights than its keys name) and commits none of its held copies; resumed,
+    it is keyed anew."""
+    w = worlds(make_spec(8, 8), 8)
+    req = FakeRequest("r", prompt(12))
+    assert w.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    first = step(new=[new_req("r", ([1, 2, 3], [0, 7, 8]), 0)], scheduled={"r": 12})
+    meta = w.sched.build_connector_meta(first)
+    assert meta.stores  # it stored before the reset
+    old_keys = keys(w, req)
+    w.sched.reset_cache()
+    req.output_token_ids.extend(range(50, 62))
+    meta = w.sched.build_connector_meta(step(cached=[("r", None, 12)], scheduled={"r": 12}))
+    assert meta.stores == [] and meta.commits == []
+    w.sched.build_connector_meta(step(preempted={"r"}))
+    meta = w.sched.build_connector_meta(step())
+    assert meta.commits == [] and meta.touches == []
+    w.sched.get_num_new_matched_tokens(req, 0)  # resumed: keyed anew
+    assert keys(w, req)[ATTN][0] != old_keys[ATTN][0]
