@@ -11,7 +11,12 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
   capacity/LRU index lives in four keys with one hash tag, ``{<prefix>:idx}:lru|size|used|
   tick`` (see :mod:`hybrid_offload.backends.redis_index`): in a cluster the index is one slot
   while pages spread over all nodes. ``ttl_s`` sets an expiry on pages (from their last put).
+  A page is SET with an expiry (``orphan_ttl_s``) lifted once its put is accounted, so a
+  client dying between the two leaves no page that nothing would ever evict.
 * **Atomic pages.** A page is one SET, so readers see all of it or nothing.
+* **Bounded reads.** A get reads a page with GETRANGE up to its limit (``get_into``: the
+  buffer; ``get_batch``: ``capacity_bytes``, no put stores more): a longer value (garbage, or
+  another writer's) is a miss, and the server never sends more than limit + 1 bytes of it.
 * **Capacity and LRU** are shared (``shared_index = True``): a put SETs the pages, then one
   script accounts them and evicts least recently used pages (of any client) until ``used <=
   capacity_bytes``; this client then DELs the victims. The capacity enforced is that of the
@@ -27,27 +32,25 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
 * **Server memory limits.** With ``maxmemory``, prefer ``volatile-lru`` (or
   ``volatile-ttl``) with ``ttl_s`` set: only pages carry a TTL, so the server never evicts
   the index. Under ``allkeys-*`` policies it may evict an index key; the scripts then rebuild
-  ``used`` or reset the index, and gets re-adopt the pages still stored. With ``noeviction``,
+  ``used``, or repair it and let the next put rebuild it from a SCAN of the pages (adopting
+  those still stored, evicting down to the capacity). With ``noeviction``,
   a full server refuses puts (``False``).
 * **Batches.** Every call pipelines its commands (in a cluster: one pipeline per node,
   redis-py's ``ClusterPipeline``) in chunks of at most ``max_batch_bytes`` of values. A get is
-  three round trips (index snapshot, GETs, refresh), a put two or three (SETs, accounting,
-  DEL of victims), contains one, delete two.
+  three round trips (index snapshot, GETRANGEs, refresh; one more when a page is absent or
+  empty), a put three (SETs, accounting, DEL of victims with lifting of expiries), contains
+  one, delete two.
 * **Failures.** Construction never connects (the cluster client is built on first use).
   Connection errors, timeouts, cluster-down, loading, authentication (a wrong password is
   only seen on first use, so it is reported as unavailable, the message says
   "authentication failed") and any other server error raise :class:`BackendUnavailableError`
-  naming the backend and the url without password, count ``stats.errors``, and are logged
+  naming the backend and the url (never a password), count ``stats.errors``, and are logged
   (warning on the first failure, info on recovery). redis-py reconnects on the next call.
   A round trip is bounded by ``connect_timeout_s + socket_timeout_s``, with one immediate
   retry on a dropped connection (a server that restarted); a call makes at most three per
   chunk of ``max_batch_bytes``.
-* **Options.** ``url`` (``redis://[user:password@]host:port/db``; ``rediss://`` for TLS, with
-  ``ssl_ca_certs`` to trust a private CA; ``redis+cluster://`` / ``rediss+cluster://`` for a
-  cluster, db 0 only), ``prefix`` (``hop``), ``ttl_s`` (None), ``socket_timeout_s`` (2.0),
-  ``connect_timeout_s`` (1.0), ``max_connections`` (8, per server), ``max_batch_bytes``
-  (64 MiB). Type ``redis-cluster`` also takes ``startup_nodes: ["host:port", ...]`` (with or
-  instead of ``url``).
+* **Options**: see :mod:`hybrid_offload.backends.redis_options` (the password comes from
+  ``password_file`` / ``password_env`` only; a password in ``url`` is refused).
 * **Threading / blocking.** Methods block on network I/O and are thread-safe (a pool of at
   most ``max_connections`` connections per server; waiting for one is bounded too). Puts and
   deletes of one instance hold one lock, so this process never DELs a page that another of
@@ -67,17 +70,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import re
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
-from urllib.parse import unquote, urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
-from redis.cluster import ClusterNode, RedisCluster
+from redis.cluster import RedisCluster
 from redis.exceptions import (
     AuthenticationError,
     OutOfMemoryError,
@@ -91,7 +91,6 @@ from .base import (
     Backend,
     BackendClosedError,
     BackendConfig,
-    BackendConfigError,
     BackendUnavailableError,
     Buffer,
     PageInfo,
@@ -99,15 +98,21 @@ from .base import (
     check_prefix,
 )
 from .redis_index import RedisIndex
+from .redis_options import (
+    COMMON_DEFAULTS,
+    bad_option,
+    check_common_options,
+    check_url,
+    parse_node,
+    redact_url,
+    redis_password,
+)
 
 __all__ = ["RedisBackend", "RedisClusterBackend"]
 
 logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
-_PREFIX = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
-_SCHEMES = {"redis": False, "rediss": False, "redis+cluster": True, "rediss+cluster": True}
-_NODE = re.compile(r"(?P<host>[^\s:]+|\[[0-9A-Fa-f:]+\]):(?P<port>\d{1,5})")
 _MAX_KEYS_PER_PIPELINE = 4096
 _SCAN_COUNT = 1000  # keys per SCAN round trip and per round of size/idle-time queries
 #: bytes per socket read of a reply. Inside an engine the load thread competes for the GIL with
@@ -115,68 +120,11 @@ _SCAN_COUNT = 1000  # keys per SCAN round trip and per round of size/idle-time q
 #: redis-py's 64 KiB default read 2 MiB pages at ~20 MB/s there, 4 MiB reads at ~280 MB/s.
 #: The parser keeps one buffer of this size per connection.
 SOCKET_READ_BYTES = 4 * MiB
-
-_COMMON_DEFAULTS: dict[str, Any] = {
-    "url": "redis://127.0.0.1:6379/0",
-    "prefix": "hop",
-    "ttl_s": None,
-    "socket_timeout_s": 2.0,
-    "connect_timeout_s": 1.0,
-    "max_connections": 8,
-    "max_batch_bytes": 64 * MiB,
-    "ssl_ca_certs": None,
-}
-
-
-def redact_url(url: str) -> str:
-    """``url`` with its password replaced by ``***``."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
-
-
-def _bad(key: str, why: str) -> BackendConfigError:
-    return BackendConfigError(f"option {key!r}: {why}")
-
-
-def _check_url(url: Any, *, cluster_only: bool) -> bool:
-    """Validate ``url``; return whether it selects cluster mode."""
-    if not isinstance(url, str) or not url:
-        raise _bad("url", f"must be a non-empty string, got {url!r}")
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as exc:
-        raise _bad("url", f"cannot parse {redact_url(url)!r}: {exc}") from exc
-    if parts.scheme not in _SCHEMES:
-        raise _bad("url", f"scheme must be one of {sorted(_SCHEMES)}, got {parts.scheme!r}")
-    if not parts.hostname:
-        raise _bad("url", f"{redact_url(url)!r} names no host")
-    cluster = cluster_only or _SCHEMES[parts.scheme]
-    db = parts.path.strip("/")
-    if db and not db.isdigit():
-        raise _bad("url", f"database must be a number, got {db!r}")
-    if cluster and db not in ("", "0"):
-        raise _bad("url", "a cluster has only database 0")
-    del port
-    return cluster
-
-
-def _positive_number(options: dict[str, Any], key: str, *, allow_none: bool = False) -> None:
-    value = options[key]
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise _bad(key, f"must be a number > 0{' or null' if allow_none else ''}, got {value!r}")
-
-
-def _positive_int(options: dict[str, Any], key: str) -> None:
-    value = options[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _bad(key, f"must be an integer >= 1, got {value!r}")
+#: GETRANGE that answers nil for an absent key (EVAL, not EVALSHA: cluster pipelines refuse it)
+_GETRANGE_IF_EXISTS = """#!lua flags=no-writes,allow-oom
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+return redis.call('GETRANGE', KEYS[1], 0, ARGV[1])
+"""
 
 
 class RedisBackend(Backend):
@@ -185,7 +133,7 @@ class RedisBackend(Backend):
     type_name: ClassVar[str] = "redis"
     shared_index: ClassVar[bool] = True
     touch_refreshes: ClassVar[bool] = True
-    option_defaults: ClassVar[dict[str, Any]] = dict(_COMMON_DEFAULTS)
+    option_defaults: ClassVar[dict[str, Any]] = dict(COMMON_DEFAULTS)
     #: whether this type is always a cluster (else: only with a ``+cluster`` url scheme)
     _cluster_type: ClassVar[bool] = False
 
@@ -193,19 +141,7 @@ class RedisBackend(Backend):
     def validate_options(cls, options: dict[str, Any]) -> dict[str, Any]:
         """Fill defaults and check every option; raise BackendConfigError naming the key."""
         options = super().validate_options(options)
-        if options["url"] is not None or not cls._cluster_type:
-            _check_url(options["url"], cluster_only=cls._cluster_type)
-        prefix = options["prefix"]
-        if not isinstance(prefix, str) or not _PREFIX.fullmatch(prefix):
-            raise _bad("prefix", f"must match {_PREFIX.pattern} (no braces), got {prefix!r}")
-        _positive_number(options, "ttl_s", allow_none=True)
-        _positive_number(options, "socket_timeout_s")
-        _positive_number(options, "connect_timeout_s")
-        _positive_int(options, "max_connections")
-        _positive_int(options, "max_batch_bytes")
-        ca = options["ssl_ca_certs"]
-        if ca is not None and (not isinstance(ca, str) or not os.path.isfile(ca)):
-            raise _bad("ssl_ca_certs", f"must be the path of a CA bundle file, got {ca!r}")
+        check_common_options(options, cluster_only=cls._cluster_type)
         return options
 
     def __init__(self, config: BackendConfig) -> None:
@@ -213,12 +149,14 @@ class RedisBackend(Backend):
         self._options = self.validate_options(dict(config.options))
         opts = self._options
         self._url: str | None = opts["url"]
-        self._cluster = self._cluster_type or _check_url(self._url, cluster_only=False)
+        self._cluster = self._cluster_type or check_url(self._url, cluster_only=False)
         self._safe_url = redact_url(self._url) if self._url else ",".join(opts["startup_nodes"])
+        self._password = redis_password(opts)
         self._prefix: str = opts["prefix"]
         self._index = RedisIndex(self._prefix)
         ttl = opts["ttl_s"]
         self._ttl_ms: int | None = None if ttl is None else max(1, round(ttl * 1000))
+        self._orphan_ttl_ms: int = max(1, round(opts["orphan_ttl_s"] * 1000))
         self._max_batch_bytes: int = opts["max_batch_bytes"]
         self._write_lock = threading.Lock()  # puts and deletes of this instance
         self._client_lock = threading.Lock()
@@ -241,6 +179,8 @@ class RedisBackend(Backend):
         }
         if opts["ssl_ca_certs"] is not None:
             kwargs["ssl_ca_certs"] = opts["ssl_ca_certs"]
+        if self._password is not None:
+            kwargs["password"] = self._password.text()
         return kwargs
 
     def _make_standalone(self) -> redis.Redis:
@@ -256,7 +196,7 @@ class RedisBackend(Backend):
 
     def _make_cluster(self) -> RedisCluster:
         """Connect to the cluster (reads its slot map): only called on first use."""
-        nodes = [_parse_node(n) for n in self._options.get("startup_nodes") or []]
+        nodes = [parse_node(n) for n in self._options.get("startup_nodes") or []]
         url = self._url
         if url is None:  # the first startup node as url: redis-py then uses our pool class
             url = f"redis://{nodes[0].host}:{nodes[0].port}"
@@ -308,7 +248,8 @@ class RedisBackend(Backend):
                 ) from exc
             self._count(errors=1)
             what = (
-                "authentication failed (check user/password in 'url')"
+                "authentication failed (check the user in 'url' and the password in "
+                "'password_file' / 'password_env')"
                 if isinstance(exc, AuthenticationError)
                 else f"{type(exc).__name__}: {exc}"
             )
@@ -368,11 +309,17 @@ class RedisBackend(Backend):
         return results
 
     def _put_chunk(self, client: Any, batch: list[tuple[int, str, memoryview]], results: list[bool]) -> int:
-        """SET, account and evict one chunk (write lock held); return how many were refused."""
-        px = {"px": self._ttl_ms} if self._ttl_ms is not None else {}
+        """SET, account and evict one chunk (write lock held); return how many were refused.
+
+        Pages are SET with an expiry (``orphan_ttl_s``, or ``ttl_s`` when shorter) that is
+        lifted (or set to ``ttl_s``) once they are accounted, in the round trip that DELs the
+        victims: a client dying between SET and accounting leaves no page forever.
+        """
+        ttl, orphan = self._ttl_ms, self._orphan_ttl_ms
+        provisional = ttl is not None and ttl <= orphan
         pipe = client.pipeline(transaction=False)
         for _, key, view in batch:
-            pipe.set(self._page_key(key), view, **px)
+            pipe.set(self._page_key(key), view, px=ttl if provisional else orphan)
         replies = pipe.execute(raise_on_error=False)
         stored: list[tuple[str, int]] = []
         for (i, key, view), reply in zip(batch, replies, strict=True):
@@ -384,9 +331,15 @@ class RedisBackend(Backend):
             results[i] = True
         if not stored:
             return len(batch)
-        victims = self._index.account(client, self.capacity_bytes, stored)
+        victims, rebuild = self._index.account(client, self.capacity_bytes, stored)
+        doomed = {key for key, _ in victims}
+        commands: list[tuple[Any, ...]] = [("delete", self._page_key(key)) for key in doomed]
+        if not provisional:
+            kept = [self._page_key(key) for key, _ in stored if key not in doomed]
+            commands += [("persist", k) if ttl is None else ("pexpire", k, ttl) for k in kept]
+        if commands:
+            self._pipeline(client, commands)
         if victims:
-            self._pipeline(client, [("delete", self._page_key(key)) for key, _ in victims])
             logger.debug("%s: evicted %d pages", self.name, len(victims))
         self._count(
             puts=len(stored),
@@ -394,24 +347,67 @@ class RedisBackend(Backend):
             evictions=len(victims),
             evicted_bytes=sum(size for _, size in victims),
         )
+        if rebuild and self._index.claim_rebuild(client):
+            self._rebuild_index(client)
         return len(batch) - len(stored)
 
-    def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
-        """Each page's bytes or None; hits refresh recency, stale index entries are healed."""
-        check_keys(keys)
-        self._check_open()
-        if not keys:
-            return []
+    def _rebuild_index(self, client: Any) -> None:
+        """Rebuild the index from a scan of the pages (write lock held; module docstring)."""
+        adopted, victims = self._index.rebuild(
+            client, self.capacity_bytes, self._scan_batches(client, ""), self._page_key
+        )
+        self._count(evictions=len(victims), evicted_bytes=sum(size for _, size in victims))
+        logger.warning(
+            "%s: the server dropped part of the redis index: rebuilt it from a scan (%d pages "
+            "adopted, %d evicted)", self.name, adopted, len(victims),
+        )  # fmt: skip
+
+    def _getrange(
+        self, client: Any, keys: Sequence[str], ends: Sequence[int], weights: Sequence[int]
+    ) -> list[bytes | None]:
+        """``GETRANGE key 0 end`` per key, in pipelines of about ``max_batch_bytes`` (by
+        ``weights``); None for an absent key. GETRANGE answers an absent key with an empty
+        string, so empty replies (misses, empty pages) are asked again, in one more round trip,
+        with a script that tells them apart atomically."""
+        found: list[bytes | None] = []
+        for chunk in self._chunks(weights):
+            commands = [("getrange", self._page_key(keys[j]), 0, ends[j]) for j in chunk]
+            found += self._pipeline(client, commands)
+        empty = [j for j, data in enumerate(found) if data == b""]
+        for chunk in self._chunks([weights[j] for j in empty]):
+            again = [empty[i] for i in chunk]
+            commands = [
+                ("execute_command", "EVAL", _GETRANGE_IF_EXISTS, 1, self._page_key(keys[j]), ends[j])
+                for j in again
+            ]
+            for j, data in zip(again, self._pipeline(client, commands), strict=True):
+                found[j] = data
+        return found
+
+    def _get(self, keys: Sequence[str], limits: Sequence[int], *, unknown_weight: bool) -> list[bytes | None]:
+        """Pages of at most ``limits`` bytes; hits refresh recency, stale index entries heal.
+
+        A value longer than its limit is a miss, neither healed nor adopted, and the server
+        sends at most ``limit + 1`` bytes of it (GETRANGE), so a huge value under a page key
+        costs at most its limit. Pipelines are sized by the indexed sizes (by the limit for
+        pages the index does not know, with ``unknown_weight``).
+        """
         with self._guard("get"):
             client = self._redis()
             scores, sizes = self._index.snapshot(client, keys)
-            found: list[bytes | None] = []
-            for chunk in self._chunks([size or 0 for size in sizes]):
-                found += self._pipeline(client, [("get", self._page_key(keys[j])) for j in chunk])
+            weights = [
+                min(limit, size) if size is not None else limit if unknown_weight else 0
+                for limit, size in zip(limits, sizes, strict=True)
+            ]
+            read = self._getrange(client, keys, limits, weights)
+            found = [
+                None if data is None or len(data) > limit else data
+                for data, limit in zip(read, limits, strict=True)
+            ]
             hits = [(key, len(data)) for key, data in zip(keys, found, strict=True) if data is not None]
             heal = [
                 (key, score)
-                for key, data, score in zip(keys, found, scores, strict=True)
+                for key, data, score in zip(keys, read, scores, strict=True)
                 if data is None and score is not None
             ]
             if hits or heal:
@@ -421,8 +417,48 @@ class RedisBackend(Backend):
                         "%s: forgot %d vanished pages (%d bytes), adopted %d unindexed pages",
                         self.name, healed, freed, adopted,
                     )  # fmt: skip
-        self._count(gets=len(keys), hits=len(hits), get_bytes=sum(len(d) for d in found if d is not None))
+        self._count(gets=len(keys), hits=len(hits), get_bytes=sum(size for _, size in hits))
         return found
+
+    def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Each page's bytes or None; a value longer than the capacity (no put stored it) is
+        a miss, read no further than that."""
+        check_keys(keys)
+        self._check_open()
+        if not keys:
+            return []
+        return self._get(keys, [self.capacity_bytes] * len(keys), unknown_weight=False)
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+        """Read each page into its buffer; a page longer than its buffer is a miss, and the
+        server sends at most the buffer's size of it."""
+        if len(keys) != len(buffers):
+            raise ValueError("get_into: keys and buffers differ in length")
+        check_keys(keys)
+        self._check_open()
+        if not keys:
+            return []
+        views = [memoryview(buf).cast("B") for buf in buffers]
+        sizes: list[int | None] = []
+        found = self._get(keys, [v.nbytes for v in views], unknown_weight=True)
+        for data, view in zip(found, views, strict=True):
+            if data is not None:
+                view[: len(data)] = data
+            sizes.append(None if data is None else len(data))
+        return sizes
+
+    def get_prefix(self, keys: Sequence[str], nbytes: int, max_page_bytes: int) -> list[bytes | None]:
+        """The first ``nbytes`` of each page (GETRANGE: only those bytes travel), or None for a
+        miss; does not refresh recency. ``max_page_bytes`` is not needed here."""
+        check_keys(keys)
+        self._check_open()
+        if not keys:
+            return []
+        if nbytes < 1:
+            raise ValueError(f"get_prefix: nbytes must be >= 1, got {nbytes}")
+        del max_page_bytes
+        with self._guard("get_prefix"):
+            return self._getrange(self._redis(), keys, [nbytes - 1] * len(keys), [nbytes] * len(keys))
 
     def contains_batch(self, keys: Sequence[str]) -> list[bool]:
         """Whether each page exists now (EXISTS on the pages; does not refresh recency)."""
@@ -468,21 +504,27 @@ class RedisBackend(Backend):
         """
         check_prefix(prefix)
         self._check_open()
-        skip = len(self._page_key(""))
-        seen: set[str] = set()
         with self._guard("scan"):
             client = self._redis()
-            batch: list[str] = []
-            for name in client.scan_iter(match=self._page_key(prefix) + "*", count=_SCAN_COUNT):
-                key = (name.decode() if isinstance(name, bytes) else name)[skip:]
-                if key in seen or KEY_PATTERN.fullmatch(key) is None:
-                    continue  # another prefix's key that happens to match the pattern
-                seen.add(key)
-                batch.append(key)
-                if len(batch) >= _SCAN_COUNT:
-                    yield from self._describe(client, batch)
-                    batch = []
-            yield from self._describe(client, batch)
+            for keys in self._scan_batches(client, prefix):
+                yield from self._describe(client, keys)
+
+    def _scan_batches(self, client: Any, prefix: str) -> Iterator[list[str]]:
+        """Page keys starting with ``prefix``, deduplicated, in lists of at most _SCAN_COUNT."""
+        skip = len(self._page_key(""))
+        seen: set[str] = set()
+        batch: list[str] = []
+        for name in client.scan_iter(match=self._page_key(prefix) + "*", count=_SCAN_COUNT):
+            key = (name.decode() if isinstance(name, bytes) else name)[skip:]
+            if key in seen or KEY_PATTERN.fullmatch(key) is None:
+                continue  # another prefix's key that happens to match the pattern
+            seen.add(key)
+            batch.append(key)
+            if len(batch) >= _SCAN_COUNT:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
 
     def _describe(self, client: Any, keys: list[str]) -> list[PageInfo]:
         """Size and mtime of listed pages, in one pipeline (two for pages not indexed); pages
@@ -542,7 +584,7 @@ class RedisClusterBackend(RedisBackend):
     """Pages in a Redis Cluster: ``url`` (any node) and/or ``startup_nodes: [host:port]``."""
 
     type_name: ClassVar[str] = "redis-cluster"
-    option_defaults: ClassVar[dict[str, Any]] = {**_COMMON_DEFAULTS, "url": None, "startup_nodes": None}
+    option_defaults: ClassVar[dict[str, Any]] = {**COMMON_DEFAULTS, "url": None, "startup_nodes": None}
     _cluster_type: ClassVar[bool] = True
 
     @classmethod
@@ -551,16 +593,9 @@ class RedisClusterBackend(RedisBackend):
         nodes = options["startup_nodes"]
         if nodes is not None:
             if not isinstance(nodes, list | tuple) or not nodes:
-                raise _bad("startup_nodes", f"must be a non-empty list of 'host:port', got {nodes!r}")
+                raise bad_option("startup_nodes", f"must be a non-empty list of 'host:port', got {nodes!r}")
             for node in nodes:
-                _parse_node(node)
+                parse_node(node)
         elif options["url"] is None:
-            raise _bad("url", "a redis-cluster backend needs 'url' or 'startup_nodes'")
+            raise bad_option("url", "a redis-cluster backend needs 'url' or 'startup_nodes'")
         return options
-
-
-def _parse_node(node: Any) -> ClusterNode:
-    match = _NODE.fullmatch(node) if isinstance(node, str) else None
-    if match is None or not 0 < int(match["port"]) < 65536:
-        raise _bad("startup_nodes", f"entries must be 'host:port', got {node!r}")
-    return ClusterNode(unquote(match["host"]).strip("[]"), int(match["port"]))

@@ -8,6 +8,7 @@ live in one slot (a script may only touch one slot) while page keys spread over 
     {<prefix>:idx}:size   hash         page key -> page size in bytes
     {<prefix>:idx}:used   string       sum of the sizes (bytes)
     {<prefix>:idx}:tick   string       INCR counter giving the LRU order
+    {<prefix>:idx}:rebuild string      set while the index needs a rebuild from a scan
 
 Lua scripts change them atomically (EVALSHA, falling back to EVAL on NOSCRIPT, e.g. after a
 server restart). Scripts carry ``flags=allow-oom``: accounting must keep working when the
@@ -16,9 +17,12 @@ for redis-py's single retry after a dropped connection (re-accounting the same p
 its size; removing an absent page is a no-op).
 
 Self-healing: if the server dropped an index key (``maxmemory`` with ``allkeys-*`` policies),
-the scripts rebuild ``used`` from the size hash, restart ``tick`` above the largest score, and
-forget the index when the sorted set and the hash disagree in size (the forgotten pages stay
-readable until the server evicts them; they are no longer counted).
+the scripts rebuild ``used`` from the size hash and restart ``tick`` above the largest score.
+When the sorted set and the hash disagree (one of them was dropped), a script keeps what it can
+inside the index slot (sizes without a tick become the oldest pages; ticks without a size are
+dropped), never drops the whole index, and raises a flag, ``{<prefix>:idx}:rebuild``: the
+next put that sees it (:meth:`RedisIndex.account` returns it) claims it and re-adopts the
+pages still stored, found by a SCAN (:meth:`RedisIndex.adopt`), evicting down to the capacity.
 
 Threading: :class:`RedisIndex` holds no mutable state; it is safe from any thread.
 """
@@ -26,7 +30,7 @@ Threading: :class:`RedisIndex` holds no mutable state; it is safe from any threa
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from redis.exceptions import NoScriptError
@@ -34,14 +38,31 @@ from redis.exceptions import NoScriptError
 __all__ = ["RedisIndex"]
 
 _PRELUDE = """#!lua flags=allow-oom
-local LRU, SIZE, USED, TICK = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local LRU, SIZE, USED, TICK, REBUILD = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+
+-- the set and the hash disagree (the server dropped one): keep what the slot can tell, flag
+-- a rebuild from a scan of the pages (their sizes live outside this slot)
+local function repair()
+  local sizes = redis.call('HKEYS', SIZE)
+  for i = 1, #sizes do redis.call('ZADD', LRU, 'NX', 0, sizes[i]) end
+  if redis.call('ZCARD', LRU) ~= #sizes then
+    local members = redis.call('ZRANGE', LRU, 0, -1)
+    for i = 1, #members do
+      if redis.call('HEXISTS', SIZE, members[i]) == 0 then redis.call('ZREM', LRU, members[i]) end
+    end
+  end
+  redis.call('DEL', USED)
+  redis.call('SET', REBUILD, 1)
+end
 
 -- bytes accounted now; repairs the index if the server dropped one of its keys
 local function load_used()
-  if redis.call('ZCARD', LRU) ~= redis.call('HLEN', SIZE) then
-    redis.call('DEL', LRU, SIZE)
+  local n = redis.call('HLEN', SIZE)
+  if redis.call('ZCARD', LRU) ~= n then
+    repair()
+  elseif n == 0 and tonumber(redis.call('GET', USED) or '0') > 0 then
+    redis.call('SET', REBUILD, 1)  -- both dropped: only a scan can find the pages again
     redis.call('SET', USED, 0)
-    return 0
   end
   local used = redis.call('GET', USED)
   if used then return tonumber(used) end
@@ -69,10 +90,25 @@ local function forget(k)
   redis.call('HDEL', SIZE, k)
   return tonumber(size)
 end
+
+-- pop least recently used pages until used <= cap; returns used and {key1, size1, ...}
+local function evict(used, cap)
+  local victims = {}
+  while used > cap do
+    local popped = redis.call('ZPOPMIN', LRU)
+    if #popped == 0 then used = 0 break end
+    local size = tonumber(redis.call('HGET', SIZE, popped[1]) or '0')
+    redis.call('HDEL', SIZE, popped[1])
+    used = used - size
+    victims[#victims + 1] = popped[1]
+    victims[#victims + 1] = size
+  end
+  return used, victims
+end
 """
 
 # ARGV: capacity, key1, size1, key2, size2, ...  (pages already SET, in put order)
-# Returns the victims evicted to get used <= capacity: key1, size1, key2, size2, ...
+# Returns {rebuild flag (0/1), then the victims evicted to get used <= capacity: key1, size1, ...}
 _ACCOUNT = (
     _PRELUDE
     + """
@@ -85,16 +121,30 @@ for i = 2, #ARGV, 2 do
   redis.call('ZADD', LRU, tick, ARGV[i])
   tick = tick + 1
 end
-local victims = {}
-while used > cap do
-  local popped = redis.call('ZPOPMIN', LRU)
-  if #popped == 0 then used = 0 break end
-  local size = tonumber(redis.call('HGET', SIZE, popped[1]) or '0')
-  redis.call('HDEL', SIZE, popped[1])
-  used = used - size
-  victims[#victims + 1] = popped[1]
-  victims[#victims + 1] = size
+local victims
+used, victims = evict(used, cap)
+redis.call('SET', USED, used)
+table.insert(victims, 1, redis.call('EXISTS', REBUILD))
+return victims
+"""
+)
+
+# ARGV: capacity, key1, size1, ... (pages a scan found stored). Pages the index does not know
+# are adopted as the least recently used (tick 0); then LRU pages are evicted down to the
+# capacity. Returns the victims: key1, size1, ...
+_ADOPT = (
+    _PRELUDE
+    + """
+local cap = tonumber(ARGV[1])
+local used = load_used()
+for i = 2, #ARGV, 2 do
+  if redis.call('HSETNX', SIZE, ARGV[i], ARGV[i + 1]) == 1 then
+    redis.call('ZADD', LRU, 'NX', 0, ARGV[i])
+    used = used + tonumber(ARGV[i + 1])
+  end
 end
+local victims
+used, victims = evict(used, cap)
 redis.call('SET', USED, used)
 return victims
 """
@@ -198,6 +248,7 @@ class RedisIndex:
     _refresh = _Script(_REFRESH)
     _remove = _Script(_REMOVE)
     _used = _Script(_USED)
+    _adopt = _Script(_ADOPT)
 
     def __init__(self, prefix: str) -> None:
         tag = "{" + prefix + ":idx}"
@@ -207,7 +258,8 @@ class RedisIndex:
             f"{tag}:used",
             f"{tag}:tick",
         )
-        self.keys = (self.lru, self.size, self.used, self.tick)
+        self.rebuild_flag = f"{tag}:rebuild"
+        self.keys = (self.lru, self.size, self.used, self.tick, self.rebuild_flag)
 
     def snapshot(self, client: Any, keys: Sequence[str]) -> tuple[list[int | None], list[int | None]]:
         """Each key's LRU tick and indexed size (None where not indexed), in one round trip."""
@@ -220,13 +272,28 @@ class RedisIndex:
             [None if s is None else int(s) for s in sizes],
         )
 
-    def account(self, client: Any, capacity: int, stored: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
-        """Account pages just SET (in order), evict LRU down to ``capacity``; return victims."""
+    def account(
+        self, client: Any, capacity: int, stored: Sequence[tuple[str, int]]
+    ) -> tuple[list[tuple[str, int]], bool]:
+        """Account pages just SET (in order), evict LRU down to ``capacity``; return the victims
+        and whether the index needs a rebuild from a scan (see the module docstring)."""
         args: list[Any] = [capacity]
         for key, size in stored:
             args += (key, size)
-        flat = self._account(client, self.keys, args)
-        return [(_text(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2)]
+        flag, *flat = self._account(client, self.keys, args)
+        return _pairs(flat), bool(int(flag))
+
+    def claim_rebuild(self, client: Any) -> bool:
+        """Take the rebuild flag: True for the one caller that should rebuild."""
+        return bool(client.delete(self.rebuild_flag))
+
+    def adopt(self, client: Any, capacity: int, found: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
+        """Adopt stored ``(key, size)`` pages the index does not know as the least recently
+        used, evict down to ``capacity``; return the victims (to DEL)."""
+        args: list[Any] = [capacity]
+        for key, size in found:
+            args += (key, size)
+        return _pairs(self._adopt(client, self.keys, args))
 
     def touch(
         self,
@@ -244,6 +311,37 @@ class RedisIndex:
         healed, freed, adopted = self._touch(client, self.keys, args)
         return int(healed), int(freed), int(adopted)
 
+    def rebuild(
+        self,
+        client: Any,
+        capacity: int,
+        batches: Iterable[list[str]],
+        page_key: Callable[[str], str],
+    ) -> tuple[int, list[tuple[str, int]]]:
+        """Adopt every page the index does not know, from ``batches`` of stored keys (a SCAN),
+        and evict down to ``capacity`` (victims are DELeted here, at ``page_key(key)``).
+        Returns (pages adopted, victims). A page another client puts meanwhile may be adopted
+        (as the oldest), or evicted, before its own accounting; a get heals that."""
+        adopted, evicted = 0, []
+        for keys in batches:
+            sizes = client.hmget(self.size, keys)
+            unknown = [k for k, size in zip(keys, sizes, strict=True) if size is None]
+            if not unknown:
+                continue
+            pipe = client.pipeline(transaction=False)
+            for k in unknown:
+                pipe.strlen(page_key(k))
+            found = [(k, int(n)) for k, n in zip(unknown, pipe.execute(), strict=True) if n]
+            victims = self.adopt(client, capacity, found)
+            if victims:
+                pipe = client.pipeline(transaction=False)
+                for k, _ in victims:
+                    pipe.delete(page_key(k))
+                pipe.execute()
+            adopted += len(found)
+            evicted += victims
+        return adopted, evicted
+
     def refresh(self, client: Any, keys: Sequence[str]) -> None:
         """Make the indexed ``keys`` the most recently used, in order (no page I/O)."""
         if keys:
@@ -256,6 +354,10 @@ class RedisIndex:
     def used_bytes(self, client: Any) -> int:
         """The ``used`` counter (rebuilt first if the server dropped an index key)."""
         return max(0, int(self._used(client, self.keys, [])))
+
+
+def _pairs(flat: Sequence[Any]) -> list[tuple[str, int]]:
+    return [(_text(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2)]
 
 
 def _text(value: bytes | str) -> str:
