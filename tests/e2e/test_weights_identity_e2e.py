@@ -1,0 +1,59 @@
+"""End to end (issue 14 H3): weights replaced in place are a new model, never served old pages.
+
+vLLM's default multi-process engine runs a chat (turns carry the generated replies) on a
+float32 model and stores it on disk, with pages signed under a cache secret. The weights file
+is then rewritten in the same directory with another model's weights (config.json unchanged,
+same tensor names, shapes and file size). A new engine on the same disk and secret must load
+nothing the old engine stored (its first wave, identical prompts, gets 0 tokens from the
+cache) and produce its own model's tokens, which differ from the old model's.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from hybrid_offload.bench.traffic import SIZES
+from hybrid_offload.bench.workload_run import run_engine_subprocess
+from hybrid_offload.models import build_model
+
+pytestmark = pytest.mark.e2e
+
+ARCH = "falcon_h1"
+
+
+def served(run: dict, wave: int) -> int:
+    return sum(r["report"]["served_tokens"] for r in run["workloads"]["chat"]["waves"][wave])
+
+
+def outputs(run: dict, wave: int) -> list[list[int]]:
+    return [r["output"] for r in run["workloads"]["chat"]["waves"][wave]]
+
+
+def test_weights_replaced_in_place_get_no_hits(model_dir, tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(model_dir(ARCH), model)
+    other = build_model(ARCH, tmp_path / "other", seed=1)
+    assert (other / "config.json").read_bytes() == (model / "config.json").read_bytes()
+    secret = tmp_path / "secret"
+    secret.write_text("e2e cache secret\n")
+    secret.chmod(0o600)
+    spec = {
+        "model": str(model), "dtype": "float32", "max_model_len": 8192,
+        "workloads": [{"name": "chat", "seed": 3, "size": SIZES["small"]["chat"]}],
+        "connector": {"secret_file": str(secret),
+                      "backends": [{"type": "disk", "name": "disk", "path": str(tmp_path / "disk")}]},
+    }
+    old = run_engine_subprocess(spec)
+    waves = len(old["workloads"]["chat"]["waves"])
+    assert waves >= 2 and sum(served(old, w) for w in range(1, waves)) > 0  # signed pages load
+
+    for name in ("model.safetensors",):
+        assert (model / name).stat().st_size == (other / name).stat().st_size
+        shutil.copyfile(other / name, model / name)  # rewritten in place
+    new = run_engine_subprocess(spec)
+    assert served(new, 0) == 0  # the same first prompts the old engine stored
+    assert outputs(new, 0) != outputs(old, 0)  # the weights matter: the test is not vacuous
+    assert sum(served(new, w) for w in range(1, waves)) > 0  # its own pages still serve it
