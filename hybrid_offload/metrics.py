@@ -140,6 +140,9 @@ class WorkerCounters:
     bad_pages: int = 0
     missing_pages: int = 0
     stores_dropped: int = 0
+    #: store batches that raised an unexpected error (not a BackendError): a bug, logged with
+    #: its traceback; the batch's remaining pages were not stored
+    store_batch_errors: int = 0
     backend_errors: int = 0
     backends: dict[str, BackendCounters] = field(default_factory=dict)
 
@@ -410,7 +413,7 @@ def summarize(data: Mapping[str, Any]) -> dict[str, int | float]:
     per backend: ``"<backend> <what>"``)."""
     out: dict[str, int | float] = {}
     for key in ("requests", "external_tokens", "served_tokens", "reusable_tokens", "failed_loads",
-                "stores_dropped"):
+                "stores_dropped", "store_batch_errors"):
         if key in data.get("counters", {}):
             out[key] = data["counters"][key]
     for name, entry in sorted(data.get("backends", {}).items()):

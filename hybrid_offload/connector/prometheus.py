@@ -66,6 +66,10 @@ CONNECTOR_COUNTERS = {
     "external_tokens": ("external_tokens", "Prompt tokens scheduled to load from any backend."),
     "failed_loads": ("failed_loads", "Loads that failed (the request was recomputed)."),
     "stores_dropped": ("stores_dropped", "Pages not stored because the store queue was full."),
+    "store_batch_errors": (
+        "store_batch_errors",
+        "Store batches that failed with an unexpected error, a bug (logged with its traceback).",
+    ),
     "served_tokens": ("served_tokens", "Tokens loaded for admitted requests (beyond vLLM's own hit)."),
     "reusable_tokens": (
         "reusable_tokens",

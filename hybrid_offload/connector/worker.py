@@ -297,6 +297,7 @@ class OffloadWorker:
                 self._store_batch(batch)
             except Exception:  # the store thread must survive anything a backend does
                 logger.exception("hybrid-offload store batch failed")
+                self._count("store_batch_errors")
             finally:
                 with self._lock:
                     self._pending_bytes -= nbytes

@@ -297,3 +297,26 @@ def test_facade_returns_stats_objects_of_deltas_and_none_when_idle(world) -> Non
 
     conn._side = SimpleNamespace(refresh_gauges=broken)
     assert conn.get_kv_connector_stats() is None  # logged, never raised into vLLM
+
+
+def test_worker_counts_store_batches_that_fail_unexpectedly(world, caplog) -> None:  # noqa: F811
+    """A store batch that raises something no backend should (a bug, not a BackendError) is
+    logged and counted (``store_batch_errors``, exported as
+    hybrid_offload_store_batch_errors_total); the store thread goes on storing."""
+    flaky = BackendConfig("test_unavailable", "flaky", 1 << 30)
+    w, pages, _ = stored_world(world, flaky)
+    delta = StatsDelta(w.worker.stats)
+    w.backend("flaky").error = RuntimeError("a bug in a backend")
+    w.worker.copy_out([StoreJob(pages[0], ("flaky",))])
+    w.worker.flush(10)
+    assert "store batch failed" in caplog.text
+    assert delta.take()["counters"]["store_batch_errors"] == 1
+    w.backend("flaky").error = None
+    w.worker.copy_out([StoreJob(pages[1], ("flaky",))])  # the store thread survived
+    w.worker.flush(10)
+    assert delta.take()["backends"]["flaky"]["counters"]["stored_pages"] == 1
+
+
+def test_store_batch_errors_reach_prometheus(prom: KVConnectorProm) -> None:
+    prom.observe({"counters": {"store_batch_errors": 2}}, engine_idx=0)
+    assert scrape()[("hybrid_offload_store_batch_errors_total", labels())] == 2
