@@ -2,7 +2,8 @@
 
 * :mod:`.protocol` - the binary control protocol (HELLO, LOOKUP, GET/RELEASE, ALLOC/COMMIT, ...).
 * :mod:`.pool` - the peer's page index and pool allocator (LRU, leases, reservations).
-* :mod:`.server` - the peer process (``hybrid-offload peer``).
+* :mod:`.server` - the peer process (``hybrid-offload peer``); :mod:`.connections` bounds its
+  connections, :mod:`.exposure` decides where it may listen and confines UCX there.
 * :mod:`.ring` - consistent hashing of keys onto peers.
 * :mod:`.client` - :class:`NixlPeerBackend`, registered as backend type ``nixl_peer``.
 
@@ -12,9 +13,12 @@ Importing this package does not import NIXL: the client and the server import it
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
 import sys
 import threading
+from collections.abc import Iterator, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -45,8 +49,26 @@ def nixl_api() -> ModuleType:
     return importlib.import_module("nixl._api")
 
 
-def make_agent(name: str, *, progress_thread: bool, progress_delay_us: int = 0) -> Any:
-    """A NIXL agent with the UCX backend.
+@contextlib.contextmanager
+def _environment(env: Mapping[str, str]) -> Iterator[None]:
+    """``env`` set in this process's environment (UCX reads it when the agent is built)."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def make_agent(
+    name: str, *, progress_thread: bool, progress_delay_us: int = 0, env: Mapping[str, str] | None = None
+) -> Any:
+    """A NIXL agent with the UCX backend; ``env`` (e.g. ``UCX_NET_DEVICES``) applies while it
+    is built only.
 
     ``progress_delay_us``: the progress thread's sleep between polls. NIXL's Python wrapper
     always passes 0, and a progress thread that never sleeps spins one core at 100 % even
@@ -57,7 +79,8 @@ def make_agent(name: str, *, progress_thread: bool, progress_delay_us: int = 0) 
     api = nixl_api()
     config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
     if not (progress_thread and progress_delay_us > 0):
-        return api.nixl_agent(name, config)
+        with _AGENT_CONFIG_LOCK, _environment(env or {}):
+            return api.nixl_agent(name, config)
     base = api.nixlBind.nixlAgentConfig
 
     class _DelayedProgressConfig(base):  # type: ignore[misc, valid-type]
@@ -69,7 +92,7 @@ def make_agent(name: str, *, progress_thread: bool, progress_delay_us: int = 0) 
         def pthrDelay(self, _ignored: int) -> None:  # noqa: N802
             base.pthrDelay.__set__(self, progress_delay_us)
 
-    with _AGENT_CONFIG_LOCK:
+    with _AGENT_CONFIG_LOCK, _environment(env or {}):
         api.nixlBind.nixlAgentConfig = _DelayedProgressConfig
         try:
             return api.nixl_agent(name, config)

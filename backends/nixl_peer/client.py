@@ -8,8 +8,10 @@ staging buffer.
 
 Contract beyond :mod:`hybrid_offload.backends.base`:
 
-* **Options.** ``peers`` (required, list of ``"host:port"``), ``token`` (optional shared secret),
-  ``staging_bytes`` (64 MiB), ``timeout_s`` (2.0: every socket wait and every transfer poll),
+* **Options.** ``peers`` (required, list of ``"host:port"``), ``token_file`` / ``token_env``
+  (optional shared secret, from a file or an environment variable; a literal ``token`` is
+  refused: configs end up on command lines), ``staging_bytes`` (64 MiB), ``timeout_s`` (2.0:
+  every socket wait and every transfer poll),
   ``retry_backoff_s`` (0.5, doubling up to ``max_backoff_s`` = 30 after each failure of a peer).
 * **Placement.** Keys are spread over peers by consistent hashing (:mod:`.ring`, xxh3, virtual
   nodes): every process with the same ``peers`` list agrees, and a peer joining or leaving moves
@@ -45,7 +47,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import socket
 import threading
 import time
 import uuid
@@ -53,6 +54,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
+
+from hybrid_offload.secrets import Secret, SecretError, secret_from_options
 
 from ..base import (
     Backend,
@@ -89,6 +92,8 @@ class NixlPeerBackend(Backend):
     option_defaults: ClassVar[dict[str, Any]] = {
         "peers": None,
         "token": None,
+        "token_file": None,
+        "token_env": None,
         "staging_bytes": 64 * _MiB,
         "timeout_s": 2.0,
         "retry_backoff_s": 0.5,
@@ -108,8 +113,7 @@ class NixlPeerBackend(Backend):
                 raise BackendConfigError(f"'peers': {exc}") from exc
         if len(set(peers)) != len(peers):
             raise BackendConfigError(f"'peers' lists a peer twice: {peers}")
-        if opts["token"] is not None and not isinstance(opts["token"], str):
-            raise BackendConfigError("'token' must be a string")
+        cls._token_of(opts)
         staging = opts["staging_bytes"]
         if isinstance(staging, bool) or not isinstance(staging, int) or staging < 4096:
             raise BackendConfigError(f"'staging_bytes' must be an integer >= 4096, got {staging!r}")
@@ -121,6 +125,15 @@ class NixlPeerBackend(Backend):
             raise BackendConfigError("'max_backoff_s' must be >= 'retry_backoff_s'")
         return {**opts, "peers": list(peers)}
 
+    @staticmethod
+    def _token_of(opts: dict[str, Any]) -> Secret | None:
+        """The token from ``token_file`` / ``token_env``; BackendConfigError naming the key."""
+        key = "token_file" if opts.get("token_file") is not None else "token_env"
+        try:
+            return secret_from_options(opts, "token", what=f"nixl_peer option {key!r}")
+        except SecretError as exc:
+            raise BackendConfigError(str(exc)) from None
+
     def __init__(self, config: BackendConfig) -> None:
         super().__init__(config)
         opts = self.validate_options(dict(config.options))
@@ -128,7 +141,8 @@ class NixlPeerBackend(Backend):
         self._backoff0 = float(opts["retry_backoff_s"])
         self._backoff_max = float(opts["max_backoff_s"])
         self._staging_bytes = int(opts["staging_bytes"])
-        self._token = (opts["token"] or "").encode()
+        token = self._token_of(opts)
+        self._token = Secret(b"") if token is None else token
         self._peers = [_Peer(address, self._backoff0) for address in opts["peers"]]
         self._ring = HashRing(opts["peers"])
         self.agent_name = f"hybrid-offload-client-{uuid.uuid4().hex}"
@@ -152,15 +166,11 @@ class NixlPeerBackend(Backend):
                 setattr(self.stats, name, getattr(self.stats, name) + delta)
 
     def _disconnect(self, peer: _Peer) -> None:
-        if peer.sock is not None:
-            with contextlib.suppress(OSError):
-                peer.sock.close()
-        peer.sock = None
-        peer.unanswered = 0
+        peer.disconnect()
 
     def _mark_down(self, peer: _Peer, reason: str) -> None:
         """Call with ``peer.lock`` held."""
-        self._disconnect(peer)
+        peer.disconnect()
         if not peer.is_down():
             logger.warning("nixl peer %s down for %.1fs: %s", peer.address, peer.backoff, reason)
         peer.last_error = reason
@@ -168,47 +178,6 @@ class NixlPeerBackend(Backend):
         peer.down_until = time.monotonic() + peer.backoff
         peer.backoff = min(peer.backoff * 2, self._backoff_max)
         self._count(errors=1)
-
-    def _exchange(self, peer: _Peer, request: p.Message, *, wait: bool = True) -> p.Message | None:
-        """Send ``request`` and read its reply, first skipping the replies to earlier requests
-        sent with ``wait=False`` (RELEASE: nothing to wait for, saves a round trip per load)."""
-        assert peer.sock is not None
-        peer.request_id = (peer.request_id + 1) & 0xFFFFFFFF
-        p.send_message(peer.sock, request, peer.request_id)
-        if not wait:
-            peer.unanswered += 1
-            return None
-        while True:
-            reply, request_id = p.recv_message(peer.sock)
-            if peer.unanswered and request_id != peer.request_id and not isinstance(reply, p.Error):
-                peer.unanswered -= 1
-                continue
-            if request_id != peer.request_id and not isinstance(reply, p.Error):
-                raise p.ProtocolError(p.ErrorCode.MALFORMED, f"reply to request {request_id}")
-            return reply
-
-    def _connect(self, peer: _Peer) -> None:
-        sock = socket.create_connection((peer.host, peer.port), timeout=self._timeout)
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.settimeout(self._timeout)
-            peer.sock = sock
-            reply = self._exchange(peer, p.Hello(self._token, self.agent_name))
-        except BaseException:
-            self._disconnect(peer)
-            raise
-        assert reply is not None
-        if isinstance(reply, p.Error):
-            self._disconnect(peer)
-            what = "wrong token" if reply.code == p.ErrorCode.AUTH_FAILED else "handshake refused"
-            raise ConnectionRefusedError(f"peer refused the connection ({what}): {reply.message}")
-        if not isinstance(reply, p.HelloReply):
-            self._disconnect(peer)
-            raise p.ProtocolError(p.ErrorCode.MALFORMED, f"HELLO answered by {type(reply).__name__}")
-        if peer.hello is None or peer.hello.agent_name != reply.agent_name:
-            logger.info("nixl peer %s is agent %s", peer.address, reply.agent_name)
-        peer.hello = reply
-        peer.backoff = self._backoff0
 
     def _call(
         self, peer: _Peer, request: p.Message, *, retry: bool = True, wait: bool = True
@@ -227,12 +196,13 @@ class NixlPeerBackend(Backend):
                 fresh = peer.sock is None
                 try:
                     if fresh:
-                        self._connect(peer)
-                    reply = self._exchange(peer, request, wait=wait)
+                        peer.connect(p.Hello(self._token.value, self.agent_name), self._timeout)
+                        peer.backoff = self._backoff0
+                    reply = peer.exchange(request, wait=wait)
                     if not wait:
                         return None, peer.hello  # type: ignore[return-value]
                 except (OSError, p.ProtocolError) as exc:
-                    self._disconnect(peer)
+                    peer.disconnect()
                     if fresh or not retry or attempt or isinstance(exc, TimeoutError):
                         reason = f"{type(exc).__name__}: {exc}"
                         self._mark_down(peer, reason)
@@ -243,7 +213,7 @@ class NixlPeerBackend(Backend):
                 if isinstance(reply, p.Error):
                     raise _PeerDownError(f"{peer.address}: error {reply.code}: {reply.message}")
                 if reply.TYPE != request.TYPE | 0x80:
-                    self._disconnect(peer)
+                    peer.disconnect()
                     raise _PeerDownError(f"{peer.address}: unexpected {type(reply).__name__}")
                 return reply, peer.hello
         raise AssertionError("unreachable")
@@ -588,7 +558,7 @@ class NixlPeerBackend(Backend):
         for peer in self._peers:
             if peer.lock.acquire(timeout=2 * self._timeout):
                 try:
-                    self._disconnect(peer)
+                    peer.disconnect()
                 finally:
                     peer.lock.release()
         if not self._xfer_lock.acquire(timeout=2 * self._timeout):

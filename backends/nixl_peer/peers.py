@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import socket
 import threading
 import time
 
 from . import protocol as p
+
+logger = logging.getLogger(__name__)
+
+#: why a peer refused HELLO, by error code
+_REFUSALS = {p.ErrorCode.AUTH_FAILED: "wrong token", p.ErrorCode.BUSY: "peer busy"}
 
 
 def parse_address(address: object) -> tuple[str, int]:
@@ -43,3 +50,53 @@ class PeerState:
 
     def is_down(self) -> bool:
         return self.down_until > time.monotonic()
+
+    def disconnect(self) -> None:
+        if self.sock is not None:
+            with contextlib.suppress(OSError):
+                self.sock.close()
+        self.sock = None
+        self.unanswered = 0
+
+    def exchange(self, request: p.Message, *, wait: bool = True) -> p.Message | None:
+        """Send ``request`` and read its reply, first skipping the replies to earlier requests
+        sent with ``wait=False`` (RELEASE: nothing to wait for, saves a round trip per load)."""
+        assert self.sock is not None
+        self.request_id = (self.request_id + 1) & 0xFFFFFFFF
+        p.send_message(self.sock, request, self.request_id)
+        if not wait:
+            self.unanswered += 1
+            return None
+        while True:
+            reply, request_id = p.recv_message(self.sock)
+            # an ERROR with request id 0 is about the connection (framing): it answers this call
+            stale = request_id != self.request_id and not (isinstance(reply, p.Error) and request_id == 0)
+            if self.unanswered and stale:
+                self.unanswered -= 1
+                continue
+            if stale:
+                raise p.ProtocolError(p.ErrorCode.MALFORMED, f"reply to request {request_id}")
+            return reply
+
+    def connect(self, hello: p.Hello, timeout: float) -> None:
+        """Connect and handshake; raises OSError / ProtocolError (ConnectionRefusedError naming
+        the reason when the peer refuses HELLO)."""
+        sock = socket.create_connection((self.host, self.port), timeout=timeout)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(timeout)
+            self.sock = sock
+            reply = self.exchange(hello)
+        except BaseException:
+            self.disconnect()
+            raise
+        if isinstance(reply, p.Error):
+            self.disconnect()
+            what = _REFUSALS.get(reply.code, "handshake refused")  # type: ignore[call-overload]
+            raise ConnectionRefusedError(f"peer refused the connection ({what}): {reply.message}")
+        if not isinstance(reply, p.HelloReply):
+            self.disconnect()
+            raise p.ProtocolError(p.ErrorCode.MALFORMED, f"HELLO answered by {type(reply).__name__}")
+        if self.hello is None or self.hello.agent_name != reply.agent_name:
+            logger.info("nixl peer %s is agent %s", self.address, reply.agent_name)
+        self.hello = reply

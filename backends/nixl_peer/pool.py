@@ -8,7 +8,14 @@
   fails are more LRU pages evicted.
 * Two-phase store: :meth:`PageIndex.alloc` reserves extents (invisible to readers),
   :meth:`PageIndex.commit` makes them visible atomically (replacing older versions, evicting LRU
-  pages to stay within capacity). Reservations never committed expire.
+  pages to stay within capacity). Reservations never committed expire. Reserving does not make
+  room by evicting committed pages beyond :attr:`PageIndex.reserve_limit` bytes reserved in
+  all (the pool's slack above capacity, at least 1/8 of it): past that, ALLOC refuses the page
+  (uncommitted reservations cannot empty the pool; commits evict, by LRU, to stay in capacity).
+* Ownership: every lease and reservation belongs to the owner (connection) that made it; a
+  RELEASE or COMMIT by another owner is refused (:class:`NotOwnedError`), and each owner holds
+  at most ``max_pending`` open leases and ``max_pending`` open reservations
+  (:class:`PendingLimitError`).
 * Reads: :meth:`PageIndex.get` pins the extents under a lease; an extent replaced, evicted or
   deleted while pinned is freed only when its last lease is released or expires.
 * Listing: each page keeps the clock time of its last commit or GET; :func:`scan_pages` picks
@@ -23,11 +30,20 @@ import bisect
 import heapq
 import itertools
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["ALIGN", "Extent", "ExtentAllocator", "PageIndex", "PoolStats", "scan_pages"]
+__all__ = [
+    "ALIGN",
+    "Extent",
+    "ExtentAllocator",
+    "NotOwnedError",
+    "PageIndex",
+    "PendingLimitError",
+    "PoolStats",
+    "scan_pages",
+]
 
 ALIGN = 64
 
@@ -125,6 +141,14 @@ class _Lease:
     extents: list[Extent] = field(default_factory=list)
 
 
+class NotOwnedError(LookupError):
+    """A lease or reservation id used by an owner that did not make it."""
+
+
+class PendingLimitError(RuntimeError):
+    """The owner already holds ``max_pending`` open leases (or reservations)."""
+
+
 @dataclass(frozen=True)
 class PoolStats:
     used: int
@@ -143,10 +167,15 @@ class PageIndex:
         *,
         lease_timeout_s: float = 30.0,
         alloc_timeout_s: float = 30.0,
+        max_pending: int = 64,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.capacity = capacity
         self.allocator = ExtentAllocator(pool_size)
+        size = self.allocator.size
+        #: reserved bytes beyond which ALLOC refuses instead of evicting committed pages
+        self.reserve_limit = max(size - capacity, size // 8)
+        self.max_pending = max_pending
         self.lease_timeout_s = lease_timeout_s
         self.alloc_timeout_s = alloc_timeout_s
         self._clock = clock
@@ -155,6 +184,8 @@ class PageIndex:
         self._reserved = 0
         self._leases: dict[int, _Lease] = {}
         self._allocs: dict[int, _Reservation] = {}
+        self._open_leases: Counter[object] = Counter()  # owner -> open leases
+        self._open_allocs: Counter[object] = Counter()  # owner -> open reservations
         self._ids = itertools.count(1)
 
     # -- helpers ----------------------------------------------------------------------------
@@ -187,10 +218,14 @@ class PageIndex:
         return None
 
     def _physical_alloc(self, size: int, reservation: _Reservation) -> Extent | None:
+        """A free extent; else evict LRU (unpinned) pages for it, but only while all
+        reservations stay within :attr:`reserve_limit` (see the module docstring)."""
         while True:
             extent = self.allocator.alloc(size)
             if extent is not None:
                 return extent
+            if self._reserved + _align(size) > self.reserve_limit:
+                return None
             evicted = self._evict_lru(unpinned_only=True)
             if evicted is None:
                 return None
@@ -203,7 +238,10 @@ class PageIndex:
         return [key in self._pages for key in keys]
 
     def get(self, keys: list[str], owner: object) -> tuple[int, list[tuple[int, int] | None]]:
-        """Pin and refresh each present page; ``(lease_id, [(offset, length) | None])``."""
+        """Pin and refresh each present page; ``(lease_id, [(offset, length) | None])``.
+        Raises PendingLimitError when ``owner`` already holds ``max_pending`` leases."""
+        if self._open_leases[owner] >= self.max_pending:
+            raise PendingLimitError(f"{self.max_pending} open leases on this connection: release some")
         now = self._clock()
         lease = _Lease(owner, now + self.lease_timeout_s)
         out: list[tuple[int, int] | None] = []
@@ -221,12 +259,19 @@ class PageIndex:
         if lease.extents:
             lease_id = next(self._ids)
             self._leases[lease_id] = lease
+            self._open_leases[owner] += 1
         return lease_id, out
 
-    def release(self, lease_id: int) -> bool:
-        lease = self._leases.pop(lease_id, None)
+    def release(self, lease_id: int, owner: object = None) -> bool:
+        """Unpin a lease; False if unknown (expired). NotOwnedError if ``owner`` (None: any)
+        did not make it."""
+        lease = self._leases.get(lease_id)
         if lease is None:
             return False
+        if owner is not None and lease.owner is not owner:
+            raise NotOwnedError(f"lease {lease_id} belongs to another connection")
+        del self._leases[lease_id]
+        _uncount(self._open_leases, lease.owner)
         for extent in lease.extents:
             self._unpin(extent)
         return True
@@ -234,7 +279,12 @@ class PageIndex:
     # -- two-phase store --------------------------------------------------------------------
 
     def alloc(self, keys: list[str], sizes: list[int], owner: object) -> tuple[int, list[int | None]]:
-        """Reserve an extent per key; ``(alloc_id, [offset | None (refused)])``."""
+        """Reserve an extent per key; ``(alloc_id, [offset | None (refused)])``.
+        Raises PendingLimitError when ``owner`` already holds ``max_pending`` reservations."""
+        if self._open_allocs[owner] >= self.max_pending:
+            raise PendingLimitError(
+                f"{self.max_pending} open reservations on this connection: commit some first"
+            )
         res = _Reservation(owner, self._clock() + self.alloc_timeout_s, [])
         offsets: list[int | None] = []
         for key, size in zip(keys, sizes, strict=True):
@@ -245,14 +295,20 @@ class PageIndex:
                 self._reserved += extent.size
         alloc_id = next(self._ids)
         self._allocs[alloc_id] = res
+        self._open_allocs[owner] += 1
         return alloc_id, offsets
 
-    def commit(self, alloc_id: int, success: list[bool]) -> tuple[int, int, int] | None:
+    def commit(
+        self, alloc_id: int, success: list[bool], owner: object = None
+    ) -> tuple[int, int, int] | None:
         """Publish the successful items in order; ``(committed, evictions, evicted_bytes)``,
-        or None if ``alloc_id`` is unknown (expired, already committed)."""
-        res = self._allocs.pop(alloc_id, None)
-        if res is None:
+        or None if ``alloc_id`` is unknown (expired, already committed) or, when ``owner`` is
+        given, another owner's (which stays as it is)."""
+        res = self._allocs.get(alloc_id)
+        if res is None or (owner is not None and res.owner is not owner):
             return None
+        del self._allocs[alloc_id]
+        _uncount(self._open_allocs, res.owner)
         committed, evictions, evicted_bytes = 0, res.evictions, res.evicted_bytes
         now = self._clock()
         flags = list(success) + [False] * (len(res.items) - len(success))
@@ -316,6 +372,12 @@ class PageIndex:
     def scan(self, prefix: str, after: str, limit: int) -> tuple[list[tuple[str, int, float]], bool]:
         """:func:`scan_pages` over the pages now."""
         return scan_pages(self.pages_snapshot(), prefix, after, limit, self._clock())
+
+
+def _uncount(counter: Counter[object], owner: object) -> None:
+    counter[owner] -= 1
+    if counter[owner] <= 0:
+        del counter[owner]
 
 
 def scan_pages(

@@ -4,12 +4,11 @@ Page bytes never travel here: they move with NIXL READ/WRITE between the peer's 
 and the client's staging buffer. This channel carries only keys, sizes, offsets and ids.
 
 Frame: a 16-byte header ``!4sBBHII`` = magic ``b"HOPP"``, version, message type, flags (0),
-request id, body length; then the body. Bodies are built from fixed-width big-endian ints and
-length-prefixed byte strings; keys are ``u32 count`` then per key ``u8 length`` + ASCII, checked
-against :data:`~hybrid_offload.backends.base.KEY_PATTERN` on decode. A body longer than
-:data:`MAX_BODY`, an unknown type or version, trailing bytes or a truncated field raise
-:class:`ProtocolError` (the peer answers :class:`Error` and closes that connection). Nothing is
-pickled or parsed as JSON.
+request id, body length; then the body, read as it arrives (a declared length is never
+allocated up front). Bodies use the field codec of :mod:`.codec`. A body longer than
+:data:`MAX_BODY` (:data:`MAX_HELLO_BODY` before HELLO), more than :data:`MAX_KEYS` items, an
+unknown type or version, trailing bytes or a truncated field raise :class:`ProtocolError` (the
+peer answers :class:`Error` and closes that connection). Nothing is pickled or parsed as JSON.
 
 Requests and their replies (reply type = request type | 0x80; any request may get
 :class:`Error` instead):
@@ -38,15 +37,30 @@ from __future__ import annotations
 import socket
 import struct
 from dataclasses import dataclass
-from enum import IntEnum
 from typing import ClassVar
 
 from ..base import KEY_PATTERN, KEY_PREFIX_PATTERN
+from .codec import (
+    MAX_KEYS,
+    U8,
+    U16,
+    U32,
+    U64,
+    ErrorCode,
+    ProtocolError,
+    Reader,
+    blob16_field,
+    flags_field,
+    keys_field,
+    u64s_field,
+)
 
 __all__ = [
     "HEADER",
     "MAGIC",
     "MAX_BODY",
+    "MAX_HELLO_BODY",
+    "MAX_KEYS",
     "MISS",
     "SCAN_MAX_ENTRIES",
     "VERSION",
@@ -83,132 +97,12 @@ MAGIC = b"HOPP"
 VERSION = 1
 HEADER = struct.Struct("!4sBBHII")  # magic, version, type, flags, request id, body length
 MAX_BODY = 16 << 20
-MAX_KEYS = 1 << 20
 MISS = (1 << 64) - 1  # offset meaning "no such page" / "refused"
 #: entries per SCAN reply at most (a reply then stays below ~2.5 MiB, far under MAX_BODY)
 SCAN_MAX_ENTRIES = 16384
 _REPLY = 0x80
-
-_U8 = struct.Struct("!B")
-_U16 = struct.Struct("!H")
-_U32 = struct.Struct("!I")
-_U64 = struct.Struct("!Q")
-
-
-class ErrorCode(IntEnum):
-    MALFORMED = 1
-    UNSUPPORTED_VERSION = 2
-    TOO_LARGE = 3
-    AUTH_FAILED = 4
-    HELLO_REQUIRED = 5
-    UNKNOWN_LEASE = 6
-    UNKNOWN_ALLOC = 7
-    INTERNAL = 8
-
-
-class ProtocolError(Exception):
-    """A frame or body is malformed; ``code`` is the :class:`ErrorCode` to answer with."""
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-# -- body reader / writer ---------------------------------------------------------------------
-
-
-class _Reader:
-    """Bounds-checked cursor over a body; every short read raises ProtocolError."""
-
-    def __init__(self, data: bytes) -> None:
-        self._data = memoryview(data)
-        self._pos = 0
-
-    def _take(self, n: int) -> memoryview:
-        end = self._pos + n
-        if n < 0 or end > len(self._data):
-            raise ProtocolError(ErrorCode.MALFORMED, "truncated message body")
-        chunk = self._data[self._pos : end]
-        self._pos = end
-        return chunk
-
-    def u8(self) -> int:
-        return int(_U8.unpack(self._take(1))[0])
-
-    def u16(self) -> int:
-        return int(_U16.unpack(self._take(2))[0])
-
-    def u32(self) -> int:
-        return int(_U32.unpack(self._take(4))[0])
-
-    def u64(self) -> int:
-        return int(_U64.unpack(self._take(8))[0])
-
-    def u64s(self, n: int) -> list[int]:
-        return list(struct.unpack(f"!{n}Q", self._take(8 * n)))
-
-    def blob16(self) -> bytes:
-        return bytes(self._take(self.u16()))
-
-    def blob32(self) -> bytes:
-        return bytes(self._take(self.u32()))
-
-    def text16(self) -> str:
-        try:
-            return self.blob16().decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise ProtocolError(ErrorCode.MALFORMED, "text field is not UTF-8") from exc
-
-    def count(self) -> int:
-        n = self.u32()
-        if n > MAX_KEYS:
-            raise ProtocolError(ErrorCode.TOO_LARGE, f"{n} items in one message (max {MAX_KEYS})")
-        return n
-
-    def keys(self) -> list[str]:
-        keys = []
-        for _ in range(self.count()):
-            raw = bytes(self._take(self.u8()))
-            text = raw.decode("ascii", errors="replace")
-            if KEY_PATTERN.fullmatch(text) is None:
-                raise ProtocolError(ErrorCode.MALFORMED, f"invalid page key {raw[:80]!r}")
-            keys.append(text)
-        return keys
-
-    def flags(self, n: int) -> list[bool]:
-        bits = self._take((n + 7) // 8)
-        return [bool(bits[i >> 3] & (1 << (i & 7))) for i in range(n)]
-
-    def done(self) -> None:
-        if self._pos != len(self._data):
-            raise ProtocolError(ErrorCode.MALFORMED, "trailing bytes after message body")
-
-
-def _keys(keys: list[str]) -> bytes:
-    parts = [_U32.pack(len(keys))]
-    for key in keys:
-        raw = key.encode("ascii")
-        parts.append(_U8.pack(len(raw)) + raw)
-    return b"".join(parts)
-
-
-def _blob16(data: bytes) -> bytes:
-    if len(data) > 0xFFFF:
-        raise ValueError("field longer than 65535 bytes")
-    return _U16.pack(len(data)) + data
-
-
-def _flags(values: list[bool]) -> bytes:
-    bits = bytearray((len(values) + 7) // 8)
-    for i, value in enumerate(values):
-        if value:
-            bits[i >> 3] |= 1 << (i & 7)
-    return bytes(bits)
-
-
-def _u64s(values: list[int]) -> bytes:
-    return struct.pack(f"!{len(values)}Q", *values)
-
+#: the largest HELLO body (two 16-bit length-prefixed fields): all a peer reads before HELLO
+MAX_HELLO_BODY = 2 * (2 + 0xFFFF)
 
 # -- messages ---------------------------------------------------------------------------------
 
@@ -222,7 +116,7 @@ class Message:
         raise NotImplementedError
 
     @classmethod
-    def parse(cls, reader: _Reader) -> Message:
+    def parse(cls, reader: Reader) -> Message:
         raise NotImplementedError
 
 
@@ -233,10 +127,10 @@ class Hello(Message):
     client_name: str
 
     def body(self) -> bytes:
-        return _blob16(self.token) + _blob16(self.client_name.encode())
+        return blob16_field(self.token) + blob16_field(self.client_name.encode())
 
     @classmethod
-    def parse(cls, reader: _Reader) -> Hello:
+    def parse(cls, reader: Reader) -> Hello:
         return cls(reader.blob16(), reader.text16())
 
 
@@ -250,12 +144,12 @@ class HelloReply(Message):
     capacity: int
 
     def body(self) -> bytes:
-        meta = _U32.pack(len(self.metadata)) + self.metadata
-        nums = _u64s([self.pool_base, self.pool_size, self.capacity])
-        return _blob16(self.agent_name.encode()) + meta + nums
+        meta = U32.pack(len(self.metadata)) + self.metadata
+        nums = u64s_field([self.pool_base, self.pool_size, self.capacity])
+        return blob16_field(self.agent_name.encode()) + meta + nums
 
     @classmethod
-    def parse(cls, reader: _Reader) -> HelloReply:
+    def parse(cls, reader: Reader) -> HelloReply:
         return cls(reader.text16(), reader.blob32(), reader.u64(), reader.u64(), reader.u64())
 
 
@@ -264,10 +158,10 @@ class _KeysMessage(Message):
     keys: list[str]
 
     def body(self) -> bytes:
-        return _keys(self.keys)
+        return keys_field(self.keys)
 
     @classmethod
-    def parse(cls, reader: _Reader) -> _KeysMessage:
+    def parse(cls, reader: Reader) -> _KeysMessage:
         return cls(reader.keys())
 
 
@@ -282,10 +176,10 @@ class LookupReply(Message):
     present: list[bool]
 
     def body(self) -> bytes:
-        return _U32.pack(len(self.present)) + _flags(self.present)
+        return U32.pack(len(self.present)) + flags_field(self.present)
 
     @classmethod
-    def parse(cls, reader: _Reader) -> LookupReply:
+    def parse(cls, reader: Reader) -> LookupReply:
         return cls(reader.flags(reader.count()))
 
 
@@ -305,10 +199,10 @@ class GetReply(Message):
     def body(self) -> bytes:
         offsets = [MISS if e is None else e[0] for e in self.extents]
         lengths = [0 if e is None else e[1] for e in self.extents]
-        return _U64.pack(self.lease_id) + _U32.pack(len(offsets)) + _u64s(offsets) + _u64s(lengths)
+        return U64.pack(self.lease_id) + U32.pack(len(offsets)) + u64s_field(offsets) + u64s_field(lengths)
 
     @classmethod
-    def parse(cls, reader: _Reader) -> GetReply:
+    def parse(cls, reader: Reader) -> GetReply:
         lease_id = reader.u64()
         n = reader.count()
         offsets, lengths = reader.u64s(n), reader.u64s(n)
@@ -322,10 +216,10 @@ class Release(Message):
     lease_id: int
 
     def body(self) -> bytes:
-        return _U64.pack(self.lease_id)
+        return U64.pack(self.lease_id)
 
     @classmethod
-    def parse(cls, reader: _Reader) -> Release:
+    def parse(cls, reader: Reader) -> Release:
         return cls(reader.u64())
 
 
@@ -335,10 +229,10 @@ class ReleaseReply(Message):
     released: bool
 
     def body(self) -> bytes:
-        return _U8.pack(int(self.released))
+        return U8.pack(int(self.released))
 
     @classmethod
-    def parse(cls, reader: _Reader) -> ReleaseReply:
+    def parse(cls, reader: Reader) -> ReleaseReply:
         return cls(bool(reader.u8()))
 
 
@@ -353,10 +247,10 @@ class Alloc(Message):
             raise ProtocolError(ErrorCode.MALFORMED, "ALLOC: keys and sizes differ in count")
 
     def body(self) -> bytes:
-        return _keys(self.keys) + _u64s(self.sizes)
+        return keys_field(self.keys) + u64s_field(self.sizes)
 
     @classmethod
-    def parse(cls, reader: _Reader) -> Alloc:
+    def parse(cls, reader: Reader) -> Alloc:
         keys = reader.keys()
         return cls(keys, reader.u64s(len(keys)))
 
@@ -371,10 +265,10 @@ class AllocReply(Message):
 
     def body(self) -> bytes:
         raw = [MISS if o is None else o for o in self.offsets]
-        return _U64.pack(self.alloc_id) + _U32.pack(len(raw)) + _u64s(raw)
+        return U64.pack(self.alloc_id) + U32.pack(len(raw)) + u64s_field(raw)
 
     @classmethod
-    def parse(cls, reader: _Reader) -> AllocReply:
+    def parse(cls, reader: Reader) -> AllocReply:
         alloc_id = reader.u64()
         raw = reader.u64s(reader.count())
         return cls(alloc_id, [None if o == MISS else o for o in raw])
@@ -387,10 +281,10 @@ class Commit(Message):
     success: list[bool]
 
     def body(self) -> bytes:
-        return _U64.pack(self.alloc_id) + _U32.pack(len(self.success)) + _flags(self.success)
+        return U64.pack(self.alloc_id) + U32.pack(len(self.success)) + flags_field(self.success)
 
     @classmethod
-    def parse(cls, reader: _Reader) -> Commit:
+    def parse(cls, reader: Reader) -> Commit:
         alloc_id = reader.u64()
         return cls(alloc_id, reader.flags(reader.count()))
 
@@ -403,10 +297,10 @@ class CommitReply(Message):
     evicted_bytes: int
 
     def body(self) -> bytes:
-        return _u64s([self.committed, self.evictions, self.evicted_bytes])
+        return u64s_field([self.committed, self.evictions, self.evicted_bytes])
 
     @classmethod
-    def parse(cls, reader: _Reader) -> CommitReply:
+    def parse(cls, reader: Reader) -> CommitReply:
         return cls(reader.u64(), reader.u64(), reader.u64())
 
 
@@ -421,10 +315,10 @@ class DeleteReply(Message):
     deleted: int
 
     def body(self) -> bytes:
-        return _U64.pack(self.deleted)
+        return U64.pack(self.deleted)
 
     @classmethod
-    def parse(cls, reader: _Reader) -> DeleteReply:
+    def parse(cls, reader: Reader) -> DeleteReply:
         return cls(reader.u64())
 
 
@@ -436,7 +330,7 @@ class Used(Message):
         return b""
 
     @classmethod
-    def parse(cls, reader: _Reader) -> Used:
+    def parse(cls, reader: Reader) -> Used:
         return cls()
 
 
@@ -452,10 +346,10 @@ class UsedReply(Message):
     pages: int
 
     def body(self) -> bytes:
-        return _u64s([self.used, self.reserved, self.free, self.pages])
+        return u64s_field([self.used, self.reserved, self.free, self.pages])
 
     @classmethod
-    def parse(cls, reader: _Reader) -> UsedReply:
+    def parse(cls, reader: Reader) -> UsedReply:
         return cls(reader.u64(), reader.u64(), reader.u64(), reader.u64())
 
 
@@ -471,10 +365,10 @@ class Scan(Message):
 
     def body(self) -> bytes:
         prefix, after = self.prefix.encode("ascii"), self.after.encode("ascii")
-        return _blob16(prefix) + _blob16(after) + _U32.pack(self.limit)
+        return blob16_field(prefix) + blob16_field(after) + U32.pack(self.limit)
 
     @classmethod
-    def parse(cls, reader: _Reader) -> Scan:
+    def parse(cls, reader: Reader) -> Scan:
         prefix = reader.blob16().decode("ascii", errors="replace")
         after = reader.blob16().decode("ascii", errors="replace")
         if KEY_PREFIX_PATTERN.fullmatch(prefix) is None:
@@ -497,10 +391,10 @@ class ScanReply(Message):
         keys = [key for key, _, _ in self.entries]
         sizes = [size for _, size, _ in self.entries]
         idles = [idle for _, _, idle in self.entries]
-        return _U8.pack(int(self.more)) + _keys(keys) + _u64s(sizes) + _u64s(idles)
+        return U8.pack(int(self.more)) + keys_field(keys) + u64s_field(sizes) + u64s_field(idles)
 
     @classmethod
-    def parse(cls, reader: _Reader) -> ScanReply:
+    def parse(cls, reader: Reader) -> ScanReply:
         more = bool(reader.u8())
         keys = reader.keys()
         sizes, idles = reader.u64s(len(keys)), reader.u64s(len(keys))
@@ -514,10 +408,10 @@ class Error(Message):
     message: str
 
     def body(self) -> bytes:
-        return _U16.pack(self.code) + _blob16(self.message.encode()[:4000])
+        return U16.pack(self.code) + blob16_field(self.message.encode()[:4000])
 
     @classmethod
-    def parse(cls, reader: _Reader) -> Error:
+    def parse(cls, reader: Reader) -> Error:
         return cls(reader.u16(), reader.text16())
 
 
@@ -542,8 +436,9 @@ def encode(message: Message, request_id: int) -> bytes:
     return HEADER.pack(MAGIC, VERSION, message.TYPE, 0, request_id & 0xFFFFFFFF, len(body)) + body
 
 
-def decode_header(header: bytes) -> tuple[int, int, int]:
-    """``(type, request_id, body_length)`` of a 16-byte header; ProtocolError if invalid."""
+def decode_header(header: bytes, max_body: int = MAX_BODY) -> tuple[int, int, int]:
+    """``(type, request_id, body_length)`` of a 16-byte header; ProtocolError if invalid or if
+    the body declared is longer than ``max_body``."""
     if len(header) != HEADER.size:
         raise ProtocolError(ErrorCode.MALFORMED, "truncated header")
     magic, version, msg_type, flags, request_id, length = HEADER.unpack(header)
@@ -557,8 +452,8 @@ def decode_header(header: bytes) -> tuple[int, int, int]:
         raise ProtocolError(ErrorCode.MALFORMED, f"unknown message type {msg_type}")
     if flags != 0:
         raise ProtocolError(ErrorCode.MALFORMED, f"unknown flags {flags:#x}")
-    if length > MAX_BODY:
-        raise ProtocolError(ErrorCode.TOO_LARGE, f"body of {length} bytes exceeds {MAX_BODY}")
+    if length > max_body:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"body of {length} bytes exceeds {max_body}")
     return msg_type, request_id, length
 
 
@@ -567,31 +462,44 @@ def decode_body(msg_type: int, body: bytes) -> Message:
     cls = _TYPES.get(msg_type)
     if cls is None:
         raise ProtocolError(ErrorCode.MALFORMED, f"unknown message type {msg_type}")
-    reader = _Reader(body)
+    reader = Reader(body)
     message = cls.parse(reader)
     reader.done()
     return message
 
 
+_RECV_CHUNK = 256 << 10
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        chunk = sock.recv_into(view[got:], n - got)
-        if chunk == 0:
+    """``n`` bytes; memory grows with the bytes received, never with ``n`` up front (a peer
+    that declares a large body and sends nothing costs at most one chunk)."""
+    if n <= _RECV_CHUNK:
+        buf = bytearray(n)
+        view, got = memoryview(buf), 0
+        while got < n:
+            chunk = sock.recv_into(view[got:], n - got)
+            if chunk == 0:
+                raise ConnectionError("connection closed by the other side")
+            got += chunk
+        return bytes(buf)
+    parts = bytearray()
+    while len(parts) < n:
+        chunk = sock.recv(min(_RECV_CHUNK, n - len(parts)))
+        if not chunk:
             raise ConnectionError("connection closed by the other side")
-        got += chunk
-    return bytes(buf)
+        parts += chunk
+    return bytes(parts)
 
 
-def recv_message(sock: socket.socket) -> tuple[Message, int]:
-    """Read one frame from ``sock``: ``(message, request_id)``.
+def recv_message(sock: socket.socket, max_body: int = MAX_BODY) -> tuple[Message, int]:
+    """Read one frame from ``sock``: ``(message, request_id)``; a declared body longer than
+    ``max_body`` raises ProtocolError (``TOO_LARGE``) before any of it is read.
 
     Raises ProtocolError for a malformed frame, ConnectionError / OSError / socket.timeout
     when the connection fails.
     """
-    msg_type, request_id, length = decode_header(_recv_exact(sock, HEADER.size))
+    msg_type, request_id, length = decode_header(_recv_exact(sock, HEADER.size), max_body)
     body = _recv_exact(sock, length) if length else b""
     return decode_body(msg_type, body), request_id
 

@@ -10,7 +10,15 @@ protocol (:mod:`.protocol`) and keeps the index (:mod:`.pool`).
   registered once; HELLO replies carry the agent metadata and the pool's base address.
 * **Control channel.** A thread per connection (blocking sockets); one lock guards the index.
   The first message must be HELLO with the right token, else ERROR and the connection closes.
-  A malformed or oversized message gets ERROR and closes that connection only.
+  A malformed or oversized message gets ERROR and closes that connection only. Before HELLO a
+  frame may be no larger than HELLO can be; bodies are read as they arrive.
+* **Untrusted clients** (:mod:`.connections`): connections are capped in all and before HELLO,
+  closed without HELLO after ``handshake_timeout_s`` and when idle for ``idle_timeout_s``.
+  ``accept()`` failing for lack of file descriptors (EMFILE/ENFILE) pauses accepting briefly;
+  the peer keeps serving. Lease and reservation ids belong to their connection, at most
+  ``max_pending_per_connection`` of each open (:mod:`.pool`).
+* **Exposure** (:mod:`.exposure`): off loopback a token (or ``insecure``) is required, and the
+  UCX data path is confined to the listen address's interface.
 * **Listing.** SCAN copies the index under the lock (a C-speed list copy) and selects the
   reply's key-ordered slice outside it, so listing a large pool does not stall data traffic.
 * **Leases and reservations** belong to their connection: when it closes they are released /
@@ -23,25 +31,36 @@ protocol (:mod:`.protocol`) and keeps the index (:mod:`.pool`).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hmac
 import logging
 import signal
 import socket
 import threading
+import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
+from hybrid_offload.secrets import Secret
+
 from . import protocol as p
-from .pool import ALIGN, PageIndex, scan_pages
+from .connections import Connection, ConnectionTable, Limits
+from .exposure import check_bind, ucx_env
+from .pool import ALIGN, NotOwnedError, PageIndex, PendingLimitError, scan_pages
 
 __all__ = ["PeerOptions", "PeerServer", "default_pool_bytes", "run_peer"]
 
 logger = logging.getLogger(__name__)
 
 _MiB = 1 << 20
+#: accept() errors that mean "out of descriptors or memory now": pause, then accept again
+_ACCEPT_PAUSE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+_ACCEPT_PAUSE_S = 0.1
+_REPORT_EVERY_S = 10.0
 
 
 def default_pool_bytes(capacity_bytes: int) -> int:
@@ -51,28 +70,43 @@ def default_pool_bytes(capacity_bytes: int) -> int:
 
 @dataclass(frozen=True)
 class PeerOptions:
+    """The peer's settings; each is the ``hybrid-offload peer`` option of the same name."""
+
     host: str
     port: int
     capacity_bytes: int
-    token: str | None = None
+    token: Secret | None = None
+    insecure: bool = False
     pool_bytes: int | None = None
     lease_timeout_s: float = 30.0
     alloc_timeout_s: float = 30.0
     progress_delay_us: int = 100
+    max_connections: int = Limits.max_connections
+    max_unauthenticated: int = Limits.max_unauthenticated
+    handshake_timeout_s: float = Limits.handshake_timeout_s
+    idle_timeout_s: float = Limits.idle_timeout_s
+    max_pending_per_connection: int = 64
 
+    def __post_init__(self) -> None:
+        positive = ("lease_timeout_s", "alloc_timeout_s", "max_connections", "max_unauthenticated",
+                    "handshake_timeout_s", "idle_timeout_s", "max_pending_per_connection")  # fmt: skip
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in positive and (isinstance(value, bool) or not value > 0):
+                raise ValueError(f"--{f.name.replace('_', '-')} must be > 0, got {value!r}")
 
-class _Connection:
-    """Owner tag of one client connection's leases and reservations."""
-
-    def __init__(self, sock: socket.socket, address: str) -> None:
-        self.sock = sock
-        self.address = address
+    @property
+    def listen(self) -> str:
+        return f"{self.host}:{self.port}"
 
 
 class PeerServer:
     """See the module docstring. ``start()`` binds and registers; ``serve_forever()`` accepts."""
 
-    def __init__(self, options: PeerOptions) -> None:
+    def __init__(self, options: PeerOptions, *, clock: Callable[[], float] = time.monotonic) -> None:
+        """Check the options (ValueError naming the option) and allocate the pool."""
+        has_token = options.token is not None
+        check_bind(options.listen, options.host, has_token=has_token, insecure=options.insecure)
         self.options = options
         pool_bytes = options.pool_bytes or default_pool_bytes(options.capacity_bytes)
         pool_bytes = max(ALIGN, pool_bytes - pool_bytes % ALIGN)
@@ -84,17 +118,23 @@ class PeerServer:
             pool_bytes,
             lease_timeout_s=options.lease_timeout_s,
             alloc_timeout_s=options.alloc_timeout_s,
+            max_pending=options.max_pending_per_connection,
+            clock=clock,
         )
+        limits = Limits(options.max_connections, options.max_unauthenticated,
+                        options.handshake_timeout_s, options.idle_timeout_s)  # fmt: skip
+        self._table = ConnectionTable(limits, clock)
         self._pool = np.zeros(pool_bytes, dtype=np.uint8)
-        self._token = (options.token or "").encode()
+        self._token = b"" if options.token is None else options.token.value
         self._stop = threading.Event()
         self._listener: socket.socket | None = None
         self._agent: object | None = None
         self._reg: object | None = None
         self._metadata = b""
         self.agent_name = f"hybrid-offload-peer-{uuid.uuid4().hex}"
-        self._connections: set[_Connection] = set()
         self._threads: list[threading.Thread] = []
+        self._dropped: Counter[str] = Counter()  # connections closed by the limits, by reason
+        self._next_report = 0.0
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -102,9 +142,13 @@ class PeerServer:
         """Register the pool with NIXL and bind the listener (raises on failure)."""
         from . import make_agent
 
+        env, exposure = ucx_env(self.options.host)
+        if self.options.token is None and self.options.insecure:
+            logger.warning("serving %s WITHOUT a token (--insecure)", self.options.listen)
+        logger.info("%s", exposure)
         # The peer never polls its own transfers: the progress thread serves initiators.
         agent = make_agent(
-            self.agent_name, progress_thread=True, progress_delay_us=self.options.progress_delay_us
+            self.agent_name, progress_thread=True, progress_delay_us=self.options.progress_delay_us, env=env
         )
         self._reg = agent.register_memory([(self._pool.ctypes.data, self._pool.nbytes, 0, "")], "DRAM")
         self._metadata = agent.get_agent_metadata()
@@ -129,22 +173,56 @@ class PeerServer:
         assert self._listener is not None, "start() first"
         if on_ready is not None:
             on_ready(self.address)
+        paused = False
         while not self._stop.is_set():
             try:
                 sock, addr = self._listener.accept()
             except TimeoutError:
                 continue
-            except OSError:
+            except OSError as exc:
                 if self._stop.is_set():
                     break
+                if exc.errno in _ACCEPT_PAUSE_ERRNOS:
+                    if not paused:
+                        logger.warning("accept: %s; pausing accepts, still serving", exc.strerror)
+                    paused = True
+                    self._stop.wait(_ACCEPT_PAUSE_S)
+                    continue
+                if exc.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.EINTR):
+                    continue
                 raise
-            sock.settimeout(None)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Connection(sock, f"{addr[0]}:{addr[1]}")
-            with self._lock:
-                self._connections.add(conn)
-            thread = threading.Thread(target=self._serve, args=(conn,), name="peer-conn", daemon=True)
+            if paused:
+                logger.info("accepting again")
+                paused = False
+            self._admit(sock, f"{addr[0]}:{addr[1]}")
+
+    def _admit(self, sock: socket.socket, address: str) -> None:
+        """Serve ``sock`` in its own thread, within the connection limits."""
+        conn = Connection(sock, address, self._table.now())
+        admitted, pushed = self._table.admit(conn)
+        if pushed is not None:
+            logger.debug("client %s: no HELLO yet, dropped for a newer connection", pushed.address)
+            self._dropped["pushed out without HELLO"] += 1
+            _shutdown(pushed.sock)
+        if not admitted:
+            logger.debug("client %s refused: %d connections open", address, self.options.max_connections)
+            self._dropped["refused over --max-connections"] += 1
+            sock.settimeout(1.0)
+            busy = p.Error(p.ErrorCode.BUSY, f"too many connections (max {self.options.max_connections})")
+            self._send(conn, busy, 0)
+            with contextlib.suppress(OSError):
+                sock.close()
+            return
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        thread = threading.Thread(target=self._serve, args=(conn,), name="peer-conn", daemon=True)
+        try:
             thread.start()
+        except RuntimeError:  # no more threads: this connection only
+            logger.warning("client %s refused: cannot start a thread", address)
+            self._table.remove(conn)
+            with contextlib.suppress(OSError):
+                sock.close()
 
     def close(self) -> None:
         """Stop accepting, close client connections, deregister the pool; idempotent."""
@@ -152,11 +230,8 @@ class PeerServer:
         if self._listener is not None:
             with contextlib.suppress(OSError):
                 self._listener.close()
-        with self._lock:
-            conns = list(self._connections)
-        for conn in conns:
-            with contextlib.suppress(OSError):
-                conn.sock.shutdown(socket.SHUT_RDWR)
+        for conn in self._table.connections():
+            _shutdown(conn.sock)
         if self._agent is not None and self._reg is not None:
             try:
                 self._agent.deregister_memory(self._reg)  # type: ignore[attr-defined]
@@ -167,19 +242,31 @@ class PeerServer:
     # -- connections ------------------------------------------------------------------------
 
     def _reap(self) -> None:
-        period = max(0.05, min(self.options.lease_timeout_s, self.options.alloc_timeout_s) / 4)
+        o = self.options
+        shortest = min(o.lease_timeout_s, o.alloc_timeout_s, o.handshake_timeout_s, o.idle_timeout_s)
+        period = min(0.25, max(0.05, shortest / 4))
         while not self._stop.wait(period):
             with self._lock:
                 leases, allocs = self._index.expire()
             if leases or allocs:
                 logger.info("expired %d lease(s) and %d reservation(s)", leases, allocs)
+            for conn, reason in self._table.expired():
+                logger.debug("client %s: %s; closing", conn.address, reason)
+                self._dropped[reason] += 1
+                _shutdown(conn.sock)
+            if self._dropped and self._table.now() >= self._next_report:
+                # one line per interval: a flood of connections must not flood the log
+                dropped, self._dropped = self._dropped, Counter()
+                logger.warning("connections closed: %s", ", ".join(f"{n} {r}" for r, n in dropped.items()))
+                self._next_report = self._table.now() + _REPORT_EVERY_S
 
-    def _serve(self, conn: _Connection) -> None:
+    def _serve(self, conn: Connection) -> None:
         greeted = False
         try:
             while not self._stop.is_set():
                 try:
-                    request, request_id = p.recv_message(conn.sock)
+                    max_body = p.MAX_BODY if greeted else p.MAX_HELLO_BODY
+                    request, request_id = p.recv_message(conn.sock, max_body)
                 except p.ProtocolError as exc:
                     logger.warning("client %s: %s; closing", conn.address, exc)
                     self._send(conn, p.Error(exc.code, str(exc)), 0)
@@ -188,7 +275,9 @@ class PeerServer:
                     greeted = self._greet(conn, request, request_id)
                     if not greeted:
                         return
+                    self._table.greeted(conn)
                     continue
+                self._table.touch(conn)
                 try:
                     reply = self._dispatch(conn, request)
                 except Exception as exc:  # a bug: answer, drop this connection, keep serving
@@ -201,15 +290,15 @@ class PeerServer:
         finally:
             with self._lock:
                 self._index.drop_owner(conn)
-                self._connections.discard(conn)
+            self._table.remove(conn)
             with contextlib.suppress(OSError):
                 conn.sock.close()
 
-    def _send(self, conn: _Connection, message: p.Message, request_id: int) -> None:
+    def _send(self, conn: Connection, message: p.Message, request_id: int) -> None:
         with contextlib.suppress(OSError):
             p.send_message(conn.sock, message, request_id)
 
-    def _greet(self, conn: _Connection, request: p.Message, request_id: int) -> bool:
+    def _greet(self, conn: Connection, request: p.Message, request_id: int) -> bool:
         if not isinstance(request, p.Hello):
             self._send(conn, p.Error(p.ErrorCode.HELLO_REQUIRED, "first message must be HELLO"), request_id)
             return False
@@ -237,32 +326,47 @@ class PeerServer:
         entries, more = scan_pages(snapshot, request.prefix, request.after, limit, now)
         return p.ScanReply([(key, size, round(idle * 1000)) for key, size, idle in entries], more)
 
-    def _dispatch(self, conn: _Connection, request: p.Message) -> p.Message:
-        index = self._index
+    def _dispatch(self, conn: Connection, request: p.Message) -> p.Message:
         if isinstance(request, p.Scan):
             return self._scan(request)
-        with self._lock:
-            if isinstance(request, p.Lookup):
-                return p.LookupReply(index.lookup(request.keys))
-            if isinstance(request, p.Get):
-                lease_id, extents = index.get(request.keys, conn)
-                return p.GetReply(lease_id, extents)
-            if isinstance(request, p.Release):
-                return p.ReleaseReply(index.release(request.lease_id))
-            if isinstance(request, p.Alloc):
-                alloc_id, offsets = index.alloc(request.keys, request.sizes, conn)
-                return p.AllocReply(alloc_id, offsets)
-            if isinstance(request, p.Commit):
-                result = index.commit(request.alloc_id, request.success)
-                if result is None:
-                    return p.Error(p.ErrorCode.UNKNOWN_ALLOC, f"unknown or expired alloc {request.alloc_id}")
-                return p.CommitReply(*result)
-            if isinstance(request, p.Delete):
-                return p.DeleteReply(index.delete(request.keys))
-            if isinstance(request, p.Used):
-                s = index.stats()
-                return p.UsedReply(s.used, s.reserved, s.free, s.pages)
+        try:
+            with self._lock:
+                return self._dispatch_locked(conn, request)
+        except PendingLimitError as exc:
+            return p.Error(p.ErrorCode.BUSY, str(exc))
+        except NotOwnedError as exc:
+            return p.Error(p.ErrorCode.UNKNOWN_LEASE, str(exc))
+
+    def _dispatch_locked(self, conn: Connection, request: p.Message) -> p.Message:
+        index = self._index
+        if isinstance(request, p.Lookup):
+            return p.LookupReply(index.lookup(request.keys))
+        if isinstance(request, p.Get):
+            lease_id, extents = index.get(request.keys, conn)
+            return p.GetReply(lease_id, extents)
+        if isinstance(request, p.Release):
+            return p.ReleaseReply(index.release(request.lease_id, conn))
+        if isinstance(request, p.Alloc):
+            alloc_id, offsets = index.alloc(request.keys, request.sizes, conn)
+            return p.AllocReply(alloc_id, offsets)
+        if isinstance(request, p.Commit):
+            result = index.commit(request.alloc_id, request.success, conn)
+            if result is None:
+                msg = f"alloc {request.alloc_id} is unknown, expired or another connection's"
+                return p.Error(p.ErrorCode.UNKNOWN_ALLOC, msg)
+            return p.CommitReply(*result)
+        if isinstance(request, p.Delete):
+            return p.DeleteReply(index.delete(request.keys))
+        if isinstance(request, p.Used):
+            s = index.stats()
+            return p.UsedReply(s.used, s.reserved, s.free, s.pages)
         return p.Error(p.ErrorCode.MALFORMED, f"unexpected message {type(request).__name__}")
+
+
+def _shutdown(sock: socket.socket) -> None:
+    """Wake the thread blocked reading ``sock``: it sees end of file and closes it."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 def run_peer(options: PeerOptions) -> int:

@@ -93,19 +93,34 @@ def _parse_listen(text: str) -> tuple[str, int]:
 
 
 def cmd_peer(args: argparse.Namespace) -> int:
-    """Run a nixl_peer cache peer until SIGTERM/SIGINT; prints a ready line once it serves."""
+    """Run a nixl_peer cache peer until SIGTERM/SIGINT; prints a ready line once it serves.
+    Bad options (a literal --token, off-loopback without a token, ...) raise ValueError."""
     from hybrid_offload.backends.nixl_peer.server import PeerOptions, run_peer
+    from hybrid_offload.secrets import SecretError, read_secret
 
+    if args.token is not None:
+        raise SecretError(
+            "--token: a literal token is refused (it would be visible to every local user in ps); "
+            "give --token-file PATH (a file holding it) or --token-env VAR (an environment variable)"
+        )
+    what = "--token-file" if args.token_file is not None else "--token-env"
+    token = read_secret(file=args.token_file, env=args.token_env, what=what)
     host, port = args.listen
     options = PeerOptions(
         host=host,
         port=port,
         capacity_bytes=args.capacity_bytes,
-        token=args.token,
+        token=token,
+        insecure=args.insecure,
         pool_bytes=args.pool_bytes,
         lease_timeout_s=args.lease_timeout_s,
         progress_delay_us=args.progress_delay_us,
         alloc_timeout_s=args.alloc_timeout_s,
+        max_connections=args.max_connections,
+        max_unauthenticated=args.max_unauthenticated,
+        handshake_timeout_s=args.handshake_timeout_s,
+        idle_timeout_s=args.idle_timeout_s,
+        max_pending_per_connection=args.max_pending_per_connection,
     )
     return run_peer(options)
 
@@ -133,7 +148,15 @@ def _add_peer(subparsers: Subparsers) -> None:
     p.add_argument(
         "--capacity-bytes", type=_byte_size, required=True, help="page bytes held at most, e.g. 16GiB (LRU)"
     )
-    p.add_argument("--token", default=None, help="shared secret clients must present (default: none)")
+    secret = p.add_mutually_exclusive_group()
+    secret.add_argument("--token-file", metavar="PATH", help="file holding the token clients must present")
+    secret.add_argument("--token-env", metavar="VAR", help="environment variable holding the token")
+    secret.add_argument("--token", default=None, help=argparse.SUPPRESS)  # refused: visible in ps
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a non-loopback --listen without a token (anyone reaching it reads and writes every page)",
+    )
     p.add_argument(
         "--pool-bytes",
         type=_byte_size,
@@ -149,6 +172,26 @@ def _add_peer(subparsers: Subparsers) -> None:
         type=int,
         default=100,
         help="NIXL progress thread sleep between polls (0: spin a whole core; default 100)",
+    )
+    limits = p.add_argument_group("limits on clients")
+    limits.add_argument("--max-connections", type=int, default=1000, help="open connections at most")
+    limits.add_argument(
+        "--max-unauthenticated",
+        type=int,
+        default=64,
+        help="connections without HELLO at most; a newer one pushes out the oldest (default 64)",
+    )
+    limits.add_argument(
+        "--handshake-timeout-s", type=float, default=10.0, help="close a connection without HELLO after this"
+    )
+    limits.add_argument(
+        "--idle-timeout-s", type=float, default=600.0, help="close a connection without requests after this"
+    )
+    limits.add_argument(
+        "--max-pending-per-connection",
+        type=int,
+        default=64,
+        help="open leases, and open reservations, per connection at most (default 64)",
     )
     p.set_defaults(handler=cmd_peer)
 

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,7 +26,7 @@ from hybrid_offload.backends import (
 )
 from hybrid_offload.backends.nixl_peer import protocol as p
 from hybrid_offload.backends.nixl_peer.client import NixlPeerBackend
-from hybrid_offload.backends.nixl_peer.pool import ALIGN, ExtentAllocator, PageIndex
+from hybrid_offload.backends.nixl_peer.pool import ALIGN, ExtentAllocator, NotOwnedError, PageIndex
 from peer_servers import PeerProcess, start_peer
 from process_control import stop_process
 
@@ -256,17 +257,19 @@ def test_prepare_data_path_sets_up_nixl_before_the_first_transfer(peers: PeerFac
         alone.prepare_data_path()
 
 
-def test_wrong_token_refused_clearly(peers: PeerFactory, clients: Any) -> None:
+def test_wrong_token_refused_clearly(peers: PeerFactory, clients: Any, tmp_path: Path) -> None:
     peer = peers(token="s3cret")
-    for token in ("wrong", None):
-        backend = clients([peer.address], token=token, **FAST)
+    (tmp_path / "wrong").write_text("wrong")
+    (tmp_path / "right").write_text("s3cret\n")
+    for token in ({"token_file": str(tmp_path / "wrong")}, {}):
+        backend = clients([peer.address], **token, **FAST)
         with pytest.raises(BackendUnavailableError, match="wrong token"):
             backend.put_batch([(key(1), b"x")])
     sock, reply = _raw_client(peer.address, "nope")
     with sock:
         assert isinstance(reply, p.Error) and reply.code == p.ErrorCode.AUTH_FAILED
         assert sock.recv(1) == b""  # and the connection is closed
-    good = clients([peer.address], token="s3cret")
+    good = clients([peer.address], token_file=str(tmp_path / "right"))
     assert good.put_batch([(key(1), b"x")]) == [True]
     assert good.get_batch([key(1)]) == [b"x"]
 
@@ -369,7 +372,9 @@ def test_sigterm_exits_cleanly(peers: PeerFactory, clients: Any) -> None:
 @pytest.mark.parametrize(
     "options",
     [{}, {"peers": []}, {"peers": "127.0.0.1:1"}, {"peers": ["localhost"]}, {"peers": ["h:0"]},
-     {"peers": ["h:1", "h:1"]}, {"peers": ["h:1"], "token": 5}, {"peers": ["h:1"], "staging_bytes": 10},
+     {"peers": ["h:1", "h:1"]}, {"peers": ["h:1"], "token": 5}, {"peers": ["h:1"], "token": "literal"},
+     {"peers": ["h:1"], "token_file": 5}, {"peers": ["h:1"], "token_env": "HOP_UNSET_VARIABLE_X"},
+     {"peers": ["h:1"], "token_file": "/nonexistent/token"}, {"peers": ["h:1"], "staging_bytes": 10},
      {"peers": ["h:1"], "timeout_s": 0}, {"peers": ["h:1"], "retry_backoff_s": 5, "max_backoff_s": 1},
      {"peers": ["h:1"], "bogus": 1}],
 )  # fmt: skip
@@ -397,25 +402,44 @@ def test_allocator_first_fit_and_coalescing() -> None:
         alloc.free(big)  # type: ignore[arg-type]
 
 
-def test_index_pins_survive_eviction_and_fragmentation_evicts_more() -> None:
-    index = PageIndex(capacity=4 * ALIGN, pool_size=5 * ALIGN)
+def test_index_pins_survive_eviction_and_commits_evict_lru() -> None:
+    index = PageIndex(capacity=4 * ALIGN, pool_size=6 * ALIGN)
     owner = object()
     k = [key(i) for i in range(8)]
     for i in range(4):
         alloc_id, offsets = index.alloc([k[i]], [ALIGN], owner)
         assert offsets[0] is not None and index.commit(alloc_id, [True]) == (1, 0, 0)
     lease, _ = index.get([k[0]], owner)  # k0 pinned, refreshed: k1 is LRU
-    alloc_id, _ = index.alloc([k[4], k[5]], [ALIGN, ALIGN], owner)  # 5th slot, then evicts k1
-    assert index.commit(alloc_id, [True, True]) == (2, 2, 2 * ALIGN)
+    alloc_id, _ = index.alloc([k[4], k[5]], [ALIGN, ALIGN], owner)  # the slack: nothing evicted yet
+    assert index.lookup(k[:4]) == [True] * 4
+    assert index.commit(alloc_id, [True, True]) == (2, 2, 2 * ALIGN)  # commits evict k1, k2
     assert index.lookup(k[:6]) == [True, False, False, True, True, True]
     assert index.delete([k[0]]) == 1  # pinned: its extent stays held until released
-    assert index.stats().free == ALIGN  # k2's slot (evicted unpinned); k0's still held
+    assert index.stats().free == 2 * ALIGN  # k1's and k2's slots; k0's still held
     index.release(lease)
-    assert index.stats().free == 2 * ALIGN
+    assert index.stats().free == 3 * ALIGN
     alloc_id, offsets = index.alloc([k[6]], [4 * ALIGN + 1], owner)
     assert offsets == [None]  # larger than capacity: refused
     index.commit(alloc_id, [False])
-    assert index.stats() == index.stats().__class__(3 * ALIGN, 0, 2 * ALIGN, 3)
+    assert index.stats() == index.stats().__class__(3 * ALIGN, 0, 3 * ALIGN, 3)
+
+
+def test_index_reservations_beyond_the_slack_are_refused_not_evicting() -> None:
+    index = PageIndex(capacity=2 * ALIGN, pool_size=4 * ALIGN)  # reserve limit: 2 * ALIGN
+    a, b = object(), object()
+    for i in range(2):
+        alloc_id, _ = index.alloc([key(i)], [ALIGN], a)
+        index.commit(alloc_id, [True])
+    big, offsets = index.alloc([key(2)], [2 * ALIGN], b)
+    assert offsets[0] is not None  # the free slack
+    _, offsets = index.alloc([key(3), key(4)], [ALIGN, ALIGN], b)
+    assert offsets == [None, None] and index.lookup([key(0), key(1)]) == [True, True]
+    assert index.commit(big, [True], a) is None  # another owner's reservation stays
+    assert index.commit(big, [True], b) == (1, 2, 2 * ALIGN)  # the commit evicts, by LRU
+    lease, _ = index.get([key(2)], a)
+    with pytest.raises(NotOwnedError):
+        index.release(lease, b)
+    assert index.release(lease, a) and not index.release(lease, a)
 
 
 # -- listing (SCAN) ----------------------------------------------------------------------------

@@ -1,0 +1,381 @@
+"""The cache peer against clients it should not trust (issue 14): connection floods, file-limit
+exhaustion, frames that declare huge bodies, silent connections, ids used by another
+connection, reservations that would evict committed pages, off-loopback binds and tokens.
+
+Real peer processes (``peer_servers``), real sockets; the timeout test runs a real
+:class:`PeerServer` in this process with an injected clock instead of sleeping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from backend_contract import key, page
+from hybrid_offload.backends import BackendConfig, BackendConfigError, BackendUnavailableError, create_backend
+from hybrid_offload.backends.nixl_peer import protocol as p
+from hybrid_offload.backends.nixl_peer.client import NixlPeerBackend
+from peer_servers import READY, PeerProcess, start_peer
+
+MiB = 1 << 20
+KiB = 1 << 10
+FAST = {"timeout_s": 2.0, "retry_backoff_s": 0.05, "max_backoff_s": 0.2}
+
+PeerFactory = Callable[..., PeerProcess]
+
+
+@pytest.fixture
+def peers() -> Iterator[PeerFactory]:
+    started: list[PeerProcess] = []
+
+    def factory(capacity_bytes: int = 64 * MiB, token: str | None = None, **kw: Any) -> PeerProcess:
+        peer = start_peer(capacity_bytes, token, **kw)
+        started.append(peer)
+        return peer
+
+    yield factory
+    for peer in started:
+        peer.kill()
+
+
+@pytest.fixture
+def clients() -> Iterator[Callable[..., NixlPeerBackend]]:
+    opened: list[NixlPeerBackend] = []
+
+    def factory(addresses: list[str], **options: Any) -> NixlPeerBackend:
+        config = BackendConfig("nixl_peer", "t", 1 << 30, options={"peers": addresses, **options})
+        backend = create_backend(config)
+        assert isinstance(backend, NixlPeerBackend)
+        opened.append(backend)
+        return backend
+
+    yield factory
+    for backend in opened:
+        backend.close()
+
+
+def _connect(address: str) -> socket.socket:
+    host, port = address.rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def _hello(address: str, token: str = "") -> socket.socket:
+    sock = _connect(address)
+    p.send_message(sock, p.Hello(token.encode(), "trust-test"), 1)
+    reply, _ = p.recv_message(sock)
+    assert isinstance(reply, p.HelloReply), reply
+    return sock
+
+
+def _ask(sock: socket.socket, message: p.Message, request_id: int = 2) -> p.Message:
+    p.send_message(sock, message, request_id)
+    return p.recv_message(sock)[0]
+
+
+def _closed_by_peer(sock: socket.socket, timeout: float = 10.0) -> bool:
+    """True once the peer closed ``sock`` (after any ERROR it sent), False if it stays open."""
+    sock.settimeout(timeout)
+    try:
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * KiB
+    raise AssertionError("no VmRSS")
+
+
+def _listening(pid: int) -> set[str]:
+    """``"ip:port"`` of every TCP socket ``pid`` listens on (/proc, as ``ss -ltnp`` shows it)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            hex_ip, hex_port = fields[1].split(":")
+            raw = bytes.fromhex(hex_ip)
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))  # host-order words
+            found.add(f"{socket.inet_ntop(family, raw)}:{int(hex_port, 16)}")
+    return found
+
+
+def _non_loopback_ipv4() -> str | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.123", 9))  # no packet is sent: only picks a source address
+        except OSError:
+            return None
+        ip = probe.getsockname()[0]
+    return None if ip.startswith("127.") else ip
+
+
+# -- H1: floods, file limits, huge declared bodies, silent connections ----------------------------
+
+
+def test_file_limit_exhausted_by_bare_connections_peer_keeps_serving(
+    peers: PeerFactory, clients: Any
+) -> None:
+    peer = peers(nofile=96, extra_args=["--max-unauthenticated", "500"])
+    backend = clients([peer.address], **FAST)
+    assert backend.put_batch([(key(1), page(1, 5000))]) == [True]
+    flood = []
+    try:
+        for _ in range(150):  # more than the peer's file limit: its accept() hits EMFILE
+            flood.append(_connect(peer.address))
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and "too many open files" not in peer.log.lower():
+            time.sleep(0.02)
+        assert "too many open files" in peer.log.lower(), peer.log[-2000:]
+        assert peer.proc is not None and peer.proc.poll() is None, peer.log[-2000:]
+    finally:
+        for sock in flood:
+            sock.close()
+    deadline = time.monotonic() + 10
+    while True:  # the peer goes back to accepting once descriptors are free again
+        with contextlib.suppress(BackendUnavailableError):
+            if backend.get_batch([key(1)]) == [page(1, 5000)]:
+                break
+        assert time.monotonic() < deadline, peer.log[-2000:]
+        time.sleep(0.05)
+    assert peer.proc.poll() is None
+
+
+def test_connection_caps_total_and_before_hello(peers: PeerFactory, clients: Any) -> None:
+    peer = peers(extra_args=["--max-connections", "6", "--max-unauthenticated", "3"])
+    bare = [_connect(peer.address) for _ in range(3)]
+    time.sleep(0.2)  # let the peer accept them in order
+    newest = _connect(peer.address)  # a 4th connection without HELLO: the oldest one goes
+    assert _closed_by_peer(bare[0])
+    assert not _closed_by_peer(bare[1], timeout=0.3)
+    for sock in [*bare, newest]:
+        sock.close()
+    greeted = [_hello(peer.address) for _ in range(6)]
+    refused = _connect(peer.address)  # over the total cap: refused with an ERROR
+    reply, _ = p.recv_message(refused)
+    assert isinstance(reply, p.Error) and "too many connections" in reply.message
+    assert _closed_by_peer(refused)
+    assert isinstance(_ask(greeted[0], p.Used()), p.UsedReply)  # the others are served
+    greeted.pop().close()
+    deadline = time.monotonic() + 5
+    while True:  # a freed slot is taken by a real client
+        with contextlib.suppress(BackendUnavailableError):
+            backend = clients([peer.address], **FAST)
+            if backend.put_batch([(key(1), b"ok")]) == [True]:
+                break
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    for sock in greeted:
+        sock.close()
+
+
+def test_declared_huge_bodies_allocate_nothing_up_front(peers: PeerFactory, clients: Any) -> None:
+    peer = peers()
+    assert peer.proc is not None
+    backend = clients([peer.address], **FAST)
+    assert backend.put_batch([(key(1), page(1, 1000))]) == [True]
+    rss0 = _rss(peer.proc.pid)
+    header = p.HEADER.pack(p.MAGIC, p.VERSION, p.Hello.TYPE, 0, 1, p.MAX_BODY)
+    pre_hello = [_connect(peer.address) for _ in range(24)]
+    for sock in pre_hello:  # before HELLO: more than HELLO can be is refused at once
+        sock.sendall(header)
+    for sock in pre_hello:
+        reply, _ = p.recv_message(sock)
+        assert isinstance(reply, p.Error) and reply.code == p.ErrorCode.TOO_LARGE
+        sock.close()
+    lookup = p.HEADER.pack(p.MAGIC, p.VERSION, p.Lookup.TYPE, 0, 2, p.MAX_BODY)
+    greeted = [_hello(peer.address) for _ in range(24)]
+    for sock in greeted:  # after HELLO: allowed, but memory follows the bytes that arrive
+        sock.sendall(lookup + b"\0" * 1000)
+    time.sleep(0.5)
+    grown = _rss(peer.proc.pid) - rss0
+    assert grown < 48 * MiB, f"peer grew by {grown / MiB:.0f} MiB"
+    for sock in greeted:
+        sock.close()
+    assert backend.get_batch([key(1)]) == [page(1, 1000)]
+
+
+def test_handshake_and_idle_timeouts_with_injected_clock() -> None:
+    from hybrid_offload.backends.nixl_peer.server import PeerOptions, PeerServer
+
+    now = [1000.0]
+    options = PeerOptions(
+        host="127.0.0.1", port=0, capacity_bytes=MiB, handshake_timeout_s=5.0, idle_timeout_s=60.0
+    )
+    server = PeerServer(options, clock=lambda: now[0])
+    server.start()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        silent, greeted = _connect(server.address), _hello(server.address)
+        time.sleep(0.2)  # both accepted before the clock moves
+        now[0] += 6  # past the handshake timeout, well within the idle timeout
+        assert _closed_by_peer(silent)
+        assert isinstance(_ask(greeted, p.Used()), p.UsedReply)  # activity: idle clock restarts
+        now[0] += 59
+        assert not _closed_by_peer(greeted, timeout=0.5)
+        now[0] += 2  # 61 s after its last request
+        assert _closed_by_peer(greeted)
+        fresh = _hello(server.address)  # and the peer still serves
+        assert isinstance(_ask(fresh, p.Used()), p.UsedReply)
+        fresh.close()
+    finally:
+        server.stop()
+        thread.join(timeout=10)
+        server.close()
+
+
+# -- M2: ownership, reservations, keys per message ----------------------------------------------
+
+
+def test_ids_belong_to_their_connection(peers: PeerFactory) -> None:
+    peer = peers()
+    a, b = _hello(peer.address), _hello(peer.address)
+    alloc = _ask(a, p.Alloc([key(1)], [100]))
+    assert isinstance(alloc, p.AllocReply) and alloc.offsets[0] is not None
+    stolen = _ask(b, p.Commit(alloc.alloc_id, [True]))
+    assert isinstance(stolen, p.Error) and stolen.code == p.ErrorCode.UNKNOWN_ALLOC
+    assert isinstance(_ask(a, p.Commit(alloc.alloc_id, [True]), 3), p.CommitReply)
+    got = _ask(a, p.Get([key(1)]), 4)
+    assert isinstance(got, p.GetReply) and got.lease_id
+    foreign = _ask(b, p.Release(got.lease_id), 5)
+    assert isinstance(foreign, p.Error) and foreign.code == p.ErrorCode.UNKNOWN_LEASE
+    assert _ask(a, p.Release(got.lease_id), 6) == p.ReleaseReply(True)
+    a.close()
+    b.close()
+
+
+def test_uncommitted_reservations_do_not_evict_committed_pages(peers: PeerFactory) -> None:
+    size = 64 * KiB
+    peer = peers(4 * MiB, extra_args=["--pool-bytes", str(5 * MiB)])  # 64 pages, 16 of slack
+    writer = _hello(peer.address)
+    keys = [key(i) for i in range(64)]
+    alloc = _ask(writer, p.Alloc(keys, [size] * 64))
+    assert isinstance(alloc, p.AllocReply) and None not in alloc.offsets
+    assert _ask(writer, p.Commit(alloc.alloc_id, [True] * 64), 3) == p.CommitReply(64, 0, 0)
+    hogs = [_hello(peer.address) for _ in range(2)]
+    for n, hog in enumerate(hogs):  # reserve a whole pool's worth each, never commit
+        other = [key(i, 0x5EED0002 + n) for i in range(64)]
+        reply = _ask(hog, p.Alloc(other, [size] * 64))
+        assert isinstance(reply, p.AllocReply)
+    present = _ask(writer, p.Lookup(keys), 4)
+    assert isinstance(present, p.LookupReply) and all(present.present), present.present.count(False)
+    for hog in hogs:
+        hog.close()
+    with writer:
+        assert _ask(writer, p.Used(), 5).pages == 64  # type: ignore[attr-defined]
+
+
+def test_open_reservations_per_connection_are_capped(peers: PeerFactory) -> None:
+    peer = peers(extra_args=["--max-pending-per-connection", "3"])
+    sock = _hello(peer.address)
+    for i in range(3):
+        assert isinstance(_ask(sock, p.Alloc([key(i)], [10]), 10 + i), p.AllocReply)
+    over = _ask(sock, p.Alloc([key(9)], [10]), 20)
+    assert isinstance(over, p.Error) and "3 open reservations" in over.message
+    sock.close()
+
+
+def test_too_many_keys_in_one_message_refused_quickly(peers: PeerFactory, clients: Any) -> None:
+    peer = peers()
+    backend = clients([peer.address], **FAST)
+    assert backend.put_batch([(key(1), b"kept")]) == [True]
+    sock = _hello(peer.address)
+    n = 500_000  # short keys, so that the message stays under MAX_BODY
+    keys = [f"5eed0001-{i:08x}" for i in range(n)]
+    began = time.monotonic()
+    reply = _ask(sock, p.Alloc(keys, [1] * n))
+    assert isinstance(reply, p.Error) and reply.code == p.ErrorCode.TOO_LARGE, reply
+    assert _closed_by_peer(sock)
+    assert time.monotonic() - began < 1.0
+    assert backend.get_batch([key(1)]) == [b"kept"]
+    assert backend.used_bytes() == 4
+
+
+# -- M1 / L1: binds, UCX listeners, tokens --------------------------------------------------------
+
+
+def _peer_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "hybrid_offload.cli.main", "peer", "--capacity-bytes", "1MiB", *args]
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})}
+    )
+
+
+def _refused(*args: str) -> str:
+    """Run ``peer`` with ``args``; it must exit 2 before serving; returns its output."""
+    proc = _peer_cli(*args)
+    try:
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == 2 and READY.search(out) is None, out
+    return out
+
+
+def test_off_loopback_bind_needs_a_token_or_insecure(tmp_path: Path) -> None:
+    out = _refused("--listen", "0.0.0.0:0")
+    assert "--listen 0.0.0.0:0" in out and "--token-file" in out and "--insecure" in out
+    assert "--token" in _refused("--listen", "127.0.0.1:0", "--token", "s3cret")
+    assert "--token-env" in _refused("--listen", "127.0.0.1:0", "--token", "s3cret")
+
+
+def test_ucx_data_path_listens_only_on_the_listen_interface(peers: PeerFactory, clients: Any) -> None:
+    if _non_loopback_ipv4() is None:
+        pytest.skip("this machine has no non-loopback interface to leak onto")
+    peer = peers()
+    assert peer.proc is not None
+    backend = clients([peer.address])
+    assert backend.put_batch([(key(1), page(1, 3000))]) == [True]  # the data path works
+    assert backend.get_batch([key(1)]) == [page(1, 3000)]
+    listening = _listening(peer.proc.pid)
+    assert len(listening) >= 2, listening  # the control port and UCX's
+    assert all(address.startswith("127.") for address in listening), listening
+
+
+def test_tokens_from_file_or_env_never_literal_and_never_logged(
+    peers: PeerFactory, clients: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    secret = "tok-7f3a9c-very-secret"
+    peer = peers(token=secret)
+    good = tmp_path / "token"
+    good.write_text(secret + "\n")
+    bad = tmp_path / "wrong"
+    bad.write_text("not-it")
+    monkeypatch.setenv("HOP_TEST_PEER_TOKEN", secret)
+    by_file = clients([peer.address], token_file=str(good), **FAST)
+    assert by_file.put_batch([(key(1), b"x")]) == [True]
+    by_env = clients([peer.address], token_env="HOP_TEST_PEER_TOKEN", **FAST)
+    assert by_env.get_batch([key(1)]) == [b"x"]
+    wrong = clients([peer.address], token_file=str(bad), **FAST)
+    with pytest.raises(BackendUnavailableError, match="wrong token"):
+        wrong.get_batch([key(1)])
+    with pytest.raises(BackendConfigError, match=r"'token'.*'token_file'.*'token_env'"):
+        clients([peer.address], token=secret)
+    with pytest.raises(BackendConfigError, match=r"'token_file'.*missing"):
+        clients([peer.address], token_file=str(tmp_path / "missing"))
+    assert secret not in repr(by_file.__dict__)
+    assert secret not in peer.log
