@@ -1,7 +1,8 @@
 """Which cache ``hybrid-offload cache`` works on, and opening it for maintenance.
 
 Target (exactly one): ``--disk PATH``, ``--redis URL`` (with ``--redis-prefix``), ``--peer
-HOST:PORT`` (repeatable, with ``--peer-token``), ``--backend-config FILE`` (one backend entry,
+HOST:PORT`` (repeatable, with ``--peer-token-file`` or ``--peer-token-env``; a literal token is
+refused: command lines are visible to every local user), ``--backend-config FILE`` (one backend entry,
 YAML or JSON, shaped like an element of ``kv_connector_extra_config.backends``) or ``--config
 FILE --name NAME`` (a backend of a serve config such as ``configs/redis.yaml``). Every entry is
 validated by the connector's own config parser, so errors name the offending key.
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from hybrid_offload.backends import Backend, BackendConfig, backend_class, create_backend
+from hybrid_offload.secrets import SecretError, read_secret
 
 __all__ = ["OPEN_CAPACITY", "CacheCliError", "open_for_maintenance", "target_arguments", "target_config"]
 
@@ -57,7 +59,12 @@ def target_arguments() -> argparse.ArgumentParser:
     )
     target.add_argument("--name", metavar="BACKEND_NAME", help="which backend of --config")
     target.add_argument("--redis-prefix", metavar="PREFIX", help="with --redis: key prefix (default: hop)")
-    target.add_argument("--peer-token", metavar="TOKEN", help="with --peer: the peers' shared secret")
+    token = target.add_mutually_exclusive_group()
+    token.add_argument("--peer-token-file", metavar="PATH", help="with --peer: file holding the peers' token")
+    token.add_argument(
+        "--peer-token-env", metavar="VAR", help="with --peer: environment variable holding the peers' token"
+    )
+    token.add_argument("--peer-token", help=argparse.SUPPRESS)  # refused: visible in ps
     parent.add_argument("--json", action="store_true", help="machine-readable output")
     return parent
 
@@ -108,8 +115,15 @@ def target_config(args: argparse.Namespace) -> BackendConfig:
         raise CacheCliError("--name picks a backend of --config FILE; give --config too")
     if args.redis_prefix is not None and args.redis is None:
         raise CacheCliError("--redis-prefix only goes with --redis")
-    if args.peer_token is not None and args.peer is None:
-        raise CacheCliError("--peer-token only goes with --peer")
+    if args.peer_token is not None:
+        raise CacheCliError(
+            "--peer-token: a literal token is refused (it would be visible to every local user in ps); "
+            "give --peer-token-file PATH or --peer-token-env VAR"
+        )
+    tokens = {"--peer-token-file": args.peer_token_file, "--peer-token-env": args.peer_token_env}
+    for flag, value in tokens.items():
+        if value is not None and args.peer is None:
+            raise CacheCliError(f"{flag} only goes with --peer")
     if args.config is not None:
         if args.name is None:
             raise CacheCliError(f"--config {args.config}: give --name BACKEND_NAME to pick its backend")
@@ -125,8 +139,15 @@ def target_config(args: argparse.Namespace) -> BackendConfig:
             entry["prefix"] = args.redis_prefix
         return _entry_config(entry, "--redis")
     entry = {"type": "nixl_peer", "name": "peer", "peers": list(args.peer)}
-    if args.peer_token is not None:
-        entry["token"] = args.peer_token
+    what = "--peer-token-file" if args.peer_token_file is not None else "--peer-token-env"
+    try:  # read here too, so that an error names the command-line option
+        read_secret(file=args.peer_token_file, env=args.peer_token_env, what=what)
+    except SecretError as exc:
+        raise CacheCliError(str(exc)) from None
+    if args.peer_token_file is not None:
+        entry["token_file"] = args.peer_token_file
+    if args.peer_token_env is not None:
+        entry["token_env"] = args.peer_token_env
     return _entry_config(entry, "--peer")
 
 
