@@ -529,3 +529,33 @@ def test_unreachable_backends_exit_3(tmp_path: Path) -> None:
     assert "backend unavailable" in down.stderr and f"127.0.0.1:{port}" in down.stderr
     peer_down = cli("verify", "--peer", f"127.0.0.1:{port}", check=3)
     assert "backend unavailable" in peer_down.stderr
+
+
+def test_peer_token_from_a_file_or_the_environment_never_argv(tmp_path: Path) -> None:
+    """``--peer-token-file`` / ``--peer-token-env`` reach a peer that wants a token; a literal
+    ``--peer-token`` is refused naming both, and the secret is never echoed."""
+    secret = "cli-peer-secret-42"
+    peer = start_peer(4 * MiB, secret)
+    try:
+        (tmp_path / "token").write_text(secret + "\n")
+        by_file = cli_json("ls", "--peer", peer.address, "--peer-token-file", str(tmp_path / "token"))
+        assert by_file["fingerprints"] == []
+        env = {**os.environ, "HOP_CLI_PEER_TOKEN": secret}
+        by_env = subprocess.run(
+            [sys.executable, "-m", "hybrid_offload.cli.main", "cache", "ls", "--peer", peer.address,
+             "--peer-token-env", "HOP_CLI_PEER_TOKEN"],
+            capture_output=True, text=True, timeout=120, cwd=REPO, env=env, check=False,
+        )  # fmt: skip
+        assert by_env.returncode == 0, by_env.stderr
+        literal = cli("ls", "--peer", peer.address, "--peer-token", secret, check=2)
+        assert "--peer-token-file" in literal.stderr and "--peer-token-env" in literal.stderr
+        assert secret not in literal.stderr + literal.stdout
+        (tmp_path / "wrong").write_text("nope")
+        wrong = cli("ls", "--peer", peer.address, "--peer-token-file", str(tmp_path / "wrong"), check=3)
+        assert "wrong token" in wrong.stderr
+        missing = cli("ls", "--peer", peer.address, "--peer-token-file", str(tmp_path / "none"), check=2)
+        assert "--peer-token-file" in missing.stderr
+        alone = cli("ls", "--disk", str(tmp_path), "--peer-token-file", str(tmp_path / "token"), check=2)
+        assert "--peer-token-file only goes with --peer" in alone.stderr
+    finally:
+        peer.kill()
