@@ -208,6 +208,23 @@ class Backend(ABC):
             sizes.append(len(data))
         return sizes
 
+    def get_prefix(self, keys: Sequence[str], nbytes: int, sizes: Sequence[int]) -> list[bytes | None]:
+        """The first ``nbytes`` bytes of each page (all of a shorter one), or None for a miss.
+
+        For tools that read page headers only (``hybrid-offload cache stats``); ``sizes`` are
+        the pages' sizes as :meth:`scan` listed them. Optional: backends that can read a byte
+        range read only those bytes (redis: GETRANGE); the default reads each whole page into a
+        buffer of its listed size with :meth:`get_into` (a page now larger is a miss), so
+        memory is bounded by ``sum(sizes)``. Does not need to refresh recency.
+        """
+        if len(keys) != len(sizes) or nbytes < 1:
+            raise ValueError("get_prefix: keys and sizes differ in length, or nbytes < 1")
+        buffers = [memoryview(bytearray(size)) for size in sizes]
+        got = self.get_into(keys, buffers)
+        return [
+            None if n is None else bytes(buf[: min(n, nbytes)]) for n, buf in zip(got, buffers, strict=True)
+        ]
+
     @abstractmethod
     def contains_batch(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is stored now (a later get may still miss after eviction)."""

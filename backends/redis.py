@@ -447,16 +447,15 @@ class RedisBackend(Backend):
             sizes.append(None if data is None else len(data))
         return sizes
 
-    def get_prefix(self, keys: Sequence[str], nbytes: int, max_page_bytes: int) -> list[bytes | None]:
+    def get_prefix(self, keys: Sequence[str], nbytes: int, sizes: Sequence[int]) -> list[bytes | None]:
         """The first ``nbytes`` of each page (GETRANGE: only those bytes travel), or None for a
-        miss; does not refresh recency. ``max_page_bytes`` is not needed here."""
+        miss; does not refresh recency; ``sizes`` are not needed."""
         check_keys(keys)
         self._check_open()
+        if len(keys) != len(sizes) or nbytes < 1:
+            raise ValueError("get_prefix: keys and sizes differ in length, or nbytes < 1")
         if not keys:
             return []
-        if nbytes < 1:
-            raise ValueError(f"get_prefix: nbytes must be >= 1, got {nbytes}")
-        del max_page_bytes
         with self._guard("get_prefix"):
             return self._getrange(self._redis(), keys, [nbytes - 1] * len(keys), [nbytes] * len(keys))
 

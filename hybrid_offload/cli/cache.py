@@ -9,10 +9,14 @@ is not a page key is ever touched. A fingerprint's model card (:mod:`hybrid_offl
 written by each engine at start-up) names its model in ``ls`` and ``stats``; ``verify`` checks
 cards apart from pages; ``gc`` deletes them like pages (an engine rewrites its card at start-up).
 
-Pages are listed with :meth:`Backend.scan` and read with ``get_batch`` in batches of at most
-``BATCH_BYTES``, so memory is bounded by a batch, not by the cache. Exit status: 0 ok, 1 a
-corrupt page was found (``verify``, ``inspect``), 2 bad input (arguments, config, unknown key,
-a backend that cannot list), 3 the backend is unreachable or failed.
+Pages are listed with :meth:`Backend.scan` and read with ``get_into`` into buffers of their
+listed sizes, in batches of at most ``BATCH_BYTES``, so memory is bounded by a batch, not by
+the cache. A page listed larger than ``--max-page-bytes`` (default 1 GiB) is never read: verify
+and stats report it as too large, inspect refuses it. ``stats`` reads page headers only
+(:meth:`Backend.get_prefix`: a ranged read where the backend has one, redis GETRANGE).
+Exit status: 0 ok, 1 a corrupt page was found or a page could not be verified for its size
+(``verify``, ``inspect``), 2 bad input (arguments, config, unknown key, a backend that cannot
+list, a page over the cap for ``inspect``), 3 the backend is unreachable or failed.
 """
 
 from __future__ import annotations
@@ -24,10 +28,19 @@ import os
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any, TextIO
 
 from hybrid_offload.backends import Backend, BackendUnavailableError, PageInfo
+from hybrid_offload.cli.cache_read import (
+    DEFAULT_MAX_PAGE_BYTES,
+    list_pages,
+    namespace,
+    read_cards,
+    read_headers,
+    read_pages,
+    split_too_large,
+)
 from hybrid_offload.cli.cache_target import (
     CacheCliError,
     open_for_maintenance,
@@ -42,48 +55,14 @@ from hybrid_offload.model_card import ModelCard, card_problem, decode_card, desc
 logger = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_CORRUPT, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
-BATCH_BYTES = 64 << 20
-BATCH_PAGES = 256
 DELETE_BATCH = 1000
 
 
-# -- reading ----------------------------------------------------------------------------------
-
-
-def namespace(key: str) -> str:
-    return key.partition("-")[0]
-
-
-def list_pages(backend: Backend, fingerprint: str | None) -> list[PageInfo]:
-    """Every page (of ``fingerprint``), sorted by key."""
-    return sorted(backend.scan(f"{fingerprint}-" if fingerprint else ""), key=lambda info: info.key)
-
-
-def read_pages(backend: Backend, infos: Iterable[PageInfo]) -> Iterator[tuple[PageInfo, bytes | None]]:
-    """``(info, bytes or None if it vanished)`` per page, read ``BATCH_BYTES`` at a time."""
-    batch: list[PageInfo] = []
-    size = 0
-    for info in [*infos, None]:
-        if batch and (info is None or size + info.size > BATCH_BYTES or len(batch) >= BATCH_PAGES):
-            logger.debug("reading %d pages (%d bytes) from %s", len(batch), size, backend.name)
-            yield from zip(batch, backend.get_batch([b.key for b in batch]), strict=True)
-            batch, size = [], 0
-        if info is not None:
-            batch.append(info)
-            size += info.size
+# -- reading: hybrid_offload.cli.cache_read ----------------------------------------------------
 
 
 def delete_pages(backend: Backend, keys: list[str]) -> int:
     return sum(backend.delete_batch(keys[i : i + DELETE_BATCH]) for i in range(0, len(keys), DELETE_BATCH))
-
-
-def read_cards(backend: Backend, infos: Iterable[PageInfo]) -> dict[str, ModelCard | None]:
-    """Fingerprint -> its model card, or None where the card vanished or is not valid."""
-    cards: dict[str, ModelCard | None] = {}
-    for info, data in read_pages(backend, infos):
-        ok = data is not None and card_problem(info.key, data) is None
-        cards[namespace(info.key)] = decode_card(data) if ok and data is not None else None
-    return cards
 
 
 def check_page(key: str, data: bytes) -> str | None:
@@ -169,7 +148,7 @@ def cmd_ls(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
         if info.mtime is not None:
             row["oldest"] = info.mtime if row["oldest"] is None else min(row["oldest"], info.mtime)
             row["newest"] = info.mtime if row["newest"] is None else max(row["newest"], info.mtime)
-    cards = read_cards(backend, card_infos)
+    cards = read_cards(backend, card_infos, args.max_page_bytes)
     listing = [
         {"fingerprint": fp, "pages": row["pages"], "bytes": row["bytes"],
          "oldest_age_s": _age(now, row["oldest"]), "newest_age_s": _age(now, row["newest"]),
@@ -276,15 +255,23 @@ def cmd_inspect(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
             raise CacheCliError(f"no pages of fingerprint {args.fingerprint} in {backend.name!r}")
         key = first.key
     check_keys([key])
-    data = backend.get_batch([key])[0]
+    missing = CacheCliError(f"no page {key} in {backend.type_name} backend {backend.name!r}")
+    info = next((i for i in backend.scan(key) if i.key == key), None)
+    if info is None:
+        raise missing
+    if info.size > args.max_page_bytes:
+        raise CacheCliError(
+            f"page {key} is {info.size} bytes, more than --max-page-bytes {args.max_page_bytes}"
+        )
+    data = next(read_pages(backend, [info]))[1]
     if data is None:
-        raise CacheCliError(f"no page {key} in {backend.type_name} backend {backend.name!r}")
-    info = describe_card(key, data) if is_card_key(key) else describe_page(key, data)
+        raise missing
+    described = describe_card(key, data) if is_card_key(key) else describe_page(key, data)
     if args.json:
-        _emit_json(info, out)
+        _emit_json(described, out)
     else:
-        _print_description(info, out)
-    return EXIT_OK if info["valid"] else EXIT_CORRUPT
+        _print_description(described, out)
+    return EXIT_OK if described["valid"] else EXIT_CORRUPT
 
 
 # -- verify -----------------------------------------------------------------------------------
@@ -293,11 +280,18 @@ def cmd_inspect(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
 def cmd_verify(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
     """Read and fully verify every page; exit 1 if any is corrupt (``--delete-bad``: delete)."""
     infos = list_pages(backend, args.fingerprint)
+    fits, large = split_too_large(infos, args.max_page_bytes)
+    too_large = [{"key": info.key, "size": info.size} for info in large]
     show = sys.stderr.isatty() if args.progress is None else args.progress
-    progress = _Progress(len(infos), "verified", show)
+    progress = _Progress(len(fits), "verified", show)
     bad: list[dict[str, Any]] = []
     ok = vanished = cards_ok = 0
-    for done, (info, data) in enumerate(read_pages(backend, infos), 1):
+    if not args.json:
+        for item in too_large:
+            out.write(
+                f"too large {item['key']}: {item['size']} bytes > --max-page-bytes {args.max_page_bytes}\n"
+            )
+    for done, (info, data) in enumerate(read_pages(backend, fits), 1):
         card = is_card_key(info.key)
         if data is None:
             vanished += 1
@@ -311,7 +305,7 @@ def cmd_verify(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
             ok += 1
         progress.update(done)
     progress.close()
-    deleted = _delete_still_bad(backend, bad) if args.delete_bad and bad else 0
+    deleted = _delete_still_bad(backend, bad, args.max_page_bytes) if args.delete_bad and bad else 0
     pages = [i for i in infos if not is_card_key(i.key)]
     bad_cards = sum(1 for b in bad if b["card"])
     summary = {"pages": len(pages), "bytes": sum(i.size for i in pages), "ok": ok,
@@ -319,7 +313,7 @@ def cmd_verify(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
                "cards": len(infos) - len(pages), "cards_ok": cards_ok,
                "cards_corrupt": bad_cards}  # fmt: skip
     if args.json:
-        _emit_json({**summary, "corrupt_pages": bad}, out)
+        _emit_json({**summary, "corrupt_pages": bad, "too_large": too_large}, out)
     else:
         out.write(
             f"verified {summary['pages']} pages ({summary['bytes']} bytes): {ok} ok, "
@@ -329,12 +323,16 @@ def cmd_verify(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
             out.write(f"verified {summary['cards']} model cards: {cards_ok} ok, {bad_cards} corrupt\n")
         if args.delete_bad:
             out.write(f"deleted {deleted} corrupt pages ({sum(b['size'] for b in bad)} bytes)\n")
-    return EXIT_CORRUPT if bad else EXIT_OK
+        if too_large:
+            out.write(f"not verified: {len(too_large)} pages larger than --max-page-bytes\n")
+    return EXIT_CORRUPT if bad or too_large else EXIT_OK
 
 
-def _delete_still_bad(backend: Backend, bad: list[dict[str, Any]]) -> int:
+def _delete_still_bad(backend: Backend, bad: list[dict[str, Any]], max_page_bytes: int) -> int:
     """Delete the corrupt pages that are still corrupt (an engine may have re-stored one)."""
-    again = read_pages(backend, [PageInfo(item["key"], item["size"]) for item in bad])
+    listed = {info.key: info for item in bad for info in backend.scan(item["key"]) if info.key == item["key"]}
+    fits, _ = split_too_large(listed.values(), max_page_bytes)
+    again = read_pages(backend, fits)
     still = [info.key for info, data in again if data is not None and check_page(info.key, data) is not None]
     return delete_pages(backend, still)
 
@@ -427,16 +425,23 @@ def _format_shards(seen: Iterable[tuple[int, int]]) -> str:
     return ", ".join(parts) or "-"
 
 
-def gather_stats(backend: Backend, infos: list[PageInfo], progress: _Progress) -> dict[str, Any]:
-    """Per fingerprint (model name from its card) and KV cache group (from page headers):
-    pages, bytes, shards seen."""
+def gather_stats(
+    backend: Backend, infos: list[PageInfo], progress: _Progress, max_page_bytes: int
+) -> dict[str, Any]:
+    """Per fingerprint (model name from its card) and KV cache group (from page headers, the
+    only part of a page read; sizes from the listing): pages, bytes, shards seen."""
     from hybrid_offload.page_format import PageFormatError, decode_header
 
     groups: dict[tuple[str, int, str], dict[str, Any]] = {}
     models: dict[str, str | None] = {}
     unreadable: list[dict[str, str]] = []
     vanished = 0
-    for done, (info, data) in enumerate(read_pages(backend, infos), 1):
+    fits, large = split_too_large(infos, max_page_bytes)
+    cards = [info for info in fits if is_card_key(info.key)]
+    pages = [info for info in fits if not is_card_key(info.key)]
+    done = 0
+    for info, data in [*read_pages(backend, cards), *read_headers(backend, pages)]:
+        done += 1
         progress.update(done)
         if data is None:
             vanished += 1
@@ -455,7 +460,7 @@ def gather_stats(backend: Backend, infos: list[PageInfo], progress: _Progress) -
         slot = (namespace(info.key), header.group_index, str(header.kind.value))
         row = groups.setdefault(slot, {"pages": 0, "bytes": 0, "shards": set()})
         row["pages"] += 1
-        row["bytes"] += len(data)
+        row["bytes"] += info.size
         row["shards"].add((header.shard, header.shards))
     progress.close()
     fingerprints = {fp: {"fingerprint": fp, "model": models.get(fp), "pages": 0, "bytes": 0, "groups": []}
@@ -466,14 +471,16 @@ def gather_stats(backend: Backend, infos: list[PageInfo], progress: _Progress) -
         entry["bytes"] += row["bytes"]
         entry["groups"].append({"group_index": group, "kind": kind, "pages": row["pages"],
                                 "bytes": row["bytes"], "shards": sorted(row["shards"])})  # fmt: skip
-    return {"fingerprints": list(fingerprints.values()), "unreadable": unreadable, "vanished": vanished}
+    too_large = [{"key": info.key, "size": info.size} for info in large]
+    return {"fingerprints": list(fingerprints.values()), "unreadable": unreadable, "vanished": vanished,
+            "too_large": too_large}  # fmt: skip
 
 
 def cmd_stats(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
     """Pages, bytes and shards per fingerprint and KV cache group."""
     infos = list_pages(backend, args.fingerprint)
     show = sys.stderr.isatty() if args.progress is None else args.progress
-    stats = gather_stats(backend, infos, _Progress(len(infos), "read", show))
+    stats = gather_stats(backend, infos, _Progress(len(infos), "read", show), args.max_page_bytes)
     if args.json:
         _emit_json(stats, out)
         return EXIT_OK
@@ -488,6 +495,8 @@ def cmd_stats(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
         out.write(f"unreadable {item['key']}: {item['error']}\n")
     if stats["vanished"]:
         out.write(f"{stats['vanished']} pages vanished while reading\n")
+    for item in stats["too_large"]:
+        out.write(f"too large (not read) {item['key']}: {item['size']} bytes\n")
     return EXIT_OK
 
 
@@ -504,6 +513,14 @@ _ACTIONS: dict[str, tuple[Callable[[Backend, argparse.Namespace, TextIO], int], 
 
 def _add_action_arguments(name: str, p: argparse.ArgumentParser) -> None:
     fp_help = "only pages of this fingerprint (model + layout namespace)"
+    if name != "gc":
+        p.add_argument(
+            "--max-page-bytes",
+            type=parse_byte_size,
+            default=DEFAULT_MAX_PAGE_BYTES,
+            metavar="SIZE",
+            help="never read a page listed larger than this (default: 1GiB)",
+        )
     if name == "inspect":
         p.add_argument("key", nargs="?", help="page key <fingerprint>-<digest>")
         p.add_argument("--fingerprint", type=parse_fingerprint, help="with --first: of this fingerprint")

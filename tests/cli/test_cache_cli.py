@@ -324,6 +324,61 @@ def test_stats_per_fingerprint_and_group(cache: Cache) -> None:
     assert FP_A not in text
 
 
+def big_page(fp: str, chunk: int, tokens: int = 1024) -> tuple[str, bytes]:
+    """A valid attention page of 2 x (tokens, 8, 64) bfloat16 (2 MiB for 1024 tokens)."""
+    tensors = tuple(TensorSpec(f"L0.{kv}", (tokens, 8, 64), "bfloat16") for kv in "kv")
+    seed = f"{fp}/big/{chunk}".encode()
+    header = PageHeader(bytes.fromhex(fp), hashlib.blake2b(seed, digest_size=32).digest(), 0,
+                        GroupKind.FULL_ATTENTION, chunk, tokens, tensors, 0, 1)  # fmt: skip
+    payload = random.Random(seed).randbytes(sum(t.nbytes for t in tensors))
+    return f"{fp}-{hashlib.blake2b(seed + b'key', digest_size=16).hexdigest()}", encode_page(header, payload)
+
+
+def server_sent_bytes(cache: Cache) -> int:
+    return int(cache.extra["client"].info("stats")["total_net_output_bytes"])
+
+
+def test_pages_larger_than_the_cap_are_refused_not_read(cache: Cache) -> None:
+    """A value larger than ``--max-page-bytes`` (default 1 GiB) is reported, never loaded: verify
+    and stats list it as too large (verify exits 1, it could not check it; --delete-bad leaves
+    it), inspect refuses it."""
+    a = pages_a()
+    huge_key, huge = big_page(FP_A, 99, tokens=1536)  # a valid 3 MiB page
+    cache.put({**a, huge_key: huge})
+    sent = server_sent_bytes(cache) if cache.kind == "redis" else 0
+    found = cli_json("verify", *cache.args, "--max-page-bytes", "1MiB", "--delete-bad", check=1)
+    assert (found["ok"], found["corrupt"], found["deleted"]) == (6, 0, 0)
+    assert found["too_large"] == [{"key": huge_key, "size": len(huge)}]
+    if cache.kind == "redis":
+        assert server_sent_bytes(cache) - sent < sizes(a) + 256 * 1024
+    text = cli("verify", *cache.args, "--max-page-bytes", "1MiB", check=1).stdout
+    assert f"too large {huge_key}: {len(huge)} bytes > --max-page-bytes {MiB}" in text
+    refused = cli("inspect", *cache.args, huge_key, "--max-page-bytes", "1MiB", check=2)
+    assert "--max-page-bytes" in refused.stderr
+    assert cli_json("verify", *cache.args)["ok"] == 7  # the default cap (1 GiB) reads it
+    assert cache.backend.contains_batch([huge_key]) == [True]
+    stats = cli_json("stats", *cache.args, "--max-page-bytes", "1MiB")
+    assert stats["too_large"] == [{"key": huge_key, "size": len(huge)}]
+    [group0] = [g for g in stats["fingerprints"][0]["groups"] if g["group_index"] == 0]
+    assert (group0["pages"], group0["bytes"]) == (3, sum(len(make_page(FP_A, 0, c)[1]) for c in range(3)))
+
+
+def test_stats_reads_page_headers_only(cache: Cache) -> None:
+    """stats needs the header of each page: redis sends only those bytes (GETRANGE), not the
+    2 MiB pages; page bytes come from the listing."""
+    pages = dict(big_page(FP_B, c) for c in range(4))
+    cache.put(pages)
+    sent = server_sent_bytes(cache) if cache.kind == "redis" else 0
+    stats = cli_json("stats", *cache.args)
+    [fp] = stats["fingerprints"]
+    assert (fp["pages"], fp["bytes"]) == (4, sizes(pages))
+    assert fp["groups"] == [{"group_index": 0, "kind": "full_attention", "pages": 4, "bytes": sizes(pages),
+                             "shards": [[0, 1]]}]  # fmt: skip
+    assert stats["unreadable"] == [] and stats["vanished"] == 0
+    if cache.kind == "redis":
+        assert server_sent_bytes(cache) - sent < 256 * 1024 < sizes(pages)
+
+
 # -- model cards --------------------------------------------------------------------------------
 
 FP_C = "c3" * 16  # a model that wrote its card but no pages yet
@@ -514,6 +569,7 @@ def test_bad_input_exits_2_naming_the_problem(tmp_path: Path, args: list[str], n
         (["inspect"], "give a page KEY, or --fingerprint FP --first"),
         (["inspect", "../etc/passwd"], "invalid page key"),
         (["inspect", f"{FP_A}-{'0' * 32}"], "no page"),
+        (["verify", "--max-page-bytes", "lots"], "want a size like 1234, 500MB or 10GiB"),
     ],
 )
 def test_bad_action_arguments_exit_2(tmp_path: Path, action: list[str], needle: str) -> None:
