@@ -339,8 +339,10 @@ def _refused(*args: str) -> str:
 def test_off_loopback_bind_needs_a_token_or_insecure(tmp_path: Path) -> None:
     out = _refused("--listen", "0.0.0.0:0")
     assert "--listen 0.0.0.0:0" in out and "--token-file" in out and "--insecure" in out
-    assert "--token" in _refused("--listen", "127.0.0.1:0", "--token", "s3cret")
-    assert "--token-env" in _refused("--listen", "127.0.0.1:0", "--token", "s3cret")
+    literal = _refused("--listen", "127.0.0.1:0", "--token", "s3cret")
+    assert "--token-file" in literal and "--token-env" in literal and "s3cret" not in literal
+    assert "--max-connections must be > 0" in _refused("--listen", "127.0.0.1:0", "--max-connections", "0")
+    assert "--token-env" in _refused("--listen", "127.0.0.1:0", "--token-env", "HOP_UNSET_TOKEN_VARIABLE")
 
 
 def test_ucx_data_path_listens_only_on_the_listen_interface(peers: PeerFactory, clients: Any) -> None:
@@ -354,6 +356,31 @@ def test_ucx_data_path_listens_only_on_the_listen_interface(peers: PeerFactory, 
     listening = _listening(peer.proc.pid)
     assert len(listening) >= 2, listening  # the control port and UCX's
     assert all(address.startswith("127.") for address in listening), listening
+
+
+@pytest.mark.parametrize("secured", [True, False], ids=["token", "insecure"])
+def test_off_loopback_peer_confines_ucx_to_that_interface(tmp_path: Path, secured: bool) -> None:
+    ip = _non_loopback_ipv4()
+    if ip is None:
+        pytest.skip("this machine has no non-loopback interface")
+    token = tmp_path / "token"
+    token.write_text("t0ken")
+    proc = _peer_cli("--listen", f"{ip}:0", *(["--token-file", str(token)] if secured else ["--insecure"]))
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:  # bounded: the peer prints its ready line or exits
+            lines.append(line)
+            if READY.search(line) or len(lines) > 50:
+                break
+        assert READY.search(lines[-1]), "".join(lines)
+        assert "UCX data path confined to" in "".join(lines)
+        assert ("WITHOUT a token (--insecure)" in "".join(lines)) is not secured
+        listening = _listening(proc.pid)
+        assert len(listening) >= 2 and all(a.startswith(f"{ip}:") for a in listening), listening
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
 
 
 def test_tokens_from_file_or_env_never_literal_and_never_logged(
