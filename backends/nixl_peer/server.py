@@ -21,9 +21,9 @@ protocol (:mod:`.protocol`) and keeps the index (:mod:`.pool`).
   UCX data path is confined to the listen address's interface.
 * **Listing.** SCAN copies the index under the lock (a C-speed list copy) and selects the
   reply's key-ordered slice outside it, so listing a large pool does not stall data traffic.
-* **Leases and reservations** belong to their connection: when it closes they are released /
-  aborted at once; a reaper thread also expires them after ``lease_timeout_s`` /
-  ``alloc_timeout_s`` (a client that hangs between ALLOC and COMMIT does not leak pool space).
+* **Leases and reservations**: when their connection closes they are released / aborted at
+  once; a reaper thread also expires them after ``lease_timeout_s`` / ``alloc_timeout_s`` (a
+  client that hangs between ALLOC and COMMIT does not leak pool space).
 * **Lifecycle.** :meth:`PeerServer.serve_forever` prints the ready line once it accepts;
   SIGTERM / SIGINT stop it; :meth:`PeerServer.close` deregisters the pool.
 """
@@ -41,7 +41,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -90,10 +90,10 @@ class PeerOptions:
     def __post_init__(self) -> None:
         positive = ("lease_timeout_s", "alloc_timeout_s", "max_connections", "max_unauthenticated",
                     "handshake_timeout_s", "idle_timeout_s", "max_pending_per_connection")  # fmt: skip
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name in positive and (isinstance(value, bool) or not value > 0):
-                raise ValueError(f"--{f.name.replace('_', '-')} must be > 0, got {value!r}")
+        for name in positive:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not value > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value!r}")
 
     @property
     def listen(self) -> str:
@@ -111,7 +111,7 @@ class PeerServer:
         pool_bytes = options.pool_bytes or default_pool_bytes(options.capacity_bytes)
         pool_bytes = max(ALIGN, pool_bytes - pool_bytes % ALIGN)
         if pool_bytes < options.capacity_bytes:
-            raise ValueError("pool_bytes must be at least capacity_bytes")
+            raise ValueError("--pool-bytes must be at least --capacity-bytes")
         self._lock = threading.Lock()
         self._index = PageIndex(
             options.capacity_bytes,
@@ -134,6 +134,7 @@ class PeerServer:
         self.agent_name = f"hybrid-offload-peer-{uuid.uuid4().hex}"
         self._threads: list[threading.Thread] = []
         self._dropped: Counter[str] = Counter()  # connections closed by the limits, by reason
+        self._dropped_lock = threading.Lock()
         self._next_report = 0.0
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -202,12 +203,12 @@ class PeerServer:
         admitted, pushed = self._table.admit(conn)
         if pushed is not None:
             logger.debug("client %s: no HELLO yet, dropped for a newer connection", pushed.address)
-            self._dropped["pushed out without HELLO"] += 1
+            self._note_dropped("pushed out without HELLO")
             _shutdown(pushed.sock)
         if not admitted:
             logger.debug("client %s refused: %d connections open", address, self.options.max_connections)
-            self._dropped["refused over --max-connections"] += 1
-            sock.settimeout(1.0)
+            self._note_dropped("refused over --max-connections")
+            sock.setblocking(False)  # never stall the accept loop on a client that does not read
             busy = p.Error(p.ErrorCode.BUSY, f"too many connections (max {self.options.max_connections})")
             self._send(conn, busy, 0)
             with contextlib.suppress(OSError):
@@ -252,13 +253,23 @@ class PeerServer:
                 logger.info("expired %d lease(s) and %d reservation(s)", leases, allocs)
             for conn, reason in self._table.expired():
                 logger.debug("client %s: %s; closing", conn.address, reason)
-                self._dropped[reason] += 1
+                self._note_dropped(reason)
                 _shutdown(conn.sock)
-            if self._dropped and self._table.now() >= self._next_report:
-                # one line per interval: a flood of connections must not flood the log
-                dropped, self._dropped = self._dropped, Counter()
-                logger.warning("connections closed: %s", ", ".join(f"{n} {r}" for r, n in dropped.items()))
-                self._next_report = self._table.now() + _REPORT_EVERY_S
+            self._report_dropped()
+
+    def _note_dropped(self, reason: str) -> None:
+        with self._dropped_lock:
+            self._dropped[reason] += 1
+
+    def _report_dropped(self) -> None:
+        """One log line per interval: a flood of connections must not flood the log."""
+        now = self._table.now()
+        with self._dropped_lock:
+            if not self._dropped or now < self._next_report:
+                return
+            dropped, self._dropped = self._dropped, Counter()
+            self._next_report = now + _REPORT_EVERY_S
+        logger.warning("connections closed: %s", ", ".join(f"{n} {r}" for r, n in dropped.items()))
 
     def _serve(self, conn: Connection) -> None:
         greeted = False
