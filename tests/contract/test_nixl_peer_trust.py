@@ -229,7 +229,9 @@ def test_handshake_and_idle_timeouts_with_injected_clock() -> None:
     server.start()
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
+    backend = create_backend(BackendConfig("nixl_peer", "t", MiB, options={"peers": [server.address]}))
     try:
+        assert backend.contains_batch([key(1)]) == [False]
         silent, greeted = _connect(server.address), _hello(server.address)
         time.sleep(0.2)  # both accepted before the clock moves
         now[0] += 6  # past the handshake timeout, well within the idle timeout
@@ -242,7 +244,10 @@ def test_handshake_and_idle_timeouts_with_injected_clock() -> None:
         fresh = _hello(server.address)  # and the peer still serves
         assert isinstance(_ask(fresh, p.Used()), p.UsedReply)
         fresh.close()
+        # the idle client's connection was closed too: it reconnects on its next call, silently
+        assert backend.contains_batch([key(1)]) == [False] and backend.stats.errors == 0
     finally:
+        backend.close()
         server.stop()
         thread.join(timeout=10)
         server.close()
