@@ -12,20 +12,8 @@ they need a GPU connector and a model's KV layout. LMCache is installed by
 ``scripts/install_lmcache.sh`` (``--no-deps``, no CUDA packages); this module imports it at import
 time and raises ``ImportError`` naming that script when it is missing.
 
-Options (:attr:`LMCacheBackend.option_defaults`), each checked with a
-:class:`BackendConfigError` naming the key:
-
-* ``remote_url`` (required): an LMCache remote URL, e.g. ``redis://127.0.0.1:6379`` or
-  ``fs://localhost:0/var/cache/pages``. ``resp://`` is refused (that connector reads fixed
-  full-chunk-size values; pages vary in size). For ``redis``/``rediss``/``unix`` URLs without
-  them, ``socket_timeout`` and ``socket_connect_timeout`` (= ``op_timeout_s``) are added so a
-  hung server fails a call instead of blocking LMCache's I/O loop.
-* ``namespace`` (``"hybrid-offload"``): prefix of LMCache's key (its ``model_name``), so
-  several deployments can share one store.
-* ``op_timeout_s`` (10.0): a batch call that has not finished by then raises
-  :class:`BackendUnavailableError`.
-* ``close_timeout_s`` (2.0): how long :meth:`LMCacheBackend.close` waits for LMCache's
-  ``close()``.
+Options: see :mod:`hybrid_offload.backends.lmcache_options` (``remote_url``, ``namespace``,
+``op_timeout_s``, ``close_timeout_s``, ``ttl_s``).
 
 Contract beyond :mod:`hybrid_offload.backends.base`:
 
@@ -46,8 +34,12 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
   by last put/get) and enforces ``capacity_bytes`` over it, exactly as the ``cpu`` pool does. A
   deleted or evicted page is removed through ``remove_sync`` where the connector has it (fs),
   otherwise overwritten with a 24-byte tombstone envelope (Redis): its page bytes are freed, but
-  the two small Redis keys of a tombstone stay until the key is put again (about 200 bytes per
-  deleted key, not counted in ``used_bytes``; give Redis a ``maxmemory`` policy for churn).
+  the two small Redis keys of a tombstone stay until they expire (``ttl_s``) or the key is put
+  again (about 200 bytes per deleted key, not counted in ``used_bytes``).
+* **Expiry across restarts.** A new instance starts with an empty index and never reads what an
+  earlier one stored, so values expire ``ttl_s`` (default one day) after their last put or get
+  (Redis: PEXPIRE; fs: swept at start-up by mtime), see
+  :mod:`hybrid_offload.backends.lmcache_expiry`; other remotes grow (a warning at start-up).
 * **Visibility.** ``shared_index = False``: the index lives in this process (another process
   cannot tell a tombstone from a page without reading it, nor learn sizes or recency), so the
   connector mirrors it from :meth:`LMCacheBackend.take_evicted`. Pages do not survive a restart
@@ -81,7 +73,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-import re
 import struct
 import threading
 import time
@@ -89,7 +80,7 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, ClassVar, TypeVar
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import xxhash
 
@@ -102,6 +93,8 @@ from .base import (
     Buffer,
     check_keys,
 )
+from .lmcache_expiry import EXPIRY_SCHEMES, make_expiry
+from .lmcache_options import OPTION_DEFAULTS, check_remote_url, validate_lmcache_options
 
 # LMCache's loggers attach opentelemetry-sdk's deprecated LoggingHandler (one warning each).
 with warnings.catch_warnings():
@@ -112,7 +105,7 @@ with warnings.catch_warnings():
         from lmcache.v1.config import LMCacheEngineConfig
         from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
         from lmcache.v1.metadata import LMCacheMetadata
-        from lmcache.v1.storage_backend.connector import CreateConnector, parse_remote_url
+        from lmcache.v1.storage_backend.connector import CreateConnector
         from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
     except ImportError as exc:  # chained, never swallowed: the registry re-raises it naming the type
         raise ImportError(
@@ -133,8 +126,6 @@ _MAGIC = b"HOLM"
 _VERSION = 1
 _KIND_PAGE = 1
 _KIND_TOMBSTONE = 2
-_NAMESPACE = re.compile(r"[A-Za-z0-9._-]{1,64}")
-_REDIS_SCHEMES = ("redis", "rediss", "unix")
 _RECONNECT_INTERVAL_S = 1.0
 
 
@@ -143,49 +134,6 @@ def _checksum(key: str, payload: Buffer) -> int:
     h.update(b"\0")
     h.update(payload)
     return h.intdigest()
-
-
-def _positive_number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise BackendConfigError(f"option {name!r} must be a number > 0, got {value!r}")
-    return float(value)
-
-
-def _check_remote_url(url: Any, op_timeout_s: float) -> str:
-    """Validate ``remote_url``; return it with socket timeouts added for Redis URLs."""
-    if not isinstance(url, str) or "://" not in url:
-        raise BackendConfigError(
-            f"option 'remote_url' must be an LMCache remote URL such as "
-            f"'redis://127.0.0.1:6379' or 'fs://localhost:0/path', got {url!r}"
-        )
-    parts = urlsplit(url)
-    scheme = parts.scheme
-    if scheme == "resp":
-        raise BackendConfigError(
-            "option 'remote_url': resp:// reads fixed full-chunk-size values and cannot hold "
-            "pages of varying size; use redis://"
-        )
-    if scheme in _REDIS_SCHEMES:
-        try:
-            port = parts.port
-        except ValueError as exc:
-            raise BackendConfigError(f"option 'remote_url': bad port in {url!r}") from exc
-        if scheme != "unix" and (not parts.hostname or port is None):
-            raise BackendConfigError(
-                f"option 'remote_url' needs host and port, e.g. redis://127.0.0.1:6379, got {url!r}"
-            )
-        query = dict(parse_qsl(parts.query))
-        query.setdefault("socket_timeout", f"{op_timeout_s:g}")
-        query.setdefault("socket_connect_timeout", f"{op_timeout_s:g}")
-        return urlunsplit(parts._replace(query=urlencode(query)))
-    try:  # LMCache's own parser (an assert) for lm://, fs://, ...
-        parse_remote_url(url)
-    except (AssertionError, ValueError) as exc:
-        raise BackendConfigError(
-            f"option 'remote_url': LMCache cannot parse {url!r} (it wants "
-            f"scheme://host:port[/path], e.g. fs://localhost:0/path): {exc}"
-        ) from exc
-    return url
 
 
 class _HeapAllocator(LocalCPUBackend):
@@ -237,26 +185,11 @@ class LMCacheBackend(Backend):
     type_name: ClassVar[str] = "lmcache"
     shared_index: ClassVar[bool] = False
     touch_refreshes: ClassVar[bool] = True
-    option_defaults: ClassVar[dict[str, Any]] = {
-        "remote_url": None,
-        "namespace": "hybrid-offload",
-        "op_timeout_s": 10.0,
-        "close_timeout_s": 2.0,
-    }
+    option_defaults: ClassVar[dict[str, Any]] = dict(OPTION_DEFAULTS)
 
     @classmethod
     def validate_options(cls, options: dict[str, Any]) -> dict[str, Any]:
-        merged = super().validate_options(options)
-        if merged["remote_url"] is None:
-            raise BackendConfigError("option 'remote_url' is required (e.g. 'redis://127.0.0.1:6379')")
-        op_timeout = _positive_number("op_timeout_s", merged["op_timeout_s"])
-        merged["op_timeout_s"] = op_timeout
-        merged["close_timeout_s"] = _positive_number("close_timeout_s", merged["close_timeout_s"])
-        namespace = merged["namespace"]
-        if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
-            raise BackendConfigError(f"option 'namespace' must match {_NAMESPACE.pattern}, got {namespace!r}")
-        _check_remote_url(merged["remote_url"], op_timeout)
-        return merged
+        return validate_lmcache_options(super().validate_options(options))
 
     def __init__(self, config: BackendConfig) -> None:
         super().__init__(config)
@@ -264,7 +197,8 @@ class LMCacheBackend(Backend):
         self._op_timeout = options["op_timeout_s"]
         self._close_timeout = options["close_timeout_s"]
         self._namespace = options["namespace"]
-        self._url = _check_remote_url(options["remote_url"], self._op_timeout)
+        self._url = check_remote_url(options["remote_url"], self._op_timeout)
+        self._expiry = make_expiry(self._url, options["ttl_s"], self._namespace)
         self._lock = threading.Lock()
         self._pages: OrderedDict[str, int] = OrderedDict()  # key -> size, LRU first
         self._used = 0
@@ -307,6 +241,35 @@ class LMCacheBackend(Backend):
             except BaseException:
                 self._loop.call_soon_threadsafe(self._loop.stop)
                 raise
+            self._sweep(options["ttl_s"])
+
+    def _sweep(self, ttl_s: float | None) -> None:
+        """At start-up: drop what earlier instances left past ``ttl_s`` (lmcache_expiry)."""
+        scheme = urlsplit(self._url).scheme
+        if ttl_s is None or scheme not in EXPIRY_SCHEMES:
+            logger.warning(
+                "lmcache backend %r: values in %s:// never expire, so the remote grows with every "
+                "restart (this backend's index starts empty): clean it up outside, or use redis:// "
+                "or fs:// with 'ttl_s'", self.name, scheme,
+            )  # fmt: skip
+            return
+        try:
+            removed = self._expiry.sweep()
+        except OSError as exc:
+            self.stats.errors += 1
+            logger.warning("lmcache backend %r: sweeping expired values failed: %r", self.name, exc)
+            return
+        if removed:
+            logger.info("lmcache backend %r: removed %d values older than %g s", self.name, removed, ttl_s)
+
+    def _expire(self, keys: Sequence[str]) -> None:
+        """Values of ``keys`` were just written or read: expire them ``ttl_s`` from now. A
+        failure is counted and logged, never raised: the pages themselves are fine."""
+        try:
+            self._expiry.refresh([self._lm_key(key).to_string() for key in keys])
+        except Exception as exc:  # redis-py or OS errors: a value may outlive ttl_s
+            self.stats.errors += 1
+            logger.warning("lmcache backend %r: expiry of %d values failed: %r", self.name, len(keys), exc)
 
     # -- helpers (call with the lock held) -------------------------------------------------
 
@@ -479,6 +442,7 @@ class LMCacheBackend(Backend):
                     raise result
 
         self._run(put, f"put of {len(keys)} value(s)")
+        self._expire(list(pages))
 
     # -- Backend API -----------------------------------------------------------------------
 
@@ -559,6 +523,7 @@ class LMCacheBackend(Backend):
                         self._forget(key)  # the remote lost it (or holds another version)
                     else:
                         self._pages.move_to_end(key)
+                self._expire([key for key in wanted if found[key] is not None])
             results = [found.get(key) for key in keys]
             for data in results:
                 if data is not None:
@@ -618,6 +583,8 @@ class LMCacheBackend(Backend):
         finally:
             if locked:
                 self._lock.release()
+        with contextlib.suppress(Exception):
+            self._expiry.close()
         done = True
         if connector is not None:
             future = asyncio.run_coroutine_threadsafe(connector.close(), self._loop)

@@ -214,6 +214,81 @@ def test_remote_lost_pages_are_misses_and_reported(server: RedisServer) -> None:
         backend.close()
 
 
+# -- expiry: the remote does not grow across restarts (issue 14 L4) ----------------------------
+
+
+def pttls(srv: RedisServer, names: list[bytes]) -> list[int]:
+    client = redis.Redis.from_url(srv.url)
+    try:
+        return [client.pttl(name) for name in names]
+    finally:
+        client.close()
+
+
+def test_redis_values_expire_ttl_s_after_their_last_put_or_get(server: RedisServer) -> None:
+    """A new instance starts with an empty index and never reads an earlier one's values: they
+    must expire, or every restart leaves its pages in Redis for good."""
+    backend = make(server.url, ttl_s=100)
+    try:
+        assert backend.put_batch([(key(i), page(i, 3000)) for i in range(3)]) == [True] * 3
+        names = [
+            backend._lm_key(key(i)).to_string().encode() + suffix
+            for i in range(3)
+            for suffix in (b"kv_bytes", b"metadata")
+        ]
+        assert all(90_000 < ttl <= 100_000 for ttl in pttls(server, names))
+        client = redis.Redis.from_url(server.url)
+        client.pexpire(names[0], 5000)
+        client.pexpire(names[1], 5000)
+        client.close()
+        assert backend.get_batch([key(0)]) == [page(0, 3000)]  # a hit: expires 100 s from now
+        assert all(90_000 < ttl <= 100_000 for ttl in pttls(server, names[:2]))
+        assert backend.delete_batch([key(1)]) == 1  # the tombstone expires too
+        assert all(0 < ttl <= 100_000 for ttl in pttls(server, names[2:4]))
+    finally:
+        backend.close()
+    default = make(server.url)  # default ttl_s: one day
+    try:
+        assert default.put_batch([(key(7), page(7, 100))]) == [True]
+        name = default._lm_key(key(7)).to_string().encode() + b"kv_bytes"
+        assert 86_000_000 < pttls(server, [name])[0] <= 86_400_000
+    finally:
+        default.close()
+
+
+def test_fs_restart_sweeps_this_namespaces_values_older_than_ttl_s(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    url = f"fs://localhost:0{store}"
+    first = make(url, ttl_s=3600)
+    namespace = first._namespace
+    try:
+        assert first.put_batch([(key(i), page(i, 500)) for i in range(3)]) == [True] * 3
+        files = {i: store / (first._lm_key(key(i)).to_string() + ".data") for i in range(3)}
+        old = time.time() - 7200
+        os.utime(files[2], (old, old))
+        assert first.get_batch([key(2)]) == [page(2, 500)]  # a hit refreshes the file's mtime
+        assert files[2].stat().st_mtime > time.time() - 60
+    finally:
+        first.close()
+    for i in (0, 1):
+        os.utime(files[i], (old, old))
+    foreign = [
+        store / f"{namespace}x-{'ab' * 8}@1@0@1{'cd' * 16}@uint8.data",  # another namespace
+        store / f"{namespace}-notes.data",  # not a value's name
+        store / "unrelated.txt",
+    ]
+    for path in foreign:
+        path.write_bytes(b"x")
+        os.utime(path, (old, old))
+    second = make(url, ttl_s=3600, namespace=namespace)  # a restart: sweeps at start-up
+    try:
+        assert not files[0].exists() and not files[1].exists()
+        assert files[2].exists()  # used within ttl_s
+        assert all(path.exists() for path in foreign)
+    finally:
+        second.close()
+
+
 # -- remote down ------------------------------------------------------------------------------
 
 
@@ -321,6 +396,8 @@ def test_hung_server_bounded_by_op_timeout(server: RedisServer) -> None:
         ({"remote_url": "redis://127.0.0.1:1", "op_timeout_s": 0}, "op_timeout_s"),
         ({"remote_url": "redis://127.0.0.1:1", "close_timeout_s": "1"}, "close_timeout_s"),
         ({"remote_url": "redis://127.0.0.1:1", "local_disk": "/tmp"}, "local_disk"),
+        ({"remote_url": "redis://127.0.0.1:1", "ttl_s": 0}, "ttl_s"),
+        ({"remote_url": "redis://127.0.0.1:1", "ttl_s": "1d"}, "ttl_s"),
     ],
 )
 def test_bad_options_name_the_key(options: dict[str, Any], named: str) -> None:
