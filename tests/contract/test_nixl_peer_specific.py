@@ -26,6 +26,8 @@ from hybrid_offload.backends import (
 )
 from hybrid_offload.backends.nixl_peer import protocol as p
 from hybrid_offload.backends.nixl_peer.client import NixlPeerBackend
+from hybrid_offload.backends.nixl_peer.connections import Connection, ConnectionTable, Limits
+from hybrid_offload.backends.nixl_peer.exposure import check_bind, interface_of, is_loopback
 from hybrid_offload.backends.nixl_peer.pool import ALIGN, ExtentAllocator, NotOwnedError, PageIndex
 from peer_servers import PeerProcess, start_peer
 from process_control import stop_process
@@ -528,3 +530,45 @@ def test_scan_on_a_peer_without_scan_is_reported(clients: Any) -> None:
     finally:
         thread.join(timeout=10)
         listener.close()
+
+
+# -- connection limits and exposure (pure) -------------------------------------------------------
+
+
+def test_connection_table_caps_and_timeouts() -> None:
+    now = [0.0]
+    table = ConnectionTable(Limits(max_connections=3, max_unauthenticated=2, handshake_timeout_s=5,
+                                   idle_timeout_s=60), lambda: now[0])  # fmt: skip
+    conns = [Connection(socket.socket(), f"c{i}", now[0]) for i in range(5)]
+    try:
+        assert table.admit(conns[0]) == (True, None)
+        table.greeted(conns[0])
+        assert table.admit(conns[1]) == (True, None)
+        assert table.admit(conns[2]) == (True, None)
+        assert table.admit(conns[3]) == (True, conns[1])  # 2 without HELLO at most: oldest goes
+        table.greeted(conns[2])
+        table.greeted(conns[3])
+        assert table.admit(conns[4]) == (False, None)  # 3 greeted: full
+        assert table.counts() == (3, 0)
+        now[0] = 59.0
+        table.touch(conns[3])
+        now[0] = 61.0
+        expired = [(c.address, why) for c, why in table.expired()]
+        assert expired == [("c0", "idle for 60s"), ("c2", "idle for 60s")]
+        assert table.admit(conns[4]) == (True, None)
+        now[0] = 66.0
+        assert [c.address for c, _ in table.expired()] == ["c4"]  # no HELLO within 5 s
+        assert table.connections() == [conns[3]]
+    finally:
+        for conn in conns:
+            conn.sock.close()
+
+
+def test_exposure_loopback_and_interfaces() -> None:
+    assert is_loopback("127.0.0.1") and is_loopback("localhost") and not is_loopback("0.0.0.0")
+    assert interface_of("127.0.0.1") == interface_of("127.0.0.2") == "lo"
+    assert interface_of("0.0.0.0") is None
+    with pytest.raises(ValueError, match="--insecure"):
+        check_bind("0.0.0.0:1", "0.0.0.0", has_token=False, insecure=False)
+    check_bind("0.0.0.0:1", "0.0.0.0", has_token=True, insecure=False)
+    check_bind("127.0.0.1:1", "127.0.0.1", has_token=False, insecure=False)
