@@ -549,6 +549,7 @@ def test_config_name_and_backend_config_targets(tmp_path: Path) -> None:
         (["--config", "{tmp}/none.yaml", "--name", "x"], "cannot read config"),
         (["--backend-config", "{tmp}/bad.yaml"], "backend: backend type 'disk': option 'path' is required"),
         (["--redis", "http://127.0.0.1:1/0"], "option 'url': scheme must be one of"),
+        (["--redis", "redis://:hunter2@127.0.0.1:1/0"], "'redis://:***@127.0.0.1:1/0' holds a password"),
         (["--peer", "nohost"], "'peers': peer address must be 'host:port'"),
         (["--disk", "{tmp}", "--fingerprint", "xyz"], "want a fingerprint of 8-64 hex digits"),
     ],
