@@ -34,6 +34,7 @@ import contextlib
 import errno
 import hmac
 import logging
+import resource
 import signal
 import socket
 import threading
@@ -61,6 +62,7 @@ _MiB = 1 << 20
 _ACCEPT_PAUSE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 _ACCEPT_PAUSE_S = 0.1
 _REPORT_EVERY_S = 10.0
+_FD_RESERVE = 64  # descriptors the peer needs besides its connections (UCX, logs, listener)
 
 
 def default_pool_bytes(capacity_bytes: int) -> int:
@@ -143,6 +145,12 @@ class PeerServer:
         """Register the pool with NIXL and bind the listener (raises on failure)."""
         from . import make_agent
 
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and self.options.max_connections + _FD_RESERVE > soft:
+            logger.warning(
+                "--max-connections %d is near the open-file limit %d: accepts will pause when "
+                "descriptors run out (raise ulimit -n)", self.options.max_connections, soft
+            )
         env, exposure = ucx_env(self.options.host)
         if self.options.token is None and self.options.insecure:
             logger.warning("serving %s WITHOUT a token (--insecure)", self.options.listen)

@@ -161,7 +161,8 @@ def _add_peer(subparsers: Subparsers) -> None:
         "--pool-bytes",
         type=_byte_size,
         default=None,
-        help="registered pool size (default: capacity + max(25%%, 64 MiB) of slack)",
+        help="registered pool size (default: capacity + max(25%%, 64 MiB) of slack; uncommitted "
+        "ALLOCs beyond the slack are refused rather than evict committed pages)",
     )
     p.add_argument("--lease-timeout-s", type=float, default=30.0, help="GET pins expire after this")
     p.add_argument(
@@ -174,7 +175,9 @@ def _add_peer(subparsers: Subparsers) -> None:
         help="NIXL progress thread sleep between polls (0: spin a whole core; default 100)",
     )
     limits = p.add_argument_group("limits on clients")
-    limits.add_argument("--max-connections", type=int, default=1000, help="open connections at most")
+    limits.add_argument(
+        "--max-connections", type=int, default=1000, help="open connections at most (default 1000)"
+    )
     limits.add_argument(
         "--max-unauthenticated",
         type=int,
@@ -182,10 +185,16 @@ def _add_peer(subparsers: Subparsers) -> None:
         help="connections without HELLO at most; a newer one pushes out the oldest (default 64)",
     )
     limits.add_argument(
-        "--handshake-timeout-s", type=float, default=10.0, help="close a connection without HELLO after this"
+        "--handshake-timeout-s",
+        type=float,
+        default=10.0,
+        help="close a connection without HELLO after this (default 10)",
     )
     limits.add_argument(
-        "--idle-timeout-s", type=float, default=600.0, help="close a connection without requests after this"
+        "--idle-timeout-s",
+        type=float,
+        default=600.0,
+        help="close a connection without requests after this (default 600)",
     )
     limits.add_argument(
         "--max-pending-per-connection",
