@@ -26,8 +26,9 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
 * **Misses and hits heal the index.** Pages can vanish behind the index (server
   ``maxmemory`` eviction, TTL expiry, another client's delete). A get that misses a page still
   indexed (and not re-put since the get began) forgets it, so ``used_bytes`` recovers. A get
-  that hits a page the index does not know (an orphan: the index was reset, or a client died
-  between SET and accounting) adopts it if it fits under the capacity. Between processes a
+  that hits a page the index does not know (an orphan: the server dropped index keys, or a
+  client died between SET and accounting) adopts it if it fits under the capacity (it keeps
+  its expiry, if any: an orphan of a dead client still expires after ``orphan_ttl_s``). Between processes a
   few races remain (a delete racing a re-put); they are healed the same way on the next get.
 * **Server memory limits.** With ``maxmemory``, prefer ``volatile-lru`` (or
   ``volatile-ttl``) with ``ttl_s`` set: only pages carry a TTL, so the server never evicts
@@ -316,10 +317,10 @@ class RedisBackend(Backend):
         victims: a client dying between SET and accounting leaves no page forever.
         """
         ttl, orphan = self._ttl_ms, self._orphan_ttl_ms
-        provisional = ttl is not None and ttl <= orphan
+        final = ttl is not None and ttl <= orphan  # ttl_s already bounds an orphan's life
         pipe = client.pipeline(transaction=False)
         for _, key, view in batch:
-            pipe.set(self._page_key(key), view, px=ttl if provisional else orphan)
+            pipe.set(self._page_key(key), view, px=ttl if final else orphan)
         replies = pipe.execute(raise_on_error=False)
         stored: list[tuple[str, int]] = []
         for (i, key, view), reply in zip(batch, replies, strict=True):
@@ -334,7 +335,7 @@ class RedisBackend(Backend):
         victims, rebuild = self._index.account(client, self.capacity_bytes, stored)
         doomed = {key for key, _ in victims}
         commands: list[tuple[Any, ...]] = [("delete", self._page_key(key)) for key in doomed]
-        if not provisional:
+        if not final:
             kept = [self._page_key(key) for key, _ in stored if key not in doomed]
             commands += [("persist", k) if ttl is None else ("pexpire", k, ttl) for k in kept]
         if commands:
