@@ -294,7 +294,6 @@ class PeerServer:
                     greeted = self._greet(conn, request, request_id)
                     if not greeted:
                         return
-                    self._table.greeted(conn)
                     continue
                 self._table.touch(conn)
                 try:
@@ -326,6 +325,7 @@ class PeerServer:
             self._send(conn, p.Error(p.ErrorCode.AUTH_FAILED, "wrong token"), request_id)
             return False
         logger.debug("client %s is %s", conn.address, request.client_name)
+        self._table.greeted(conn)  # before the reply: the client may connect again at once
         reply = p.HelloReply(
             self.agent_name,
             self._metadata,
