@@ -344,7 +344,7 @@ def test_malformed_messages_close_only_that_connection(
     peers: PeerFactory, clients: Any, frame: bytes
 ) -> None:
     peer = peers()
-    backend = clients([peer.address])
+    backend = clients([peer.address], timeout_s=5.0)  # the first write builds the agent
     backend.put_batch([(key(1), b"kept")])
     sock, _ = _raw_client(peer.address)
     with sock:
