@@ -37,6 +37,7 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import logging
 import os
@@ -63,6 +64,7 @@ from .base import (
     check_keys,
     check_prefix,
 )
+from .disk_root import expand_path, open_dir_below, page_problem, root_problem
 
 __all__ = ["DiskBackend"]
 
@@ -78,6 +80,7 @@ _STALE_TMP_NS = 600 * 10**9  # a temp file this old is garbage even if its pid i
 _OPEN_FLAGS = getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
 _NAMESPACE_DIR = re.compile(r"[0-9a-f]{8,64}")
 _FANOUT_DIR = re.compile(r"[0-9a-f]{2}")
+_ANY_SIZE = 1 << 62
 
 _stamp_lock = threading.Lock()
 _last_stamp = 0
@@ -166,7 +169,7 @@ class DiskBackend(Backend):
             raise BackendConfigError(
                 f"backend type 'disk': option 'io_threads' must be an integer >= 1, got {threads!r}"
             )
-        return {**opts, "path": path}
+        return {**opts, "path": expand_path(path)}
 
     def __init__(self, config: BackendConfig, *, touch_on_read: bool = True) -> None:
         """Open ``path`` (created if missing) and index it; blocks for the scan.
@@ -183,7 +186,6 @@ class DiskBackend(Backend):
         self._lock = threading.RLock()
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> size, LRU first
         self._used = 0
-        self._dirs: set[str] = set()  # page directories known to exist
         self._pool: ThreadPoolExecutor | None = None
         self._logged: set[tuple[str, int | None]] = set()
         self._closed = False
@@ -208,6 +210,9 @@ class DiskBackend(Backend):
         probe = os.path.join(self._root, f".probe.{os.getpid()}.{secrets.token_hex(6)}{_TMP_SUFFIX}")
         try:
             os.makedirs(self._root, mode=0o700, exist_ok=True)
+            problem = root_problem(self._root)
+            if problem is not None:
+                raise BackendConfigError(f"disk backend {self.name!r}: option 'path': {problem}")
             os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600))
             os.unlink(probe)
         except OSError as exc:
@@ -220,7 +225,7 @@ class DiskBackend(Backend):
         """Yield (mtime_ns, key, size) of every page file; remove dead writers' temp files."""
         now = time.time_ns()
         on_tmp = functools.partial(self._remove_stale_tmp, now_ns=now)
-        for key, st in self._walk("", on_tmp, on_dir=self._dirs.add):
+        for key, st in self._walk("", on_tmp):
             yield st.st_mtime_ns, key, st.st_size
 
     def _fanout_dirs(self, prefix: str) -> Iterator[os.DirEntry[str]]:
@@ -267,7 +272,7 @@ class DiskBackend(Backend):
                     continue
                 with contextlib.suppress(FileNotFoundError):
                     st = entry.stat(follow_symlinks=False)
-                    if stat.S_ISREG(st.st_mode):
+                    if page_problem(st, _ANY_SIZE) is None:  # not of another owner, not a link
                         yield key, st
 
     def _remove_stale_tmp(self, entry: os.DirEntry[str], now_ns: int) -> None:
@@ -286,6 +291,18 @@ class DiskBackend(Backend):
     def _check_open(self) -> None:
         if self._closed:
             raise BackendClosedError(f"disk backend {self.name!r} is closed")
+
+    def _check_root(self) -> None:
+        """Raise BackendUnavailableError if the root is no longer trusted (a vanished root is
+        left to the per-page outcomes)."""
+        try:
+            problem = root_problem(self._root)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            problem = str(exc)
+        if problem is not None:
+            raise BackendUnavailableError(f"disk backend {self.name!r}: {problem}")
 
     def _paths(self, key: str) -> tuple[str, str]:
         """(directory, page file) of a validated key."""
@@ -332,13 +349,19 @@ class DiskBackend(Backend):
 
     def _exists(self, key: str) -> bool:
         path = self._paths(key)[1]
+        namespace, digest = key.split("-", 1)
         try:
-            return stat.S_ISREG(os.stat(path, follow_symlinks=False).st_mode)
+            dir_fd = open_dir_below(self._root, (namespace, digest[:2]), create=False)
+            try:
+                st = os.stat(os.path.basename(path), dir_fd=dir_fd, follow_symlinks=False)
+            finally:
+                os.close(dir_fd)
         except FileNotFoundError:
             return False
         except OSError as exc:
             self._note_error("stat", path, exc)
             return False
+        return page_problem(st, self.capacity_bytes) is None
 
     def _forget_missing(self, keys: Sequence[str]) -> None:
         """Drop indexed keys whose files are gone (deleted by another process)."""
@@ -351,6 +374,8 @@ class DiskBackend(Backend):
     def _unlink_page(self, key: str, op: str) -> bool:
         path = self._paths(key)[1]
         try:
+            if os.stat(path, follow_symlinks=False).st_uid != os.geteuid():
+                return False  # not ours: never deleted
             os.unlink(path)
         except FileNotFoundError:
             return False
@@ -382,16 +407,15 @@ class DiskBackend(Backend):
 
     # -- put -------------------------------------------------------------------------------
 
-    def _open_temp(self, directory: str, tmp: str) -> int:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS
-        if directory in self._dirs:
-            with contextlib.suppress(FileNotFoundError):  # else removed behind our back
-                return os.open(tmp, flags, 0o600)
-        for path in (os.path.dirname(directory), directory):  # never re-creates the root
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(path, 0o700)
-        self._dirs.add(directory)
-        return os.open(tmp, flags, 0o600)
+    def _open_temp(self, key: str, name: str) -> int:
+        """Create temp file ``name`` in the key's page directory (made if missing), reached from
+        the root without following links; never re-creates the root."""
+        namespace, digest = key.split("-", 1)
+        dir_fd = open_dir_below(self._root, (namespace, digest[:2]), create=True)
+        try:
+            return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
 
     def _write_temp(self, job: tuple[str, memoryview]) -> str | OSError:
         """Write one page to a fresh temp file beside its final name (no lock held)."""
@@ -401,7 +425,7 @@ class DiskBackend(Backend):
         name = f".{digest}.{os.getpid()}.{secrets.token_hex(6)}{_TMP_SUFFIX}"
         tmp = os.path.join(directory, name)
         try:
-            fd = self._open_temp(directory, tmp)
+            fd = self._open_temp(key, name)
             try:
                 while view:
                     view = view[os.write(fd, view) :]
@@ -444,6 +468,7 @@ class DiskBackend(Backend):
         """Store pages: data written in parallel, renames in input order under the lock."""
         check_keys([key for key, _ in items])
         self._check_open()
+        self._check_root()
         views = [memoryview(buf).cast("B") for _, buf in items]
         todo = [i for i, view in enumerate(views) if view.nbytes <= self.capacity_bytes]
         temps = self._map(self._write_temp, [(items[i][0], views[i]) for i in todo])
@@ -481,15 +506,24 @@ class DiskBackend(Backend):
         """Read one page: its bytes, or (given a buffer) the length read into it; None: miss."""
         key, buf = job
         path = self._paths(key)[1]
-        try:
-            fd = os.open(path, os.O_RDONLY | _OPEN_FLAGS)
+        namespace, digest = key.split("-", 1)
+        try:  # O_NONBLOCK: a FIFO in place of a page must not block the open
+            dir_fd = open_dir_below(self._root, (namespace, digest[:2]), create=False)
+            try:
+                fd = os.open(os.path.basename(path), os.O_RDONLY | os.O_NONBLOCK | _OPEN_FLAGS, dir_fd=dir_fd)
+            finally:
+                os.close(dir_fd)
         except FileNotFoundError:
             return None
         except OSError as exc:
             self._note_error("get", path, exc)
             return exc
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            problem = page_problem(st, self.capacity_bytes)
+            if problem is not None:  # never read: a miss, counted as an error
+                raise PermissionError(errno.EACCES, f"untrusted page file ({problem})")
+            size = st.st_size
             got: bytes | int | None = None
             if buf is None:
                 got = _read_exact(fd, size)
@@ -510,6 +544,7 @@ class DiskBackend(Backend):
         """Read pages, count them, refresh hits' recency, forget pages deleted elsewhere."""
         check_keys(keys)
         self._check_open()
+        self._check_root()
         outcomes = self._map(self._read, list(zip(keys, buffers, strict=True)))
         with self._lock:
             self.stats.gets += len(keys)
