@@ -1,7 +1,8 @@
 """Which cache ``hybrid-offload cache`` works on, and opening it for maintenance.
 
-Target (exactly one): ``--disk PATH``, ``--redis URL`` (with ``--redis-prefix``), ``--peer
-HOST:PORT`` (repeatable, with ``--peer-token-file`` or ``--peer-token-env``; a literal token is
+Target (exactly one): ``--disk PATH``, ``--redis URL`` (with ``--redis-prefix`` and, for a
+server with AUTH, ``--redis-password-file`` or ``--redis-password-env``), ``--peer HOST:PORT``
+(repeatable, with ``--peer-token-file`` or ``--peer-token-env``; a literal token or password is
 refused: command lines are visible to every local user), ``--backend-config FILE`` (one backend entry,
 YAML or JSON, shaped like an element of ``kv_connector_extra_config.backends``) or ``--config
 FILE --name NAME`` (a backend of a serve config such as ``configs/redis.yaml``). Every entry is
@@ -65,6 +66,13 @@ def target_arguments() -> argparse.ArgumentParser:
         "--peer-token-env", metavar="VAR", help="with --peer: environment variable holding the peers' token"
     )
     token.add_argument("--peer-token", help=argparse.SUPPRESS)  # refused: visible in ps
+    password = target.add_mutually_exclusive_group()
+    password.add_argument(
+        "--redis-password-file", metavar="PATH", help="with --redis: file holding the server's password"
+    )
+    password.add_argument(
+        "--redis-password-env", metavar="VAR", help="with --redis: environment variable holding the password"
+    )
     parent.add_argument("--json", action="store_true", help="machine-readable output")
     return parent
 
@@ -120,10 +128,9 @@ def target_config(args: argparse.Namespace) -> BackendConfig:
             "--peer-token: a literal token is refused (it would be visible to every local user in ps); "
             "give --peer-token-file PATH or --peer-token-env VAR"
         )
-    tokens = {"--peer-token-file": args.peer_token_file, "--peer-token-env": args.peer_token_env}
-    for flag, value in tokens.items():
-        if value is not None and args.peer is None:
-            raise CacheCliError(f"{flag} only goes with --peer")
+    for flag, (target, _) in _SECRET_FLAGS.items():
+        if getattr(args, _dest(flag)) is not None and getattr(args, target) is None:
+            raise CacheCliError(f"{flag} only goes with --{target}")
     if args.config is not None:
         if args.name is None:
             raise CacheCliError(f"--config {args.config}: give --name BACKEND_NAME to pick its backend")
@@ -137,18 +144,37 @@ def target_config(args: argparse.Namespace) -> BackendConfig:
         entry = {"type": "redis", "name": "redis", "url": args.redis}
         if args.redis_prefix is not None:
             entry["prefix"] = args.redis_prefix
-        return _entry_config(entry, "--redis")
+        return _entry_config(_with_secrets(entry, args, "redis"), "--redis")
     entry = {"type": "nixl_peer", "name": "peer", "peers": list(args.peer)}
-    what = "--peer-token-file" if args.peer_token_file is not None else "--peer-token-env"
-    try:  # read here too, so that an error names the command-line option
-        read_secret(file=args.peer_token_file, env=args.peer_token_env, what=what)
-    except SecretError as exc:
-        raise CacheCliError(str(exc)) from None
-    if args.peer_token_file is not None:
-        entry["token_file"] = args.peer_token_file
-    if args.peer_token_env is not None:
-        entry["token_env"] = args.peer_token_env
-    return _entry_config(entry, "--peer")
+    return _entry_config(_with_secrets(entry, args, "peer"), "--peer")
+
+
+#: secret options of the target: flag -> (the target flag it goes with, backend option)
+_SECRET_FLAGS = {
+    "--peer-token-file": ("peer", "token_file"),
+    "--peer-token-env": ("peer", "token_env"),
+    "--redis-password-file": ("redis", "password_file"),
+    "--redis-password-env": ("redis", "password_env"),
+}
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def _with_secrets(entry: dict[str, Any], args: argparse.Namespace, target: str) -> dict[str, Any]:
+    """``entry`` plus the secret options given for ``target``; the secret is read here once, so
+    that an error names the command-line option rather than the backend key."""
+    for flag, (flag_target, option) in _SECRET_FLAGS.items():
+        value = getattr(args, _dest(flag))
+        if flag_target != target or value is None:
+            continue
+        try:
+            read_secret(**{option.rsplit("_", 1)[1]: value}, what=flag)  # file= or env=
+        except SecretError as exc:
+            raise CacheCliError(str(exc)) from None
+        entry[option] = value
+    return entry
 
 
 def open_for_maintenance(config: BackendConfig) -> Backend:

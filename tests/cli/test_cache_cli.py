@@ -26,7 +26,7 @@ import pytest
 import redis
 from hybrid_offload.backends import Backend, BackendConfig, create_backend
 from peer_servers import PeerProcess, start_peer
-from redis_servers import RedisServer
+from redis_servers import RedisServer, start_redis_server
 
 from hybrid_offload import FORMAT_VERSION
 from hybrid_offload.engine_spec import GroupKind, TensorSpec
@@ -616,3 +616,32 @@ def test_peer_token_from_a_file_or_the_environment_never_argv(tmp_path: Path) ->
         assert "--peer-token-file only goes with --peer" in alone.stderr
     finally:
         peer.kill()
+
+
+def test_redis_password_from_a_file_or_the_environment_never_argv(tmp_path: Path) -> None:
+    """A Redis with AUTH is reached with ``--redis-password-file`` / ``--redis-password-env``;
+    without them the server refuses (exit 3); the password never shows in the output."""
+    password = "cli-redis-pw-7"
+    server = start_redis_server(tmp_path / "redis", "--requirepass", password)
+    try:
+        (tmp_path / "pw").write_text(password + "\n")
+        options = {"url": server.url, "password_file": str(tmp_path / "pw")}
+        with create_backend(BackendConfig("redis", "redis", 1 << 30, options=options)) as backend:
+            assert backend.put_batch([make_page("ab" * 16, 0, 0)]) == [True]
+        by_file = cli_json("ls", "--redis", server.url, "--redis-password-file", str(tmp_path / "pw"))
+        assert [(f["fingerprint"], f["pages"]) for f in by_file["fingerprints"]] == [("ab" * 16, 1)]
+        by_env = subprocess.run(
+            [sys.executable, "-m", "hybrid_offload.cli.main", "cache", "stats", "--redis", server.url,
+             "--redis-password-env", "HOP_CLI_REDIS_PW"],
+            capture_output=True, text=True, timeout=120, cwd=REPO, check=False,
+            env={**os.environ, "HOP_CLI_REDIS_PW": password},
+        )  # fmt: skip
+        assert by_env.returncode == 0, by_env.stderr
+        refused = cli("ls", "--redis", server.url, check=3)
+        assert "backend unavailable" in refused.stderr and password not in refused.stderr
+        missing = cli("ls", "--redis", server.url, "--redis-password-file", str(tmp_path / "none"), check=2)
+        assert "--redis-password-file" in missing.stderr
+        alone = cli("ls", "--disk", str(tmp_path), "--redis-password-env", "HOP_CLI_REDIS_PW", check=2)
+        assert "--redis-password-env only goes with --redis" in alone.stderr
+    finally:
+        server.stop()
