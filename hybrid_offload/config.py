@@ -41,6 +41,7 @@ _TOP_KEYS = frozenset(
         "checkpoint_interval_tokens",
         "pending_store_wait_s",
         "model_version",
+        "accept_weights_version",
         "secret",
         "secret_file",
         "secret_env",
@@ -93,6 +94,7 @@ class OffloadConfig:
     checkpoint_interval_tokens: int = DEFAULT_CHECKPOINT_INTERVAL_TOKENS
     pending_store_wait_s: float = DEFAULT_PENDING_STORE_WAIT_S
     model_version: str | None = None
+    accept_weights_version: bool = False
     secret: Secret | None = None
 
     @property
@@ -245,6 +247,9 @@ def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
             f"{ROOT}.model_version: expected a non-empty string of at most "
             f"{MAX_MODEL_VERSION_LEN} characters naming the weights, got {version!r}"
         )
+    accept_version = extra.get("accept_weights_version", False)
+    if not isinstance(accept_version, bool):
+        raise ConfigError(f"{ROOT}.accept_weights_version: must be true or false, got {accept_version!r}")
     try:
         secret = secret_from_options(extra, "secret", what=ROOT)
     except SecretError as exc:
@@ -260,6 +265,7 @@ def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
         checkpoint_interval_tokens=interval,
         pending_store_wait_s=float(wait),
         model_version=version,
+        accept_weights_version=accept_version,
         secret=secret,
     )
 

@@ -116,6 +116,7 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 config.load_policy,
                 checkpoint_interval=config.checkpoint_interval_tokens,
                 pending_wait_s=config.pending_store_wait_s,
+                accept_weights_version=config.accept_weights_version,
             )
         else:
             self.worker = OffloadWorker(

@@ -156,9 +156,11 @@ class OffloadScheduler:
         *,
         checkpoint_interval: int = 0,
         pending_wait_s: float = DEFAULT_PENDING_STORE_WAIT_S,
+        accept_weights_version: bool = False,
         clock: Callable[[], float] | None = None,
     ) -> None:
         self.planner = planner
+        self._accept_weights_version = accept_weights_version
         self.stats = Locked(SchedulerCounters())
         self.views = [BackendView(c, self.stats, i) for i, c in enumerate(backends)]
         self._by_name = {v.name: v for v in self.views}
@@ -183,7 +185,9 @@ class OffloadScheduler:
         if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
             return None
         try:
-            scope = request_scope(request, self._epoch, self._adapters)
+            scope = request_scope(
+                request, self._epoch, self._adapters, accept_version=self._accept_weights_version
+            )
         except ScopeError as exc:
             logger.warning("request %s does not use the cache: %s", request.request_id, exc)
             return None

@@ -8,13 +8,17 @@ canonical JSON, so no field value can make two different scopes encode alike:
 * ``salt``: vLLM's ``cache_salt``;
 * ``weights``: the weights version, where the weights differ from those the engine started with
   (the fingerprint names those): the request's ``kv_transfer_params["hybrid_offload"]
-  ["weights_version"]`` where the caller gives one (engines of a fleet that applied the same
-  update share pages), else the engine's epoch: empty until the first cache reset, then a
-  random nonce per reset (a restart or another engine never reuses it).
+  ["weights_version"]`` where the caller gives one and the operator trusts callers to
+  (``accept_weights_version``; engines of a fleet that applied the same update share pages),
+  else the engine's epoch: empty until the first cache reset, then a random nonce per reset (a
+  restart or another engine never reuses it). A version from an untrusted caller is ignored:
+  a client naming another version than the engine's weights would store KV that other
+  engines load as that version's.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -67,6 +71,16 @@ class AdapterIdentities:
         return identity
 
 
+@functools.cache
+def _warn_ignored_version() -> None:
+    logger.warning(
+        "kv_transfer_params.%s.%s ignored (the epoch is used): set accept_weights_version: true "
+        "where only trusted callers (a router or trainer) reach the engine",
+        PARAMS_KEY,
+        WEIGHTS_VERSION_KEY,
+    )
+
+
 def weights_version(request: Request) -> str | None:
     """The caller's weights version for this request, None when it gives none; raises
     :class:`ScopeError` when it is not a non-empty string of at most 256 characters."""
@@ -83,8 +97,12 @@ def weights_version(request: Request) -> str | None:
     return version
 
 
-def request_scope(request: Request, epoch: str, adapters: AdapterIdentities) -> bytes:
-    """The request's scope bytes (see the module docstring); raises :class:`ScopeError`."""
+def request_scope(
+    request: Request, epoch: str, adapters: AdapterIdentities, *, accept_version: bool = False
+) -> bytes:
+    """The request's scope bytes (see the module docstring); raises :class:`ScopeError`.
+    ``accept_version``: whether the caller's weights version counts (else it is ignored, with one
+    warning per process)."""
     scope: dict[str, Any] = {}
     lora = getattr(request, "lora_request", None)
     if lora is not None:
@@ -98,6 +116,9 @@ def request_scope(request: Request, epoch: str, adapters: AdapterIdentities) -> 
     if salt:
         scope["salt"] = salt
     version = weights_version(request)
+    if version is not None and not accept_version:
+        _warn_ignored_version()
+        version = None
     if version is not None:
         scope["weights"] = {"version": version}
     elif epoch:

@@ -50,7 +50,7 @@ def test_scope_encoding_is_unambiguous(a: tuple[str, ...], b: tuple[str, ...]) -
         req = FakeRequest("r", [1], lora_request=lora(name, path) if name or path else None,
                           cache_salt=salt or None,
                           kv_transfer_params=params(version) if version else None)
-        return request_scope(req, "", adapters)
+        return request_scope(req, "", adapters, accept_version=True)
 
     if a != b:
         assert scope(*a) != scope(*b)
@@ -106,7 +106,8 @@ def test_reset_epochs_differ_across_engines_and_restarts(worlds) -> None:
 def test_caller_weights_version_is_shared_across_engines(worlds) -> None:
     """A fleet that applied the same update and says so shares pages; a malformed version makes
     the request skip the cache (when in doubt, miss) instead of failing it."""
-    w1, w2 = worlds(make_spec(8, 8), 8), worlds(make_spec(8, 8), 8)
+    w1 = worlds(make_spec(8, 8), 8, accept_weights_version=True)
+    w2 = worlds(make_spec(8, 8), 8, accept_weights_version=True)
     w1.sched.reset_cache()
     w2.sched.reset_cache()
 
@@ -119,6 +120,21 @@ def test_caller_weights_version_is_shared_across_engines(worlds) -> None:
         req = versioned(f"bad{bad!r}"[:20], bad)
         assert w1.sched.get_num_new_matched_tokens(req, 0) == (0, False)
         assert w1.sched._request_state(req) is None
+
+
+def test_a_callers_weights_version_counts_only_where_the_operator_trusts_callers(worlds) -> None:
+    """By default a request's weights version is ignored (a client could otherwise name a
+    version other than the engine's weights and have its KV served as that version's): two
+    engines after a reset keep their own epochs, whatever the request says."""
+    w1, w2 = worlds(make_spec(8, 8), 8), worlds(make_spec(8, 8), 8)
+    plain = keys(w1, FakeRequest("p", TOKENS))
+    claimed = keys(w1, FakeRequest("a", TOKENS, kv_transfer_params=params("step-42")))
+    assert claimed == plain  # ignored before any reset: the startup weights' keys
+    w1.sched.reset_cache()
+    w2.sched.reset_cache()
+    k1 = keys(w1, FakeRequest("b", TOKENS, kv_transfer_params=params("step-42")))
+    k2 = keys(w2, FakeRequest("b", TOKENS, kv_transfer_params=params("step-42")))
+    assert k1 != k2 and plain not in (k1, k2)
 
 
 def test_requests_straddling_a_reset_store_nothing_more(worlds) -> None:

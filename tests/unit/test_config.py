@@ -270,6 +270,10 @@ def test_model_version_and_secret(tmp_path, monkeypatch: pytest.MonkeyPatch) -> 
     """issue 14: an operator's weights name; the cache secret from a file or the environment,
     never a literal (the config is a command-line argument)."""
     assert parse_offload_config({**good(), "model_version": "llama-ft-7"}).model_version == "llama-ft-7"
+    assert parse_offload_config(good()).accept_weights_version is False
+    assert parse_offload_config({**good(), "accept_weights_version": True}).accept_weights_version is True
+    with pytest.raises(ConfigError, match="accept_weights_version"):
+        parse_offload_config({**good(), "accept_weights_version": "yes"})
     for bad in ("", 7, "x" * 257):
         with pytest.raises(ConfigError, match="model_version"):
             parse_offload_config({**good(), "model_version": bad})
