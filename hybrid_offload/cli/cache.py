@@ -43,6 +43,7 @@ from hybrid_offload.cli.cache_read import (
 )
 from hybrid_offload.cli.cache_target import (
     CacheCliError,
+    cache_secret,
     open_for_maintenance,
     parse_byte_size,
     parse_duration,
@@ -65,14 +66,15 @@ def delete_pages(backend: Backend, keys: list[str]) -> int:
     return sum(backend.delete_batch(keys[i : i + DELETE_BATCH]) for i in range(0, len(keys), DELETE_BATCH))
 
 
-def check_page(key: str, data: bytes) -> str | None:
-    """Why the page (or model card) stored under ``key`` is corrupt, or None if it is valid."""
+def check_page(key: str, data: bytes, secret: bytes | None = None) -> str | None:
+    """Why the page (or model card) stored under ``key`` is corrupt, or None if it is valid;
+    with the cache ``secret``, a page without a valid signature is invalid too."""
     from hybrid_offload.page_format import PageFormatError, decode_page
 
     if is_card_key(key):
         return card_problem(key, data)
     try:
-        header, _ = decode_page(data)
+        header, _ = decode_page(data, key=secret)
     except PageFormatError as exc:
         return str(exc)
     if header.fingerprint.hex() != namespace(key):
@@ -182,7 +184,7 @@ def _model_name(card: ModelCard | None) -> str | None:
 # -- inspect ----------------------------------------------------------------------------------
 
 
-def describe_page(key: str, data: bytes) -> dict[str, Any]:
+def describe_page(key: str, data: bytes, secret: bytes | None = None) -> dict[str, Any]:
     """Every header field, the tensor table and the checksum verdicts of one page."""
     from hybrid_offload.page_format import PageFormatError, decode_header, decode_page
 
@@ -208,6 +210,7 @@ def describe_page(key: str, data: bytes) -> dict[str, Any]:
             for i, t in enumerate(header.tensors)
         ],
         header_checksum="ok",
+        signed=header.signed,
     )
     try:
         decode_page(data)
@@ -215,7 +218,7 @@ def describe_page(key: str, data: bytes) -> dict[str, Any]:
     except PageFormatError as exc:
         info["payload_checksum"] = f"bad: {exc}"
         info["error"] = str(exc)
-    error = check_page(key, data)
+    error = check_page(key, data, secret)
     info["valid"] = error is None
     if error is not None:
         info.setdefault("error", error)
@@ -266,7 +269,7 @@ def cmd_inspect(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
     data = next(read_pages(backend, [info]))[1]
     if data is None:
         raise missing
-    described = describe_card(key, data) if is_card_key(key) else describe_page(key, data)
+    described = describe_card(key, data) if is_card_key(key) else describe_page(key, data, args.secret)
     if args.json:
         _emit_json(described, out)
     else:
@@ -295,7 +298,7 @@ def cmd_verify(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
         card = is_card_key(info.key)
         if data is None:
             vanished += 1
-        elif (error := check_page(info.key, data)) is not None:
+        elif (error := check_page(info.key, data, args.secret)) is not None:
             bad.append({"key": info.key, "size": len(data), "error": error, "card": card})
             if not args.json:
                 out.write(f"corrupt {'model card ' if card else ''}{info.key}: {error}\n")
@@ -305,7 +308,7 @@ def cmd_verify(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
             ok += 1
         progress.update(done)
     progress.close()
-    deleted = _delete_still_bad(backend, bad, args.max_page_bytes) if args.delete_bad and bad else 0
+    deleted = _delete_still_bad(backend, bad, args) if args.delete_bad and bad else 0
     pages = [i for i in infos if not is_card_key(i.key)]
     bad_cards = sum(1 for b in bad if b["card"])
     summary = {"pages": len(pages), "bytes": sum(i.size for i in pages), "ok": ok,
@@ -328,12 +331,12 @@ def cmd_verify(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
     return EXIT_CORRUPT if bad or too_large else EXIT_OK
 
 
-def _delete_still_bad(backend: Backend, bad: list[dict[str, Any]], max_page_bytes: int) -> int:
+def _delete_still_bad(backend: Backend, bad: list[dict[str, Any]], args: argparse.Namespace) -> int:
     """Delete the corrupt pages that are still corrupt (an engine may have re-stored one)."""
     listed = {info.key: info for item in bad for info in backend.scan(item["key"]) if info.key == item["key"]}
-    fits, _ = split_too_large(listed.values(), max_page_bytes)
+    fits, _ = split_too_large(listed.values(), args.max_page_bytes)
     again = read_pages(backend, fits)
-    still = [info.key for info, data in again if data is not None and check_page(info.key, data) is not None]
+    still = [info.key for info, data in again if data is not None and check_page(info.key, data, args.secret)]
     return delete_pages(backend, still)
 
 
@@ -577,6 +580,7 @@ def cmd_cache(args: argparse.Namespace, out: TextIO | None = None) -> int:
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     where = f"hybrid-offload cache {args.cache_action}"
     try:
+        args.secret = cache_secret(args)
         backend = open_for_maintenance(target_config(args))
         with backend:
             return _ACTIONS[args.cache_action][0](backend, args, out)

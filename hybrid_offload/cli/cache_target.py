@@ -26,7 +26,14 @@ from typing import Any
 from hybrid_offload.backends import Backend, BackendConfig, backend_class, create_backend
 from hybrid_offload.secrets import SecretError, read_secret
 
-__all__ = ["OPEN_CAPACITY", "CacheCliError", "open_for_maintenance", "target_arguments", "target_config"]
+__all__ = [
+    "OPEN_CAPACITY",
+    "CacheCliError",
+    "cache_secret",
+    "open_for_maintenance",
+    "target_arguments",
+    "target_config",
+]
 
 #: capacity the backend is opened with: never evict on open or on a (healing) read
 OPEN_CAPACITY = 1 << 62
@@ -73,6 +80,12 @@ def target_arguments() -> argparse.ArgumentParser:
     password.add_argument(
         "--redis-password-env", metavar="VAR", help="with --redis: environment variable holding the password"
     )
+    signatures = parent.add_argument_group("page signatures (a cache with a secret)")
+    signing = signatures.add_mutually_exclusive_group()
+    signing.add_argument(
+        "--secret-file", metavar="PATH", help="the engines' cache secret: verify and inspect check signatures"
+    )
+    signing.add_argument("--secret-env", metavar="VAR", help="environment variable holding the cache secret")
     parent.add_argument("--json", action="store_true", help="machine-readable output")
     return parent
 
@@ -175,6 +188,16 @@ def _with_secrets(entry: dict[str, Any], args: argparse.Namespace, target: str) 
             raise CacheCliError(str(exc)) from None
         entry[option] = value
     return entry
+
+
+def cache_secret(args: argparse.Namespace) -> bytes | None:
+    """The cache secret of ``--secret-file`` / ``--secret-env`` (None without them)."""
+    flag = "--secret-file" if args.secret_file is not None else "--secret-env"
+    try:
+        secret = read_secret(file=args.secret_file, env=args.secret_env, what=flag)
+    except SecretError as exc:
+        raise CacheCliError(str(exc)) from None
+    return None if secret is None else secret.value
 
 
 def open_for_maintenance(config: BackendConfig) -> Backend:

@@ -645,3 +645,34 @@ def test_redis_password_from_a_file_or_the_environment_never_argv(tmp_path: Path
         assert "--redis-password-env only goes with --redis" in alone.stderr
     finally:
         server.stop()
+
+
+def test_verify_with_the_cache_secret_refuses_unsigned_and_forged_pages(tmp_path: Path) -> None:
+    """With ``--secret-file``, verify and inspect check signatures: a page signed under the
+    engines' secret is ok, an unsigned one or one signed under another secret is corrupt (and
+    ``--delete-bad`` removes it); without the secret all three verify (checksums only)."""
+    from hybrid_offload.page_format import decode_page
+
+    cache = _disk_cache(tmp_path)
+    (tmp_path / "secret").write_text("engines-secret\n")
+    pages = {}
+    for chunk, key in enumerate((b"engines-secret", None, b"forger")):
+        page_key, data = make_page(FP_A, 0, chunk)
+        header, payload = decode_page(data)
+        pages[page_key] = encode_page(header, bytes(payload), key=key)
+    cache.put(pages)
+    good, unsigned, forged = pages
+    plain = cli_json("verify", *cache.args)
+    assert (plain["ok"], plain["corrupt"]) == (3, 0)
+    signed = cli_json("verify", *cache.args, "--secret-file", str(tmp_path / "secret"), check=1)
+    assert (signed["ok"], signed["corrupt"]) == (1, 2)
+    assert {p["key"] for p in signed["corrupt_pages"]} == {unsigned, forged}
+    info = cli_json("inspect", *cache.args, good, "--secret-file", str(tmp_path / "secret"))
+    assert (info["signed"], info["valid"]) == (True, True)
+    info = cli_json("inspect", *cache.args, unsigned, "--secret-file", str(tmp_path / "secret"), check=1)
+    assert (info["signed"], info["valid"]) == (False, False)
+    cli("verify", *cache.args, "--secret-file", str(tmp_path / "secret"), "--delete-bad", check=1)
+    again = cli_json("verify", *cache.args, "--secret-file", str(tmp_path / "secret"))
+    assert (again["pages"], again["ok"], again["corrupt"]) == (1, 1, 0)
+    missing = cli("verify", *cache.args, "--secret-file", str(tmp_path / "none"), check=2)
+    assert "--secret-file" in missing.stderr
