@@ -21,10 +21,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-__all__ = ["PeerProcess", "start_peer"]
+__all__ = ["PeerFactory", "PeerProcess", "start_peer"]
 
 READY = re.compile(r"hybrid-offload peer listening on (\S+):(\d+)")
 START_TIMEOUT_S = 30.0
@@ -176,3 +176,7 @@ def start_peer(
 def _kill_all() -> None:
     for peer in list(_alive):
         peer.kill()
+
+
+#: ``peers(capacity_bytes, token, **options) -> PeerProcess`` (the contract tests' fixture)
+PeerFactory = Callable[..., PeerProcess]

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,48 +24,14 @@ from hybrid_offload.backends import (
     create_backend,
 )
 from hybrid_offload.backends.nixl_peer import protocol as p
-from hybrid_offload.backends.nixl_peer.client import NixlPeerBackend
 from hybrid_offload.backends.nixl_peer.connections import Connection, ConnectionTable, Limits
 from hybrid_offload.backends.nixl_peer.exposure import check_bind, interface_of, is_loopback
 from hybrid_offload.backends.nixl_peer.pool import ALIGN, ExtentAllocator, NotOwnedError, PageIndex
-from peer_servers import PeerProcess, start_peer
+from peer_servers import PeerFactory
 from process_control import stop_process
 
 MiB = 1 << 20
 FAST = {"timeout_s": 1.0, "retry_backoff_s": 0.05, "max_backoff_s": 0.2}
-
-PeerFactory = Callable[..., PeerProcess]
-
-
-@pytest.fixture
-def peers() -> Iterator[PeerFactory]:
-    started: list[PeerProcess] = []
-
-    def factory(capacity_bytes: int = 64 * MiB, token: str | None = None, **kw: Any) -> PeerProcess:
-        peer = start_peer(capacity_bytes, token, **kw)
-        started.append(peer)
-        return peer
-
-    yield factory
-    for peer in started:
-        peer.kill()
-
-
-@pytest.fixture
-def clients() -> Iterator[Callable[..., NixlPeerBackend]]:
-    opened: list[NixlPeerBackend] = []
-
-    def factory(addresses: list[str], **options: Any) -> NixlPeerBackend:
-        config = BackendConfig("nixl_peer", "t", 1 << 30, options={"peers": addresses, **options})
-        backend = create_backend(config)
-        assert isinstance(backend, NixlPeerBackend)
-        opened.append(backend)
-        return backend
-
-    yield factory
-    for backend in opened:
-        backend.close()
-
 
 def _raw_client(address: str, token: str = "") -> tuple[socket.socket, p.Message]:
     host, port = address.split(":")

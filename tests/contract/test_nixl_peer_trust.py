@@ -15,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,45 +22,11 @@ import pytest
 from backend_contract import key, page
 from hybrid_offload.backends import BackendConfig, BackendConfigError, BackendUnavailableError, create_backend
 from hybrid_offload.backends.nixl_peer import protocol as p
-from hybrid_offload.backends.nixl_peer.client import NixlPeerBackend
-from peer_servers import READY, PeerProcess, start_peer
+from peer_servers import READY, PeerFactory
 
 MiB = 1 << 20
 KiB = 1 << 10
 FAST = {"timeout_s": 2.0, "retry_backoff_s": 0.05, "max_backoff_s": 0.2}
-
-PeerFactory = Callable[..., PeerProcess]
-
-
-@pytest.fixture
-def peers() -> Iterator[PeerFactory]:
-    started: list[PeerProcess] = []
-
-    def factory(capacity_bytes: int = 64 * MiB, token: str | None = None, **kw: Any) -> PeerProcess:
-        peer = start_peer(capacity_bytes, token, **kw)
-        started.append(peer)
-        return peer
-
-    yield factory
-    for peer in started:
-        peer.kill()
-
-
-@pytest.fixture
-def clients() -> Iterator[Callable[..., NixlPeerBackend]]:
-    opened: list[NixlPeerBackend] = []
-
-    def factory(addresses: list[str], **options: Any) -> NixlPeerBackend:
-        config = BackendConfig("nixl_peer", "t", 1 << 30, options={"peers": addresses, **options})
-        backend = create_backend(config)
-        assert isinstance(backend, NixlPeerBackend)
-        opened.append(backend)
-        return backend
-
-    yield factory
-    for backend in opened:
-        backend.close()
-
 
 def _connect(address: str) -> socket.socket:
     host, port = address.rsplit(":", 1)

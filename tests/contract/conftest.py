@@ -1,0 +1,45 @@
+"""Fixtures shared by the backend tests: peer processes and nixl_peer clients, always closed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from hybrid_offload.backends import BackendConfig, create_backend
+from hybrid_offload.backends.nixl_peer.client import NixlPeerBackend
+from peer_servers import PeerFactory, PeerProcess, start_peer
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def peers() -> Iterator[PeerFactory]:
+    """Factory ``peers(capacity_bytes=64 MiB, token=None, **peer_options) -> PeerProcess``."""
+    started: list[PeerProcess] = []
+
+    def factory(capacity_bytes: int = 64 * MiB, token: str | None = None, **kw: Any) -> PeerProcess:
+        peer = start_peer(capacity_bytes, token, **kw)
+        started.append(peer)
+        return peer
+
+    yield factory
+    for peer in started:
+        peer.kill()
+
+
+@pytest.fixture
+def clients() -> Iterator[Callable[..., NixlPeerBackend]]:
+    """Factory ``clients(addresses, **options) -> NixlPeerBackend``."""
+    opened: list[NixlPeerBackend] = []
+
+    def factory(addresses: list[str], **options: Any) -> NixlPeerBackend:
+        config = BackendConfig("nixl_peer", "t", 1 << 30, options={"peers": addresses, **options})
+        backend = create_backend(config)
+        assert isinstance(backend, NixlPeerBackend)
+        opened.append(backend)
+        return backend
+
+    yield factory
+    for backend in opened:
+        backend.close()
