@@ -15,33 +15,44 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
 * **Index and LRU.** Each instance keeps an index (key -> size, LRU order) rebuilt at start
   by scanning the tree in file-mtime order; puts, gets and touches stamp the file's mtime, so
   the order survives restarts (an instance made with ``touch_on_read=False`` leaves mtimes alone on
-  gets: maintenance tools read pages without making them recent). Capacity is enforced over
-  that index: pages another process puts later are not counted here (one writing process per
-  path is the intended set-up).
+  gets: maintenance tools read pages without making them recent).
+* **Capacity, across processes.** Page files under ``path`` never exceed ``capacity_bytes``
+  in total, whichever processes wrote them; only temp files of in-flight puts come on top.
+  Every process sharing ``path`` keeps one record of that total, ``<path>/.usage``
+  (:mod:`.disk_usage`), and changes it under an ``flock`` of ``path`` held around each rename
+  of a page into place, each evicting or deleting unlink and each recount, never around page
+  data I/O (a batch takes it once). A put that does not fit evicts this process's least
+  recently used pages first; when they run out, the tree is walked and every page under
+  ``path`` is a candidate, oldest mtime first. The page a put is storing is never evicted for
+  it. The record is raised before a rename and lowered after unlinks, so a crash leaves it too
+  high, never too low; each start recounts it (also after pages were removed by hand), and a
+  missing or unreadable record is recounted when met. Processes may have different
+  capacities: each keeps its own bound on the shared total. ``used_bytes`` is this
+  instance's index (its pages, and others' it has seen).
 * **Cross-process visibility** (``shared_index = True``). ``contains_batch`` stats the files
   and gets read them, so pages written or deleted by other processes (the worker, seen from
   vLLM's scheduler process) show at once.
 * **Threading / blocking.** One lock guards the index and counters. Page data moves outside
   it, through a small thread pool (``io_threads``) for batches of more than a few pages,
-  synchronously otherwise. Renames and evicting unlinks run under the lock, so this process's
-  index always matches its files. ``get_into`` reads straight into the caller's buffers.
+  synchronously otherwise. Renames and evicting unlinks run under the lock (and the shared
+  ``flock``, taken first), so this process's index always matches its files. ``get_into``
+  reads straight into the caller's buffers.
 * **Listing.** ``scan`` walks the directory tree (no lock held; one directory listed at a
   time) and reports each page file's size and mtime (its last put or get); temp files,
   foreign files, links and directories are skipped.
 * **Errors.** An ``OSError`` other than "not found" counts in ``stats.errors`` and is logged
   once per (operation, errno); that page is a miss (get) or refused (put, e.g. ``ENOSPC``;
   later puts keep trying). Only when ``path`` itself is gone or unusable does a put or get
-  raise :class:`BackendUnavailableError`.
+  raise :class:`BackendUnavailableError`; so does an untrusted ``.usage`` (a link, another
+  owner's file, group- or world-writable: at start, a configuration error naming ``path``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import functools
 import logging
 import os
-import re
 import secrets
 import shutil
 import stat
@@ -53,7 +64,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, TypeVar
 
 from .base import (
-    KEY_PATTERN,
     Backend,
     BackendClosedError,
     BackendConfig,
@@ -65,6 +75,8 @@ from .base import (
     check_prefix,
 )
 from .disk_root import expand_path, open_dir_below, page_problem, root_problem
+from .disk_tree import ANY_SIZE, TMP_SUFFIX, page_paths, scan_pages, walk
+from .disk_usage import UnsafeUsageFileError, UsageRecord, locked_usage
 
 __all__ = ["DiskBackend"]
 
@@ -73,14 +85,8 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 
-_PAGE_SUFFIX = ".page"
-_TMP_SUFFIX = ".tmp"
 _POOL_MIN_BATCH = 4  # batches with more pages than this go through the thread pool
-_STALE_TMP_NS = 600 * 10**9  # a temp file this old is garbage even if its pid is alive
 _OPEN_FLAGS = getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
-_NAMESPACE_DIR = re.compile(r"[0-9a-f]{8,64}")
-_FANOUT_DIR = re.compile(r"[0-9a-f]{2}")
-_ANY_SIZE = 1 << 62
 
 _stamp_lock = threading.Lock()
 _last_stamp = 0
@@ -92,16 +98,6 @@ def _next_stamp() -> int:
     with _stamp_lock:
         _last_stamp = max(time.time_ns(), _last_stamp + 1)
         return _last_stamp
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: it exists, owned by someone else
-        return True
-    return True
 
 
 def _read_exact(fd: int, size: int) -> bytes | None:
@@ -126,14 +122,6 @@ def _readinto_exact(fd: int, view: memoryview) -> bool:
             return False
         got += n
     return True
-
-
-def _subdirs(path: str, pattern: re.Pattern[str]) -> list[os.DirEntry[str]]:
-    try:
-        with os.scandir(path) as it:
-            return [e for e in it if pattern.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
-    except FileNotFoundError:
-        return []
 
 
 def _unlink_quietly(*paths: str) -> None:
@@ -186,16 +174,18 @@ class DiskBackend(Backend):
         self._lock = threading.RLock()
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> size, LRU first
         self._used = 0
+        self._empty_root: tuple[int, int] | None = None  # (dev, ino) of a root counted empty
         self._pool: ThreadPoolExecutor | None = None
         self._logged: set[tuple[str, int | None]] = set()
         self._closed = False
         self._check_writable_root()
         try:
-            with self._lock:
-                for _, key, size in sorted(self._scan()):
-                    self._index[key] = size
-                    self._used += size
-                self._evict_to(0)  # the capacity may be smaller than last run's
+            with locked_usage(self._root) as usage, self._lock:
+                self._recount(usage, clean=True)  # resets drift of crashes and hand edits
+                self._make_room(usage, 0)  # the capacity may be smaller than last run's
+                usage.write(usage.total or 0)
+        except UnsafeUsageFileError as exc:
+            raise BackendConfigError(f"disk backend {self.name!r}: option 'path': {exc}") from exc
         except OSError as exc:
             raise BackendUnavailableError(
                 f"disk backend {self.name!r}: cannot open {self._root!r}: {exc}"
@@ -207,7 +197,7 @@ class DiskBackend(Backend):
     def _check_writable_root(self) -> None:
         """Create ``path`` if missing and write a probe file: a path that cannot hold pages is
         a configuration error at start-up, not a runtime failure of every store."""
-        probe = os.path.join(self._root, f".probe.{os.getpid()}.{secrets.token_hex(6)}{_TMP_SUFFIX}")
+        probe = os.path.join(self._root, f".probe.{os.getpid()}.{secrets.token_hex(6)}{TMP_SUFFIX}")
         try:
             os.makedirs(self._root, mode=0o700, exist_ok=True)
             problem = root_problem(self._root)
@@ -221,22 +211,19 @@ class DiskBackend(Backend):
                 f"directory: {exc}"
             ) from exc
 
-    def _scan(self) -> Iterator[tuple[int, str, int]]:
-        """Yield (mtime_ns, key, size) of every page file; remove dead writers' temp files."""
-        now = time.time_ns()
-        on_tmp = functools.partial(self._remove_stale_tmp, now_ns=now)
-        for key, st in self._walk("", on_tmp):
-            yield st.st_mtime_ns, key, st.st_size
-
-    def _fanout_dirs(self, prefix: str) -> Iterator[os.DirEntry[str]]:
-        """The ``<namespace>/<xx>`` directories that can hold keys starting with ``prefix``."""
-        namespace, dash, digest = prefix.partition("-")
-        for ns_dir in _subdirs(self._root, _NAMESPACE_DIR):
-            if ns_dir.name != namespace if dash else not ns_dir.name.startswith(namespace):
-                continue
-            for fan_dir in _subdirs(ns_dir.path, _FANOUT_DIR):
-                if fan_dir.name.startswith(digest[:2]):
-                    yield fan_dir
+    def _recount(self, usage: UsageRecord, skip: str | None = None, clean: bool = False) -> None:
+        """Walk the tree (the usage lock and ``_lock`` held): index every page file (also other
+        processes' pages, oldest first) but ``skip``, and store the exact total in ``usage``;
+        with ``clean``, dead writers' temp files are removed."""
+        pages = scan_pages(self._walk, self.name, clean)
+        self._index.clear()
+        for _, key, size in pages:
+            if key != skip:
+                self._index[key] = size
+        self._used = sum(self._index.values())
+        usage.total = sum(size for _, _, size in pages)
+        usage.write(usage.total)
+        self._empty_root = None if usage.exists else usage.root_id
 
     def _walk(
         self,
@@ -244,47 +231,8 @@ class DiskBackend(Backend):
         on_tmp: Callable[[os.DirEntry[str]], None] | None = None,
         on_dir: Callable[[str], None] | None = None,
     ) -> Iterator[tuple[str, os.stat_result]]:
-        """(key, stat) of every page file whose key starts with ``prefix``; temp files go to
-        ``on_tmp`` and page directories to ``on_dir``; anything else in the tree (foreign
-        files, links, directories) is skipped."""
-        for fan_dir in self._fanout_dirs(prefix):
-            if on_dir is not None:
-                on_dir(fan_dir.path)
-            namespace = os.path.basename(os.path.dirname(fan_dir.path))
-            try:
-                with os.scandir(fan_dir.path) as it:
-                    entries = list(it)
-            except FileNotFoundError:  # removed since it was listed
-                continue
-            for entry in entries:
-                name = entry.name
-                if name.startswith(".") and name.endswith(_TMP_SUFFIX):
-                    if on_tmp is not None:
-                        on_tmp(entry)
-                    continue
-                key = f"{namespace}-{name.removesuffix(_PAGE_SUFFIX)}"
-                if (
-                    not name.endswith(_PAGE_SUFFIX)
-                    or not name.startswith(fan_dir.name)
-                    or KEY_PATTERN.fullmatch(key) is None
-                    or not key.startswith(prefix)
-                ):
-                    continue
-                with contextlib.suppress(FileNotFoundError):
-                    st = entry.stat(follow_symlinks=False)
-                    if page_problem(st, _ANY_SIZE) is None:  # not of another owner, not a link
-                        yield key, st
-
-    def _remove_stale_tmp(self, entry: os.DirEntry[str], now_ns: int) -> None:
-        """Remove a crashed writer's temp file; keep one a live writer may still rename."""
-        parts = entry.name.split(".")  # ["", digest, pid, random, "tmp"]
-        pid = int(parts[2]) if len(parts) == 5 and parts[2].isdigit() else 0
-        with contextlib.suppress(FileNotFoundError):  # its writer renamed or removed it
-            age_ns = now_ns - entry.stat(follow_symlinks=False).st_mtime_ns
-            if pid > 0 and age_ns < _STALE_TMP_NS and _pid_alive(pid):
-                return
-            os.unlink(entry.path)
-            logger.info("disk backend %r: removed unfinished write %s", self.name, entry.path)
+        """(key, stat) of every page file whose key starts with ``prefix`` (see disk_tree)."""
+        return walk(self._root, prefix, on_tmp, on_dir)
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -306,9 +254,7 @@ class DiskBackend(Backend):
 
     def _paths(self, key: str) -> tuple[str, str]:
         """(directory, page file) of a validated key."""
-        namespace, digest = key.split("-", 1)
-        directory = os.path.join(self._root, namespace, digest[:2])
-        return directory, os.path.join(directory, digest + _PAGE_SUFFIX)
+        return page_paths(self._root, key)
 
     def _map(self, fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
         """Apply ``fn`` to each item, in the pool for larger batches; results in input order."""
@@ -371,27 +317,67 @@ class DiskBackend(Backend):
                     if key in self._index and not self._exists(key):
                         self._used -= self._index.pop(key)
 
-    def _unlink_page(self, key: str, op: str) -> bool:
+    def _page_size(self, path: str) -> int:
+        """Bytes the page file at ``path`` counts in the shared total (0: none, or not a page)."""
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except OSError:
+            return 0
+        return st.st_size if page_problem(st, ANY_SIZE) is None else 0
+
+    def _unlink_page(self, key: str, op: str) -> int | None:
+        """Delete a page file (the usage lock held): the bytes it counted, None if not deleted
+        (gone already, e.g. evicted by another process; not ours; failed)."""
         path = self._paths(key)[1]
         try:
-            if os.stat(path, follow_symlinks=False).st_uid != os.geteuid():
-                return False  # not ours: never deleted
+            st = os.stat(path, follow_symlinks=False)
+            if st.st_uid != os.geteuid():
+                return None  # not ours: never deleted
             os.unlink(path)
         except FileNotFoundError:
-            return False
+            return None
         except OSError as exc:
             self._note_error(op, path, exc)
+            return None
+        return st.st_size if page_problem(st, ANY_SIZE) is None else 0
+
+    def _known_total(self, usage: UsageRecord, skip: str | None = None) -> bool:
+        """Make ``usage.total`` known (locks held); True if the tree was walked for it.
+
+        A missing or unreadable record is recounted, except a missing one where this process
+        last counted no pages in this root and has not seen a record since: every writer that
+        adds a page creates the record, so none has."""
+        if usage.exists:
+            self._empty_root = None
+        if usage.total is not None:
             return False
+        if not usage.exists and self._empty_root == usage.root_id:
+            usage.total = 0
+            return False
+        self._recount(usage, skip)
         return True
 
-    def _evict_to(self, incoming: int) -> None:
-        """Delete least recently used pages until ``incoming`` more bytes fit (lock held)."""
-        while self._index and self._used + incoming > self.capacity_bytes:
+    def _make_room(self, usage: UsageRecord, incoming: int, skip: str | None = None) -> bool:
+        """Evict until ``incoming`` more bytes fit in the shared total (both locks held): this
+        process's least recently used pages first; when they run out, every page under the root
+        by mtime (a recount); never ``skip``. False if it cannot fit."""
+        recounted = self._known_total(usage, skip)
+        assert usage.total is not None
+        while usage.total + incoming > self.capacity_bytes:
+            if not self._index:
+                if recounted:
+                    return False
+                self._recount(usage, skip)  # pages other processes wrote
+                recounted = True
+                continue
             key, size = self._index.popitem(last=False)
             self._used -= size
-            self.stats.evictions += 1
-            self.stats.evicted_bytes += size
-            self._unlink_page(key, "evict")
+            freed = self._unlink_page(key, "evict")
+            if freed is not None:
+                usage.total = max(0, usage.total - freed)
+                self.stats.evictions += 1
+                self.stats.evicted_bytes += freed
+        return True
 
     def _remove_foreign_dir(self, path: str) -> None:
         """Remove a directory standing where a page file belongs (links are not followed)."""
@@ -422,7 +408,7 @@ class DiskBackend(Backend):
         key, view = job
         directory = self._paths(key)[0]
         digest = key.split("-", 1)[1]
-        name = f".{digest}.{os.getpid()}.{secrets.token_hex(6)}{_TMP_SUFFIX}"
+        name = f".{digest}.{os.getpid()}.{secrets.token_hex(6)}{TMP_SUFFIX}"
         tmp = os.path.join(directory, name)
         try:
             fd = self._open_temp(key, name)
@@ -440,14 +426,19 @@ class DiskBackend(Backend):
             return exc
         return tmp
 
-    def _commit(self, key: str, tmp: str, size: int) -> bool:
-        """Evict for room, then rename the temp file onto the page (lock held)."""
-        old = self._index.pop(key, None)
-        if old is not None:
-            self._used -= old
-        self._evict_to(size)
+    def _commit(self, key: str, tmp: str, size: int, usage: UsageRecord) -> bool:
+        """Evict for room, then rename the temp file onto the page (both locks held)."""
+        indexed = self._index.pop(key, None)
+        if indexed is not None:
+            self._used -= indexed
         final = self._paths(key)[1]
+        old = self._page_size(final)  # the page replaced: its bytes leave the total
+        if not self._make_room(usage, size - old, skip=key):
+            _unlink_quietly(tmp)
+            return False
+        assert usage.total is not None
         try:
+            usage.write(usage.total + size)  # raised first: a crash leaves it too high
             try:
                 os.replace(tmp, final)
             except IsADirectoryError:  # something made a directory of the page: not ours to keep
@@ -455,9 +446,13 @@ class DiskBackend(Backend):
                 os.replace(tmp, final)
         except OSError as exc:
             # keep index and files in step: the key is no longer indexed, so no old page
-            _unlink_quietly(tmp, *([final] if old is not None else []))
+            _unlink_quietly(tmp)
+            if indexed is not None:
+                freed = self._unlink_page(key, "put")
+                usage.total -= freed or 0
             self._note_error("put", final, exc)
             return False
+        usage.total += size - old
         self._index[key] = size
         self._used += size
         self.stats.puts += 1
@@ -472,21 +467,44 @@ class DiskBackend(Backend):
         views = [memoryview(buf).cast("B") for _, buf in items]
         todo = [i for i, view in enumerate(views) if view.nbytes <= self.capacity_bytes]
         temps = self._map(self._write_temp, [(items[i][0], views[i]) for i in todo])
+        written = [(i, tmp) for i, tmp in zip(todo, temps, strict=True) if isinstance(tmp, str)]
         results = [False] * len(items)
+        try:
+            self._check_open()
+            self._fail_if_medium_gone(temps, os.W_OK | os.X_OK)
+            if written:
+                self._commit_batch(items, views, written, results)
+        except (BackendClosedError, BackendUnavailableError):
+            _unlink_quietly(*[tmp for i, tmp in written if not results[i]])
+            raise
         with self._lock:
-            try:
-                self._check_open()
-                self._fail_if_medium_gone(temps, os.W_OK | os.X_OK)
-            except (BackendClosedError, BackendUnavailableError):
-                _unlink_quietly(*[t for t in temps if isinstance(t, str)])
-                raise
-            for i, tmp in zip(todo, temps, strict=True):
-                if isinstance(tmp, str):
-                    results[i] = self._commit(items[i][0], tmp, views[i].nbytes)
             self.stats.put_refused += results.count(False)
         if self._fsync:
             self._fsync_dirs({self._paths(items[i][0])[0] for i in todo if results[i]})
         return results
+
+    def _commit_batch(
+        self,
+        items: Sequence[tuple[str, Buffer]],
+        views: Sequence[memoryview],
+        written: Sequence[tuple[int, str]],
+        results: list[bool],
+    ) -> None:
+        """Rename the written temp files into place, in input order, under the usage lock
+        (taken once for the batch) and ``_lock``; results[i] is set for each one stored."""
+        try:
+            with locked_usage(self._root) as usage, self._lock:
+                self._check_open()
+                for i, tmp in written:
+                    results[i] = self._commit(items[i][0], tmp, views[i].nbytes, usage)
+                if usage.total is not None:
+                    usage.write(usage.total)
+        except UnsafeUsageFileError as exc:
+            raise BackendUnavailableError(f"disk backend {self.name!r}: {exc}") from exc
+        except OSError as exc:  # the record could not be opened or written
+            _unlink_quietly(*[tmp for i, tmp in written if not results[i]])
+            self._note_error("put", os.path.join(self._root, ".usage"), exc)
+            self._fail_if_medium_gone([exc], os.W_OK | os.X_OK)
 
     def _fsync_dirs(self, directories: set[str]) -> None:
         """Make the renames durable: fsync each directory a page was renamed into, once."""
@@ -599,15 +617,37 @@ class DiskBackend(Backend):
                         self._index.move_to_end(key)
 
     def delete_batch(self, keys: Sequence[str]) -> int:
+        """Delete page files (and their bytes from the shared total); returns how many."""
         check_keys(keys)
+        self._check_open()
+        try:
+            with locked_usage(self._root) as usage, self._lock:
+                self._check_open()
+                return self._delete(keys, usage)
+        except UnsafeUsageFileError as exc:
+            raise BackendUnavailableError(f"disk backend {self.name!r}: {exc}") from exc
+        except FileNotFoundError:  # the root is gone, and its pages with it
+            with self._lock:
+                self._check_open()
+                for key in keys:
+                    self._used -= self._index.pop(key, 0)
+            return 0
+        except OSError as exc:  # the record could not be opened or written
+            self._note_error("delete", os.path.join(self._root, ".usage"), exc)
+            self._fail_if_medium_gone([exc], os.W_OK | os.X_OK)
+            return 0
+
+    def _delete(self, keys: Sequence[str], usage: UsageRecord) -> int:
+        self._known_total(usage)
+        assert usage.total is not None
         deleted = 0
-        with self._lock:
-            self._check_open()
-            for key in keys:
-                size = self._index.pop(key, None)
-                if size is not None:
-                    self._used -= size
-                deleted += self._unlink_page(key, "delete")
+        for key in keys:
+            self._used -= self._index.pop(key, 0)
+            freed = self._unlink_page(key, "delete")
+            if freed is not None:
+                deleted += 1
+                usage.total = max(0, usage.total - freed)
+        usage.write(usage.total)
         return deleted
 
     def used_bytes(self) -> int:

@@ -273,7 +273,6 @@ def _writers(root: Path, capacity: int, count: int, size: int, batch: int, n: in
     return outs
 
 
-@pytest.mark.xfail(strict=True, reason="issue 14 M7 not done yet: capacity is per writer")
 def test_capacity_holds_across_two_writing_processes(tmp_path: Path) -> None:
     """Bound: page files never exceed ``capacity_bytes`` (renames and evictions of all writers
     are serialized by one lock); only unfinished temp files of in-flight batches come on top."""
@@ -281,6 +280,7 @@ def test_capacity_holds_across_two_writing_processes(tmp_path: Path) -> None:
     make_disk(root, capacity).close()
     _writers(root, capacity, count=60, size=size, batch=3)
     assert page_bytes(root) <= capacity
+    assert usage_record(root) == page_bytes(root)
     assert list(root.rglob(".*.tmp")) == []
     with make_disk(root, capacity) as reader:
         assert reader.used_bytes() == page_bytes(root) >= capacity - 3 * size
@@ -304,7 +304,6 @@ def test_single_writer_puts_rescan_nothing(tmp_path: Path, monkeypatch: pytest.M
     assert len(walks) == 1
 
 
-@pytest.mark.xfail(strict=True, reason="issue 14 M7 not done yet: capacity is per writer")
 def test_a_writer_evicts_pages_another_process_wrote(tmp_path: Path) -> None:
     """A process that opened the directory before another filled it still keeps the bound."""
     root, capacity = tmp_path / "store", 10_000
@@ -328,3 +327,118 @@ def test_usage_record_reset_at_start_after_pages_vanish(tmp_path: Path) -> None:
         assert writer.put_batch([(key(i), page(i, 1000)) for i in range(20, 25)]) == [True] * 5
         assert writer.stats.evictions == 0
     assert page_bytes(root) == 10_000
+
+
+def test_usage_record_kept_exact_by_puts_evictions_and_deletes(tmp_path: Path) -> None:
+    """``.usage`` holds the page bytes under the root after every put, eviction and delete;
+    a root that never held a page has none."""
+    root, capacity = tmp_path / "store", 10_000
+    with make_disk(root, capacity) as backend:
+        assert not (root / ".usage").exists()
+        backend.put_batch([(key(i), page(i, 1000 + i)) for i in range(12)])
+        assert usage_record(root) == page_bytes(root) <= capacity
+        backend.put_batch([(key(3), page(3, 10))])  # a re-put replaces the old page's bytes
+        assert usage_record(root) == page_bytes(root)
+        backend.delete_batch([key(3), key(11), key(99)])
+        assert usage_record(root) == page_bytes(root)
+        assert len(list(backend.scan())) == len(list(root.rglob("*.page")))  # not a page
+
+
+def usage_record(root: Path) -> int:
+    text = (root / ".usage").read_text()
+    assert text.endswith("\n") and len(text) == 21, text
+    return int(text)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "negative", "empty", "removed", "too_low", "too_high"])
+def test_damaged_usage_record_is_recounted_or_reset_at_start(tmp_path: Path, damage: str) -> None:
+    root, capacity = tmp_path / "store", 10_000
+    with make_disk(root, capacity) as backend:
+        backend.put_batch([(key(i), page(i, 1000)) for i in range(8)])
+        record = root / ".usage"
+        if damage == "removed":
+            record.unlink()
+        elif damage in ("garbage", "negative", "empty"):
+            record.write_text({"garbage": "x" * 500, "negative": "-5\n", "empty": ""}[damage])
+        if damage in ("garbage", "negative", "empty", "removed"):  # recounted by the next put
+            assert backend.put_batch([(key(i), page(i, 1000)) for i in range(8, 12)]) == [True] * 4
+            assert page_bytes(root) == usage_record(root) == capacity
+            assert backend.stats.evictions == 2
+            return
+    record.write_text(f"{0 if damage == 'too_low' else 10**9:020d}\n")
+    with make_disk(root, capacity) as reopened:  # the start-up scan resets it
+        assert usage_record(root) == 8000
+        assert reopened.put_batch([(key(i), page(i, 1000)) for i in range(8, 12)]) == [True] * 4
+        assert reopened.stats.evictions == 2
+        assert page_bytes(root) == usage_record(root) == capacity
+
+
+def test_crash_between_record_and_rename_leaves_the_record_high_not_low(tmp_path: Path) -> None:
+    """The record is raised before the rename: a writer dying in between leaves it too high
+    (the bound still holds); the next start recounts it."""
+    root = tmp_path / "store"
+    with make_disk(root) as backend:
+        backend.put_batch([(key(0), page(0, 1000))])
+    proc = subprocess.run(
+        [sys.executable, "-c", _CRASHER, str(HERE), str(root)], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 3, proc.stderr
+    assert page_bytes(root) == 1000
+    assert usage_record(root) == 3000  # 1000 + the page that never arrived
+    with make_disk(root):
+        assert usage_record(root) == 1000
+
+
+_CRASHER = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+from backend_contract import key, page
+from hybrid_offload.backends import BackendConfig, create_backend
+backend = create_backend(BackendConfig("disk", "crasher", 1 << 30, options={"path": sys.argv[2]}))
+os.replace = lambda *args, **kwargs: os._exit(3)  # die after the record is raised
+backend.put_batch([(key(1), page(1, 2000))])
+"""
+
+
+@pytest.mark.parametrize(
+    "kind", ["symlink", "other_owner", "group_writable", "fifo", "directory", "hardlink"]
+)
+def test_untrusted_usage_record_refused(tmp_path: Path, kind: str) -> None:
+    """A ``.usage`` this process cannot trust: refused at start (naming ``path``), and makes a
+    running backend unavailable for puts and deletes; it is never written through."""
+    root = tmp_path / "store"
+    root.mkdir(mode=0o700)
+    record, target = root / ".usage", tmp_path / "target"
+    target.write_text("keep me")
+
+    def plant() -> None:
+        if kind == "symlink":
+            record.symlink_to(target)
+        elif kind == "hardlink":
+            os.link(target, record)
+        elif kind == "fifo":
+            os.mkfifo(record, 0o600)
+        elif kind == "directory":
+            record.mkdir()
+        else:
+            record.write_text(f"{0:020d}\n")
+            if kind == "other_owner":
+                os.chown(record, NOBODY, NOBODY)
+            else:
+                record.chmod(0o660)
+
+    plant()
+    with pytest.raises(BackendConfigError, match=r"option 'path'.*\.usage"):
+        make_disk(root)
+    (record.rmdir if kind == "directory" else record.unlink)()
+    with make_disk(root) as backend:
+        assert backend.put_batch([(key(1), page(1, 100))]) == [True]
+        record.unlink()
+        plant()
+        with pytest.raises(BackendUnavailableError, match=r"\.usage"):
+            backend.put_batch([(key(2), page(2, 100))])
+        with pytest.raises(BackendUnavailableError, match=r"\.usage"):
+            backend.delete_batch([key(1)])
+        assert backend.get_batch([key(1)]) == [page(1, 100)]  # reads go on
+    assert target.read_text() == "keep me"
+    assert list(root.rglob(".*.tmp")) == []
