@@ -438,7 +438,6 @@ class DiskBackend(Backend):
             return False
         assert usage.total is not None
         try:
-            usage.write(usage.total + size)  # raised first: a crash leaves it too high
             try:
                 os.replace(tmp, final)
             except IsADirectoryError:  # something made a directory of the page: not ours to keep
@@ -453,6 +452,7 @@ class DiskBackend(Backend):
             self._note_error("put", final, exc)
             return False
         usage.total += size - old
+        usage.pending -= size
         self._index[key] = size
         self._used += size
         self.stats.puts += 1
@@ -495,10 +495,16 @@ class DiskBackend(Backend):
         try:
             with locked_usage(self._root) as usage, self._lock:
                 self._check_open()
+                self._known_total(usage)
+                assert usage.total is not None
+                # raised first by the whole batch: a crash before its last rename leaves the
+                # record too high, never too low
+                usage.pending = sum(views[i].nbytes for i, _ in written)
+                usage.write(usage.total)
                 for i, tmp in written:
                     results[i] = self._commit(items[i][0], tmp, views[i].nbytes, usage)
-                if usage.total is not None:
-                    usage.write(usage.total)
+                usage.pending = 0
+                usage.write(usage.total)
         except UnsafeUsageFileError as exc:
             raise BackendUnavailableError(f"disk backend {self.name!r}: {exc}") from exc
         except OSError as exc:  # the record could not be opened or written

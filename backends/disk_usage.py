@@ -9,8 +9,8 @@
   fresh descriptor each time (so it also serializes threads of one process) and checked to be
   still the directory named ``path`` (a root removed and made again is opened again). A root
   that never held a page has no record (a missing record means: count the tree).
-* **Crash safety.** Callers raise the total before a rename and lower it only after unlinks,
-  so a process dying in between leaves it too high (pages are evicted a little early), never
+* **Crash safety.** Callers raise the total before renames (``pending``) and lower it only
+  after unlinks, so a process dying in between leaves it too high (pages are evicted a little early), never
   too low (the bound would not hold). A missing, unreadable or negative record reads as
   ``None``: the caller recounts the tree; every start recounts anyway.
 * **Trust.** Opened relative to the root with ``O_NOFOLLOW``; it must be a regular file of this
@@ -45,7 +45,8 @@ class UnsafeUsageFileError(Exception):
 
 class UsageRecord:
     """The record, read under the lock: ``total`` as read (None: recount), then as the caller
-    keeps it; :meth:`write` stores it."""
+    keeps it; :meth:`write` stores it plus ``pending``, the bytes of pages about to be renamed
+    into place (so the record is raised before they arrive)."""
 
     def __init__(self, root_fd: int, path: str) -> None:
         self._root_fd = root_fd
@@ -55,6 +56,7 @@ class UsageRecord:
         st = os.fstat(root_fd)
         self.root_id = (st.st_dev, st.st_ino)
         self.total: int | None = None
+        self.pending = 0
         with contextlib.suppress(FileNotFoundError):
             self._open(create=False)
             assert self._fd is not None
@@ -85,8 +87,9 @@ class UsageRecord:
         self._fd, self._size = fd, st.st_size
 
     def write(self, total: int) -> None:
-        """Store ``total`` (>= 0); a missing record stays missing while the total is 0 (a
+        """Store ``total + pending``; a missing record stays missing while that is 0 (a
         missing record is recounted, which for an empty tree is cheap)."""
+        total += self.pending
         if total < 0:
             raise ValueError(f"usage total {total} < 0")
         if self._fd is None:
