@@ -57,7 +57,6 @@ import secrets
 import shutil
 import stat
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -74,8 +73,20 @@ from .base import (
     check_keys,
     check_prefix,
 )
-from .disk_root import expand_path, open_dir_below, page_problem, root_problem
-from .disk_tree import ANY_SIZE, TMP_SUFFIX, page_paths, scan_pages, walk
+from .disk_files import (
+    counted_size,
+    create_temp,
+    next_stamp,
+    open_page,
+    read_exact,
+    readinto_exact,
+    stat_page,
+    touch,
+    unlink_page,
+    unlink_quietly,
+)
+from .disk_root import check_writable_root, expand_path, page_problem, root_problem
+from .disk_tree import TMP_SUFFIX, page_paths, scan_pages, walk
 from .disk_usage import UnsafeUsageFileError, UsageRecord, locked_usage
 
 __all__ = ["DiskBackend"]
@@ -86,49 +97,6 @@ _T = TypeVar("_T")
 _R = TypeVar("_R")
 
 _POOL_MIN_BATCH = 4  # batches with more pages than this go through the thread pool
-_OPEN_FLAGS = getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
-
-_stamp_lock = threading.Lock()
-_last_stamp = 0
-
-
-def _next_stamp() -> int:
-    """Wall-clock ns, strictly increasing within this process (file clocks are coarse)."""
-    global _last_stamp
-    with _stamp_lock:
-        _last_stamp = max(time.time_ns(), _last_stamp + 1)
-        return _last_stamp
-
-
-def _read_exact(fd: int, size: int) -> bytes | None:
-    """Read ``size`` bytes; None if the file ends early."""
-    parts: list[bytes] = []
-    got = 0
-    while got < size:
-        chunk = os.read(fd, size - got)
-        if not chunk:
-            return None
-        parts.append(chunk)
-        got += len(chunk)
-    return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
-def _readinto_exact(fd: int, view: memoryview) -> bool:
-    """readinto ``view`` until full (no intermediate copy); False if the file ends early."""
-    got = 0
-    while got < len(view):
-        n = os.readv(fd, [view[got:]])
-        if n == 0:
-            return False
-        got += n
-    return True
-
-
-def _unlink_quietly(*paths: str) -> None:
-    for path in paths:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-
 
 class DiskBackend(Backend):
     """LRU page store on a local file system (see the module docstring)."""
@@ -178,7 +146,7 @@ class DiskBackend(Backend):
         self._pool: ThreadPoolExecutor | None = None
         self._logged: set[tuple[str, int | None]] = set()
         self._closed = False
-        self._check_writable_root()
+        check_writable_root(self._root, self.name)
         try:
             with locked_usage(self._root) as usage, self._lock:
                 self._recount(usage, clean=True)  # resets drift of crashes and hand edits
@@ -193,23 +161,6 @@ class DiskBackend(Backend):
         logger.info("disk backend %r: %d pages in %s", self.name, len(self._index), self._root)
 
     # -- start-up --------------------------------------------------------------------------
-
-    def _check_writable_root(self) -> None:
-        """Create ``path`` if missing and write a probe file: a path that cannot hold pages is
-        a configuration error at start-up, not a runtime failure of every store."""
-        probe = os.path.join(self._root, f".probe.{os.getpid()}.{secrets.token_hex(6)}{TMP_SUFFIX}")
-        try:
-            os.makedirs(self._root, mode=0o700, exist_ok=True)
-            problem = root_problem(self._root)
-            if problem is not None:
-                raise BackendConfigError(f"disk backend {self.name!r}: option 'path': {problem}")
-            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600))
-            os.unlink(probe)
-        except OSError as exc:
-            raise BackendConfigError(
-                f"disk backend {self.name!r}: option 'path': {self._root!r} is not a writable "
-                f"directory: {exc}"
-            ) from exc
 
     def _recount(self, usage: UsageRecord, skip: str | None = None, clean: bool = False) -> None:
         """Walk the tree (the usage lock and ``_lock`` held): index every page file (also other
@@ -295,13 +246,8 @@ class DiskBackend(Backend):
 
     def _exists(self, key: str) -> bool:
         path = self._paths(key)[1]
-        namespace, digest = key.split("-", 1)
         try:
-            dir_fd = open_dir_below(self._root, (namespace, digest[:2]), create=False)
-            try:
-                st = os.stat(os.path.basename(path), dir_fd=dir_fd, follow_symlinks=False)
-            finally:
-                os.close(dir_fd)
+            st = stat_page(self._root, key)
         except FileNotFoundError:
             return False
         except OSError as exc:
@@ -317,29 +263,22 @@ class DiskBackend(Backend):
                     if key in self._index and not self._exists(key):
                         self._used -= self._index.pop(key)
 
-    def _page_size(self, path: str) -> int:
-        """Bytes the page file at ``path`` counts in the shared total (0: none, or not a page)."""
+    def _page_size(self, key: str) -> int:
+        """Bytes the key's page file counts in the shared total (0: none, or not a page)."""
         try:
-            st = os.stat(path, follow_symlinks=False)
+            return counted_size(stat_page(self._root, key))
         except OSError:
             return 0
-        return st.st_size if page_problem(st, ANY_SIZE) is None else 0
 
     def _unlink_page(self, key: str, op: str) -> int | None:
         """Delete a page file (the usage lock held): the bytes it counted, None if not deleted
         (gone already, e.g. evicted by another process; not ours; failed)."""
-        path = self._paths(key)[1]
         try:
-            st = os.stat(path, follow_symlinks=False)
-            if st.st_uid != os.geteuid():
-                return None  # not ours: never deleted
-            os.unlink(path)
-        except FileNotFoundError:
-            return None
+            st = unlink_page(self._root, key)
         except OSError as exc:
-            self._note_error(op, path, exc)
+            self._note_error(op, self._paths(key)[1], exc)
             return None
-        return st.st_size if page_problem(st, ANY_SIZE) is None else 0
+        return None if st is None else counted_size(st)
 
     def _known_total(self, usage: UsageRecord, skip: str | None = None) -> bool:
         """Make ``usage.total`` known (locks held); True if the tree was walked for it.
@@ -384,24 +323,7 @@ class DiskBackend(Backend):
         logger.warning("disk backend %r: removing directory %s in place of a page", self.name, path)
         shutil.rmtree(path)
 
-    @staticmethod
-    def _touch(fd: int) -> None:
-        """Stamp the file's mtime, its LRU position after a restart (best effort)."""
-        stamp = _next_stamp()
-        with contextlib.suppress(OSError):
-            os.utime(fd, ns=(stamp, stamp))
-
     # -- put -------------------------------------------------------------------------------
-
-    def _open_temp(self, key: str, name: str) -> int:
-        """Create temp file ``name`` in the key's page directory (made if missing), reached from
-        the root without following links; never re-creates the root."""
-        namespace, digest = key.split("-", 1)
-        dir_fd = open_dir_below(self._root, (namespace, digest[:2]), create=True)
-        try:
-            return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600, dir_fd=dir_fd)
-        finally:
-            os.close(dir_fd)
 
     def _write_temp(self, job: tuple[str, memoryview]) -> str | OSError:
         """Write one page to a fresh temp file beside its final name (no lock held)."""
@@ -411,17 +333,17 @@ class DiskBackend(Backend):
         name = f".{digest}.{os.getpid()}.{secrets.token_hex(6)}{TMP_SUFFIX}"
         tmp = os.path.join(directory, name)
         try:
-            fd = self._open_temp(key, name)
+            fd = create_temp(self._root, key, name)
             try:
                 while view:
                     view = view[os.write(fd, view) :]
-                self._touch(fd)
+                touch(fd)
                 if self._fsync:
                     os.fsync(fd)
             finally:
                 os.close(fd)
         except OSError as exc:
-            _unlink_quietly(tmp)
+            unlink_quietly(tmp)
             self._note_error("put", tmp, exc)
             return exc
         return tmp
@@ -432,9 +354,9 @@ class DiskBackend(Backend):
         if indexed is not None:
             self._used -= indexed
         final = self._paths(key)[1]
-        old = self._page_size(final)  # the page replaced: its bytes leave the total
+        old = self._page_size(key)  # the page replaced: its bytes leave the total
         if not self._make_room(usage, size - old, skip=key):
-            _unlink_quietly(tmp)
+            unlink_quietly(tmp)
             return False
         assert usage.total is not None
         try:
@@ -445,7 +367,7 @@ class DiskBackend(Backend):
                 os.replace(tmp, final)
         except OSError as exc:
             # keep index and files in step: the key is no longer indexed, so no old page
-            _unlink_quietly(tmp)
+            unlink_quietly(tmp)
             if indexed is not None:
                 freed = self._unlink_page(key, "put")
                 usage.total -= freed or 0
@@ -475,7 +397,7 @@ class DiskBackend(Backend):
             if written:
                 self._commit_batch(items, views, written, results)
         except (BackendClosedError, BackendUnavailableError):
-            _unlink_quietly(*[tmp for i, tmp in written if not results[i]])
+            unlink_quietly(*[tmp for i, tmp in written if not results[i]])
             raise
         with self._lock:
             self.stats.put_refused += results.count(False)
@@ -508,7 +430,7 @@ class DiskBackend(Backend):
         except UnsafeUsageFileError as exc:
             raise BackendUnavailableError(f"disk backend {self.name!r}: {exc}") from exc
         except OSError as exc:  # the record could not be opened or written
-            _unlink_quietly(*[tmp for i, tmp in written if not results[i]])
+            unlink_quietly(*[tmp for i, tmp in written if not results[i]])
             self._note_error("put", os.path.join(self._root, ".usage"), exc)
             self._fail_if_medium_gone([exc], os.W_OK | os.X_OK)
 
@@ -530,13 +452,8 @@ class DiskBackend(Backend):
         """Read one page: its bytes, or (given a buffer) the length read into it; None: miss."""
         key, buf = job
         path = self._paths(key)[1]
-        namespace, digest = key.split("-", 1)
-        try:  # O_NONBLOCK: a FIFO in place of a page must not block the open
-            dir_fd = open_dir_below(self._root, (namespace, digest[:2]), create=False)
-            try:
-                fd = os.open(os.path.basename(path), os.O_RDONLY | os.O_NONBLOCK | _OPEN_FLAGS, dir_fd=dir_fd)
-            finally:
-                os.close(dir_fd)
+        try:
+            fd = open_page(self._root, key)
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -550,11 +467,11 @@ class DiskBackend(Backend):
             size = st.st_size
             got: bytes | int | None = None
             if buf is None:
-                got = _read_exact(fd, size)
-            elif size <= buf.nbytes and _readinto_exact(fd, buf[:size]):
+                got = read_exact(fd, size)
+            elif size <= buf.nbytes and readinto_exact(fd, buf[:size]):
                 got = size
             if got is not None and self._touch_on_read:
-                self._touch(fd)
+                touch(fd)
             return got
         except OSError as exc:
             self._note_error("get", path, exc)
@@ -615,7 +532,7 @@ class DiskBackend(Backend):
         check_keys(keys)
         self._check_open()
         for key in keys:
-            stamp = _next_stamp()
+            stamp = next_stamp()
             with contextlib.suppress(OSError):
                 os.utime(self._paths(key)[1], ns=(stamp, stamp), follow_symlinks=False)
                 with self._lock:

@@ -13,11 +13,12 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import secrets
 import stat
 
 from .base import BackendConfigError
 
-__all__ = ["expand_path", "open_dir_below", "page_problem", "root_problem"]
+__all__ = ["check_writable_root", "expand_path", "open_dir_below", "page_problem", "root_problem"]
 
 _XDG = re.compile(r"\A\$(?:XDG_CACHE_HOME|\{XDG_CACHE_HOME\})(?=/|\Z)")
 
@@ -57,6 +58,25 @@ def root_problem(root: str) -> str | None:
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         return f"{root!r} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
     return None
+
+
+def check_writable_root(root: str, backend: str) -> None:
+    """Create ``root`` if missing and write a probe file: a path that cannot hold pages, or an
+    untrusted one, is a configuration error (naming ``path``) at start-up, not a runtime
+    failure of every store."""
+    probe = os.path.join(root, f".probe.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        problem = root_problem(root)
+        if problem is not None:
+            raise BackendConfigError(f"disk backend {backend!r}: option 'path': {problem}")
+        os.close(os.open(probe, flags, 0o600))
+        os.unlink(probe)
+    except OSError as exc:
+        raise BackendConfigError(
+            f"disk backend {backend!r}: option 'path': {root!r} is not a writable directory: {exc}"
+        ) from exc
 
 
 def page_problem(st: os.stat_result, max_size: int) -> str | None:

@@ -1,0 +1,143 @@
+"""The disk backend's page files: reached below the root without following links, read, stamped.
+
+* **Reaching a file.** Each component below the root is opened relative to its parent with
+  ``O_NOFOLLOW`` (:func:`.disk_root.open_dir_below`): a symbolic link anywhere below the root
+  fails the open (``OSError``) instead of leading out of it. Page files are opened with
+  ``O_NOFOLLOW | O_NONBLOCK`` (a FIFO in place of a page must not block the open).
+* **Stamps.** A page's mtime is its LRU position (also after a restart): :func:`touch` stamps a
+  wall-clock time in ns, strictly increasing within the process (file clocks are coarse).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+
+from .disk_root import open_dir_below, page_problem
+
+__all__ = [
+    "OPEN_FLAGS",
+    "counted_size",
+    "create_temp",
+    "next_stamp",
+    "open_page",
+    "read_exact",
+    "readinto_exact",
+    "stat_page",
+    "touch",
+    "unlink_page",
+    "unlink_quietly",
+]
+
+OPEN_FLAGS = getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+_ANY_SIZE = 1 << 62
+
+_stamp_lock = threading.Lock()
+_last_stamp = 0
+
+
+def next_stamp() -> int:
+    """Wall-clock ns, strictly increasing within this process (file clocks are coarse)."""
+    global _last_stamp
+    with _stamp_lock:
+        _last_stamp = max(time.time_ns(), _last_stamp + 1)
+        return _last_stamp
+
+
+def touch(fd: int) -> None:
+    """Stamp the file's mtime, its LRU position after a restart (best effort)."""
+    stamp = next_stamp()
+    with contextlib.suppress(OSError):
+        os.utime(fd, ns=(stamp, stamp))
+
+
+def read_exact(fd: int, size: int) -> bytes | None:
+    """Read ``size`` bytes; None if the file ends early."""
+    parts: list[bytes] = []
+    got = 0
+    while got < size:
+        chunk = os.read(fd, size - got)
+        if not chunk:
+            return None
+        parts.append(chunk)
+        got += len(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def readinto_exact(fd: int, view: memoryview) -> bool:
+    """readinto ``view`` until full (no intermediate copy); False if the file ends early."""
+    got = 0
+    while got < len(view):
+        n = os.readv(fd, [view[got:]])
+        if n == 0:
+            return False
+        got += n
+    return True
+
+
+def unlink_quietly(*paths: str) -> None:
+    for path in paths:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def _page_dir(root: str, key: str, create: bool) -> tuple[int, str]:
+    """(descriptor of the key's page directory, the page's file name); the caller closes it."""
+    namespace, digest = key.split("-", 1)
+    return open_dir_below(root, (namespace, digest[:2]), create=create), digest
+
+
+def create_temp(root: str, key: str, name: str) -> int:
+    """Create temp file ``name`` in the key's page directory (made if missing), reached from
+    the root without following links; never re-creates the root."""
+    dir_fd, _ = _page_dir(root, key, create=True)
+    try:
+        return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | OPEN_FLAGS, 0o600, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def open_page(root: str, key: str) -> int:
+    """A read-only descriptor of the key's page file (no link followed; the caller checks
+    ``fstat`` and closes it); ``FileNotFoundError`` if absent."""
+    dir_fd, digest = _page_dir(root, key, create=False)
+    try:
+        return os.open(digest + ".page", os.O_RDONLY | os.O_NONBLOCK | OPEN_FLAGS, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def stat_page(root: str, key: str) -> os.stat_result:
+    """``lstat`` of the key's page file (no link followed); ``FileNotFoundError`` if absent."""
+    dir_fd, digest = _page_dir(root, key, create=False)
+    try:
+        return os.stat(digest + ".page", dir_fd=dir_fd, follow_symlinks=False)
+    finally:
+        os.close(dir_fd)
+
+
+def unlink_page(root: str, key: str) -> os.stat_result | None:
+    """Remove the key's page file if this uid owns it (no link followed): its ``lstat``, or None
+    if absent or another owner's (left alone); ``OSError`` otherwise."""
+    try:
+        dir_fd, digest = _page_dir(root, key, create=False)
+    except FileNotFoundError:
+        return None
+    try:
+        st = os.stat(digest + ".page", dir_fd=dir_fd, follow_symlinks=False)
+        if st.st_uid != os.geteuid():
+            return None
+        os.unlink(digest + ".page", dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    finally:
+        os.close(dir_fd)
+    return st
+
+
+def counted_size(st: os.stat_result) -> int:
+    """Bytes a page file (its ``lstat``) counts in the shared total: 0 unless it is a page this
+    process trusts (a regular file of its uid, not writable by group or others)."""
+    return st.st_size if page_problem(st, _ANY_SIZE) is None else 0
