@@ -448,8 +448,9 @@ class DiskBackend(Backend):
 
     # -- get -------------------------------------------------------------------------------
 
-    def _read(self, job: tuple[str, memoryview | None]) -> bytes | int | OSError | None:
-        """Read one page: its bytes, or (given a buffer) the length read into it; None: miss."""
+    def _read(self, job: tuple[str, memoryview | int | None]) -> bytes | int | OSError | None:
+        """Read one page: its bytes, or (given a buffer) the length read into it, or (given a
+        length) its first bytes, without a stamp; None: miss."""
         key, buf = job
         path = self._paths(key)[1]
         try:
@@ -466,6 +467,8 @@ class DiskBackend(Backend):
                 raise PermissionError(errno.EACCES, f"untrusted page file ({problem})")
             size = st.st_size
             got: bytes | int | None = None
+            if isinstance(buf, int):
+                return os.pread(fd, min(buf, size), 0)
             if buf is None:
                 got = read_exact(fd, size)
             elif size <= buf.nbytes and readinto_exact(fd, buf[:size]):
@@ -509,6 +512,19 @@ class DiskBackend(Backend):
             raise ValueError("get_into: keys and buffers differ in length")
         found = self._read_batch(keys, [memoryview(buf).cast("B") for buf in buffers])
         return [got if isinstance(got, int) else None for got in found]
+
+    def get_prefix(self, keys: Sequence[str], nbytes: int, sizes: Sequence[int]) -> list[bytes | None]:
+        """The first ``nbytes`` of each page (``pread``: only those bytes are read), or None for
+        a miss; opened like a get (no link followed, untrusted files are misses); no recency
+        refresh, not counted as gets; ``sizes`` are not needed."""
+        check_keys(keys)
+        self._check_open()
+        self._check_root()
+        if len(keys) != len(sizes) or nbytes < 1:
+            raise ValueError("get_prefix: keys and sizes differ in length, or nbytes < 1")
+        outcomes = self._map(self._read, [(key, nbytes) for key in keys])
+        self._fail_if_medium_gone(outcomes, os.R_OK | os.X_OK)
+        return [got if isinstance(got, bytes) else None for got in outcomes]
 
     # -- the rest --------------------------------------------------------------------------
 

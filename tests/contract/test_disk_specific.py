@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -309,3 +310,40 @@ def test_bad_options_name_the_key(options: dict[str, Any], named: str) -> None:
 def test_defaults_filled_in(tmp_path: Path) -> None:
     options = DiskBackend.validate_options({"path": tmp_path})
     assert options == {"path": str(tmp_path), "fsync": False, "io_threads": 4}
+
+
+def test_get_prefix_reads_only_the_first_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``get_prefix`` (the cache CLI's header reads): one ``pread`` of at most ``nbytes`` per
+    page, opened like a get (untrusted files and links are misses), no stamp, no counters."""
+    root = tmp_path / "store"
+    with make_disk(root) as backend:
+        backend.put_batch([(key(i), page(i, 5000 if i < 6 else 10)) for i in range(7)])
+        page_path(root, key(2)).chmod(0o666)
+        secret = tmp_path / "secret"
+        secret.write_bytes(page(3, 5000))
+        page_path(root, key(3)).unlink()
+        page_path(root, key(3)).symlink_to(secret)
+        mtimes = [page_path(root, key(i)).stat().st_mtime_ns for i in (0, 1, 6)]
+        stats = dataclasses.replace(backend.stats)
+        reads: list[int] = []
+        real_pread = os.pread
+
+        def counting_pread(fd: int, n: int, offset: int) -> bytes:
+            reads.append(n)
+            return real_pread(fd, n, offset)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(os, "pread", counting_pread)
+            patch.setattr(os, "read", None)  # the whole page is never read
+            patch.setattr(os, "readv", None)
+            keys = [key(0), key(1), key(2), key(3), key(6), key(9)] * 2  # > a pool batch
+            got = backend.get_prefix(keys, 100, [5000] * len(keys))
+        want = [page(0, 5000)[:100], page(1, 5000)[:100], None, None, page(6, 10), None] * 2
+        assert got == want
+        assert sorted(reads) == [10, 10, 100, 100, 100, 100]
+        assert [page_path(root, key(i)).stat().st_mtime_ns for i in (0, 1, 6)] == mtimes
+        assert backend.stats.gets == stats.gets and backend.stats.hits == stats.hits
+        with pytest.raises(ValueError):
+            backend.get_prefix([key(0)], 0, [5000])
+        with pytest.raises(ValueError):
+            backend.get_prefix([key(0)], 10, [])
