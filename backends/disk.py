@@ -98,6 +98,7 @@ _R = TypeVar("_R")
 
 _POOL_MIN_BATCH = 4  # batches with more pages than this go through the thread pool
 
+
 class DiskBackend(Backend):
     """LRU page store on a local file system (see the module docstring)."""
 
