@@ -87,11 +87,9 @@ class UsageRecord:
         self._fd, self._size = fd, st.st_size
 
     def write(self, total: int) -> None:
-        """Store ``total + pending``; a missing record stays missing while that is 0 (a
+        """Store ``total + pending`` (at least 0); a missing record stays missing while that is 0 (a
         missing record is recounted, which for an empty tree is cheap)."""
-        total += self.pending
-        if total < 0:
-            raise ValueError(f"usage total {total} < 0")
+        total = max(0, total + self.pending)  # below 0 only after drift (pages added by hand)
         if self._fd is None:
             if total == 0:
                 return
