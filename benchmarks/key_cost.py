@@ -2,7 +2,9 @@
 
 Per chunk (the token ids of one chunk, int64): the old xxh3-128 chain step, the sha256 chain step
 (the default now) and the HMAC-SHA256 step (with a cache secret), each through the same code
-path (``chain_chunk_hashes`` for the new ones). Per page: sealing and decoding a page without and
+path (``chain_chunk_hashes`` for the new ones, the old one with the same token conversion), and
+the hash alone (xxh3-128, sha256, HMAC-SHA256, keyed BLAKE2b) over one chunk plus the previous
+hash. Per page: sealing and decoding a page without and
 with a signature (HMAC-SHA256 over header and payload) for page sizes of the tiny test models
 and of real ones. Prints a table and writes JSON to ``--out``.
 
@@ -12,6 +14,8 @@ Usage: ``.venv/bin/python benchmarks/key_cost.py [--out benchmarks/results/key_c
 from __future__ import annotations
 
 import argparse
+import hashlib
+import hmac
 import json
 import os
 import platform
@@ -39,9 +43,12 @@ def per_call_us(fn: Callable[[], object], min_seconds: float = 0.5) -> float:
     return elapsed / n * 1e6
 
 
-def old_chain(seed: bytes, tokens: bytes, chunk: int) -> list[bytes]:
+def old_chain(seed: bytes, token_ids: list[int], chunk: int) -> list[bytes]:
+    """The chain before issue 14: xxh3-128, the same token conversion as the new one."""
+    n_full = len(token_ids) // chunk
+    tokens = np.asarray(token_ids[: n_full * chunk], dtype="<i8").tobytes()
     out, prev, step = [], seed, chunk * 8
-    for i in range(len(tokens) // step):
+    for i in range(n_full):
         h = xxhash.xxh3_128()
         h.update(prev)
         h.update(tokens[i * step : (i + 1) * step])
@@ -59,16 +66,22 @@ def main() -> None:
                                  "load_average": os.getloadavg(), "chunks": {}, "pages": {}}
     for chunk in (128, 256):
         n_chunks = 256
-        ids = list(np.random.default_rng(0).integers(0, 150_000, chunk * n_chunks))
-        raw = np.asarray(ids, dtype="<i8").tobytes()
+        ids = np.random.default_rng(0).integers(0, 150_000, chunk * n_chunks).tolist()  # as vLLM has them
         row = {
-            "xxh3_128 (old)": per_call_us(lambda raw=raw, chunk=chunk: old_chain(b"s" * 16, raw, chunk)),
+            "xxh3_128 (old)": per_call_us(lambda ids=ids, chunk=chunk: old_chain(b"s" * 16, ids, chunk)),
             "sha256": per_call_us(lambda ids=ids, chunk=chunk: chain_chunk_hashes(b"s" * 32, ids, chunk)),
             "hmac_sha256": per_call_us(
                 lambda ids=ids, chunk=chunk: chain_chunk_hashes(b"s" * 32, ids, chunk, key)
             ),
         }
         result["chunks"][chunk] = {name: us / n_chunks for name, us in row.items()}
+    block = os.urandom(32 + 128 * 8)  # previous hash + one 128-token chunk: the hash alone
+    result["hash_only_us"] = {
+        "xxh3_128": per_call_us(lambda: xxhash.xxh3_128_digest(block)),
+        "sha256": per_call_us(lambda: hashlib.sha256(block).digest()),
+        "hmac_sha256": per_call_us(lambda: hmac.digest(key, block, "sha256")),
+        "blake2b_keyed_256": per_call_us(lambda: hashlib.blake2b(block, key=key, digest_size=32).digest()),
+    }
     for name, size in PAGES.items():
         tensors = (TensorSpec("t", (size // 2,), "bfloat16"),)
         header = PageHeader(bytes(16), bytes(32), 0, GroupKind.FULL_ATTENTION, 0, 128, tensors)
@@ -86,6 +99,8 @@ def main() -> None:
             ),
         }
     print(f"load average {result['load_average']}")
+    alone = result["hash_only_us"]
+    print("hash alone, 1056 bytes: " + ", ".join(f"{k} {v:.2f} us" for k, v in alone.items()))
     for chunk, row in result["chunks"].items():
         print(f"chunk {chunk} tokens: " + ", ".join(f"{k} {v:.2f} us" for k, v in row.items()))
     for name, row in result["pages"].items():
