@@ -29,11 +29,13 @@ def test_local_weights_identity_changes_with_any_rewrite(tmp_path: Path) -> None
     assert weights_identity(str(tmp_path)) == base
     shard = tmp_path / "model-00002.safetensors"
     st = shard.stat()
-    safetensors(shard, b"\x01" * 32)  # same size and header, new values
-    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert weights_identity(str(tmp_path)) == base  # the documented limit: same bytes' metadata
-    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # rewritten in place: a new mtime
     assert weights_identity(str(tmp_path)) != base
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert weights_identity(str(tmp_path)) == base
+    safetensors(shard, b"\x01" * 32)  # same size, header and mtime (a normalized image): new values
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert weights_identity(str(tmp_path)) != base  # the sample of its bytes
     os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
     safetensors(shard, bytes(32), shape=16)  # another header, same size and mtime
     os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
@@ -64,3 +66,30 @@ def test_adapter_identity_covers_its_config_content(tmp_path: Path) -> None:
     (tmp_path / "adapter_config.json").write_text('{"r": 9}')
     os.utime(tmp_path / "adapter_config.json", ns=(st.st_atime_ns, st.st_mtime_ns))
     assert adapter_identity(str(tmp_path)) != base  # content, not only metadata
+
+
+def test_large_weight_files_are_sampled_not_read_whole(tmp_path: Path) -> None:
+    """A fine-tune of the same shapes changes every sampled block; the file is read only in
+    ``SAMPLES`` blocks (a byte between them is the documented limit, with the mtime kept)."""
+    from hybrid_offload.model_identity import SAMPLE_BYTES, SAMPLES
+
+    size = SAMPLES * SAMPLE_BYTES * 64
+    weights = tmp_path / "model.safetensors"
+    safetensors(weights, bytes(size))
+    st = weights.stat()
+    base = weights_identity(str(tmp_path))
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2 + SAMPLE_BYTES * 3] ^= 1  # between two sampled blocks
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert weights_identity(str(tmp_path)) == base
+    safetensors(weights, bytes(range(256)) * (size // 256))  # other values throughout
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert weights_identity(str(tmp_path)) != base
+
+
+def test_a_single_gguf_file_is_identified(tmp_path: Path) -> None:
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF" + bytes(100))
+    identity = weights_identity(str(model))
+    assert [f["name"] for f in identity["files"]] == ["model.gguf"]
