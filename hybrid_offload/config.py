@@ -47,7 +47,8 @@ _TOP_KEYS = frozenset(
         "secret_env",
     }
 )
-MAX_MODEL_VERSION_LEN = 256
+#: longest model_version or weights_version (names, not data)
+MAX_VERSION_LEN = 256
 _COMMON_BACKEND_KEYS = frozenset(
     {
         "type",
@@ -98,8 +99,14 @@ class OffloadConfig:
     secret: Secret | None = None
 
     @property
-    def secret_bytes(self) -> bytes | None:
-        return None if self.secret is None else self.secret.value
+    def chain_key(self) -> bytes | None:
+        """Key of the page-key chain (:class:`HybridOffloadPlanner`), None without a secret."""
+        return None if self.secret is None else self.secret.subkey("chain")
+
+    @property
+    def page_key(self) -> bytes | None:
+        """Key of page signatures (:mod:`hybrid_offload.page_format`), None without a secret."""
+        return None if self.secret is None else self.secret.subkey("page")
 
 
 def open_backend(config: BackendConfig, index: int) -> Backend:
@@ -241,11 +248,11 @@ def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
         )
     version = extra.get("model_version")
     if version is not None and (
-        not isinstance(version, str) or not 0 < len(version) <= MAX_MODEL_VERSION_LEN
+        not isinstance(version, str) or not 0 < len(version) <= MAX_VERSION_LEN
     ):
         raise ConfigError(
             f"{ROOT}.model_version: expected a non-empty string of at most "
-            f"{MAX_MODEL_VERSION_LEN} characters naming the weights, got {version!r}"
+            f"{MAX_VERSION_LEN} characters naming the weights, got {version!r}"
         )
     accept_version = extra.get("accept_weights_version", False)
     if not isinstance(accept_version, bool):

@@ -20,6 +20,7 @@ before the preemption instead of recomputing it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections import OrderedDict
@@ -145,6 +146,12 @@ class ChunkSightings:
         return c
 
 
+@functools.lru_cache(maxsize=256)
+def _warn_no_cache(reason: str) -> None:
+    """Once per reason (a waiting request is looked up at every step)."""
+    logger.warning("requests skip the cache: %s", reason)
+
+
 class OffloadScheduler:
     """Scheduler-side logic behind the connector facade."""
 
@@ -179,9 +186,9 @@ class OffloadScheduler:
         """The request's state, keyed on first sight; a request keyed before a cache reset is
         keyed anew when it is looked up again (resumed), unless a load is in flight. None:
         the request does not use the cache (multimodal, embeddings, a malformed scope)."""
-        state = self._requests.get(request.request_id)
-        if state is not None and not (state.stale and not (state.loading or state.load_pending)):
-            return state
+        known = self._requests.get(request.request_id)
+        if known is not None and not (known.stale and not (known.loading or known.load_pending)):
+            return known
         if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
             return None
         try:
@@ -189,7 +196,7 @@ class OffloadScheduler:
                 request, self._epoch, self._adapters, accept_version=self._accept_weights_version
             )
         except ScopeError as exc:
-            logger.warning("request %s does not use the cache: %s", request.request_id, exc)
+            _warn_no_cache(str(exc))
             return None
         prompt = list(request.prompt_token_ids or [])
         seed = self.planner.scope_seed(scope)
@@ -197,11 +204,12 @@ class OffloadScheduler:
         state = RequestState(request, len(prompt), seed, hashes, self.planner.group_keys(hashes))
         self._requests[request.request_id] = state
         self._sightings.see(hashes)
-        with self.stats.lock:
-            self.stats.counters.requests += 1
-            self.stats.counters.aligned_prompt_tokens += (
-                self.planner.max_boundary_chunks(len(prompt)) * self.planner.chunk_tokens
-            )
+        if known is None:  # a request keyed anew after a reset is counted once
+            with self.stats.lock:
+                self.stats.counters.requests += 1
+                self.stats.counters.aligned_prompt_tokens += (
+                    self.planner.max_boundary_chunks(len(prompt)) * self.planner.chunk_tokens
+                )
         return state
 
     def get_num_new_matched_tokens(

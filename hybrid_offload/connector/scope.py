@@ -4,7 +4,11 @@ The scope seeds the request's key chain (:meth:`HybridOffloadPlanner.scope_seed`
 canonical JSON, so no field value can make two different scopes encode alike:
 
 * ``lora``: the adapter's name, path and identity (its files, see
-  :func:`~hybrid_offload.model_identity.adapter_identity`), never its per-process integer id;
+  :func:`~hybrid_offload.model_identity.adapter_identity`), never its per-process integer id.
+  The identity is taken when the scheduler first sees the adapter's id and pinned to it: vLLM's
+  workers load an adapter once per id, so files rewritten later under the same id would name
+  weights the workers do not use. Requests with an adapter whose files changed since (or
+  cannot be read) skip the cache until it is loaded under a new id;
 * ``salt``: vLLM's ``cache_salt``;
 * ``weights``: the weights version, where the weights differ from those the engine started with
   (the fingerprint names those): the request's ``kv_transfer_params["hybrid_offload"]
@@ -22,8 +26,10 @@ import functools
 import json
 import logging
 import os
+import reprlib
 from typing import TYPE_CHECKING, Any
 
+from hybrid_offload.config import MAX_VERSION_LEN
 from hybrid_offload.model_identity import adapter_identity
 
 if TYPE_CHECKING:
@@ -34,7 +40,6 @@ logger = logging.getLogger(__name__)
 #: the request parameter namespace (``kv_transfer_params``) and the key in it
 PARAMS_KEY = "hybrid_offload"
 WEIGHTS_VERSION_KEY = "weights_version"
-MAX_WEIGHTS_VERSION_LEN = 256
 
 
 class ScopeError(ValueError):
@@ -43,11 +48,12 @@ class ScopeError(ValueError):
 
 
 class AdapterIdentities:
-    """LoRA adapter identities by path, recomputed when a file of the adapter changes (a stat of
-    its directory's entries per lookup, its JSON files and weight headers read only then)."""
+    """LoRA adapter identities pinned per (adapter id, path) at first sight (see the module
+    docstring); each lookup stats the adapter directory's entries to see that they are as
+    pinned, and its files are read only at first sight."""
 
     def __init__(self) -> None:
-        self._cache: dict[str, tuple[tuple[Any, ...], str]] = {}
+        self._pinned: dict[tuple[int, str], tuple[tuple[Any, ...], str]] = {}
 
     @staticmethod
     def _signature(path: str) -> tuple[Any, ...]:
@@ -61,14 +67,24 @@ class AdapterIdentities:
         except (OSError, ValueError):  # missing, not a directory, a NUL in the path
             return ()
 
-    def get(self, path: str) -> str:
+    def get(self, adapter_id: int, path: str) -> str:
+        """The adapter's identity (canonical JSON); raises :class:`ScopeError` when its files
+        changed since it was pinned or cannot be read."""
         signature = self._signature(path)
-        cached = self._cache.get(path)
-        if cached is not None and cached[0] == signature and signature:
-            return cached[1]
-        identity = json.dumps(adapter_identity(path), sort_keys=True, separators=(",", ":"))
-        self._cache[path] = (signature, identity)
-        return identity
+        pinned = self._pinned.get((adapter_id, path))
+        if pinned is None:
+            try:
+                identity = adapter_identity(path)
+            except (OSError, RuntimeError) as exc:
+                raise ScopeError(f"LoRA adapter {path!r} cannot be read: {exc}") from None
+            pinned = (signature, json.dumps(identity, sort_keys=True, separators=(",", ":")))
+            self._pinned[(adapter_id, path)] = pinned
+        if pinned[0] != signature:
+            raise ScopeError(
+                f"LoRA adapter {path!r} (id {adapter_id}) changed on disk since the engine first "
+                "used it: its requests skip the cache until it is loaded under a new id"
+            )
+        return pinned[1]
 
 
 @functools.cache
@@ -89,10 +105,10 @@ def weights_version(request: Request) -> str | None:
     if not isinstance(ours, dict) or WEIGHTS_VERSION_KEY not in ours:
         return None
     version = ours[WEIGHTS_VERSION_KEY]
-    if not isinstance(version, str) or not 0 < len(version) <= MAX_WEIGHTS_VERSION_LEN:
+    if not isinstance(version, str) or not 0 < len(version) <= MAX_VERSION_LEN:
         raise ScopeError(
             f"kv_transfer_params.{PARAMS_KEY}.{WEIGHTS_VERSION_KEY} must be a non-empty string of "
-            f"at most {MAX_WEIGHTS_VERSION_LEN} characters, got {version!r}"
+            f"at most {MAX_VERSION_LEN} characters, got {reprlib.repr(version)}"
         )
     return version
 
@@ -110,7 +126,7 @@ def request_scope(
         scope["lora"] = {
             "name": lora.lora_name,
             "path": path,
-            "identity": adapters.get(path) if path else "",
+            "identity": adapters.get(int(getattr(lora, "lora_int_id", 0)), path) if path else "",
         }
     salt = getattr(request, "cache_salt", None)
     if salt:

@@ -82,13 +82,33 @@ def test_lora_is_scoped_by_its_path_and_files_not_its_integer_id(worlds, tmp_pat
     base = keys(w, FakeRequest("1", TOKENS, lora_request=lora("sql", str(a), 1)))
     assert keys(w, FakeRequest("2", TOKENS, lora_request=lora("sql", str(a), 7))) == base
     assert keys(w, FakeRequest("3", TOKENS, lora_request=lora("sql", str(b), 1))) != base
-    # the adapter at the same path retrained: its weights rewritten in place (new mtime)
+    # the adapter at the same path retrained: its weights rewritten in place (new mtime). vLLM's
+    # workers keep what they loaded under an id, so under the ids seen before the cache is
+    # skipped (the keys would name files the workers do not use); loaded under a new id, it
+    # gets new keys.
     st_ = (a / "adapter_model.safetensors").stat()
     _adapter(a, 8, b"\x01" * 64)
     os.utime(a / "adapter_model.safetensors", ns=(st_.st_atime_ns, st_.st_mtime_ns + 10**6))
-    assert keys(w, FakeRequest("4", TOKENS, lora_request=lora("sql", str(a), 1))) != base
+    for adapter_id in (1, 7):
+        req = FakeRequest("4", TOKENS, lora_request=lora("sql", str(a), adapter_id))
+        assert w.sched._request_state(req) is None
+    retrained = keys(w, FakeRequest("5", TOKENS, lora_request=lora("sql", str(a), 8)))
+    assert retrained != base
     _adapter(a, 16, b"\x01" * 64)  # another rank in adapter_config.json
-    assert keys(w, FakeRequest("5", TOKENS, lora_request=lora("sql", str(a), 1))) not in (base,)
+    assert keys(w, FakeRequest("6", TOKENS, lora_request=lora("sql", str(a), 9))) not in (base, retrained)
+
+
+def test_an_unreadable_adapter_skips_the_cache_never_fails_the_lookup(worlds, tmp_path: Path) -> None:
+    """A dangling weight file link or an unreadable config: the request misses (review of
+    issue 14: this raised out of the scheduler's lookup)."""
+    w = worlds(make_spec(8, 8), 8)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text("{}")
+    (broken / "adapter_model.safetensors").symlink_to(tmp_path / "missing")
+    req = FakeRequest("x", TOKENS, lora_request=lora("b", str(broken), 3))
+    assert w.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert w.sched._request_state(req) is None
 
 
 def test_reset_epochs_differ_across_engines_and_restarts(worlds) -> None:
@@ -157,3 +177,4 @@ def test_requests_straddling_a_reset_store_nothing_more(worlds) -> None:
     assert meta.commits == [] and meta.touches == []
     w.sched.get_num_new_matched_tokens(req, 0)  # resumed: keyed anew
     assert keys(w, req)[ATTN][0] != old_keys[ATTN][0]
+    assert w.sched.stats.counters.requests == 1  # one request, keyed twice
