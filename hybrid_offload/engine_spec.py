@@ -13,7 +13,7 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
-from enum import StrEnum
+from enum import Enum, StrEnum
 from math import prod
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -257,10 +257,30 @@ class ModelSpec:
         return bytes.fromhex(self.fingerprint)
 
 
+class UnidentifiableModelError(ValueError):
+    """Something that changes the model's KV cannot be named in the fingerprint (a function in
+    vLLM's ``hf_overrides``): the operator names the model with ``model_version``."""
+
+
+def _json_value(value: Any) -> Any:
+    """JSON for a config value that JSON does not know, named by its content, never by an
+    object identity that differs per process (a repr with an address, a function)."""
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, set | frozenset):
+        return sorted(value, key=str)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if callable(value) or " at 0x" in (text := str(value)):
+        raise UnidentifiableModelError(f"{value!r} is named by its identity, not its content")
+    return text
+
+
 def compute_fingerprint(fields: dict[str, Any]) -> str:
     """Stable 128-bit hex digest (sha256, truncated) of canonical JSON (sorted keys; no
-    Python ``hash()``)."""
-    blob = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str).encode()
+    Python ``hash()``). Raises :class:`UnidentifiableModelError` for a value that has no
+    content-based JSON form."""
+    blob = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=_json_value).encode()
     return hashlib.sha256(blob).hexdigest()[:32]
 
 
@@ -433,7 +453,10 @@ def _group_from_vllm(index: int, group: Any, shape: ModelShape | None = None) ->
 
 
 def _config_file(model: str, revision: str | None) -> Path | None:
-    """The model's config.json: in its local directory, or in the Hugging Face hub cache."""
+    """The model's config.json (``model``: vLLM's ``hf_config_path`` or model): in its local
+    directory, a config file itself, or in the Hugging Face hub cache."""
+    if Path(model).is_file():
+        return Path(model)
     local = Path(model) / "config.json"
     if local.is_file():
         return local
@@ -450,7 +473,8 @@ def _hf_config_digest(model_config: Any) -> str:
     """Digest of the model's config as published: its config.json bytes where the file is at
     hand, else the live config without what vLLM rewrites on it while building the model (a
     process that did not build it, the scheduler at TP > 1, would see other values)."""
-    path = _config_file(str(model_config.model), model_config.revision)
+    source = getattr(model_config, "hf_config_path", None) or model_config.model
+    path = _config_file(str(source), model_config.revision)
     if path is not None:
         return hashlib.sha256(path.read_bytes()).hexdigest()
     hf = model_config.hf_config.to_dict()
@@ -458,20 +482,25 @@ def _hf_config_digest(model_config: Any) -> str:
     return compute_fingerprint({k: v for k, v in hf.items() if k not in skip})
 
 
-def _hf_overrides(overrides: Any) -> Any:
-    """``hf_overrides`` as JSON: a dict as is, a function by its qualified name."""
-    if callable(overrides):
-        return f"callable:{getattr(overrides, '__module__', '?')}.{getattr(overrides, '__qualname__', '?')}"
-    return overrides or {}
+def _hf_overrides(overrides: Any, model_version: str | None) -> Any:
+    """``hf_overrides`` as JSON: a dict as is; a function cannot be named by what it does, so
+    only with ``model_version`` (which then names it too), by its qualified name."""
+    if not callable(overrides):
+        return overrides or {}
+    if not model_version:
+        raise UnidentifiableModelError(
+            "vLLM's hf_overrides is a function: hybrid-offload cannot tell which model config it "
+            "makes, so pages could be shared with an engine whose function differs. Set "
+            "kv_connector_extra_config.model_version to a name for these weights and overrides"
+        )
+    return f"callable:{getattr(overrides, '__module__', '?')}.{getattr(overrides, '__qualname__', '?')}"
 
 
-def _weights_fields(vllm_config: VllmConfig, model_version: str | None) -> dict[str, Any]:
+def _weights_fields(model_config: Any, load_format: str, model_version: str | None) -> dict[str, Any]:
     """What names the weights: the operator's ``model_version`` where given, else what
     :mod:`~hybrid_offload.model_identity` finds (a warning where it finds nothing)."""
     if model_version:
         return {"model_version": model_version}
-    model_config = vllm_config.model_config
-    load_format = str(getattr(vllm_config.load_config, "load_format", "auto"))
     if load_format == "dummy":
         return {"dummy": True, "seed": model_config.seed}
     identity = weights_identity(str(model_config.model), model_config.revision)
@@ -494,17 +523,22 @@ def _model_fields(vllm_config: VllmConfig, model_version: str | None = None) -> 
     """Everything about the model that changes its KV for the same tokens."""
     model_config = vllm_config.model_config
     cache_config = vllm_config.cache_config
+    load_format = str(getattr(vllm_config.load_config, "load_format", "auto"))
     return {
         "name": str(model_config.model),
+        "model_weights": getattr(model_config, "model_weights", "") or "",
+        "hf_config_path": getattr(model_config, "hf_config_path", None),
         "revision": model_config.revision,
         "code_revision": model_config.code_revision,
         "architectures": list(getattr(model_config.hf_config, "architectures", None) or []),
         "hf_config": _hf_config_digest(model_config),
-        "hf_overrides": _hf_overrides(model_config.hf_overrides),
-        "weights": _weights_fields(vllm_config, model_version),
+        "hf_overrides": _hf_overrides(model_config.hf_overrides, model_version),
+        "model_class_overrides": getattr(model_config, "model_class_overrides", None) or {},
+        "weights": _weights_fields(model_config, load_format, model_version),
         "quantization": model_config.quantization,
+        "quantization_config": getattr(model_config, "quantization_config", None),
         "model_impl": str(getattr(model_config, "model_impl", "auto")),
-        "load_format": str(getattr(vllm_config.load_config, "load_format", "auto")),
+        "load_format": load_format,
         "dtype": _dtype_name(model_config.dtype),
         "kv_cache_dtype": str(cache_config.cache_dtype),
         "kv_cache_dtype_skip_layers": sorted(getattr(cache_config, "kv_cache_dtype_skip_layers", None) or []),

@@ -38,7 +38,7 @@ from hybrid_offload.connector.metadata import OffloadMetadata
 from hybrid_offload.connector.prometheus import HybridOffloadPromMetrics, HybridOffloadStats
 from hybrid_offload.connector.scheduler import OffloadScheduler
 from hybrid_offload.connector.worker import OffloadWorker
-from hybrid_offload.engine_spec import model_spec_from_vllm
+from hybrid_offload.engine_spec import UnidentifiableModelError, model_spec_from_vllm
 from hybrid_offload.metrics import StatsDelta
 from hybrid_offload.planner import HybridOffloadPlanner, PlannerConfigError
 from hybrid_offload.tp_shards import ShardLayoutError
@@ -99,8 +99,10 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             )
         except ShardLayoutError as exc:
             raise ConfigError(f"{ROOT}.tp_shards (tensor_parallel_size={tp_size}): {exc}") from exc
+        except UnidentifiableModelError as exc:
+            raise ConfigError(f"{ROOT}.model_version: {exc}") from exc
         try:
-            self.planner = HybridOffloadPlanner(spec, config.chunk_tokens, config.secret_bytes)
+            self.planner = HybridOffloadPlanner(spec, config.chunk_tokens, config.chain_key)
         except PlannerConfigError as exc:
             raise ConfigError(f"{ROOT}.chunk_tokens: {exc}") from exc
         self.scheduler: OffloadScheduler | None = None
@@ -125,7 +127,7 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 config.backends,
                 config.max_pending_store_bytes,
                 load_switch_interval_s=config.load_switch_interval_s,
-                secret=config.secret_bytes,
+                page_key=config.page_key,
             )
         side = self.scheduler or self.worker
         assert side is not None

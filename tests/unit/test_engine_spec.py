@@ -24,6 +24,7 @@ from hybrid_offload.engine_spec import (
     GroupSpec,
     ModelSpec,
     TensorSpec,
+    UnidentifiableModelError,
     _group_from_vllm,
     compute_fingerprint,
     make_model_spec,
@@ -306,6 +307,7 @@ class _HFConfig:
 
 
 def _vllm_config(v: SimpleNamespace, hf: dict[str, Any], tp: int = 1, **model: Any) -> SimpleNamespace:
+    load_format = model.pop("load_format", "auto")
     fields = {"model": "/models/tiny", "revision": None, "code_revision": None,
               "quantization": None, "hf_overrides": {}, "model_impl": "auto", "seed": 0, **model}
     return SimpleNamespace(
@@ -313,7 +315,7 @@ def _vllm_config(v: SimpleNamespace, hf: dict[str, Any], tp: int = 1, **model: A
                                      max_model_len=8192, get_total_num_kv_heads=lambda: 2, **fields),
         cache_config=SimpleNamespace(cache_dtype="auto", kv_cache_dtype_skip_layers=[]),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp),
-        load_config=SimpleNamespace(load_format="auto"),
+        load_config=SimpleNamespace(load_format=load_format),
     )
 
 
@@ -444,3 +446,41 @@ def test_fingerprint_covers_what_changes_kv(vllm_kv: SimpleNamespace, tmp_path: 
     assert fp() != base
     # an operator-managed version names the weights alone: the files no longer matter
     assert fp("v2") == others["model_version"]
+
+
+def test_fingerprint_covers_config_source_weights_uri_and_quantization_config(
+    vllm_kv: SimpleNamespace, tmp_path: Path
+) -> None:
+    """The config actually used (hf_config_path), the weights' origin (model_weights), online
+    quantization specs and model class overrides each change the fingerprint; a function in
+    hf_overrides cannot be named, so it needs model_version (review of issue 14)."""
+    v = vllm_kv
+    groups = [v.kv.KVCacheGroupSpec(layer_names=attn_layers(1), kv_cache_spec=fa_spec(v))]
+    kv_config = v.kv.KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+    hf = {"architectures": ["FalconH1ForCausalLM"], "hidden_size": 256}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    other = tmp_path / "other-config"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({**hf, "rope_theta": 1e6}))
+
+    def fp(model_version: str | None = None, **model: Any) -> str:
+        config = _vllm_config(v, hf, model=str(tmp_path), load_format="dummy", **model)
+        return model_spec_from_vllm(config, kv_config, model_version=model_version).fingerprint
+
+    base = fp()
+    others = [
+        fp(hf_config_path=str(other)),
+        fp(model_weights="s3://bucket/model-v2"),
+        fp(quantization_config={"linear": "fp8_per_tensor", "ignore": ["lm_head"]}),
+        fp(model_class_overrides={"FalconH1ForCausalLM": "my.module:Model"}),
+    ]
+    assert len({base, *others}) == len(others) + 1
+
+    def override(config: Any) -> Any:
+        return config
+    with pytest.raises(UnidentifiableModelError, match="model_version"):
+        fp(hf_overrides=override)
+    assert fp("v1", hf_overrides=override) != fp("v1")
+    with pytest.raises(UnidentifiableModelError, match="identity"):
+        fp(quantization_config={"linear": object()})  # a repr with an address
+
