@@ -159,6 +159,18 @@ def _short_digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:32]
 
 
+def _shard_digest(set_digest: str, shard: int, shards: int) -> str:
+    tail = shard.to_bytes(2, "little") + shards.to_bytes(2, "little")
+    return _short_digest(bytes.fromhex(set_digest) + tail)
+
+
+def key_digest(chunk_hash: bytes, group_index: int, shard: int = 0, shards: int = 1) -> str:
+    """The digest half of a page's key (``<fingerprint>-<digest>``), a function of fields in
+    the page's header: a page stored under another key than its own can be told."""
+    digest = _short_digest(chunk_hash + group_index.to_bytes(2, "little"))
+    return digest if shards == 1 else _shard_digest(digest, shard, shards)
+
+
 class HybridOffloadPlanner:
     """Maps token prefixes to page keys and decides the longest loadable prefix."""
 
@@ -190,8 +202,7 @@ class HybridOffloadPlanner:
     def page_key(self, chunk_hash: bytes, group_index: int) -> str:
         """Key of one (chunk, group) page set: ``<fingerprint>-<digest>``. A set of one shard
         is stored under this key; otherwise each shard under :meth:`shard_keys`."""
-        tail = group_index.to_bytes(2, "little")
-        return f"{self.namespace}-{_short_digest(chunk_hash + tail)}"
+        return f"{self.namespace}-{key_digest(chunk_hash, group_index)}"
 
     def group_keys(self, chunk_hashes: Sequence[bytes]) -> list[list[str]]:
         """Page-set keys per group (outer) per chunk (inner)."""
@@ -203,11 +214,7 @@ class HybridOffloadPlanner:
         if shards == 1:
             return [page_key]
         namespace, _, digest = page_key.partition("-")
-        tail = shards.to_bytes(2, "little")
-        return [
-            f"{namespace}-{_short_digest(bytes.fromhex(digest) + p.to_bytes(2, 'little') + tail)}"
-            for p in range(shards)
-        ]
+        return [f"{namespace}-{_shard_digest(digest, p, shards)}" for p in range(shards)]
 
     def sets_contain(
         self, keys: Sequence[Sequence[str]], contains: Callable[[list[str]], list[bool]]

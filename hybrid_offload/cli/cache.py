@@ -52,6 +52,7 @@ from hybrid_offload.cli.cache_target import (
     target_config,
 )
 from hybrid_offload.model_card import ModelCard, card_problem, decode_card, describe_card, is_card_key
+from hybrid_offload.secrets import Secret
 
 logger = logging.getLogger(__name__)
 
@@ -66,19 +67,23 @@ def delete_pages(backend: Backend, keys: list[str]) -> int:
     return sum(backend.delete_batch(keys[i : i + DELETE_BATCH]) for i in range(0, len(keys), DELETE_BATCH))
 
 
-def check_page(key: str, data: bytes, secret: bytes | None = None) -> str | None:
+def check_page(key: str, data: bytes, secret: Secret | None = None) -> str | None:
     """Why the page (or model card) stored under ``key`` is corrupt, or None if it is valid;
     with the cache ``secret``, a page without a valid signature is invalid too."""
     from hybrid_offload.page_format import PageFormatError, decode_page
+    from hybrid_offload.planner import key_digest
 
     if is_card_key(key):
         return card_problem(key, data)
     try:
-        header, _ = decode_page(data, key=secret)
+        header, _ = decode_page(data, key=None if secret is None else secret.subkey("page"))
     except PageFormatError as exc:
         return str(exc)
     if header.fingerprint.hex() != namespace(key):
         return f"header fingerprint {header.fingerprint.hex()} is not the key's namespace {namespace(key)}"
+    own = key_digest(header.chunk_hash, header.group_index, header.shard, header.shards)
+    if key.partition("-")[2] != own:
+        return "the header's chunk, group and shard are another key's: the page was stored under a wrong key"
     return None
 
 
@@ -184,7 +189,7 @@ def _model_name(card: ModelCard | None) -> str | None:
 # -- inspect ----------------------------------------------------------------------------------
 
 
-def describe_page(key: str, data: bytes, secret: bytes | None = None) -> dict[str, Any]:
+def describe_page(key: str, data: bytes, secret: Secret | None = None) -> dict[str, Any]:
     """Every header field, the tensor table and the checksum verdicts of one page."""
     from hybrid_offload.page_format import PageFormatError, decode_header, decode_page
 

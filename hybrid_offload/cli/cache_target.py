@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from hybrid_offload.backends import Backend, BackendConfig, backend_class, create_backend
-from hybrid_offload.secrets import SecretError, read_secret
+from hybrid_offload.secrets import Secret, SecretError, read_secret
 
 __all__ = [
     "OPEN_CAPACITY",
@@ -190,14 +190,13 @@ def _with_secrets(entry: dict[str, Any], args: argparse.Namespace, target: str) 
     return entry
 
 
-def cache_secret(args: argparse.Namespace) -> bytes | None:
+def cache_secret(args: argparse.Namespace) -> Secret | None:
     """The cache secret of ``--secret-file`` / ``--secret-env`` (None without them)."""
     flag = "--secret-file" if args.secret_file is not None else "--secret-env"
     try:
-        secret = read_secret(file=args.secret_file, env=args.secret_env, what=flag)
+        return read_secret(file=args.secret_file, env=args.secret_env, what=flag)
     except SecretError as exc:
         raise CacheCliError(str(exc)) from None
-    return None if secret is None else secret.value
 
 
 def open_for_maintenance(config: BackendConfig) -> Backend:

@@ -32,6 +32,7 @@ from hybrid_offload import FORMAT_VERSION
 from hybrid_offload.engine_spec import GroupKind, TensorSpec
 from hybrid_offload.model_card import CardGroup, ModelCard, card_key, encode_card
 from hybrid_offload.page_format import PageHeader, encode_page
+from hybrid_offload.planner import key_digest
 
 REPO = Path(__file__).resolve().parents[2]
 FP_A = "a1" * 16  # a hybrid model: attention group 0, Mamba group 1
@@ -40,6 +41,12 @@ MiB = 1 << 20
 
 
 # -- real pages ---------------------------------------------------------------------------------
+
+
+def page_key(header: PageHeader) -> str:
+    """The key an engine stores the page under (``cache verify`` checks it)."""
+    digest = key_digest(header.chunk_hash, header.group_index, header.shard, header.shards)
+    return f"{header.fingerprint.hex()}-{digest}"
 
 
 def make_page(fp: str, group: int, chunk: int, shard: int = 0, shards: int = 1) -> tuple[str, bytes]:
@@ -55,7 +62,7 @@ def make_page(fp: str, group: int, chunk: int, shard: int = 0, shards: int = 1) 
     chunk_hash = hashlib.blake2b(seed, digest_size=32).digest()
     header = PageHeader(bytes.fromhex(fp), chunk_hash, group, kind, chunk, 16, tensors, shard, shards)
     payload = random.Random(seed).randbytes(sum(t.nbytes for t in tensors))
-    return f"{fp}-{hashlib.blake2b(seed + b'key', digest_size=16).hexdigest()}", encode_page(header, payload)
+    return page_key(header), encode_page(header, payload)
 
 
 def pages_a() -> dict[str, bytes]:
@@ -331,7 +338,7 @@ def big_page(fp: str, chunk: int, tokens: int = 1024) -> tuple[str, bytes]:
     header = PageHeader(bytes.fromhex(fp), hashlib.blake2b(seed, digest_size=32).digest(), 0,
                         GroupKind.FULL_ATTENTION, chunk, tokens, tensors, 0, 1)  # fmt: skip
     payload = random.Random(seed).randbytes(sum(t.nbytes for t in tensors))
-    return f"{fp}-{hashlib.blake2b(seed + b'key', digest_size=16).hexdigest()}", encode_page(header, payload)
+    return page_key(header), encode_page(header, payload)
 
 
 def server_sent_bytes(cache: Cache) -> int:
@@ -652,11 +659,13 @@ def test_verify_with_the_cache_secret_refuses_unsigned_and_forged_pages(tmp_path
     engines' secret is ok, an unsigned one or one signed under another secret is corrupt (and
     ``--delete-bad`` removes it); without the secret all three verify (checksums only)."""
     from hybrid_offload.page_format import decode_page
+    from hybrid_offload.secrets import Secret
 
     cache = _disk_cache(tmp_path)
     (tmp_path / "secret").write_text("engines-secret\n")
     pages = {}
-    for chunk, key in enumerate((b"engines-secret", None, b"forger")):
+    signers = (Secret(b"engines-secret").subkey("page"), None, Secret(b"forger").subkey("page"))
+    for chunk, key in enumerate(signers):
         page_key, data = make_page(FP_A, 0, chunk)
         header, payload = decode_page(data)
         pages[page_key] = encode_page(header, bytes(payload), key=key)
@@ -674,5 +683,9 @@ def test_verify_with_the_cache_secret_refuses_unsigned_and_forged_pages(tmp_path
     cli("verify", *cache.args, "--secret-file", str(tmp_path / "secret"), "--delete-bad", check=1)
     again = cli_json("verify", *cache.args, "--secret-file", str(tmp_path / "secret"))
     assert (again["pages"], again["ok"], again["corrupt"]) == (1, 1, 0)
+    cache.put({make_page(FP_A, 0, 9)[0]: pages[good]})  # a signed page copied under another key
+    moved = cli_json("verify", *cache.args, "--secret-file", str(tmp_path / "secret"), check=1)
+    assert (moved["ok"], moved["corrupt"]) == (1, 1)
+    assert "wrong key" in moved["corrupt_pages"][0]["error"]
     missing = cli("verify", *cache.args, "--secret-file", str(tmp_path / "none"), check=2)
     assert "--secret-file" in missing.stderr
