@@ -12,6 +12,7 @@ Pure: no vLLM, no torch.
 
 from __future__ import annotations
 
+import hmac
 import os
 import stat
 from collections.abc import Mapping
@@ -38,6 +39,12 @@ class Secret:
 
     def text(self) -> str:
         return self.value.decode()
+
+    def subkey(self, purpose: str) -> bytes:
+        """A key for one use of a cache secret (``"chain"``: page keys, ``"page"``: page
+        signatures), HMAC-SHA256 of the purpose under the secret: no output of one use is
+        valid for another."""
+        return hmac.digest(self.value, b"hybrid-offload/" + purpose.encode(), "sha256")
 
 
 def literal_secret_error(what: str, option: str) -> SecretError:

@@ -117,12 +117,12 @@ class OffloadWorker:
         max_pending_store_bytes: int,
         *,
         load_switch_interval_s: float = 0.0,
-        secret: bytes | None = None,
+        page_key: bytes | None = None,
     ) -> None:
-        """``secret``: pages are signed with it and must verify under it (see ``page_format``)."""
+        """``page_key``: pages are signed with it and must verify under it (see ``page_format``)."""
         self.spec = spec
         self.planner = planner
-        self._secret = secret
+        self._page_key = page_key
         self.codecs = {g.index: PageCodec(spec, g, planner.chunk_tokens) for g in spec.groups}
         self.backends: dict[str, Backend] = {c.name: open_backend(c, i) for i, c in enumerate(backends)}
         self.health = {
@@ -325,7 +325,7 @@ class OffloadWorker:
         # Deepest page first: a backend's LRU then keeps a prefix more recent than the pages
         # that need it (a state needs every chunk before it), and evicts from the deep end.
         for job, shard, buf in reversed(batch):
-            seal_page(buf, self.codecs[job.page.group].header(job.page, shard), self._secret)
+            seal_page(buf, self.codecs[job.page.group].header(job.page, shard), self._page_key)
             key = self.planner.shard_keys(job.page.key, job.page.group)[shard]
             for name in job.backends:
                 per_backend.setdefault(name, []).append((key, buf))
@@ -451,7 +451,7 @@ class OffloadWorker:
                 continue
             try:
                 _, payload = decode_page(
-                    memoryview(buf)[:size], read.codec.header(read.page, read.shard), self._secret
+                    memoryview(buf)[:size], read.codec.header(read.page, read.shard), self._page_key
                 )
             except PageFormatError as exc:
                 self._count("bad_pages")

@@ -282,9 +282,11 @@ def test_model_version_and_secret(tmp_path, monkeypatch: pytest.MonkeyPatch) -> 
     path = tmp_path / "secret"
     path.write_text("hunter2\n")
     config = parse_offload_config({**good(), "secret_file": str(path)})
-    assert config.secret_bytes == b"hunter2" and "hunter2" not in repr(config)
+    assert config.secret is not None and config.secret.value == b"hunter2" and "hunter2" not in repr(config)
+    assert None not in (config.chain_key, config.page_key) and config.chain_key != config.page_key
     monkeypatch.setenv("HO_TEST_SECRET", "s3")
-    assert parse_offload_config({**good(), "secret_env": "HO_TEST_SECRET"}).secret_bytes == b"s3"
+    from_env = parse_offload_config({**good(), "secret_env": "HO_TEST_SECRET"}).secret
+    assert from_env is not None and from_env.value == b"s3"
     for extra, why in (({"secret_env": "HO_TEST_UNSET"}, "unset"),
                        ({"secret_file": str(tmp_path / "absent")}, "cannot read"),
                        ({"secret_file": str(path), "secret_env": "HO_TEST_SECRET"}, "not both")):
