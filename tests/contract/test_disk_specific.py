@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from backend_contract import key, page
+from disk_pages import make_disk, page_path
 from hybrid_offload.backends import (
     BackendConfig,
     BackendConfigError,
@@ -53,18 +54,6 @@ def run_child(root: Path, command: str, ids: list[int]) -> subprocess.Popen[str]
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == (3 if command == "crash" else 0), stderr
     return proc
-
-
-def make_disk(root: Path, capacity: int = 1 << 30, **options: Any) -> DiskBackend:
-    config = BackendConfig("disk", "disk-test", capacity, options={"path": str(root), **options})
-    backend = create_backend(config)
-    assert isinstance(backend, DiskBackend)
-    return backend
-
-
-def page_path(root: Path, k: str) -> Path:
-    namespace, digest = k.split("-")
-    return root / namespace / digest[:2] / f"{digest}.page"
 
 
 def temp_files(root: Path) -> list[Path]:

@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 import yaml
 from backend_contract import key, page
-from hybrid_offload.backends import BackendConfig, BackendConfigError, BackendUnavailableError, create_backend
+from disk_pages import make_disk, page_path
+from hybrid_offload.backends import BackendConfigError, BackendUnavailableError, create_backend
 from hybrid_offload.backends.disk import DiskBackend
 
 from hybrid_offload.config import parse_offload_config
@@ -26,18 +27,6 @@ from hybrid_offload.config import parse_offload_config
 HERE = Path(__file__).resolve().parent
 CONFIGS = HERE.parents[1] / "configs"
 NOBODY = 65534
-
-
-def make_disk(root: Path | str, capacity: int = 1 << 30, **options: Any) -> DiskBackend:
-    config = BackendConfig("disk", "disk-test", capacity, options={"path": str(root), **options})
-    backend = create_backend(config)
-    assert isinstance(backend, DiskBackend)
-    return backend
-
-
-def page_path(root: Path, k: str) -> Path:
-    namespace, digest = k.split("-")
-    return root / namespace / digest[:2] / f"{digest}.page"
 
 
 def page_bytes(root: Path) -> int:
