@@ -414,21 +414,30 @@ def test_hf_config_digest_ignores_what_vllm_patches_at_runtime(vllm_kv: SimpleNa
     assert local(hf) != pristine
 
 
+HF_TINY = {"architectures": ["FalconH1ForCausalLM"], "hidden_size": 256}
+
+
+def _fingerprints(v: SimpleNamespace, model_dir: Path, hf: dict[str, Any], **defaults: Any) -> Any:
+    """``fp(model_version=None, **model_config_fields)``: the fingerprint of a one-group
+    engine on the model in ``model_dir`` (its config.json written from ``hf``)."""
+    groups = [v.kv.KVCacheGroupSpec(layer_names=attn_layers(1), kv_cache_spec=fa_spec(v))]
+    kv_config = v.kv.KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+    (model_dir / "config.json").write_text(json.dumps(hf))
+
+    def fp(model_version: str | None = None, **model: Any) -> str:
+        config = _vllm_config(v, hf, model=str(model_dir), **{**defaults, **model})
+        return model_spec_from_vllm(config, kv_config, model_version=model_version).fingerprint
+
+    return fp
+
+
 def test_fingerprint_covers_what_changes_kv(vllm_kv: SimpleNamespace, tmp_path: Path) -> None:
     """Weights (files in the model directory), code revision, quantization, HF overrides and an
     operator's model_version each change the fingerprint (issue 14 H3, M6)."""
-    v = vllm_kv
-    groups = [v.kv.KVCacheGroupSpec(layer_names=attn_layers(1), kv_cache_spec=fa_spec(v))]
-    kv_config = v.kv.KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
-    hf = {"architectures": ["FalconH1ForCausalLM"], "hidden_size": 256}
-    (tmp_path / "config.json").write_text(json.dumps(hf))
+    fp = _fingerprints(vllm_kv, tmp_path, HF_TINY)
     weights = tmp_path / "model.safetensors"
     header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
     weights.write_bytes(len(header).to_bytes(8, "little") + header + bytes(16))
-
-    def fp(model_version: str | None = None, **model: Any) -> str:
-        config = _vllm_config(v, hf, model=str(tmp_path), **model)
-        return model_spec_from_vllm(config, kv_config, model_version=model_version).fingerprint
 
     base = fp()
     assert fp() == base
@@ -454,18 +463,10 @@ def test_fingerprint_covers_config_source_weights_uri_and_quantization_config(
     """The config actually used (hf_config_path), the weights' origin (model_weights), online
     quantization specs and model class overrides each change the fingerprint; a function in
     hf_overrides cannot be named, so it needs model_version (review of issue 14)."""
-    v = vllm_kv
-    groups = [v.kv.KVCacheGroupSpec(layer_names=attn_layers(1), kv_cache_spec=fa_spec(v))]
-    kv_config = v.kv.KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
-    hf = {"architectures": ["FalconH1ForCausalLM"], "hidden_size": 256}
-    (tmp_path / "config.json").write_text(json.dumps(hf))
+    fp = _fingerprints(vllm_kv, tmp_path, HF_TINY, load_format="dummy")
     other = tmp_path / "other-config"
     other.mkdir()
-    (other / "config.json").write_text(json.dumps({**hf, "rope_theta": 1e6}))
-
-    def fp(model_version: str | None = None, **model: Any) -> str:
-        config = _vllm_config(v, hf, model=str(tmp_path), load_format="dummy", **model)
-        return model_spec_from_vllm(config, kv_config, model_version=model_version).fingerprint
+    (other / "config.json").write_text(json.dumps({**HF_TINY, "rope_theta": 1e6}))
 
     base = fp()
     others = [
