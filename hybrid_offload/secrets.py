@@ -13,11 +13,14 @@ Pure: no vLLM, no torch.
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Secret", "SecretError", "literal_secret_error", "read_secret", "secret_from_options"]
 
@@ -73,6 +76,8 @@ def read_secret(*, file: str | None = None, env: str | None = None, what: str) -
             raise SecretError(f"{what}: secret file {file!r} is not a regular file")
         if st.st_mode & stat.S_IWOTH:
             raise SecretError(f"{what}: secret file {file!r} is world-writable")
+        if st.st_mode & stat.S_IROTH:
+            logger.warning("%s: secret file %r is readable by every user (chmod 600 it)", what, file)
         with open(file, "rb") as f:
             value = f.read()
         value = value[:-1] if value.endswith(b"\n") else value

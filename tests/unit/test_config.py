@@ -266,7 +266,7 @@ def test_load_and_store_policy_keys() -> None:
     assert parse_offload_config({"backends": [{"type": "cpu"}]}).load_policy == "weighted"
 
 
-def test_model_version_and_secret(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_model_version_and_secret(tmp_path, monkeypatch: pytest.MonkeyPatch, caplog) -> None:
     """issue 14: an operator's weights name; the cache secret from a file or the environment,
     never a literal (the config is a command-line argument)."""
     assert parse_offload_config({**good(), "model_version": "llama-ft-7"}).model_version == "llama-ft-7"
@@ -292,6 +292,10 @@ def test_model_version_and_secret(tmp_path, monkeypatch: pytest.MonkeyPatch) -> 
                        ({"secret_file": str(path), "secret_env": "HO_TEST_SECRET"}, "not both")):
         with pytest.raises(ConfigError, match=why):
             parse_offload_config({**good(), **extra})
+    path.chmod(0o644)  # readable by all (a Kubernetes secret's default mode): a warning
+    with caplog.at_level("WARNING", logger="hybrid_offload.secrets"):
+        parse_offload_config({**good(), "secret_file": str(path)})
+    assert "readable by every user" in caplog.text and "hunter2" not in caplog.text
     path.chmod(0o666)
     with pytest.raises(ConfigError, match="world-writable"):
         parse_offload_config({**good(), "secret_file": str(path)})
