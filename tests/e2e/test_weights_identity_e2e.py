@@ -10,7 +10,10 @@ cache) and produce its own model's tokens, which differ from the old model's.
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,3 +60,14 @@ def test_weights_replaced_in_place_get_no_hits(model_dir, tmp_path: Path) -> Non
     assert served(new, 0) == 0  # the same first prompts the old engine stored
     assert outputs(new, 0) != outputs(old, 0)  # the weights matter: the test is not vacuous
     assert sum(served(new, w) for w in range(1, waves)) > 0  # its own pages still serve it
+    # the CLI with the engines' secret finds every page signed under it and stored under its key
+    disk = str(tmp_path / "disk")
+    cmd = [sys.executable, "-m", "hybrid_offload.cli.main", "cache", "verify", "--disk", disk]
+    report = subprocess.run([*cmd, "--secret-file", str(secret), "--json"], capture_output=True, text=True,
+                            timeout=300, check=False)  # fmt: skip
+    assert report.returncode == 0, report.stdout + report.stderr
+    assert json.loads(report.stdout)["ok"] > 0
+    (tmp_path / "other-secret").write_text("another secret\n")
+    forged = subprocess.run([*cmd, "--secret-file", str(tmp_path / "other-secret"), "--json"],
+                            capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    assert forged.returncode == 1 and json.loads(forged.stdout)["ok"] == 0
