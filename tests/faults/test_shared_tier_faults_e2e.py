@@ -31,6 +31,9 @@ from hybrid_offload.session import run_session_subprocess
 pytestmark = pytest.mark.e2e
 
 BACKOFF = {"retry_after_s": 0.2, "retry_after_max_s": 1.0}
+#: the nixl_peer client's own per-peer backoff, as short: by default it doubles to 30 s, so a
+#: hang that lasts long (a busy machine) would keep the peer unused for the pass after it
+PEER_BACKOFF = {"retry_backoff_s": 0.2, "max_backoff_s": 1.0}
 
 
 def redis_server(tmp_path: Path) -> tuple[dict[str, Any], Callable[[], None], Callable[[], None]]:
@@ -42,7 +45,7 @@ def redis_server(tmp_path: Path) -> tuple[dict[str, Any], Callable[[], None], Ca
 
 def nixl_peer(tmp_path: Path) -> tuple[dict[str, Any], Callable[[], None], Callable[[], None]]:
     peer = start_peer(256 << 20)
-    cfg = {"type": "nixl_peer", "name": "nixl_peer", "peers": [peer.address], **BACKOFF}
+    cfg = {"type": "nixl_peer", "name": "nixl_peer", "peers": [peer.address], **BACKOFF, **PEER_BACKOFF}
     return cfg, peer.kill, peer.start
 
 
@@ -100,7 +103,8 @@ def test_hung_peer_is_bounded_by_its_timeout_and_used_again_after(model_dir, tmp
 
     peer = start_peer(256 << 20)
     timeout_s = 0.5
-    cfg = {"type": "nixl_peer", "name": "peer", "peers": [peer.address], "timeout_s": timeout_s, **BACKOFF}
+    cfg = {"type": "nixl_peer", "name": "peer", "peers": [peer.address], "timeout_s": timeout_s,
+           **BACKOFF, **PEER_BACKOFF}
     barrier = tmp_path / "barrier"
     barrier.mkdir()
     spec = {**base, "connector": {"backends": [cfg]}, "passes": 3, "pass_barrier": str(barrier)}
