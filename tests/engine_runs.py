@@ -15,8 +15,8 @@ CHUNK_TOKENS = {"qwen3_next": 128, "falcon_h1": 128, "llama": 256}  # the defaul
 VOCAB = 2048
 
 
-def shared_prefix_prompts(chunk: int, seed: int = 0) -> list[list[int]]:
-    """Two documents of 3 chunks and a few tokens, each followed by two short questions.
+def shared_prefix_prompts(chunk: int, seed: int = 0, chunks: int = 3) -> list[list[int]]:
+    """Two documents of ``chunks`` chunks and a few tokens, each followed by two short questions.
 
     The recomputed tail after the last chunk boundary stays short (5 and 33 tokens), so the
     loaded Mamba/GDN state decides the output.
@@ -24,7 +24,7 @@ def shared_prefix_prompts(chunk: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     prompts = []
     for _ in range(2):
-        doc = [rng.randrange(3, VOCAB) for _ in range(3 * chunk + 4)]
+        doc = [rng.randrange(3, VOCAB) for _ in range(chunks * chunk + 4)]
         for n in (1, 29):
             prompts.append(doc + [rng.randrange(3, VOCAB) for _ in range(n)])
     return prompts

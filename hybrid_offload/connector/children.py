@@ -233,6 +233,15 @@ class ForeignConnectors:
                 best = ChildMatch(index, tokens, is_async, score)
         return best
 
+    def prefill_stop(self, request: Request, start: int, end: int) -> int:
+        """The earliest prefill stop any child asks for (a child that is our own connector
+        names its checkpoints); ``end`` when none does."""
+        for child in self.connectors:
+            stop = getattr(child, "prefill_stop", None)
+            if stop is not None:
+                end = min(end, stop(request, start, end))
+        return end
+
     def select(self, req_id: str, index: int | None) -> None:
         """Remember which child loads ``req_id`` (None: no child does)."""
         if index is None:
