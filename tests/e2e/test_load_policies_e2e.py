@@ -26,8 +26,10 @@ pytestmark = pytest.mark.e2e
 
 ARCH = "falcon_h1"
 TESTS_DIR = Path(__file__).resolve().parents[1]
-#: falcon_h1 test model, one document (3 attention pages of 128 tokens + 1 Mamba state): 676,480 bytes
-DOC_BYTES = 676_480
+#: cpu capacity that holds one falcon_h1 test document (3 attention pages of 128 tokens + Mamba
+#: states) but not two: a document is 545,920 bytes where vLLM's CPU block is 256 tokens (AVX2)
+#: and 676,480 where it is 384 (AVX-512); the test checks this on what it stored
+CAPACITY = 900_000
 
 
 def loaded(result: dict[str, Any], index: int) -> dict[str, int]:
@@ -42,7 +44,7 @@ def base_spec(model: Path) -> dict[str, Any]:
 def test_cpu_while_it_holds_the_prefix_then_disk_after_eviction(model_dir, tmp_path: Path) -> None:
     prompts = shared_prefix_prompts(CHUNK_TOKENS[ARCH])
     doc_a, doc_b = prompts[:2], prompts[2:]
-    capacity = DOC_BYTES * 3 // 2  # one document fits, two do not
+    capacity = CAPACITY
     connector = {
         "backends": [
             {"type": "cpu", "name": "cpu", "capacity_bytes": capacity, "load_weight": 1.0},
@@ -58,7 +60,7 @@ def test_cpu_while_it_holds_the_prefix_then_disk_after_eviction(model_dir, tmp_p
         }
     )
     stored = result["passes"][0]["worker_total"]["backends"]["cpu"]["stored_bytes"]
-    assert DOC_BYTES <= stored <= capacity, f"test model changed: one document is {stored} bytes"
+    assert capacity // 2 < stored <= capacity, f"one document is {stored} bytes: capacity must hold one, not two"
     aligned = result["passes"][1]["scheduler"]["aligned_prompt_tokens"]
     assert loaded(result, 1).get("cpu", 0) >= 0.99 * aligned
     assert loaded(result, 1).get("disk", 0) == 0
