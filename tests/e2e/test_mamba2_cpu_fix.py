@@ -19,7 +19,9 @@ from hybrid_offload.session import run_session_subprocess
 MAMBA2_ARCHS = ("falcon_h1", "nemotron_h", "granite_hybrid", "zamba2")
 # Tiny models: Mamba block 384 tokens (falcon_h1, nemotron_h, granite_hybrid), 128 (zamba2).
 # enforce_eager: the bug is in the kernel path, not compilation, and eager saves ~20 s a run.
-ENGINE_KWARGS = {"enforce_eager": True, "max_model_len": 2048}
+# float32: align mode splits prefills at block boundaries, and in bf16 that alone flips near-tied
+# tokens, even for a prompt with no cache hit (zamba2 with vLLM's 256-token AVX2 block).
+ENGINE_KWARGS = {"enforce_eager": True, "max_model_len": 2048, "dtype": "float32"}
 
 
 def run_engine(model: Path, prompts: list[list[int]], max_tokens: int, **llm_kwargs: Any) -> dict[str, Any]:
