@@ -29,12 +29,15 @@ MAX_TP_SHARDS = 64
 DEFAULT_CHECKPOINT_INTERVAL_TOKENS = 1024
 #: a lookup waits at most this long for stores of its prefix that are in flight
 DEFAULT_PENDING_STORE_WAIT_S = 2.0
+#: load_policy adaptive: a tier's measured speed counts this long; then the tier is probed again
+DEFAULT_ADAPTIVE_FORGET_S = 30.0
 _TOP_KEYS = frozenset(
     {
         "chunk_tokens",
         "backends",
         "max_pending_store_bytes",
         "load_policy",
+        "adaptive_forget_s",
         "connectors",
         "load_switch_interval_s",
         "tp_shards",
@@ -89,6 +92,7 @@ class OffloadConfig:
     chunk_tokens: int | None = None
     max_pending_store_bytes: int = DEFAULT_MAX_PENDING_STORE_BYTES
     load_policy: str = "weighted"
+    adaptive_forget_s: float = DEFAULT_ADAPTIVE_FORGET_S
     connectors: tuple[ChildConnectorConfig, ...] = ()
     load_switch_interval_s: float = DEFAULT_LOAD_SWITCH_INTERVAL_S
     tp_shards: int = DEFAULT_TP_SHARDS
@@ -225,6 +229,11 @@ def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
     policy = extra.get("load_policy", "weighted")
     if policy not in LOAD_POLICIES:
         raise ConfigError(f"{ROOT}.load_policy: expected one of {list(LOAD_POLICIES)}, got {policy!r}")
+    forget = extra.get("adaptive_forget_s", DEFAULT_ADAPTIVE_FORGET_S)
+    if isinstance(forget, bool) or not isinstance(forget, int | float) or not 0 < forget <= 86400:
+        raise ConfigError(
+            f"{ROOT}.adaptive_forget_s: must be a number of seconds in (0, 86400], got {forget!r}"
+        )
     switch = extra.get("load_switch_interval_s", DEFAULT_LOAD_SWITCH_INTERVAL_S)
     if isinstance(switch, bool) or not isinstance(switch, int | float) or not 0 <= switch <= 0.1:
         raise ConfigError(
@@ -266,6 +275,7 @@ def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
         chunk_tokens=chunk,
         max_pending_store_bytes=pending,
         load_policy=policy,
+        adaptive_forget_s=float(forget),
         connectors=connectors,
         load_switch_interval_s=float(switch),
         tp_shards=shards,

@@ -116,6 +116,7 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 self.planner,
                 config.backends,
                 config.load_policy,
+                adaptive_forget_s=config.adaptive_forget_s,
                 checkpoint_interval=config.checkpoint_interval_tokens,
                 pending_wait_s=config.pending_store_wait_s,
                 accept_weights_version=config.accept_weights_version,

@@ -11,7 +11,7 @@ Pure logic, no I/O, no vLLM: the scheduler side looks every available backend up
   from disk when only disk holds the longer prefix).
 * ``adaptive``: ``weighted`` with each weight scaled by the backend's measured speed relative
   to the fastest one (:class:`LoadCostModel`), so a slow or failing backend loses traffic by
-  itself. A backend without a fresh measurement (never used, or not for ``forget_s``) that
+  itself. A backend without a fresh measurement (never used, or not for ``adaptive_forget_s``) that
   holds the longest prefix is probed first, so every tier gets measured and a recovered one
   wins its traffic back.
 
@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from hybrid_offload.config import LOAD_POLICIES
+from hybrid_offload.config import DEFAULT_ADAPTIVE_FORGET_S, LOAD_POLICIES
 from hybrid_offload.engine_spec import GroupKind
 from hybrid_offload.planner import HybridOffloadPlanner
 
@@ -171,7 +171,7 @@ class LoadCostModel:
     """
 
     alpha: float = 0.3
-    forget_s: float = 30.0
+    forget_s: float = DEFAULT_ADAPTIVE_FORGET_S
     clock: Callable[[], float] = time.monotonic
     _costs: dict[str, _Cost] = field(default_factory=dict)
 
@@ -236,8 +236,13 @@ _POLICIES: dict[str, type[LoadPolicy]] = {
 }
 
 
-def make_policy(name: str, planner: HybridOffloadPlanner) -> LoadPolicy:
-    """The policy called ``name`` (one of :data:`LOAD_POLICIES`)."""
+def make_policy(
+    name: str, planner: HybridOffloadPlanner, adaptive_forget_s: float = DEFAULT_ADAPTIVE_FORGET_S
+) -> LoadPolicy:
+    """The policy called ``name`` (one of :data:`LOAD_POLICIES`); ``adaptive_forget_s`` is the
+    ``adaptive`` policy's :attr:`LoadCostModel.forget_s`."""
+    if name == AdaptivePolicy.name:
+        return AdaptivePolicy(planner, LoadCostModel(forget_s=adaptive_forget_s))
     try:
         return _POLICIES[name](planner)
     except KeyError:

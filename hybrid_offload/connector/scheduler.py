@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from hybrid_offload.backends.base import Backend, BackendConfig, BackendError
 from hybrid_offload.backends.registry import backend_class
-from hybrid_offload.config import open_backend
+from hybrid_offload.config import DEFAULT_ADAPTIVE_FORGET_S, open_backend
 from hybrid_offload.connector.coverage import coverage
 from hybrid_offload.connector.health import BackendHealth
 from hybrid_offload.connector.metadata import (
@@ -161,6 +161,7 @@ class OffloadScheduler:
         backends: tuple[BackendConfig, ...],
         load_policy: str = "weighted",
         *,
+        adaptive_forget_s: float = DEFAULT_ADAPTIVE_FORGET_S,
         checkpoint_interval: int = 0,
         pending_wait_s: float = DEFAULT_PENDING_STORE_WAIT_S,
         accept_weights_version: bool = False,
@@ -172,7 +173,7 @@ class OffloadScheduler:
         self.views = [BackendView(c, self.stats, i) for i, c in enumerate(backends)]
         self._by_name = {v.name: v for v in self.views}
         self._fallback_order = tuple(v.name for v in sorted(self.views, key=lambda v: -v.config.load_weight))
-        self.policy = make_policy(load_policy, planner)
+        self.policy = make_policy(load_policy, planner, adaptive_forget_s)
         self._sightings = ChunkSightings()
         self.pending = PendingStores(pending_wait_s, clock) if clock else PendingStores(pending_wait_s)
         self.stores = StorePlanner(planner, self.views, self._sightings, self.pending, checkpoint_interval)

@@ -73,6 +73,9 @@ def test_adaptive_moves_traffic_away_from_a_slowed_tier(model_dir) -> None:
     prompts = shared_prefix_prompts(CHUNK_TOKENS[ARCH])
     connector = {
         "load_policy": "adaptive",
+        # measurements outlive the run: pass 2 may start > 30 s (the default) after pass 0 on a
+        # busy machine, and "slow" would then rightly be probed again
+        "adaptive_forget_s": 3600,
         "backends": [
             {"type": "slow_backend:SlowCpuBackend", "name": "slow", "delay_s": 0.5, "load_weight": 1.0},
             {"type": "cpu", "name": "fast", "load_weight": 0.8},

@@ -58,6 +58,9 @@ def test_defaults() -> None:
                                 "max_pending_store_bytes": "64MiB"})
     assert cfg.chunk_tokens is None and cfg.max_pending_store_bytes == 64 << 20
     assert cfg.load_switch_interval_s == 0.0005
+    assert cfg.adaptive_forget_s == 30.0
+    cfg = parse_offload_config({"backends": [{"type": "cpu"}], "adaptive_forget_s": 600})
+    assert cfg.adaptive_forget_s == 600.0
     cfg = parse_offload_config({"backends": [{"type": "cpu"}], "load_switch_interval_s": 0})
     assert cfg.load_switch_interval_s == 0.0
     assert cfg.tp_shards == 8
@@ -189,6 +192,8 @@ BAD: dict[str, tuple[dict[str, Any] | None, str, tuple[str, ...]]] = {
     "switch-negative": (_with("load_switch_interval_s", -0.001), f"{ROOT}.load_switch_interval_s",
                         ("-0.001",)),
     "switch-string": (_with("load_switch_interval_s", "fast"), f"{ROOT}.load_switch_interval_s", ()),
+    "forget-zero": (_with("adaptive_forget_s", 0), f"{ROOT}.adaptive_forget_s", ("(0, 86400]",)),
+    "forget-string": (_with("adaptive_forget_s", "1m"), f"{ROOT}.adaptive_forget_s", ("'1m'",)),
     "tp-shards-zero": (_with("tp_shards", 0), f"{ROOT}.tp_shards", ()),
     "tp-shards-huge": (_with("tp_shards", 65), f"{ROOT}.tp_shards", ("64", "65")),
     "tp-shards-string": (_with("tp_shards", "8"), f"{ROOT}.tp_shards", ()),

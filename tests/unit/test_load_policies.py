@@ -23,7 +23,13 @@ from test_connector_scheduler import (
 )
 
 from hybrid_offload.connector.metadata import OffloadWorkerMetadata
-from hybrid_offload.connector.policy import BackendMatch, LoadCostModel, RangedPolicy, WeightedPolicy
+from hybrid_offload.connector.policy import (
+    BackendMatch,
+    LoadCostModel,
+    RangedPolicy,
+    WeightedPolicy,
+    make_policy,
+)
 
 TOKENS = prompt(44)
 TABLES = ([1, 2, 3, 4, 5, 6], [0, 0, 0, 0, 9, 0])
@@ -106,6 +112,22 @@ def test_adaptive_moves_traffic_away_from_a_slow_tier_and_probes_it_later(worlds
     assert chosen("r2b") == "fast"  # 100x faster: 0.8 > 1.0 x 0.01
     now[0] += 31.0  # measurements older than forget_s: trusted again, probed
     assert chosen("r3") == "slow"
+
+
+def test_adaptive_forget_s_is_the_measurements_lifetime(worlds) -> None:
+    now = [0.0]
+    w = worlds(make_spec(8, 8), 8, (cpu_config("slow", 1.0), cpu_config("fast", 0.8)), "adaptive")
+    w.sched.policy = make_policy("adaptive", w.planner, adaptive_forget_s=600.0)
+    w.sched.policy.costs.clock = lambda: now[0]
+    for name in ("slow", "fast"):
+        hold_prefix(w, name, range(5), 4)
+    for name, seconds in (("slow", 0.5), ("fast", 0.005)):
+        samples = {name: [(1 << 20, seconds, True)]}
+        w.sched.update_connector_output(OffloadWorkerMetadata(load_samples=samples), None, None)
+    now[0] += 599.0
+    assert start_load(w, FakeRequest("r", TOKENS), 0, TABLES).segments[0].backend == "fast"
+    now[0] += 2.0
+    assert start_load(w, FakeRequest("r2", TOKENS), 0, TABLES).segments[0].backend == "slow"
 
 
 def test_adaptive_failures_count_as_zero_speed() -> None:
