@@ -25,7 +25,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from hybrid_offload.config import ROOT, ConfigError, parse_offload_config
 from hybrid_offload.connector.children import (
     ForeignConnectors,
     HybridMetadata,
@@ -34,14 +33,16 @@ from hybrid_offload.connector.children import (
     native_metadata,
     native_worker_metadata,
 )
+from hybrid_offload.connector.config import ROOT, ConfigError, parse_offload_config
 from hybrid_offload.connector.metadata import OffloadMetadata
 from hybrid_offload.connector.prometheus import HybridOffloadPromMetrics, HybridOffloadStats
 from hybrid_offload.connector.scheduler import OffloadScheduler
 from hybrid_offload.connector.worker import OffloadWorker
-from hybrid_offload.engine_spec import UnidentifiableModelError, model_spec_from_vllm
-from hybrid_offload.metrics import StatsDelta
-from hybrid_offload.planner import HybridOffloadPlanner, PlannerConfigError
-from hybrid_offload.tp_shards import ShardLayoutError
+from hybrid_offload.core.metrics import StatsDelta
+from hybrid_offload.core.planner import HybridOffloadPlanner, PlannerConfigError
+from hybrid_offload.core.spec import UnidentifiableModelError
+from hybrid_offload.core.tp_shards import ShardLayoutError
+from hybrid_offload.engine.translate import model_spec_from_vllm
 
 if TYPE_CHECKING:
     import torch

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from hybrid_offload.session import run_session_subprocess
+from hybrid_offload.testing.session import run_session_subprocess
 
 MAMBA2_ARCHS = ("falcon_h1", "nemotron_h", "granite_hybrid", "zamba2")
 # Tiny models: Mamba block 384 tokens (falcon_h1, nemotron_h, granite_hybrid), 128 (zamba2).
@@ -81,7 +81,7 @@ def test_patch_only_clears_checkpoint_fields() -> None:
     import torch
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    from hybrid_offload.vllm_plugin import _no_prefill_checkpoint
+    from hybrid_offload.engine.vllm_plugin import _no_prefill_checkpoint
 
     spec = MambaSpec(
         block_size=384,

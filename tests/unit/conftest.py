@@ -6,10 +6,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from hybrid_offload.backends.base import BackendConfig
 from test_connector_scheduler import World, cpu_config
 
-from hybrid_offload.engine_spec import ModelSpec
+from hybrid_offload.backends.base import BackendConfig
+from hybrid_offload.core.spec import ModelSpec
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from hybrid_offload.backends import BackendConfig, BackendUnavailableError
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from test_connector_scheduler import (
@@ -25,12 +24,13 @@ from test_connector_worker import make_spec as make_worker_spec
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging, KVConnectorProm
 
+from hybrid_offload.backends import BackendConfig, BackendUnavailableError
 from hybrid_offload.connector import HybridOffloadConnector
 from hybrid_offload.connector.metadata import StoreJob
 from hybrid_offload.connector.page_codec import PageCodec
 from hybrid_offload.connector.prometheus import HybridOffloadPromMetrics, HybridOffloadStats
-from hybrid_offload.metrics import ERROR_KINDS, StatsDelta
-from hybrid_offload.session import kv_transfer_config
+from hybrid_offload.core.metrics import ERROR_KINDS, StatsDelta
+from hybrid_offload.testing.session import kv_transfer_config
 
 LABELNAMES = ["model_name", "engine"]
 ENGINES = {0: ["tiny", "0"], 1: ["tiny", "1"]}

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+
 from hybrid_offload.backends import (
     BackendConfig,
     BackendUnavailableError,
@@ -23,7 +24,6 @@ from hybrid_offload.backends import (
     register_backend,
 )
 from hybrid_offload.backends.disk import DiskBackend
-
 from hybrid_offload.connector.health import BackendHealth
 from hybrid_offload.connector.metadata import (
     ClearRange,
@@ -37,8 +37,8 @@ from hybrid_offload.connector.metadata import (
     TouchJob,
 )
 from hybrid_offload.connector.scheduler import OffloadScheduler
-from hybrid_offload.engine_spec import GroupKind, GroupSpec, ModelSpec, make_model_spec
-from hybrid_offload.planner import HybridOffloadPlanner
+from hybrid_offload.core.planner import HybridOffloadPlanner
+from hybrid_offload.core.spec import GroupKind, GroupSpec, ModelSpec, make_model_spec
 
 ATTN, MAMBA = 0, 1
 

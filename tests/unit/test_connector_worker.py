@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
+
 from hybrid_offload.backends import (
     BackendClosedError,
     BackendConfig,
@@ -28,7 +29,6 @@ from hybrid_offload.backends import (
     register_backend,
 )
 from hybrid_offload.backends.cpu import CpuBackend
-
 from hybrid_offload.connector.health import BackendHealth
 from hybrid_offload.connector.metadata import (
     ClearRange,
@@ -42,9 +42,9 @@ from hybrid_offload.connector.metadata import (
 )
 from hybrid_offload.connector.page_codec import PageCodec
 from hybrid_offload.connector.worker import LoadSwitchInterval, OffloadWorker
-from hybrid_offload.engine_spec import GroupKind, GroupSpec, ModelSpec, make_model_spec
-from hybrid_offload.page_format import decode_page
-from hybrid_offload.planner import HybridOffloadPlanner
+from hybrid_offload.core.page_format import decode_page
+from hybrid_offload.core.planner import HybridOffloadPlanner
+from hybrid_offload.core.spec import GroupKind, GroupSpec, ModelSpec, make_model_spec
 
 ATTN, MAMBA = 0, 1
 HEADS, DIM, BS, NUM_BLOCKS = 2, 32, 8, 16

@@ -16,9 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybrid_offload import FORMAT_VERSION
-from hybrid_offload import page_format as pf
-from hybrid_offload.engine_spec import GroupKind, GroupSpec, TensorSpec
-from hybrid_offload.page_format import (
+from hybrid_offload.core import page_format as pf
+from hybrid_offload.core.page_format import (
     HEADER_ALIGN,
     MAGIC,
     PageFormatError,
@@ -30,6 +29,7 @@ from hybrid_offload.page_format import (
     page_len,
     seal_page,
 )
+from hybrid_offload.core.spec import GroupKind, GroupSpec, TensorSpec
 
 REPO = Path(__file__).resolve().parents[2]
 Mangle = Callable[[tuple[TensorSpec, ...]], tuple[TensorSpec, ...]]

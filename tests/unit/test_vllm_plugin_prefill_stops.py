@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from hybrid_offload import vllm_plugin
+from hybrid_offload.engine import vllm_plugin
 
 
 @pytest.fixture
