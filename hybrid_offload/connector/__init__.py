@@ -389,7 +389,8 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def prefill_stop(self, request: Request, start: int, end: int) -> int:
         """Where a prefill step of ``request`` from ``start`` that vLLM would end at ``end``
         must end instead so that its recurrent state lands on a checkpoint (see
-        ``vllm_plugin``), ours or a child connector's; ``end`` when none lies strictly inside."""
+        ``engine/patches/prefill_stops``), ours or a child connector's; ``end`` when none lies
+        strictly inside."""
         assert self.scheduler is not None
         end = self.scheduler.prefill_stop(request.request_id, start, end)
         return end if self.children is None else self.children.prefill_stop(request, start, end)

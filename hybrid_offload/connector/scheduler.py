@@ -13,7 +13,7 @@ request and vLLM recomputes it. A lookup whose prefix is still being stored wait
 models with recurrent state the lookup also fixes where the request's prefill stops so that its
 state can be stored (its tail, every ``checkpoint_interval_tokens``, and the junction where
 earlier traffic shared more of the prefix than any stored state covers), which vLLM's scheduler
-asks through :meth:`OffloadScheduler.prefill_stop` (see ``vllm_plugin``). A preempted request
+asks through :meth:`OffloadScheduler.prefill_stop` (see ``engine/patches/prefill_stops``). A preempted request
 forgets its blocks and, when resumed, is looked up again, so it loads what was offloaded
 before the preemption instead of recomputing it.
 """

@@ -5,7 +5,7 @@ table per KV cache group, the Mamba state after N tokens lives at block index (N
 the Mamba table (the block covering token N - 1, also inside a block), id 0 is the null block,
 and async loads go get_num_new_matched_tokens -> update_state_after_alloc ->
 build_connector_meta (LoadJob) -> update_connector_output. Prefill steps end where the
-connector's ``prefill_stop`` says (vLLM's split, patched by ``vllm_plugin``).
+connector's ``prefill_stop`` says (vLLM's split, patched by ``engine/patches/prefill_stops``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The vLLM plugin's prefill-stop patch: shortens a split to the connector's checkpoint, nothing
-else, and only on the vLLM versions it was written for.
+"""The prefill-stop patch: shortens a split to the connector's checkpoint, nothing
+else (version gating and idempotence: ``test_patches.py``).
 
 vLLM's own split is replaced by a stub returning what vLLM would schedule, so the wrapper's
 rule is tested alone; that real engines stop there is checked end to end (an in-process engine,
@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from hybrid_offload.engine import vllm_plugin
+from hybrid_offload.engine import patches
+from hybrid_offload.engine.patches import prefill_stops
 
 
 @pytest.fixture
@@ -44,9 +45,9 @@ class Connector:
 
 
 def test_a_step_stops_at_the_first_checkpoint_inside_it(vllm_split) -> None:
-    vllm_plugin._patch_prefill_stops()
+    prefill_stops.register()
     split = Scheduler._mamba_block_aligned_split
-    assert getattr(split, vllm_plugin._PATCH_MARKER, False)
+    assert patches.is_patched(split)
     scheduler = SimpleNamespace(connector=Connector([1024, 2944]))
     request = SimpleNamespace(num_computed_tokens=0)
     assert split(scheduler, request, 3000) == 1024
@@ -61,7 +62,7 @@ def test_a_step_stops_at_the_first_checkpoint_inside_it(vllm_split) -> None:
 
 
 def test_other_connectors_and_no_connector_are_left_alone(vllm_split) -> None:
-    vllm_plugin._patch_prefill_stops()
+    prefill_stops.register()
     split = Scheduler._mamba_block_aligned_split
     request = SimpleNamespace(num_computed_tokens=0)
     assert split(SimpleNamespace(connector=None), request, 3000) == 3000
@@ -69,7 +70,7 @@ def test_other_connectors_and_no_connector_are_left_alone(vllm_split) -> None:
 
 
 def test_never_longer_and_at_least_one_token(vllm_split) -> None:
-    vllm_plugin._patch_prefill_stops()
+    prefill_stops.register()
     split = Scheduler._mamba_block_aligned_split
     request = SimpleNamespace(num_computed_tokens=10)
 
@@ -84,20 +85,13 @@ def test_never_longer_and_at_least_one_token(vllm_split) -> None:
     assert split(scheduler, request, 100) == 1  # a stop at the start still schedules one token
 
 
-def test_patch_applies_once(vllm_split) -> None:
-    vllm_plugin._patch_prefill_stops()
-    first = Scheduler._mamba_block_aligned_split
-    vllm_plugin._patch_prefill_stops()
-    assert Scheduler._mamba_block_aligned_split is first
+def test_a_split_with_other_arguments_is_not_patched(monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    def split(self: Any, request: Any, num_new_tokens: int) -> int:
+        return num_new_tokens
 
-
-def test_an_untested_vllm_version_is_not_patched(vllm_split, monkeypatch: pytest.MonkeyPatch,
-                                                 caplog: pytest.LogCaptureFixture) -> None:
-    import importlib.metadata
-
-    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.40.1")
-    stub = Scheduler._mamba_block_aligned_split
-    with caplog.at_level(logging.WARNING, logger=vllm_plugin.logger.name):
-        vllm_plugin._patch_prefill_stops()
-    assert Scheduler._mamba_block_aligned_split is stub
-    assert "vLLM 0.40.1 is not one the prefill-stop patch was written for" in caplog.text
+    monkeypatch.setattr(Scheduler, "_mamba_block_aligned_split", split)
+    with caplog.at_level(logging.WARNING, logger=patches.logger.name):
+        prefill_stops.register()
+    assert Scheduler._mamba_block_aligned_split is split
+    assert "the split takes ['self', 'request', 'num_new_tokens']" in caplog.text
