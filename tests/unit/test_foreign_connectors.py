@@ -17,7 +17,7 @@ from foreign_connectors import (
     RecordingMetadata,
     RecordingWorkerMetadata,
 )
-from test_connector_scheduler import FakeRequest, World, cpu_config, make_spec, prompt
+from scheduler_world import FakeRequest, World, cpu_config, make_spec, prompt
 from vllm.config.kv_transfer import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 

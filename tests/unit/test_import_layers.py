@@ -6,6 +6,9 @@ plus the external packages a layer must not touch: the core neither vLLM nor tor
 Hugging Face libraries), backends not vLLM. Every import statement counts, also inside a
 function or under ``TYPE_CHECKING``. ``backends/`` lives at the top of the repository and is
 installed as ``hybrid_offload.backends`` (``pyproject.toml``).
+
+Under ``tests/`` no module imports a test module (``test_*``): what tests share lives in a plain
+helper module or in the folder's ``conftest.py``.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+TESTS = ROOT / "tests"
 PACKAGE = "hybrid_offload"
 #: lowest first; a module may import its own layer and the ones before it
 LAYERS = ("core", "backends", "engine", "connector", "testing", "tools")
@@ -82,6 +86,21 @@ def package_graph() -> dict[str, set[str]]:
     return {name: imports_of(name, path) for name, path in _sources().items()}
 
 
+def graph_of_tests() -> dict[str, set[str]]:
+    """Every module under tests/ (named by its path) -> the modules it imports."""
+    return {str(path.relative_to(ROOT)): imports_of(path.stem, path) for path in TESTS.rglob("*.py")}
+
+
+def imported_test_modules(graph: dict[str, set[str]]) -> list[str]:
+    """Where a module of ``graph`` imports a test module (one named ``test_*``)."""
+    out = []
+    for module, imported in sorted(graph.items()):
+        for top in sorted({target.split(".")[0] for target in imported}):
+            if top.startswith("test_"):
+                out.append(f"{module} imports {top}")
+    return out
+
+
 def test_every_module_imports_only_lower_layers() -> None:
     graph = package_graph()
     assert f"{PACKAGE}.core.planner" in graph and f"{PACKAGE}.backends.disk" in graph
@@ -111,3 +130,22 @@ def test_relative_imports_resolve_inside_their_package(tmp_path: Path) -> None:
         f"{PACKAGE}.backends.nixl_peer.ring",
         f"{PACKAGE}.backends.core.spec",
     }
+
+
+def test_no_module_under_tests_imports_a_test_module() -> None:
+    graph = graph_of_tests()
+    assert "tests/conftest.py" in graph and "tests/unit/test_page_decoder_fuzz.py" in graph
+    assert imported_test_modules(graph) == []
+
+
+def test_the_tests_check_catches_an_imported_test_module(tmp_path: Path) -> None:
+    module = tmp_path / "helpers.py"
+    module.write_text("import test_a\n\ndef f():\n    from test_b.sub import c\nfrom pytest import test_c\n")
+    graph = graph_of_tests()
+    graph["tests/unit/helpers.py"] = imports_of("helpers", module)
+    graph["tests/unit/test_planner.py"] |= {"test_page_format", "test_page_format.make_page"}
+    assert imported_test_modules(graph) == [
+        "tests/unit/helpers.py imports test_a",
+        "tests/unit/helpers.py imports test_b",
+        "tests/unit/test_planner.py imports test_page_format",
+    ]

@@ -19,7 +19,7 @@ import tracemalloc
 from collections.abc import Callable
 
 import xxhash
-from test_page_format import ATTN, MAMBA, SWA, make_header, make_page
+from page_builders import ATTN, MAMBA, SWA, make_header, make_page
 
 from hybrid_offload.core import page_format as pf
 from hybrid_offload.core.page_format import PageFormatError, decode_page
