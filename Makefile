@@ -15,14 +15,14 @@ setup:
 	@bash scripts/setup.sh
 
 demo: setup
-	$(PY) -m hybrid_offload.cli.main demo
+	$(PY) -m hybrid_offload demo
 
 test: setup
 	$(PY) -m ruff check .
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -q -p no:cacheprovider
 
 serve: setup
-	$(PY) -m hybrid_offload.cli.main serve --config $(CONFIG) $(if $(MODEL),--model $(MODEL)) \
+	$(PY) -m hybrid_offload serve --config $(CONFIG) $(if $(MODEL),--model $(MODEL)) \
 		--host $(SERVE_HOST) --port $(PORT) $(if $(VLLM_ARGS),-- $(VLLM_ARGS))
 
 lint: setup

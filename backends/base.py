@@ -1,6 +1,6 @@
 """The one storage interface every hybrid-offload backend implements.
 
-A backend stores opaque, self-describing page bytes (see ``hybrid_offload.page_format``)
+A backend stores opaque, self-describing page bytes (see ``hybrid_offload.core.page_format``)
 under keys made by the planner. It never interprets page bytes: verification happens in the
 page decoder of whoever reads them.
 

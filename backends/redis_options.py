@@ -1,6 +1,6 @@
 """Options of the redis backends: defaults, validation (errors name the key), url redaction and
 the password (from ``password_file`` / ``password_env`` only, never from the url or a literal
-option: see :mod:`hybrid_offload.secrets`).
+option: see :mod:`hybrid_offload.core.secrets`).
 
 Options (defaults): ``url`` (``redis://[user@]host:port/db``; ``rediss://`` for TLS, with
 ``ssl_ca_certs`` to trust a private CA; ``redis+cluster://`` / ``rediss+cluster://`` for a
@@ -23,7 +23,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 from redis.cluster import ClusterNode
 
-from hybrid_offload.secrets import Secret, SecretError, secret_from_options
+from hybrid_offload.core.secrets import Secret, SecretError, secret_from_options
 
 from .base import BackendConfigError
 

@@ -26,9 +26,9 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from hybrid_offload.engine_spec import GroupKind, TensorSpec
-from hybrid_offload.page_format import PageHeader, decode_page, encode_page, header_len, seal_page
-from hybrid_offload.planner import chain_chunk_hashes
+from hybrid_offload.core.page_format import PageHeader, decode_page, encode_page, header_len, seal_page
+from hybrid_offload.core.planner import chain_chunk_hashes
+from hybrid_offload.core.spec import GroupKind, TensorSpec
 
 #: page sizes: a tiny falcon_h1 attention chunk (128 tokens) and state, a Qwen3-Next-80B-like
 #: attention chunk (12 layers x 2 KV heads x 256 dims x 128 tokens x K,V x bf16), 8 MiB

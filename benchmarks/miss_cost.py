@@ -21,9 +21,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from hybrid_offload.bench.traffic import SIZES
-from hybrid_offload.bench.workload_run import run_engine_subprocess
-from hybrid_offload.models import build_model
+from hybrid_offload.testing.models import build_model
+from hybrid_offload.tools.bench.traffic import SIZES
+from hybrid_offload.tools.bench.workload_run import run_engine_subprocess
 
 
 def connector(disk: Path, **extra: Any) -> dict[str, Any]:

@@ -24,6 +24,7 @@ import time
 import uuid
 
 import numpy as np
+
 from hybrid_offload.backends import BackendConfig, create_backend
 from hybrid_offload.backends.nixl_peer import nixl_api
 from hybrid_offload.backends.nixl_peer import protocol as p
@@ -32,7 +33,7 @@ READY = re.compile(rb"listening on (\S+):(\d+)")
 
 
 def start_peer(capacity: int, progress_delay_us: int) -> tuple[subprocess.Popen[bytes], str]:
-    cmd = [sys.executable, "-m", "hybrid_offload.cli.main", "peer", "--listen", "127.0.0.1:0",
+    cmd = [sys.executable, "-m", "hybrid_offload", "peer", "--listen", "127.0.0.1:0",
            "--capacity-bytes", str(capacity), "--progress-delay-us", str(progress_delay_us)]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     assert proc.stdout is not None

@@ -28,8 +28,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from hybrid_offload.backends import BackendConfig, create_backend
 from redis_servers import start_redis_server
+
+from hybrid_offload.backends import BackendConfig, create_backend
 
 
 def redis_benchmark(port: int, value_bytes: int, requests: int) -> dict[str, float]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from redis_servers import RedisServer, start_redis_server
 
-from hybrid_offload.models import build_model
+from hybrid_offload.testing.models import build_model
 
 ModelFactory = Callable[..., Path]
 

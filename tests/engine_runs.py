@@ -1,6 +1,6 @@
 """Helpers for tests that run real vLLM engines (importable as ``engine_runs``).
 
-Prompts share chunk-aligned prefixes; results come from :mod:`hybrid_offload.session`.
+Prompts share chunk-aligned prefixes; results come from :mod:`hybrid_offload.testing.session`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Real ``hybrid-offload peer`` processes for tests (importable as ``peer_servers``).
 
-``start_peer(capacity)`` runs ``sys.executable -m hybrid_offload.cli.main peer`` on a free
+``start_peer(capacity)`` runs ``sys.executable -m hybrid_offload peer`` on a free
 loopback port and waits (bounded) for its ready line. A ``token`` is written to a private file
 and passed as ``--token-file`` (never on the command line); ``extra_args`` go to the command
 line as they are; ``nofile`` lowers the process's open-file limit (RLIMIT_NOFILE).
@@ -59,7 +59,7 @@ class PeerProcess:
         self.startup_s = 0.0  # wall time of the last start() until the ready line
 
     def _command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "hybrid_offload.cli.main", "peer", "--listen", f"127.0.0.1:{self.port}"]
+        cmd = [sys.executable, "-m", "hybrid_offload", "peer", "--listen", f"127.0.0.1:{self.port}"]
         cmd += ["--capacity-bytes", str(self.capacity_bytes)]
         if self.token is not None:
             if self.token_path is None:

@@ -1,6 +1,6 @@
 """Real ``hybrid-offload serve`` processes for tests (importable as ``serve_servers``).
 
-``start_serve(config, model, log_dir)`` runs ``sys.executable -m hybrid_offload.cli.main serve``
+``start_serve(config, model, log_dir)`` runs ``sys.executable -m hybrid_offload serve``
 on a free loopback port in its own session (process group) and waits, with a deadline, until
 ``GET /health`` answers. ``stop()`` kills the whole group (API server, EngineCore and worker
 processes): SIGTERM, then SIGKILL after a short grace. Servers still alive at interpreter exit
@@ -96,7 +96,7 @@ class ServeProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def _command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "hybrid_offload.cli.main", "serve", "--config", str(self.config)]
+        cmd = [sys.executable, "-m", "hybrid_offload", "serve", "--config", str(self.config)]
         cmd += ["--model", str(self.model), "--host", "127.0.0.1", "--port", str(self.port)]
         return cmd + (["--", *self.vllm_args] if self.vllm_args else [])
 

@@ -55,7 +55,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from hybrid_offload.secrets import Secret, SecretError, secret_from_options
+from hybrid_offload.core.secrets import Secret, SecretError, secret_from_options
 
 from ..base import (
     Backend,

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hybrid_offload.secrets import Secret
+from hybrid_offload.core.secrets import Secret
 
 from . import protocol as p
 from .connections import Connection, ConnectionTable, Limits

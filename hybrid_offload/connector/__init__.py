@@ -25,7 +25,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from hybrid_offload.config import ROOT, ConfigError, parse_offload_config
 from hybrid_offload.connector.children import (
     ForeignConnectors,
     HybridMetadata,
@@ -34,14 +33,16 @@ from hybrid_offload.connector.children import (
     native_metadata,
     native_worker_metadata,
 )
+from hybrid_offload.connector.config import ROOT, ConfigError, parse_offload_config
 from hybrid_offload.connector.metadata import OffloadMetadata
 from hybrid_offload.connector.prometheus import HybridOffloadPromMetrics, HybridOffloadStats
 from hybrid_offload.connector.scheduler import OffloadScheduler
 from hybrid_offload.connector.worker import OffloadWorker
-from hybrid_offload.engine_spec import UnidentifiableModelError, model_spec_from_vllm
-from hybrid_offload.metrics import StatsDelta
-from hybrid_offload.planner import HybridOffloadPlanner, PlannerConfigError
-from hybrid_offload.tp_shards import ShardLayoutError
+from hybrid_offload.core.metrics import StatsDelta
+from hybrid_offload.core.planner import HybridOffloadPlanner, PlannerConfigError
+from hybrid_offload.core.spec import UnidentifiableModelError
+from hybrid_offload.core.tp_shards import ShardLayoutError
+from hybrid_offload.engine.translate import model_spec_from_vllm
 
 if TYPE_CHECKING:
     import torch
@@ -389,7 +390,8 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def prefill_stop(self, request: Request, start: int, end: int) -> int:
         """Where a prefill step of ``request`` from ``start`` that vLLM would end at ``end``
         must end instead so that its recurrent state lands on a checkpoint (see
-        ``vllm_plugin``), ours or a child connector's; ``end`` when none lies strictly inside."""
+        ``engine/patches/prefill_stops``), ours or a child connector's; ``end`` when none lies
+        strictly inside."""
         assert self.scheduler is not None
         end = self.scheduler.prefill_stop(request.request_id, start, end)
         return end if self.children is None else self.children.prefill_stop(request, start, end)

@@ -33,7 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     supports_hma,
 )
 
-from hybrid_offload.config import ROOT, ChildConnectorConfig, ConfigError
+from hybrid_offload.connector.config import ROOT, ChildConnectorConfig, ConfigError
 
 if TYPE_CHECKING:
     import torch

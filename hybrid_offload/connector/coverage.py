@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hybrid_offload.metrics import LOSS_REASONS
+from hybrid_offload.core.metrics import LOSS_REASONS
 
 __all__ = ["LOSS_REASONS", "Coverage", "coverage"]
 

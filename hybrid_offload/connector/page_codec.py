@@ -2,7 +2,7 @@
 vLLM's KV cache.
 
 Worker side; torch work runs on the model-runner thread (see ``worker``). A (chunk, group) page
-set is ``group.shards`` pages (:mod:`hybrid_offload.tp_shards`); this rank writes the shards
+set is ``group.shards`` pages (:mod:`hybrid_offload.core.tp_shards`); this rank writes the shards
 inside its part of the model (``written``) and reads the ones overlapping it (``read``), so a
 set written at any TP size loads at any other.
 """
@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from hybrid_offload.connector.metadata import PageJob
-from hybrid_offload.engine_spec import GroupSpec, ModelSpec
-from hybrid_offload.kv_layout import AttentionGroupLayout, MambaGroupLayout
-from hybrid_offload.page_format import PageHeader, header_len, page_len
-from hybrid_offload.tp_shards import Transfer, read_plan, shards_read, shards_written, transfers
+from hybrid_offload.core.page_format import PageHeader, header_len, page_len
+from hybrid_offload.core.spec import GroupSpec, ModelSpec
+from hybrid_offload.core.tp_shards import Transfer, read_plan, shards_read, shards_written, transfers
+from hybrid_offload.engine.kv_layout import AttentionGroupLayout, MambaGroupLayout
 
 
 @dataclass(frozen=True)

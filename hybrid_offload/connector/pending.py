@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from hybrid_offload.config import DEFAULT_PENDING_STORE_WAIT_S
+from hybrid_offload.connector.config import DEFAULT_PENDING_STORE_WAIT_S
 
 
 @dataclass

@@ -26,9 +26,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from hybrid_offload.config import DEFAULT_ADAPTIVE_FORGET_S, LOAD_POLICIES
-from hybrid_offload.engine_spec import GroupKind
-from hybrid_offload.planner import HybridOffloadPlanner
+from hybrid_offload.connector.config import DEFAULT_ADAPTIVE_FORGET_S, LOAD_POLICIES
+from hybrid_offload.core.planner import HybridOffloadPlanner
+from hybrid_offload.core.spec import GroupKind
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ connector (EngineCore) each return a :class:`HybridOffloadStats` of deltas from
 sends ``to_dict()`` to the API server in ``SchedulerStats``, and there hands the dict to
 :meth:`HybridOffloadPromMetrics.observe` (Prometheus, ``/metrics``) and to
 ``build_kv_connector_stats`` + ``reduce`` (the periodic log line). The payload's shape and its
-tolerance rules are in :func:`hybrid_offload.metrics.clean_payload`.
+tolerance rules are in :func:`hybrid_offload.core.metrics.clean_payload`.
 
 This is the only module of the package that touches prometheus_client or vLLM's metric types.
 Exposed names carry the prefix ``hybrid_offload_``; every metric carries vLLM's labels
@@ -28,8 +28,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
-from hybrid_offload.config import parse_offload_config
-from hybrid_offload.metrics import (
+from hybrid_offload.connector.config import parse_offload_config
+from hybrid_offload.core.metrics import (
     ERROR_KINDS,
     LOSS_REASONS,
     clean_payload,

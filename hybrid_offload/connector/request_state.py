@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 from hybrid_offload.connector.coverage import Coverage
 from hybrid_offload.connector.metadata import PageJob
 from hybrid_offload.connector.policy import LoadChoice
-from hybrid_offload.engine_spec import GroupKind
-from hybrid_offload.planner import GroupPlan, HybridOffloadPlanner
+from hybrid_offload.core.planner import GroupPlan, HybridOffloadPlanner
+from hybrid_offload.core.spec import GroupKind
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request

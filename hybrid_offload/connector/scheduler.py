@@ -13,7 +13,7 @@ request and vLLM recomputes it. A lookup whose prefix is still being stored wait
 models with recurrent state the lookup also fixes where the request's prefill stops so that its
 state can be stored (its tail, every ``checkpoint_interval_tokens``, and the junction where
 earlier traffic shared more of the prefix than any stored state covers), which vLLM's scheduler
-asks through :meth:`OffloadScheduler.prefill_stop` (see ``vllm_plugin``). A preempted request
+asks through :meth:`OffloadScheduler.prefill_stop` (see ``engine/patches/prefill_stops``). A preempted request
 forgets its blocks and, when resumed, is looked up again, so it loads what was offloaded
 before the preemption instead of recomputing it.
 """
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from hybrid_offload.backends.base import Backend, BackendConfig, BackendError
 from hybrid_offload.backends.registry import backend_class
-from hybrid_offload.config import DEFAULT_ADAPTIVE_FORGET_S, open_backend
+from hybrid_offload.connector.config import DEFAULT_ADAPTIVE_FORGET_S, open_backend
 from hybrid_offload.connector.coverage import coverage
 from hybrid_offload.connector.health import BackendHealth
 from hybrid_offload.connector.metadata import (
@@ -45,9 +45,9 @@ from hybrid_offload.connector.policy import BackendMatch, LoadChoice, make_polic
 from hybrid_offload.connector.request_state import RequestState, extend_keys, page_job
 from hybrid_offload.connector.scope import AdapterIdentities, ScopeError, request_scope
 from hybrid_offload.connector.store_plan import StorePlanner
-from hybrid_offload.engine_spec import GroupKind
-from hybrid_offload.metrics import Locked, SchedulerCounters
-from hybrid_offload.planner import HybridOffloadPlanner, LoadablePrefix
+from hybrid_offload.core.metrics import Locked, SchedulerCounters
+from hybrid_offload.core.planner import HybridOffloadPlanner, LoadablePrefix
+from hybrid_offload.core.spec import GroupKind
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput

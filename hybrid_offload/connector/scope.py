@@ -4,7 +4,7 @@ The scope seeds the request's key chain (:meth:`HybridOffloadPlanner.scope_seed`
 canonical JSON, so no field value can make two different scopes encode alike:
 
 * ``lora``: the adapter's name, path and identity (its files, see
-  :func:`~hybrid_offload.model_identity.adapter_identity`), never its per-process integer id.
+  :func:`~hybrid_offload.engine.model_identity.adapter_identity`), never its per-process integer id.
   The identity is taken when the scheduler first sees the adapter's id and pinned to it: vLLM's
   workers load an adapter once per id, so files rewritten later under the same id would name
   weights the workers do not use. Requests with an adapter whose files changed since (or
@@ -29,8 +29,8 @@ import os
 import reprlib
 from typing import TYPE_CHECKING, Any
 
-from hybrid_offload.config import MAX_VERSION_LEN
-from hybrid_offload.model_identity import adapter_identity
+from hybrid_offload.connector.config import MAX_VERSION_LEN
+from hybrid_offload.engine.model_identity import adapter_identity
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request

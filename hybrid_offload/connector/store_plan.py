@@ -9,7 +9,7 @@ it, ``scheduled`` in it, ``end = computed + scheduled`` after it):
   (the next steps, or when the request ends) -- never lost when the request ends right after.
 * Recurrent state (Mamba/GDN): vLLM holds it only at the end of a step. During the prefill it
   is stored when the step ends on one of the request's ``checkpoints`` (see
-  :func:`~hybrid_offload.planner.prefill_checkpoints`; the scheduler makes prefill steps stop
+  :func:`~hybrid_offload.core.planner.prefill_checkpoints`; the scheduler makes prefill steps stop
   there). During decoding, every step ending on a chunk boundary replaces the worker's held
   copy; the last one is committed when the request finishes or is preempted, so the next turn of
   a conversation, which repeats the reply, resumes at the end of it.
@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING
 from hybrid_offload.connector.metadata import CommitJob, OffloadMetadata, PageJob, StoreJob, TouchJob
 from hybrid_offload.connector.pending import PendingStores
 from hybrid_offload.connector.request_state import RequestState, extend_keys, page_job
-from hybrid_offload.engine_spec import GroupKind
-from hybrid_offload.planner import HybridOffloadPlanner, prefill_checkpoints
-from hybrid_offload.tp_shards import shards_written
+from hybrid_offload.core.planner import HybridOffloadPlanner, prefill_checkpoints
+from hybrid_offload.core.spec import GroupKind
+from hybrid_offload.core.tp_shards import shards_written
 
 if TYPE_CHECKING:
     from hybrid_offload.connector.scheduler import BackendView, ChunkSightings

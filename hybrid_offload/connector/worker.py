@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from hybrid_offload.backends.base import Backend, BackendConfig, BackendError
-from hybrid_offload.config import open_backend
+from hybrid_offload.connector.config import open_backend
 from hybrid_offload.connector.health import BackendHealth
 from hybrid_offload.connector.held import HeldCopies
 from hybrid_offload.connector.metadata import (
@@ -44,12 +44,12 @@ from hybrid_offload.connector.metadata import (
     TouchJob,
 )
 from hybrid_offload.connector.page_codec import PageCodec
-from hybrid_offload.engine_spec import ModelSpec
-from hybrid_offload.kv_layout import AttentionGroupLayout, MambaGroupLayout, build_layouts
-from hybrid_offload.metrics import Locked, WorkerCounters
-from hybrid_offload.model_card import ModelCardError, card_from_spec, card_key, encode_card
-from hybrid_offload.page_format import PageFormatError, decode_page, seal_page
-from hybrid_offload.planner import HybridOffloadPlanner
+from hybrid_offload.core.metrics import Locked, WorkerCounters
+from hybrid_offload.core.model_card import ModelCardError, card_from_spec, card_key, encode_card
+from hybrid_offload.core.page_format import PageFormatError, decode_page, seal_page
+from hybrid_offload.core.planner import HybridOffloadPlanner
+from hybrid_offload.core.spec import ModelSpec
+from hybrid_offload.engine.kv_layout import AttentionGroupLayout, MambaGroupLayout, build_layouts
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ class OffloadWorker:
             self._write_model_card()
 
     def _write_model_card(self) -> None:
-        """Once, TP rank 0: this model's card (:mod:`hybrid_offload.model_card`) into every
+        """Once, TP rank 0: this model's card (:mod:`hybrid_offload.core.model_card`) into every
         writable backend another process can list, so ``hybrid-offload cache`` can name the
         model of this fingerprint. Best effort. Not a page: never reported to the scheduler."""
         try:

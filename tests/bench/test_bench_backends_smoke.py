@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from hybrid_offload.cli.main import main
+from hybrid_offload.tools.cli.main import main
 
 OURS = {"cpu", "disk[io_threads=1]", "disk[io_threads=4]", "redis", "nixl_peer"}
 CEILINGS = {"numpy copy", "pwritev/preadv", "redis-py pipeline", "redis-benchmark", "raw NIXL"}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_offload.cli.main import main
+from hybrid_offload.tools.cli.main import main
 
 pytestmark = pytest.mark.e2e
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_offload.bench.load import QUICK_CONFIGS
-from hybrid_offload.bench.load_client import WorkloadShape, distinct_workload, shared_prefix_workload
-from hybrid_offload.cli.main import main
+from hybrid_offload.tools.bench.load import QUICK_CONFIGS
+from hybrid_offload.tools.bench.load_client import WorkloadShape, distinct_workload, shared_prefix_workload
+from hybrid_offload.tools.cli.main import main
 
 SHAPE = WorkloadShape(docs=2, chats=2)
 

@@ -24,15 +24,15 @@ from typing import Any
 
 import pytest
 import redis
-from hybrid_offload.backends import Backend, BackendConfig, create_backend
 from peer_servers import PeerProcess, start_peer
 from redis_servers import RedisServer, start_redis_server
 
 from hybrid_offload import FORMAT_VERSION
-from hybrid_offload.engine_spec import GroupKind, TensorSpec
-from hybrid_offload.model_card import CardGroup, ModelCard, card_key, encode_card
-from hybrid_offload.page_format import PageHeader, encode_page
-from hybrid_offload.planner import key_digest
+from hybrid_offload.backends import Backend, BackendConfig, create_backend
+from hybrid_offload.core.model_card import CardGroup, ModelCard, card_key, encode_card
+from hybrid_offload.core.page_format import PageHeader, encode_page
+from hybrid_offload.core.planner import key_digest
+from hybrid_offload.core.spec import GroupKind, TensorSpec
 
 REPO = Path(__file__).resolve().parents[2]
 FP_A = "a1" * 16  # a hybrid model: attention group 0, Mamba group 1
@@ -189,9 +189,9 @@ def cache(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cache]:
 
 
 def cli(*args: str, check: int | None = 0) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m hybrid_offload.cli.main cache ARGS``; assert the exit status ``check``."""
+    """Run ``python -m hybrid_offload cache ARGS``; assert the exit status ``check``."""
     result = subprocess.run(
-        [sys.executable, "-m", "hybrid_offload.cli.main", "cache", *args],
+        [sys.executable, "-m", "hybrid_offload", "cache", *args],
         capture_output=True, text=True, timeout=120, cwd=REPO, check=False,
     )  # fmt: skip
     if check is not None:
@@ -606,7 +606,7 @@ def test_peer_token_from_a_file_or_the_environment_never_argv(tmp_path: Path) ->
         assert by_file["fingerprints"] == []
         env = {**os.environ, "HOP_CLI_PEER_TOKEN": secret}
         by_env = subprocess.run(
-            [sys.executable, "-m", "hybrid_offload.cli.main", "cache", "ls", "--peer", peer.address,
+            [sys.executable, "-m", "hybrid_offload", "cache", "ls", "--peer", peer.address,
              "--peer-token-env", "HOP_CLI_PEER_TOKEN"],
             capture_output=True, text=True, timeout=120, cwd=REPO, env=env, check=False,
         )  # fmt: skip
@@ -638,7 +638,7 @@ def test_redis_password_from_a_file_or_the_environment_never_argv(tmp_path: Path
         by_file = cli_json("ls", "--redis", server.url, "--redis-password-file", str(tmp_path / "pw"))
         assert [(f["fingerprint"], f["pages"]) for f in by_file["fingerprints"]] == [("ab" * 16, 1)]
         by_env = subprocess.run(
-            [sys.executable, "-m", "hybrid_offload.cli.main", "cache", "stats", "--redis", server.url,
+            [sys.executable, "-m", "hybrid_offload", "cache", "stats", "--redis", server.url,
              "--redis-password-env", "HOP_CLI_REDIS_PW"],
             capture_output=True, text=True, timeout=120, cwd=REPO, check=False,
             env={**os.environ, "HOP_CLI_REDIS_PW": password},
@@ -658,8 +658,8 @@ def test_verify_with_the_cache_secret_refuses_unsigned_and_forged_pages(tmp_path
     """With ``--secret-file``, verify and inspect check signatures: a page signed under the
     engines' secret is ok, an unsigned one or one signed under another secret is corrupt (and
     ``--delete-bad`` removes it); without the secret all three verify (checksums only)."""
-    from hybrid_offload.page_format import decode_page
-    from hybrid_offload.secrets import Secret
+    from hybrid_offload.core.page_format import decode_page
+    from hybrid_offload.core.secrets import Secret
 
     cache = _disk_cache(tmp_path)
     (tmp_path / "secret").write_text("engines-secret\n")

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from hybrid_offload.backends import (
     Backend,
     BackendClosedError,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from backend_contract import BackendContract
+
 from hybrid_offload.backends import Backend, BackendConfig, create_backend
 
 

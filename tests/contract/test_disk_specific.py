@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from backend_contract import key, page
 from disk_pages import make_disk, page_path
+
 from hybrid_offload.backends import (
     BackendConfig,
     BackendConfigError,

@@ -19,10 +19,10 @@ import pytest
 import yaml
 from backend_contract import key, page
 from disk_pages import make_disk, page_path
+
 from hybrid_offload.backends import BackendConfigError, BackendUnavailableError, create_backend
 from hybrid_offload.backends.disk import DiskBackend
-
-from hybrid_offload.config import parse_offload_config
+from hybrid_offload.connector.config import parse_offload_config
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = HERE.parents[1] / "configs"

@@ -26,6 +26,9 @@ pytest.importorskip(
 )
 import redis
 from backend_contract import key, page
+from process_control import stop_process
+from redis_servers import RedisServer, free_port, start_redis_server
+
 from hybrid_offload.backends import (
     BackendConfig,
     BackendConfigError,
@@ -33,8 +36,6 @@ from hybrid_offload.backends import (
     create_backend,
 )
 from hybrid_offload.backends.lmcache import LMCacheBackend
-from process_control import stop_process
-from redis_servers import RedisServer, free_port, start_redis_server
 
 # LMCache's loggers attach opentelemetry's deprecated LoggingHandler: not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning")

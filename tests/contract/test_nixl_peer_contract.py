@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 from backend_contract import BackendContract
-from hybrid_offload.backends import Backend, BackendConfig, create_backend
 from peer_servers import PeerProcess, start_peer
+
+from hybrid_offload.backends import Backend, BackendConfig, create_backend
 
 
 class TestNixlPeerContract(BackendContract):

@@ -17,6 +17,9 @@ from typing import Any
 
 import pytest
 from backend_contract import key, page
+from peer_servers import PeerFactory
+from process_control import stop_process
+
 from hybrid_offload.backends import (
     BackendConfig,
     BackendConfigError,
@@ -27,8 +30,6 @@ from hybrid_offload.backends.nixl_peer import protocol as p
 from hybrid_offload.backends.nixl_peer.connections import Connection, ConnectionTable, Limits
 from hybrid_offload.backends.nixl_peer.exposure import check_bind, interface_of, is_loopback
 from hybrid_offload.backends.nixl_peer.pool import ALIGN, ExtentAllocator, NotOwnedError, PageIndex
-from peer_servers import PeerFactory
-from process_control import stop_process
 
 MiB = 1 << 20
 FAST = {"timeout_s": 1.0, "retry_backoff_s": 0.05, "max_backoff_s": 0.2}

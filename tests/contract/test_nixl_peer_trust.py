@@ -20,9 +20,10 @@ from typing import Any
 
 import pytest
 from backend_contract import key, page
+from peer_servers import READY, PeerFactory
+
 from hybrid_offload.backends import BackendConfig, BackendConfigError, BackendUnavailableError, create_backend
 from hybrid_offload.backends.nixl_peer import protocol as p
-from peer_servers import READY, PeerFactory
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -289,7 +290,7 @@ def test_too_many_keys_in_one_message_refused_quickly(peers: PeerFactory, client
 
 
 def _peer_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "hybrid_offload.cli.main", "peer", "--capacity-bytes", "1MiB", *args]
+    cmd = [sys.executable, "-m", "hybrid_offload", "peer", "--capacity-bytes", "1MiB", *args]
     return subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})}
     )

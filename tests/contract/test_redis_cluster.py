@@ -16,10 +16,11 @@ import pytest
 import redis
 import redis.cluster
 from backend_contract import BackendContract, key, page
-from hybrid_offload.backends import Backend, BackendConfig, BackendUnavailableError, create_backend
-from hybrid_offload.backends.redis import RedisBackend, RedisClusterBackend
 from redis.crc import key_slot
 from redis_servers import RedisClusterProcess, start_redis_cluster
+
+from hybrid_offload.backends import Backend, BackendConfig, BackendUnavailableError, create_backend
+from hybrid_offload.backends.redis import RedisBackend, RedisClusterBackend
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 from backend_contract import BackendContract
-from hybrid_offload.backends import Backend, BackendConfig, create_backend
 from redis_servers import RedisServer
+
+from hybrid_offload.backends import Backend, BackendConfig, create_backend
 
 
 class TestRedisContract(BackendContract):

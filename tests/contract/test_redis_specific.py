@@ -19,6 +19,9 @@ from typing import Any
 import pytest
 import redis
 from backend_contract import key, page
+from process_control import stop_process
+from redis_servers import RedisServer, free_port, start_redis_server
+
 from hybrid_offload.backends import (
     BackendConfig,
     BackendConfigError,
@@ -26,8 +29,6 @@ from hybrid_offload.backends import (
     create_backend,
 )
 from hybrid_offload.backends.redis import RedisBackend
-from process_control import stop_process
-from redis_servers import RedisServer, free_port, start_redis_server
 
 HERE = Path(__file__).resolve().parent
 KiB = 1 << 10

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from engine_runs import CHUNK_TOKENS, hit_rate, shared_prefix_prompts, tokens
 
-from hybrid_offload.session import ENGINE_ENV, run_session_subprocess
+from hybrid_offload.testing.session import ENGINE_ENV, run_session_subprocess
 
 pytestmark = pytest.mark.e2e
 
@@ -71,14 +71,14 @@ ZEROING_CHILD = """
 import sys
 import torch
 from hybrid_offload.connector import page_codec
-from hybrid_offload.kv_layout import MambaGroupLayout
+from hybrid_offload.engine.kv_layout import MambaGroupLayout
 real_scatter = page_codec.PageCodec.scatter
 def zero_scatter(self, layout, page, shard, payload):
     if isinstance(layout, MambaGroupLayout):
         payload = torch.zeros_like(payload)
     real_scatter(self, layout, page, shard, payload)
 page_codec.PageCodec.scatter = zero_scatter
-from hybrid_offload.session import main
+from hybrid_offload.testing.session import main
 main(sys.argv[1:])
 """
 

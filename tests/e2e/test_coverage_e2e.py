@@ -6,7 +6,7 @@ replies (two conversations at once) and prompts of random lengths (1k-6k tokens,
 ``max_num_batched_tokens``) asked twice, with async scheduling off and on. vLLM's own prefix
 cache is reset before every wave, so every cached token is the connector's. The reusable
 prefix of a request is what the prompts and outputs of earlier waves share with it, floored to
-the chunk (128 tokens here), below its length (``hybrid_offload.bench.traffic``); the
+the chunk (128 tokens here), below its length (``hybrid_offload.tools.bench.traffic``); the
 connector must serve >= 95 % of it, and, for the float32 archs, the greedy tokens of an engine
 without the connector.
 """
@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from hybrid_offload.bench.traffic import SIZES
-from hybrid_offload.bench.workload_run import run_engine_subprocess
-from hybrid_offload.bench.workloads_report import coverage, identical
+from hybrid_offload.tools.bench.traffic import SIZES
+from hybrid_offload.tools.bench.workload_run import run_engine_subprocess
+from hybrid_offload.tools.bench.workloads_report import coverage, identical
 
 pytestmark = pytest.mark.e2e
 

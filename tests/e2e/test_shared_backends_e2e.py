@@ -18,7 +18,7 @@ from engine_runs import CHUNK_TOKENS, hit_rate, shared_prefix_prompts, tokens
 from peer_servers import start_peer
 from redis_servers import start_redis_server
 
-from hybrid_offload.session import run_session_subprocess
+from hybrid_offload.testing.session import run_session_subprocess
 
 pytestmark = pytest.mark.e2e
 

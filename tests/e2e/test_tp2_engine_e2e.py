@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from engine_runs import CHUNK_TOKENS, hit_rate, shared_prefix_prompts, tokens
 
-from hybrid_offload.session import run_session_subprocess
+from hybrid_offload.testing.session import run_session_subprocess
 
 pytestmark = pytest.mark.e2e
 
@@ -72,10 +72,10 @@ def check_with_cache_cli(*dirs: Path) -> None:
     caches written at TP=1 and TP=2 hold one model, in the same complete shard sets."""
     seen = []
     for path in dirs:
-        verify = subprocess.run([sys.executable, "-m", "hybrid_offload.cli.main", "cache", "verify",
+        verify = subprocess.run([sys.executable, "-m", "hybrid_offload", "cache", "verify",
                                  "--disk", str(path)], capture_output=True, text=True, timeout=300)
         assert verify.returncode == 0, verify.stdout + verify.stderr
-        stats = subprocess.run([sys.executable, "-m", "hybrid_offload.cli.main", "cache", "stats",
+        stats = subprocess.run([sys.executable, "-m", "hybrid_offload", "cache", "stats",
                                 "--disk", str(path), "--json"], capture_output=True, text=True,
                                timeout=300, check=True)
         (model,) = json.loads(stats.stdout)["fingerprints"]

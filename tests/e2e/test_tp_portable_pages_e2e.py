@@ -22,17 +22,18 @@ from typing import Any
 import pytest
 import torch
 import vllm_tp_rules as rules
+
 from hybrid_offload.backends.base import BackendConfig
 from hybrid_offload.backends.registry import create_backend
-
 from hybrid_offload.connector.metadata import PageJob
 from hybrid_offload.connector.page_codec import PageCodec
-from hybrid_offload.engine_spec import GroupSpec, ModelShape, ModelSpec, make_model_spec, mamba_splits
-from hybrid_offload.kv_layout import build_layouts
-from hybrid_offload.model_card import is_card_key
-from hybrid_offload.page_format import decode_page, seal_page
-from hybrid_offload.planner import HybridOffloadPlanner
-from hybrid_offload.session import run_session_subprocess
+from hybrid_offload.core.model_card import is_card_key
+from hybrid_offload.core.page_format import decode_page, seal_page
+from hybrid_offload.core.planner import HybridOffloadPlanner
+from hybrid_offload.core.spec import GroupSpec, ModelSpec, make_model_spec
+from hybrid_offload.engine.kv_layout import build_layouts
+from hybrid_offload.engine.translate import ModelShape, mamba_splits
+from hybrid_offload.testing.session import run_session_subprocess
 
 pytestmark = pytest.mark.e2e
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_offload.bench.traffic import SIZES
-from hybrid_offload.bench.workload_run import run_engine_subprocess
-from hybrid_offload.models import build_model
+from hybrid_offload.testing.models import build_model
+from hybrid_offload.tools.bench.traffic import SIZES
+from hybrid_offload.tools.bench.workload_run import run_engine_subprocess
 
 pytestmark = pytest.mark.e2e
 
@@ -62,7 +62,7 @@ def test_weights_replaced_in_place_get_no_hits(model_dir, tmp_path: Path) -> Non
     assert sum(served(new, w) for w in range(1, waves)) > 0  # its own pages still serve it
     # the CLI with the engines' secret finds every page signed under it and stored under its key
     disk = str(tmp_path / "disk")
-    cmd = [sys.executable, "-m", "hybrid_offload.cli.main", "cache", "verify", "--disk", disk]
+    cmd = [sys.executable, "-m", "hybrid_offload", "cache", "verify", "--disk", disk]
     report = subprocess.run([*cmd, "--secret-file", str(secret), "--json"], capture_output=True, text=True,
                             timeout=300, check=False)  # fmt: skip
     assert report.returncode == 0, report.stdout + report.stderr

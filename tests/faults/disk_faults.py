@@ -20,9 +20,9 @@ from typing import Any
 
 from engine_runs import CHUNK_TOKENS, VOCAB
 
-from hybrid_offload.model_card import CARD_DIGEST
-from hybrid_offload.page_format import PageFormatError, decode_page, encode_page
-from hybrid_offload.session import ENGINE_ENV
+from hybrid_offload.core.model_card import CARD_DIGEST
+from hybrid_offload.core.page_format import PageFormatError, decode_page, encode_page
+from hybrid_offload.testing.session import ENGINE_ENV
 
 ARCH = "falcon_h1"  # one attention group + one Mamba group
 CHUNK = CHUNK_TOKENS[ARCH]
@@ -43,7 +43,7 @@ def disk_backend(path: Path, name: str = "disk", **extra: Any) -> dict[str, Any]
 
 def page_files(root: Path) -> list[Path]:
     """Page files under a disk backend's root, oldest write first (the order they were stored);
-    the engine's model card (``hybrid_offload.model_card``) is not a page."""
+    the engine's model card (``hybrid_offload.core.model_card``) is not a page."""
     pages = [p for p in root.rglob("*.page") if p.name != f"{CARD_DIGEST}.page"]
     return sorted(pages, key=lambda p: p.lstat().st_mtime_ns)
 
@@ -81,7 +81,7 @@ def flip_bit(path: Path, offset: int) -> None:
 
 
 class SessionProcess:
-    """``python -m hybrid_offload.session`` as a child process the test can kill."""
+    """``python -m hybrid_offload.testing.session`` as a child process the test can kill."""
 
     def __init__(self, spec: dict[str, Any], workdir: Path) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
@@ -91,7 +91,7 @@ class SessionProcess:
         spec_path.write_text(json.dumps(spec))
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "hybrid_offload.session", str(spec_path), str(self.out)],
+                [sys.executable, "-m", "hybrid_offload.testing.session", str(spec_path), str(self.out)],
                 env={**os.environ, **ENGINE_ENV},
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -18,7 +18,7 @@ import pytest
 from engine_runs import CHUNK_TOKENS, shared_prefix_prompts, tokens
 from redis_servers import free_port
 
-from hybrid_offload.session import ENGINE_ENV, run_session_subprocess
+from hybrid_offload.testing.session import ENGINE_ENV, run_session_subprocess
 
 pytestmark = pytest.mark.e2e
 
@@ -30,7 +30,7 @@ ROOT = "kv_connector_extra_config"
 _STARTER = """
 import json, sys
 from vllm import LLM
-from hybrid_offload.session import kv_transfer_config
+from hybrid_offload.testing.session import kv_transfer_config
 model, cases = sys.argv[1], json.loads(sys.argv[2])
 errors = {}
 for name, extra in cases.items():

@@ -43,8 +43,8 @@ from disk_faults import (
 from engine_runs import hit_rate, release_pass, tokens, wait_for_pass
 from redis_servers import start_redis_server
 
-from hybrid_offload.model_card import is_card_key
-from hybrid_offload.session import run_session_subprocess
+from hybrid_offload.core.model_card import is_card_key
+from hybrid_offload.testing.session import run_session_subprocess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("disk-faults")]
 

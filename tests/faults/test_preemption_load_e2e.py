@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from engine_runs import VOCAB, tokens
 
-from hybrid_offload.session import run_session_subprocess
+from hybrid_offload.testing.session import run_session_subprocess
 
 pytestmark = pytest.mark.e2e
 

@@ -26,7 +26,7 @@ from peer_servers import start_peer
 from process_control import resume_process, stop_process
 from redis_servers import start_redis_server
 
-from hybrid_offload.session import run_session_subprocess
+from hybrid_offload.testing.session import run_session_subprocess
 
 pytestmark = pytest.mark.e2e
 

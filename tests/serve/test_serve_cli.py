@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_offload.cli.serve import API_SERVER_MODULE, load_config_file, serve_command, serve_env
-from hybrid_offload.config import ConfigError
-from hybrid_offload.session import kv_transfer_config
+from hybrid_offload.connector.config import ConfigError
+from hybrid_offload.testing.session import kv_transfer_config
+from hybrid_offload.tools.cli.serve import API_SERVER_MODULE, load_config_file, serve_command, serve_env
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -82,7 +82,7 @@ def test_cli_fails_fast_on_a_bad_key(tmp_path: Path) -> None:
     config["kv_connector_extra_config"]["backends"][0]["load_weigth"] = 1.0
     path = _write(tmp_path, "typo.json", json.dumps(config))
     proc = subprocess.run(
-        [sys.executable, "-m", "hybrid_offload.cli.main", "serve", "--config", str(path), "--model", "m"],
+        [sys.executable, "-m", "hybrid_offload", "serve", "--config", str(path), "--model", "m"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -94,7 +94,7 @@ def test_cli_fails_fast_on_a_bad_key(tmp_path: Path) -> None:
 
 def test_cli_dry_run_prints_the_command(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "hybrid_offload.cli.main", "serve", "--config", str(CONFIGS / "cpu.yaml"),
+        [sys.executable, "-m", "hybrid_offload", "serve", "--config", str(CONFIGS / "cpu.yaml"),
          "--model", str(tmp_path), "--port", "8999", "--dry-run", "--", "--max-model-len", "1024"],
         capture_output=True,
         text=True,

@@ -32,7 +32,7 @@ from peer_servers import start_peer
 from redis_servers import start_redis_cluster, start_redis_server
 from serve_servers import Metrics, ServeProcess, start_serve
 
-from hybrid_offload.cli.serve import load_config_file
+from hybrid_offload.tools.cli.serve import load_config_file
 
 pytestmark = pytest.mark.e2e
 

@@ -1,4 +1,4 @@
-"""Fixtures shared by the scheduler-side unit tests."""
+"""Fixtures shared by the scheduler-side and worker-side unit tests."""
 
 from __future__ import annotations
 
@@ -6,10 +6,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from hybrid_offload.backends.base import BackendConfig
-from test_connector_scheduler import World, cpu_config
+from scheduler_world import World, cpu_config
+from worker_world import World as WorkerWorld
+from worker_world import cpu
 
-from hybrid_offload.engine_spec import ModelSpec
+from hybrid_offload.backends.base import BackendConfig
+from hybrid_offload.core.spec import ModelSpec
 
 
 @pytest.fixture
@@ -30,3 +32,17 @@ def worlds() -> Iterator[Callable[..., World]]:
     yield make
     for w in made:
         w.close()
+
+
+@pytest.fixture
+def world() -> Iterator[Callable[..., WorkerWorld]]:
+    """Factory ``world(*backends, **kwargs) -> WorkerWorld`` (one cpu backend if none); shut down after."""
+    made: list[WorkerWorld] = []
+
+    def make(*backends: BackendConfig, **kwargs: Any) -> WorkerWorld:
+        made.append(WorkerWorld(backends or (cpu(),), **kwargs))
+        return made[-1]
+
+    yield make
+    for w in made:
+        w.worker.shutdown(timeout=10)

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_connector_scheduler import ATTN, FakeRequest, make_spec, new_req, prompt, step
+from scheduler_world import ATTN, FakeRequest, make_spec, new_req, prompt, step
 
 from hybrid_offload.connector.scope import AdapterIdentities, request_scope
 

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from hybrid_offload.connector.coverage import Coverage, coverage
 from hybrid_offload.connector.pending import PendingStores
-from hybrid_offload.planner import prefill_checkpoints
+from hybrid_offload.core.planner import prefill_checkpoints
 
 
 # ---- prefill checkpoints ---------------------------------------------------------------------

@@ -6,9 +6,9 @@ import copy
 from typing import Any
 
 import pytest
-from hybrid_offload.backends.base import BackendConfig
 
-from hybrid_offload.config import (
+from hybrid_offload.backends.base import BackendConfig
+from hybrid_offload.connector.config import (
     DEFAULT_CAPACITY_BYTES,
     DEFAULT_MAX_PENDING_STORE_BYTES,
     ConfigError,
@@ -298,7 +298,7 @@ def test_model_version_and_secret(tmp_path, monkeypatch: pytest.MonkeyPatch, cap
         with pytest.raises(ConfigError, match=why):
             parse_offload_config({**good(), **extra})
     path.chmod(0o644)  # readable by all (a Kubernetes secret's default mode): a warning
-    with caplog.at_level("WARNING", logger="hybrid_offload.secrets"):
+    with caplog.at_level("WARNING", logger="hybrid_offload.core.secrets"):
         parse_offload_config({**good(), "secret_file": str(path)})
     assert "readable by every user" in caplog.text and "hunter2" not in caplog.text
     path.chmod(0o666)

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hybrid_offload.config import parse_offload_config
-from hybrid_offload.session import CONNECTOR_MODULE, CONNECTOR_NAME
+from hybrid_offload.connector.config import parse_offload_config
+from hybrid_offload.testing.session import CONNECTOR_MODULE, CONNECTOR_NAME
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 FILES = sorted(CONFIGS.glob("*.json")) + sorted(CONFIGS.glob("*.yaml"))

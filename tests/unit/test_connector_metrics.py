@@ -9,10 +9,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from hybrid_offload.backends import BackendConfig, BackendUnavailableError
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from test_connector_scheduler import (
+from scheduler_world import (
     FakeRequest,
     FlakyDiskBackend,
     cpu_config,
@@ -20,17 +19,18 @@ from test_connector_scheduler import (
     prompt,
     start_load,
 )
-from test_connector_worker import MAMBA, attn_page_len, cpu, load_job, stored_world, world  # noqa: F401 (fixture)
-from test_connector_worker import make_spec as make_worker_spec
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging, KVConnectorProm
+from worker_world import MAMBA, attn_page_len, cpu, load_job, stored_world
+from worker_world import make_spec as make_worker_spec
 
+from hybrid_offload.backends import BackendConfig, BackendUnavailableError
 from hybrid_offload.connector import HybridOffloadConnector
 from hybrid_offload.connector.metadata import StoreJob
 from hybrid_offload.connector.page_codec import PageCodec
 from hybrid_offload.connector.prometheus import HybridOffloadPromMetrics, HybridOffloadStats
-from hybrid_offload.metrics import ERROR_KINDS, StatsDelta
-from hybrid_offload.session import kv_transfer_config
+from hybrid_offload.core.metrics import ERROR_KINDS, StatsDelta
+from hybrid_offload.testing.session import kv_transfer_config
 
 LABELNAMES = ["model_name", "engine"]
 ENGINES = {0: ["tiny", "0"], 1: ["tiny", "1"]}
@@ -245,7 +245,7 @@ def test_scheduler_counts_lookup_errors_and_skips(worlds, tmp_path: Path) -> Non
     assert redis["gauges"]["available"] == 0
 
 
-def test_worker_counts_stores_loads_latency_usage_and_evictions(world) -> None:  # noqa: F811
+def test_worker_counts_stores_loads_latency_usage_and_evictions(world) -> None:
     spec = make_worker_spec()
     mamba_len = PageCodec(spec, spec.groups[MAMBA], 8).page_lens[0]
     small = cpu(capacity=2 * attn_page_len() + mamba_len)  # 3 attention + 1 Mamba page stored: 1 evicted
@@ -265,7 +265,7 @@ def test_worker_counts_stores_loads_latency_usage_and_evictions(world) -> None: 
     assert 0 < gauges["used_bytes"] <= small.capacity_bytes
 
 
-def test_worker_counts_errors_by_kind(world) -> None:  # noqa: F811
+def test_worker_counts_errors_by_kind(world) -> None:
     flaky = BackendConfig("test_unavailable", "flaky", 1 << 30)
     w, pages, _ = stored_world(world, flaky)
     delta = StatsDelta(w.worker.stats)
@@ -283,7 +283,7 @@ def test_worker_counts_errors_by_kind(world) -> None:  # noqa: F811
     assert entry["gauges"]["available"] == 0
 
 
-def test_facade_returns_stats_objects_of_deltas_and_none_when_idle(world) -> None:  # noqa: F811
+def test_facade_returns_stats_objects_of_deltas_and_none_when_idle(world) -> None:
     w, _, _ = stored_world(world)
     conn = object.__new__(HybridOffloadConnector)  # the facade's stats path without a vLLM config
     conn._side, conn._stats_delta = w.worker, StatsDelta(w.worker.stats)
@@ -299,7 +299,7 @@ def test_facade_returns_stats_objects_of_deltas_and_none_when_idle(world) -> Non
     assert conn.get_kv_connector_stats() is None  # logged, never raised into vLLM
 
 
-def test_worker_counts_store_batches_that_fail_unexpectedly(world, caplog) -> None:  # noqa: F811
+def test_worker_counts_store_batches_that_fail_unexpectedly(world, caplog) -> None:
     """A store batch that raises something no backend should (a bug, not a BackendError) is
     logged and counted (``store_batch_errors``, exported as
     hybrid_offload_store_batch_errors_total); the store thread goes on storing."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,6 +19,24 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
+from worker_world import (
+    ATTN,
+    ATTN_LAYERS,
+    BS,
+    DIM,
+    HEADS,
+    MAMBA,
+    MAMBA_LAYERS,
+    MAMBA_PAGE,
+    NUM_BLOCKS,
+    World,
+    attn_page_len,
+    cpu,
+    load_job,
+    make_spec,
+    stored_world,
+)
+
 from hybrid_offload.backends import (
     BackendClosedError,
     BackendConfig,
@@ -28,7 +45,6 @@ from hybrid_offload.backends import (
     register_backend,
 )
 from hybrid_offload.backends.cpu import CpuBackend
-
 from hybrid_offload.connector.health import BackendHealth
 from hybrid_offload.connector.metadata import (
     ClearRange,
@@ -42,16 +58,8 @@ from hybrid_offload.connector.metadata import (
 )
 from hybrid_offload.connector.page_codec import PageCodec
 from hybrid_offload.connector.worker import LoadSwitchInterval, OffloadWorker
-from hybrid_offload.engine_spec import GroupKind, GroupSpec, ModelSpec, make_model_spec
-from hybrid_offload.page_format import decode_page
-from hybrid_offload.planner import HybridOffloadPlanner
-
-ATTN, MAMBA = 0, 1
-HEADS, DIM, BS, NUM_BLOCKS = 2, 32, 8, 16
-ATTN_LAYERS = ("model.layers.0.attn", "model.layers.2.attn")
-MAMBA_LAYERS = ("model.layers.1.mixer", "model.layers.3.mixer")
-STATE_SHAPES, STATE_DTYPES = ((3, 8), (4, 4)), ("bfloat16", "float32")
-MAMBA_PAGE = 128  # padded page: 112 state bytes + 16 padding
+from hybrid_offload.core.page_format import decode_page
+from hybrid_offload.core.planner import HybridOffloadPlanner
 
 
 class UnavailableBackend(CpuBackend):
@@ -82,154 +90,6 @@ class UnavailableBackend(CpuBackend):
 
 
 register_backend("test_unavailable", UnavailableBackend)
-
-
-
-def load_job(pages: tuple[PageJob, ...], backend: str = "cpu", req_id: str = "req") -> LoadJob:
-    return LoadJob(req_id, (LoadSegment(backend, tuple(pages)),))
-
-def make_spec() -> ModelSpec:
-    attn = GroupSpec(
-        ATTN,
-        GroupKind.FULL_ATTENTION,
-        BS,
-        ATTN_LAYERS,
-        page_bytes=BS * HEADS * 2 * DIM * 2,
-        num_kv_heads=HEADS,
-        head_size=DIM,
-        head_size_v=DIM,
-    )
-    mamba = GroupSpec(
-        MAMBA,
-        GroupKind.MAMBA,
-        BS,
-        MAMBA_LAYERS,
-        page_bytes=MAMBA_PAGE,
-        state_shapes=STATE_SHAPES,
-        state_dtypes=STATE_DTYPES,
-        mamba_cache_mode="align",
-        mamba_type="mamba2",
-    )
-    return make_model_spec((attn, mamba), {"name": "fake-hybrid"}, max_model_len=1024, num_blocks=NUM_BLOCKS)
-
-
-class KVCache:
-    """The tensors vLLM would register, plus ways to write and read them independently."""
-
-    def __init__(self, seed: int = 0) -> None:
-        self.gen = torch.Generator().manual_seed(seed)
-        self.attn = {
-            n: torch.zeros(NUM_BLOCKS, HEADS, BS, 2 * DIM, dtype=torch.bfloat16) for n in ATTN_LAYERS
-        }
-        self.storage = {n: torch.zeros(NUM_BLOCKS * MAMBA_PAGE, dtype=torch.int8) for n in MAMBA_LAYERS}
-        self.state_bytes = make_spec().groups[MAMBA].state_bytes
-        views = {
-            n: s.as_strided((NUM_BLOCKS, 1, 1, self.state_bytes), (MAMBA_PAGE, 1, 1, 1))
-            for n, s in self.storage.items()
-        }
-        self.tensors: dict[str, torch.Tensor] = {**self.attn, **views}
-
-    def write_tokens(
-        self, table: list[int], first: int, count: int
-    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Write random K/V for tokens [first, first + count) of a request with block table
-        ``table`` through vLLM's cache-write op; return them per layer as (T, H, D)."""
-        from vllm import _custom_ops as ops
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        isa = _get_attn_isa(torch.bfloat16, BS, DIM)
-        slots = torch.tensor([table[t // BS] * BS + t % BS for t in range(first, first + count)])
-        written = {}
-        for name, cache in self.attn.items():
-            k = torch.randn(count, HEADS, DIM, generator=self.gen).to(torch.bfloat16)
-            v = torch.randn(count, HEADS, DIM, generator=self.gen).to(torch.bfloat16)
-            key_cache, value_cache = cache.view(NUM_BLOCKS, HEADS, BS * 2, DIM).chunk(2, dim=2)
-            ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa)
-            written[name] = (k, v)
-        return written
-
-    def block_bytes(self, layer: str, block: int) -> torch.Tensor:
-        """The whole padded Mamba page of ``block`` (a view)."""
-        return self.storage[layer].view(torch.uint8)[block * MAMBA_PAGE : (block + 1) * MAMBA_PAGE]
-
-    def fill_states(self, blocks: list[int]) -> None:
-        """Random bytes in the whole padded page (padding included) of every Mamba layer."""
-        for layer in MAMBA_LAYERS:
-            for b in blocks:
-                self.block_bytes(layer, b).copy_(torch.randint(0, 256, (MAMBA_PAGE,), generator=self.gen))
-
-    def state(self, layer: str, block: int) -> bytes:
-        return self.block_bytes(layer, block)[: self.state_bytes].numpy().tobytes()
-
-    def snapshot(self) -> dict[str, torch.Tensor]:
-        return {n: t.clone() for n, t in {**self.attn, **self.storage}.items()}
-
-
-class World:
-    """A worker over a KVCache, and PageJobs for one prompt built the way the scheduler does."""
-
-    def __init__(
-        self, backends: tuple[BackendConfig, ...], chunk: int = BS, max_pending: int = 1 << 30, seed: int = 0
-    ) -> None:
-        self.spec = make_spec()
-        self.planner = HybridOffloadPlanner(self.spec, chunk)
-        self.chunk = chunk
-        self.worker = OffloadWorker(self.spec, self.planner, backends, max_pending)
-        self.cache = KVCache(seed)
-        self.worker.register_kv_caches(self.cache.tensors)
-        self.tokens = [7 + 3 * i for i in range(64)]
-        self.hashes = self.planner.chunk_hashes(self.tokens)
-
-    def attn_page(self, c: int, table: list[int], skip: int = 0) -> PageJob:
-        first, last = c * self.chunk, (c + 1) * self.chunk - 1
-        key = self.planner.page_key(self.hashes[c], ATTN)
-        return PageJob(
-            key, ATTN, c, self.hashes[c], tuple(table[first // BS : last // BS + 1]), first % BS, skip
-        )
-
-    def mamba_page(self, c: int, blocks: tuple[int, ...]) -> PageJob:
-        return PageJob(self.planner.page_key(self.hashes[c], MAMBA), MAMBA, c, self.hashes[c], blocks)
-
-    def backend(self, name: str) -> Any:
-        return self.worker.backends[name]
-
-    def finish(self, req_id: str, timeout: float = 10.0) -> tuple[set[str], set[str]]:
-        """Poll ``finished()`` until ``req_id`` is reported; return everything reported."""
-        recving: set[str] = set()
-        failed: set[str] = set()
-        deadline = time.monotonic() + timeout
-        while req_id not in recving:
-            assert time.monotonic() < deadline, f"load of {req_id} did not finish"
-            r, f = self.worker.finished()
-            recving |= r
-            failed |= f
-            time.sleep(0.002)
-        return recving, failed
-
-    def counters(self) -> dict[str, Any]:
-        return self.worker.stats.snapshot()
-
-
-def cpu(name: str = "cpu", capacity: int = 1 << 30) -> BackendConfig:
-    return BackendConfig("cpu", name, capacity)
-
-
-def attn_page_len() -> int:
-    spec = make_spec()
-    return PageCodec(spec, spec.groups[ATTN], BS).page_lens[0]
-
-
-@pytest.fixture
-def world() -> Iterator[Callable[..., World]]:
-    made: list[World] = []
-
-    def make(*backends: BackendConfig, **kwargs: Any) -> World:
-        made.append(World(backends or (cpu(),), **kwargs))
-        return made[-1]
-
-    yield make
-    for w in made:
-        w.worker.shutdown(timeout=10)
 
 
 def gate(backend: Any, method: str) -> threading.Event:
@@ -410,18 +270,6 @@ def test_load_ending_inside_a_block_zeroes_the_rest_of_it(world) -> None:
     for got in read_tokens(w, dst, 12, BS - 4):
         assert not got.isnan().any() and not got.any()
     assert_only_blocks_changed(before, w, set(dst))
-
-
-def stored_world(world, *backends: BackendConfig) -> tuple[World, list[PageJob], dict[str, torch.Tensor]]:
-    """Pages of 3 chunks stored from blocks [3, 7, 5] (+ state of block 2); a snapshot."""
-    w = world(*backends)
-    w.cache.write_tokens([3, 7, 5], 0, 24)
-    w.cache.fill_states([2])
-    names = tuple(b.name for b in backends) or ("cpu",)
-    pages = [w.attn_page(c, [3, 7, 5]) for c in range(3)] + [w.mamba_page(2, (2,))]
-    w.worker.copy_out([StoreJob(p, names) for p in pages])
-    w.worker.flush(10)
-    return w, pages, w.cache.snapshot()
 
 
 # Contract of a failed load (worker docstring; vLLM runs with kv_load_failure_policy=recompute):

@@ -17,19 +17,19 @@ from typing import Any
 
 import pytest
 
-from hybrid_offload import FORMAT_VERSION, engine_spec
-from hybrid_offload.engine_spec import (
+from hybrid_offload import FORMAT_VERSION
+from hybrid_offload.core import spec as core_spec
+from hybrid_offload.core.spec import (
     DTYPE_SIZES,
     GroupKind,
     GroupSpec,
     ModelSpec,
     TensorSpec,
     UnidentifiableModelError,
-    _group_from_vllm,
     compute_fingerprint,
     make_model_spec,
-    model_spec_from_vllm,
 )
+from hybrid_offload.engine.translate import _group_from_vllm, model_spec_from_vllm
 
 MODEL = {"name": "tiiuae/Falcon-H1-0.5B", "revision": "main", "architectures": ["FalconH1"],
          "hf_config": "0123", "dtype": "bfloat16", "kv_cache_dtype": "auto"}
@@ -216,7 +216,7 @@ def test_translated_fingerprint_is_stable(vllm_kv: SimpleNamespace) -> None:
 
 _SUBPROCESS_FP = """
 import json, sys
-from hybrid_offload.engine_spec import GroupSpec, make_model_spec
+from hybrid_offload.core.spec import GroupSpec, make_model_spec
 args = json.loads(sys.argv[1])
 groups = tuple(GroupSpec.from_dict(g) for g in args["groups"])
 print(make_model_spec(groups, args["model"], max_shards=4).fingerprint)
@@ -284,7 +284,7 @@ def test_fingerprint_changes_with_what_pages_depend_on(vllm_kv: SimpleNamespace,
         "fewer groups": fp((attn,)),
         "shard count": fp(max_shards=2),
     }
-    monkeypatch.setattr(engine_spec, "FORMAT_VERSION", FORMAT_VERSION + 1)
+    monkeypatch.setattr(core_spec, "FORMAT_VERSION", FORMAT_VERSION + 1)
     variants["format version"] = fp()
     monkeypatch.undo()
     assert fp() == base

@@ -17,11 +17,10 @@ from foreign_connectors import (
     RecordingMetadata,
     RecordingWorkerMetadata,
 )
-from test_connector_scheduler import FakeRequest, World, cpu_config, make_spec, prompt
+from scheduler_world import FakeRequest, World, cpu_config, make_spec, prompt
 from vllm.config.kv_transfer import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from hybrid_offload.config import ROOT, ConfigError, parse_child_connectors, parse_offload_config
 from hybrid_offload.connector.children import (
     NO_MATCH,
     PENDING,
@@ -33,6 +32,7 @@ from hybrid_offload.connector.children import (
     native_metadata,
     native_worker_metadata,
 )
+from hybrid_offload.connector.config import ROOT, ConfigError, parse_child_connectors, parse_offload_config
 from hybrid_offload.connector.metadata import OffloadMetadata, OffloadWorkerMetadata
 
 SCHED, WORKER = KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER

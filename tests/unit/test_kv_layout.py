@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_offload import kv_layout
-from hybrid_offload.engine_spec import GroupKind, GroupSpec
+from hybrid_offload.core.spec import GroupKind, GroupSpec
+from hybrid_offload.engine import kv_layout
 
 HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 2, 64, 128, 6
 

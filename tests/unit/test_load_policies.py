@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from test_connector_scheduler import (
+from scheduler_world import (
     ATTN,
     MAMBA,
     FakeRequest,

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from hybrid_offload.metrics import (
+from hybrid_offload.core.metrics import (
     GAUGE_REFRESH_S,
     MAX_SAMPLES,
     Locked,

@@ -13,13 +13,12 @@ from typing import Any, ClassVar
 
 import pytest
 import xxhash
+
+from hybrid_offload import FORMAT_VERSION
 from hybrid_offload.backends import BackendConfig, BackendUnavailableError, create_backend, register_backend
 from hybrid_offload.backends.base import KEY_PATTERN
 from hybrid_offload.backends.disk import DiskBackend
-
-from hybrid_offload import FORMAT_VERSION
-from hybrid_offload.engine_spec import GroupKind, GroupSpec, ModelSpec, make_model_spec
-from hybrid_offload.model_card import (
+from hybrid_offload.core.model_card import (
     CARD_MAGIC,
     CARD_VERSION,
     MAX_CARD_BYTES,
@@ -34,7 +33,8 @@ from hybrid_offload.model_card import (
     encode_card,
     is_card_key,
 )
-from hybrid_offload.planner import HybridOffloadPlanner
+from hybrid_offload.core.planner import HybridOffloadPlanner
+from hybrid_offload.core.spec import GroupKind, GroupSpec, ModelSpec, make_model_spec
 
 FP = "3f" * 16
 CARD = ModelCard(

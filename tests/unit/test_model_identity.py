@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from hybrid_offload.model_identity import adapter_identity, hub_commit, weights_identity
+from hybrid_offload.engine.model_identity import adapter_identity, hub_commit, weights_identity
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -71,7 +71,7 @@ def test_adapter_identity_covers_its_config_content(tmp_path: Path) -> None:
 def test_large_weight_files_are_sampled_not_read_whole(tmp_path: Path) -> None:
     """A fine-tune of the same shapes changes every sampled block; the file is read only in
     ``SAMPLES`` blocks (a byte between them is the documented limit, with the mtime kept)."""
-    from hybrid_offload.model_identity import SAMPLE_BYTES, SAMPLES
+    from hybrid_offload.engine.model_identity import SAMPLE_BYTES, SAMPLES
 
     size = SAMPLES * SAMPLE_BYTES * 64
     weights = tmp_path / "model.safetensors"

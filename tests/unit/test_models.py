@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_offload.models import ARCHS, EOS_ID, build_model, make_config
+from hybrid_offload.testing.models import ARCHS, EOS_ID, build_model, make_config
 
 
 def _files(directory: Path) -> dict[str, bytes]:
@@ -43,7 +43,7 @@ def test_cli_matches_library_in_fresh_process(model_dir, tmp_path: Path) -> None
         [
             sys.executable,
             "-m",
-            "hybrid_offload.cli.main",
+            "hybrid_offload",
             "make-model",
             "--arch",
             "llama",

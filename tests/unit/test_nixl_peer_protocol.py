@@ -6,6 +6,7 @@ import socket
 import struct
 
 import pytest
+
 from hybrid_offload.backends.nixl_peer import protocol as p
 
 K1 = "5eed0001-" + "ab" * 16

@@ -8,6 +8,7 @@ import sys
 from collections import Counter
 
 import pytest
+
 from hybrid_offload.backends.nixl_peer.ring import HashRing
 
 KEYS = [f"5eed{i % 7:04x}-{i * 2654435761 % (1 << 64):016x}" for i in range(20_000)]

@@ -19,10 +19,10 @@ import tracemalloc
 from collections.abc import Callable
 
 import xxhash
-from test_page_format import ATTN, MAMBA, SWA, make_header, make_page
+from page_builders import ATTN, MAMBA, SWA, make_header, make_page
 
-from hybrid_offload import page_format as pf
-from hybrid_offload.page_format import PageFormatError, decode_page
+from hybrid_offload.core import page_format as pf
+from hybrid_offload.core.page_format import PageFormatError, decode_page
 
 BUDGET_S = float(os.environ.get("HYBRID_OFFLOAD_FUZZ_SECONDS", "8"))
 SEEDS = [make_page(make_header(g), seed=i) for i, g in enumerate((ATTN, SWA, MAMBA))]

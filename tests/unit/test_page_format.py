@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ast
-import dataclasses
 import random
 import time
 import tracemalloc
@@ -14,11 +13,11 @@ import pytest
 import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from page_builders import ATTN, CHUNK, MAMBA, SWA, make_header, make_page, payload_for
 
 from hybrid_offload import FORMAT_VERSION
-from hybrid_offload import page_format as pf
-from hybrid_offload.engine_spec import GroupKind, GroupSpec, TensorSpec
-from hybrid_offload.page_format import (
+from hybrid_offload.core import page_format as pf
+from hybrid_offload.core.page_format import (
     HEADER_ALIGN,
     MAGIC,
     PageFormatError,
@@ -30,46 +29,10 @@ from hybrid_offload.page_format import (
     page_len,
     seal_page,
 )
+from hybrid_offload.core.spec import GroupKind, GroupSpec, TensorSpec
 
 REPO = Path(__file__).resolve().parents[2]
 Mangle = Callable[[tuple[TensorSpec, ...]], tuple[TensorSpec, ...]]
-CHUNK = 16
-
-ATTN = GroupSpec(
-    index=0, kind=GroupKind.FULL_ATTENTION, block_size=16,
-    layer_names=("model.layers.0.attn", "model.layers.2.attn"),
-    page_bytes=16 * 2 * (8 + 4) * 2, num_kv_heads=2, head_size=8, head_size_v=4,
-)
-SWA = dataclasses.replace(ATTN, index=2, kind=GroupKind.SLIDING_WINDOW, sliding_window=64)
-MAMBA = GroupSpec(
-    index=1, kind=GroupKind.MAMBA, block_size=16,
-    layer_names=("model.layers.1.mixer",),
-    page_bytes=4096, state_shapes=((3, 12), (2, 4, 4)), state_dtypes=("bfloat16", "float32"),
-    mamba_cache_mode="align", mamba_type="MAMBA2",
-)
-
-
-def make_header(group: GroupSpec = ATTN, **changes: object) -> PageHeader:
-    header = PageHeader(
-        fingerprint=bytes.fromhex("00112233445566778899aabbccddeeff"),
-        chunk_hash=bytes(range(100, 132)),
-        group_index=group.index,
-        kind=group.kind,
-        chunk_index=7,
-        num_tokens=CHUNK,
-        tensors=group.page_tensors(CHUNK),
-        shard=1,
-        shards=2,
-    )
-    return dataclasses.replace(header, **changes)
-
-
-def payload_for(header: PageHeader, seed: int = 0) -> bytes:
-    return random.Random(seed).randbytes(header.payload_len)
-
-
-def make_page(header: PageHeader, seed: int = 0) -> bytes:
-    return encode_page(header, payload_for(header, seed))
 
 
 def layout(tensors: tuple[TensorSpec, ...]) -> list[tuple[tuple[int, ...], str]]:

@@ -17,12 +17,11 @@ import sys
 from collections.abc import Sequence
 
 import pytest
-from hybrid_offload.backends.base import KEY_PATTERN, check_keys
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hybrid_offload.engine_spec import GroupKind, GroupSpec, ModelSpec, make_model_spec
-from hybrid_offload.planner import (
+from hybrid_offload.backends.base import KEY_PATTERN, check_keys
+from hybrid_offload.core.planner import (
     DEFAULT_MIN_CHUNK_TOKENS,
     HybridOffloadPlanner,
     LoadablePrefix,
@@ -30,6 +29,7 @@ from hybrid_offload.planner import (
     chain_chunk_hashes,
     default_chunk_tokens,
 )
+from hybrid_offload.core.spec import GroupKind, GroupSpec, ModelSpec, make_model_spec
 
 MODEL_FIELDS = {"name": "test/hybrid-tiny", "revision": None, "dtype": "bfloat16"}
 PROPERTY_SETTINGS = settings(
@@ -233,8 +233,8 @@ def test_large_token_ids_are_not_truncated() -> None:
 
 _SUBPROCESS_KEYS = """
 import json, sys
-from hybrid_offload.engine_spec import GroupKind, GroupSpec, make_model_spec
-from hybrid_offload.planner import HybridOffloadPlanner
+from hybrid_offload.core.spec import GroupKind, GroupSpec, make_model_spec
+from hybrid_offload.core.planner import HybridOffloadPlanner
 args = json.loads(sys.argv[1])
 groups = tuple(GroupSpec.from_dict(g) for g in args["groups"])
 p = HybridOffloadPlanner(make_model_spec(groups, args["fields"]), 128)

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from hybrid_offload.backends import (
     BackendConfig,
     BackendConfigError,

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybrid_offload.tp_shards import (
+from hybrid_offload.core.tp_shards import (
     Component,
     ShardLayoutError,
     TensorSplit,

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from hybrid_offload.bench.traffic import (
+from hybrid_offload.tools.bench.traffic import (
     SIZES,
     WORKLOADS,
     PrefixIndex,
@@ -16,7 +16,7 @@ from hybrid_offload.bench.traffic import (
     reusable_tokens,
     run_workload,
 )
-from hybrid_offload.bench.workloads_report import coverage, identical
+from hybrid_offload.tools.bench.workloads_report import coverage, identical
 
 
 def replay(spec: WorkloadSpec, reply: int = 7) -> list[list[Request]]:

@@ -1,0 +1,350 @@
+"""Parse and validate ``kv_connector_extra_config`` into frozen dataclasses.
+
+Every problem raises one :class:`ConfigError` whose message names the offending key path
+(``kv_connector_extra_config.backends[1].load_weight``), at connector construction, before
+anything is stored or loaded.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from hybrid_offload.backends.base import Backend, BackendConfig, BackendConfigError
+from hybrid_offload.backends.registry import backend_class, create_backend
+from hybrid_offload.core.secrets import Secret, SecretError, secret_from_options
+
+ROOT = "kv_connector_extra_config"
+DEFAULT_CAPACITY_BYTES = 1 << 30
+DEFAULT_MAX_PENDING_STORE_BYTES = 256 << 20
+#: the worker process's GIL switch interval while a load is in flight (Python's default: 5 ms)
+DEFAULT_LOAD_SWITCH_INTERVAL_S = 0.0005
+#: each (chunk, group) page set splits into up to this many TP-portable shards (see tp_shards.py)
+DEFAULT_TP_SHARDS = 8
+MAX_TP_SHARDS = 64
+#: models with recurrent state: a prefill also stores its state every this many tokens
+DEFAULT_CHECKPOINT_INTERVAL_TOKENS = 1024
+#: a lookup waits at most this long for stores of its prefix that are in flight
+DEFAULT_PENDING_STORE_WAIT_S = 2.0
+#: load_policy adaptive: a tier's measured speed counts this long; then the tier is probed again
+DEFAULT_ADAPTIVE_FORGET_S = 30.0
+_TOP_KEYS = frozenset(
+    {
+        "chunk_tokens",
+        "backends",
+        "max_pending_store_bytes",
+        "load_policy",
+        "adaptive_forget_s",
+        "connectors",
+        "load_switch_interval_s",
+        "tp_shards",
+        "checkpoint_interval_tokens",
+        "pending_store_wait_s",
+        "model_version",
+        "accept_weights_version",
+        "secret",
+        "secret_file",
+        "secret_env",
+    }
+)
+#: longest model_version or weights_version (names, not data)
+MAX_VERSION_LEN = 256
+_COMMON_BACKEND_KEYS = frozenset(
+    {
+        "type",
+        "name",
+        "load_weight",
+        "capacity_bytes",
+        "retry_after_s",
+        "retry_after_max_s",
+        "store_threshold",
+        "store_output",
+        "read_only",
+    }
+)
+LOAD_POLICIES = ("weighted", "ranged", "adaptive")
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 1 << 10,
+    "MIB": 1 << 20,
+    "GIB": 1 << 30,
+    "TIB": 1 << 40,
+}
+
+
+class ConfigError(ValueError):
+    """Invalid connector configuration; the message names the key."""
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """The connector's validated configuration."""
+
+    backends: tuple[BackendConfig, ...]
+    chunk_tokens: int | None = None
+    max_pending_store_bytes: int = DEFAULT_MAX_PENDING_STORE_BYTES
+    load_policy: str = "weighted"
+    adaptive_forget_s: float = DEFAULT_ADAPTIVE_FORGET_S
+    connectors: tuple[ChildConnectorConfig, ...] = ()
+    load_switch_interval_s: float = DEFAULT_LOAD_SWITCH_INTERVAL_S
+    tp_shards: int = DEFAULT_TP_SHARDS
+    checkpoint_interval_tokens: int = DEFAULT_CHECKPOINT_INTERVAL_TOKENS
+    pending_store_wait_s: float = DEFAULT_PENDING_STORE_WAIT_S
+    model_version: str | None = None
+    accept_weights_version: bool = False
+    secret: Secret | None = None
+
+    @property
+    def chain_key(self) -> bytes | None:
+        """Key of the page-key chain (:class:`HybridOffloadPlanner`), None without a secret."""
+        return None if self.secret is None else self.secret.subkey("chain")
+
+    @property
+    def page_key(self) -> bytes | None:
+        """Key of page signatures (:mod:`hybrid_offload.core.page_format`), None without a secret."""
+        return None if self.secret is None else self.secret.subkey("page")
+
+
+def open_backend(config: BackendConfig, index: int) -> Backend:
+    """Create ``backends[index]`` at connector start-up (may block on I/O).
+
+    A problem with its configuration that only shows now (a disk path that cannot be created
+    or written) raises :class:`ConfigError` naming the key; network backends do not connect
+    here, so an unreachable server is not an error (the worker warns at start-up).
+    """
+    try:
+        return create_backend(config)
+    except BackendConfigError as exc:
+        raise ConfigError(f"{ROOT}.backends[{index}]: {exc}") from exc
+
+
+def parse_size(value: Any, key: str) -> int:
+    """Bytes from an int or a string like ``"512MiB"``; must be positive."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a byte count, got {value!r}")
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, str) and (m := _SIZE_RE.match(value)):
+        size = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
+    else:
+        raise ConfigError(f"{key}: expected a byte count like 1073741824 or '1GiB', got {value!r}")
+    if size <= 0:
+        raise ConfigError(f"{key}: must be positive, got {value!r}")
+    return size
+
+
+def _positive_int(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{key}: expected a positive integer, got {value!r}")
+    return value
+
+
+def _flag(value: Any, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    return value
+
+
+def _positive_float(value: Any, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise ConfigError(f"{key}: must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+def _parse_backend(raw: Any, index: int) -> BackendConfig:
+    key = f"{ROOT}.backends[{index}]"
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{key}: expected a mapping with a 'type', got {raw!r}")
+    type_name = raw.get("type")
+    if not isinstance(type_name, str):
+        raise ConfigError(f"{key}.type: missing or not a string")
+    try:
+        cls = backend_class(type_name)
+    except BackendConfigError as exc:
+        raise ConfigError(f"{key}.type: {exc}") from exc
+    weight = raw.get("load_weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight < math.inf:
+        raise ConfigError(f"{key}.load_weight: must be a finite number > 0, got {weight!r}")
+    name = raw.get("name", f"{type_name}{index}" if ":" not in type_name else f"backend{index}")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{key}.name: expected a non-empty string, got {name!r}")
+    capacity = parse_size(raw.get("capacity_bytes", DEFAULT_CAPACITY_BYTES), f"{key}.capacity_bytes")
+    retry = _positive_float(raw.get("retry_after_s", 1.0), f"{key}.retry_after_s")
+    retry_max = _positive_float(raw.get("retry_after_max_s", max(30.0, retry)), f"{key}.retry_after_max_s")
+    if retry_max < retry:
+        raise ConfigError(f"{key}.retry_after_max_s: must be >= retry_after_s ({retry}), got {retry_max}")
+    threshold = _positive_int(raw.get("store_threshold", 1), f"{key}.store_threshold")
+    store_output = _flag(raw.get("store_output", True), f"{key}.store_output")
+    read_only = _flag(raw.get("read_only", False), f"{key}.read_only")
+    options = {k: v for k, v in raw.items() if k not in _COMMON_BACKEND_KEYS}
+    try:
+        options = cls.validate_options(options)
+    except BackendConfigError as exc:
+        raise ConfigError(f"{key}: {exc}") from exc
+    return BackendConfig(
+        type=type_name,
+        name=name,
+        capacity_bytes=capacity,
+        load_weight=float(weight),
+        options=options,
+        retry_after_s=retry,
+        retry_after_max_s=retry_max,
+        store_threshold=threshold,
+        store_output=store_output,
+        read_only=read_only,
+    )
+
+
+def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
+    """Validate ``kv_connector_extra_config``; raise ConfigError naming the first bad key."""
+    extra = dict(extra or {})
+    unknown = sorted(set(extra) - _TOP_KEYS)
+    if unknown:
+        raise ConfigError(f"{ROOT}: unknown key(s) {unknown} (allowed: {sorted(_TOP_KEYS)})")
+    raw_backends = extra.get("backends", [])
+    if not isinstance(raw_backends, list) or not (raw_backends or extra.get("connectors")):
+        raise ConfigError(
+            f"{ROOT}.backends: expected a non-empty list of backends (or a non-empty {ROOT}.connectors)"
+        )
+    backends = tuple(_parse_backend(raw, i) for i, raw in enumerate(raw_backends))
+    names = [b.name for b in backends]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{ROOT}.backends: duplicate backend names {names}")
+    connectors = parse_child_connectors(extra.get("connectors"), f"{ROOT}.connectors", taken=names)
+    chunk = extra.get("chunk_tokens")
+    if chunk is not None:
+        chunk = _positive_int(chunk, f"{ROOT}.chunk_tokens")
+    pending = parse_size(
+        extra.get("max_pending_store_bytes", DEFAULT_MAX_PENDING_STORE_BYTES),
+        f"{ROOT}.max_pending_store_bytes",
+    )
+    policy = extra.get("load_policy", "weighted")
+    if policy not in LOAD_POLICIES:
+        raise ConfigError(f"{ROOT}.load_policy: expected one of {list(LOAD_POLICIES)}, got {policy!r}")
+    forget = extra.get("adaptive_forget_s", DEFAULT_ADAPTIVE_FORGET_S)
+    if isinstance(forget, bool) or not isinstance(forget, int | float) or not 0 < forget <= 86400:
+        raise ConfigError(
+            f"{ROOT}.adaptive_forget_s: must be a number of seconds in (0, 86400], got {forget!r}"
+        )
+    switch = extra.get("load_switch_interval_s", DEFAULT_LOAD_SWITCH_INTERVAL_S)
+    if isinstance(switch, bool) or not isinstance(switch, int | float) or not 0 <= switch <= 0.1:
+        raise ConfigError(
+            f"{ROOT}.load_switch_interval_s: must be a number of seconds in [0, 0.1] (0: leave "
+            f"Python's switch interval alone), got {switch!r}"
+        )
+    shards = _positive_int(extra.get("tp_shards", DEFAULT_TP_SHARDS), f"{ROOT}.tp_shards")
+    if shards > MAX_TP_SHARDS:
+        raise ConfigError(f"{ROOT}.tp_shards: at most {MAX_TP_SHARDS}, got {shards}")
+    interval = extra.get("checkpoint_interval_tokens", DEFAULT_CHECKPOINT_INTERVAL_TOKENS)
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+        raise ConfigError(
+            f"{ROOT}.checkpoint_interval_tokens: expected a number of tokens >= 0 (0: only the "
+            f"prompt's tail and junctions), got {interval!r}"
+        )
+    wait = extra.get("pending_store_wait_s", DEFAULT_PENDING_STORE_WAIT_S)
+    if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= 60:
+        raise ConfigError(
+            f"{ROOT}.pending_store_wait_s: must be a number of seconds in [0, 60] (0: never wait "
+            f"for stores in flight), got {wait!r}"
+        )
+    version = extra.get("model_version")
+    if version is not None and (
+        not isinstance(version, str) or not 0 < len(version) <= MAX_VERSION_LEN
+    ):
+        raise ConfigError(
+            f"{ROOT}.model_version: expected a non-empty string of at most "
+            f"{MAX_VERSION_LEN} characters naming the weights, got {version!r}"
+        )
+    accept_version = extra.get("accept_weights_version", False)
+    if not isinstance(accept_version, bool):
+        raise ConfigError(f"{ROOT}.accept_weights_version: must be true or false, got {accept_version!r}")
+    try:
+        secret = secret_from_options(extra, "secret", what=ROOT)
+    except SecretError as exc:
+        raise ConfigError(str(exc)) from None
+    return OffloadConfig(
+        backends=backends,
+        chunk_tokens=chunk,
+        max_pending_store_bytes=pending,
+        load_policy=policy,
+        adaptive_forget_s=float(forget),
+        connectors=connectors,
+        load_switch_interval_s=float(switch),
+        tp_shards=shards,
+        checkpoint_interval_tokens=interval,
+        pending_store_wait_s=float(wait),
+        model_version=version,
+        accept_weights_version=accept_version,
+        secret=secret,
+    )
+
+
+_CHILD_OWN_KEYS = frozenset({"name", "load_weight"})
+
+
+@dataclass(frozen=True)
+class ChildConnectorConfig:
+    """One foreign (vLLM-style) child connector: its full ``kv_transfer_config`` (without our own
+    keys ``name`` and ``load_weight``), the name it is known by, and its load weight."""
+
+    name: str
+    load_weight: float
+    kv_transfer_config: Mapping[str, Any]
+
+
+def parse_child_connectors(
+    raw: Any, key: str, taken: Collection[str] = ()
+) -> tuple[ChildConnectorConfig, ...]:
+    """Validate a ``connectors`` list (None: no children); names must be unique and not in ``taken``.
+
+    Each entry is a ``kv_transfer_config`` of another connector (``kv_connector`` required,
+    ``kv_connector_module_path`` and ``kv_connector_extra_config`` optional) plus ``name``
+    (default ``<kv_connector><index>``) and ``load_weight`` (default 1.0). Whether the class
+    exists and accepts the config is checked when the connector is built.
+    """
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise ConfigError(f"{key}: expected a list of connector configs, got {raw!r}")
+    children: list[ChildConnectorConfig] = []
+    seen = set(taken)
+    for index, entry in enumerate(raw):
+        child = _parse_child(entry, f"{key}[{index}]", index)
+        if child.name in seen:
+            raise ConfigError(
+                f"{key}[{index}].name: duplicate name {child.name!r} (names must be unique across "
+                "backends and connectors)"
+            )
+        seen.add(child.name)
+        children.append(child)
+    return tuple(children)
+
+
+def _parse_child(raw: Any, key: str, index: int) -> ChildConnectorConfig:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{key}: expected a kv_transfer_config mapping with a 'kv_connector', got {raw!r}")
+    connector = raw.get("kv_connector")
+    if not isinstance(connector, str) or not connector:
+        raise ConfigError(f"{key}.kv_connector: missing or not a non-empty string, got {connector!r}")
+    module = raw.get("kv_connector_module_path")
+    if module is not None and (not isinstance(module, str) or not module):
+        raise ConfigError(f"{key}.kv_connector_module_path: expected a non-empty string, got {module!r}")
+    child_extra = raw.get("kv_connector_extra_config", {})
+    if not isinstance(child_extra, Mapping):
+        raise ConfigError(f"{key}.kv_connector_extra_config: expected a mapping, got {child_extra!r}")
+    weight = raw.get("load_weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight < math.inf:
+        raise ConfigError(f"{key}.load_weight: must be a finite number > 0, got {weight!r}")
+    name = raw.get("name", f"{connector}{index}")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{key}.name: expected a non-empty string, got {name!r}")
+    transfer = {k: v for k, v in raw.items() if k not in _CHILD_OWN_KEYS}
+    return ChildConnectorConfig(name=name, load_weight=float(weight), kv_transfer_config=transfer)

@@ -1,0 +1,249 @@
+"""Canonical page format: a fixed, self-describing, checksummed header plus a payload.
+
+Every backend stores these exact bytes. The payload layout depends only on the group's
+logical tensors (see ``GroupSpec.page_tensors``): attention K then V per layer in
+``[token][head][dim]`` order, Mamba/GDN states per layer without vLLM's page padding. It does
+not depend on kernel block size, padding or device, so identical content gives byte-identical
+pages in every process and across restarts.
+
+Layout (little-endian)::
+
+    fixed header  (struct _FIXED; the chunk hash is 32 bytes, the MAC 32 zero bytes unless signed)
+    tensor table  n_tensors x (dtype code u8, ndim u8, dims u32 x ndim)
+    zero padding  so that the header is a multiple of 64 bytes
+    header xxh3-64 over everything above (the last 8 header bytes)
+    payload       payload_len bytes, checksummed with xxh3-64 in the fixed header
+
+The checksums catch corruption, not forgery. Where a cache has a secret key (shared tiers that
+others can write), pages are signed: the MAC field holds HMAC-SHA256 under the key over the
+header (MAC zeroed, without the header checksum) and the payload, and a reader with the key
+refuses unsigned or badly signed pages.
+
+Decoding never trusts sizes before checking them against hard bounds, so a hostile page
+cannot make the decoder allocate without limit. No pickle, no torch.load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from dataclasses import dataclass
+from math import prod
+
+import xxhash
+
+from hybrid_offload import FORMAT_VERSION
+from hybrid_offload.core.spec import DTYPE_SIZES, GroupKind, TensorSpec
+
+MAGIC = b"HOPG"
+MAX_HEADER_BYTES = 1 << 20
+MAX_TENSORS = 8192
+MAX_NDIM = 8
+MAX_PAYLOAD_BYTES = 1 << 34
+HEADER_ALIGN = 64
+
+_DTYPE_CODES = {name: i + 1 for i, name in enumerate(sorted(DTYPE_SIZES))}
+_CODE_DTYPES = {code: name for name, code in _DTYPE_CODES.items()}
+_KIND_CODES = {GroupKind.FULL_ATTENTION: 1, GroupKind.SLIDING_WINDOW: 2, GroupKind.MAMBA: 3}
+_CODE_KINDS = {code: kind for kind, code in _KIND_CODES.items()}
+
+# magic, version, header_len, fingerprint, chunk_hash, group, kind, shard, shards,
+# chunk_index, num_tokens, n_tensors, payload_len, payload_checksum, mac
+_FIXED = struct.Struct("<4sHI16s32sHBHHIIHQQ32s")
+MAC_LEN = 32
+FINGERPRINT_LEN = 16
+CHUNK_HASH_LEN = 32
+_MAC_OFFSET = _FIXED.size - MAC_LEN
+_NO_MAC = bytes(MAC_LEN)
+_CHECKSUM = struct.Struct("<Q")
+
+
+class PageFormatError(ValueError):
+    """The bytes are not a valid page, or not the page that was asked for."""
+
+
+@dataclass(frozen=True)
+class PageHeader:
+    """Everything the header says about a page.
+
+    ``shard`` of ``shards``: which tensor-parallel-portable piece of its (chunk, group) page set
+    the page holds (see ``hybrid_offload.core.tp_shards``); 0 of 1 when the set is one page.
+    ``signed``: (decoded pages) the page carries a MAC; whether it verifies is checked by
+    :func:`decode_page` with the key.
+    """
+
+    fingerprint: bytes
+    chunk_hash: bytes
+    group_index: int
+    kind: GroupKind
+    chunk_index: int
+    num_tokens: int
+    tensors: tuple[TensorSpec, ...]
+    shard: int = 0
+    shards: int = 1
+    signed: bool = False
+
+    @property
+    def payload_len(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def _tensor_table(tensors: tuple[TensorSpec, ...]) -> bytes:
+    parts = []
+    for t in tensors:
+        parts.append(struct.pack("<BB", _DTYPE_CODES[t.dtype], len(t.shape)))
+        parts.append(struct.pack(f"<{len(t.shape)}I", *t.shape))
+    return b"".join(parts)
+
+
+def header_len(tensors: tuple[TensorSpec, ...]) -> int:
+    """Bytes before the payload: padded to a multiple of 64 so payload tensors are aligned."""
+    table = sum(2 + 4 * len(t.shape) for t in tensors)
+    return -(-(_FIXED.size + table + _CHECKSUM.size) // HEADER_ALIGN) * HEADER_ALIGN
+
+
+def page_len(tensors: tuple[TensorSpec, ...]) -> int:
+    return header_len(tensors) + sum(t.nbytes for t in tensors)
+
+
+def _mac(key: bytes, header: bytes | memoryview, payload: memoryview) -> bytes:
+    """HMAC-SHA256 over ``header`` (its MAC field zero, no header checksum) and ``payload``."""
+    h = hmac.new(key, digestmod=hashlib.sha256)
+    h.update(header)
+    h.update(payload)
+    return h.digest()
+
+
+def seal_page(buf: bytearray | memoryview, header: PageHeader, key: bytes | None = None) -> None:
+    """Write the header into ``buf`` whose payload region (after ``header_len``) is filled,
+    signed under ``key`` where one is given.
+
+    ``buf`` must be exactly ``page_len(header.tensors)`` bytes. The payload is not copied.
+    """
+    view = memoryview(buf).cast("B")
+    hlen = header_len(header.tensors)
+    plen = header.payload_len
+    if len(header.fingerprint) != FINGERPRINT_LEN or len(header.chunk_hash) != CHUNK_HASH_LEN:
+        raise PageFormatError(
+            f"fingerprint and chunk hash must be {FINGERPRINT_LEN} and {CHUNK_HASH_LEN} bytes, got "
+            f"{len(header.fingerprint)} and {len(header.chunk_hash)}"
+        )
+    if len(view) != hlen + plen:
+        raise PageFormatError(f"page buffer is {len(view)} bytes, expected {hlen + plen}")
+    payload_checksum = xxhash.xxh3_64_intdigest(view[hlen:])
+    fixed = _FIXED.pack(
+        MAGIC, FORMAT_VERSION, hlen, header.fingerprint, header.chunk_hash,
+        header.group_index, _KIND_CODES[header.kind], header.shard, header.shards,
+        header.chunk_index, header.num_tokens, len(header.tensors), plen, payload_checksum,
+        _NO_MAC,
+    )
+    table = _tensor_table(header.tensors)
+    end = _FIXED.size + len(table)
+    view[: _FIXED.size] = fixed
+    view[_FIXED.size : end] = table
+    view[end : hlen - _CHECKSUM.size] = bytes(hlen - _CHECKSUM.size - end)
+    if key:
+        view[_MAC_OFFSET:_FIXED.size] = _mac(key, view[: hlen - _CHECKSUM.size], view[hlen:])
+    view[hlen - _CHECKSUM.size : hlen] = _CHECKSUM.pack(
+        xxhash.xxh3_64_intdigest(view[: hlen - _CHECKSUM.size])
+    )
+
+
+def encode_page(header: PageHeader, payload: bytes | memoryview, key: bytes | None = None) -> bytes:
+    """Convenience: header + a payload given as one buffer."""
+    hlen = header_len(header.tensors)
+    buf = bytearray(hlen + len(payload))
+    buf[hlen:] = payload
+    seal_page(buf, header, key)
+    return bytes(buf)
+
+
+def _parse_table(view: memoryview, offset: int, n_tensors: int, hlen: int) -> tuple[TensorSpec, ...]:
+    tensors = []
+    for i in range(n_tensors):
+        if offset + 2 > hlen:
+            raise PageFormatError("tensor table runs past the header")
+        code, ndim = struct.unpack_from("<BB", view, offset)
+        offset += 2
+        if code not in _CODE_DTYPES or ndim > MAX_NDIM or offset + 4 * ndim > hlen:
+            raise PageFormatError(f"tensor {i}: bad dtype code {code} or ndim {ndim}")
+        shape = struct.unpack_from(f"<{ndim}I", view, offset)
+        offset += 4 * ndim
+        tensors.append(TensorSpec(f"t{i}", tuple(shape), _CODE_DTYPES[code]))
+    if header_len(tuple(tensors)) != hlen:
+        raise PageFormatError("header length does not match its tensor table")
+    return tuple(tensors)
+
+
+def decode_header(data: bytes | bytearray | memoryview) -> tuple[PageHeader, int, int]:
+    """Parse and verify the header; return it, the payload offset and the payload checksum.
+
+    The payload itself is not checked here."""
+    view = memoryview(data).cast("B")
+    if len(view) < _FIXED.size + _CHECKSUM.size:
+        raise PageFormatError(f"page too short ({len(view)} bytes)")
+    (magic, version, hlen, fingerprint, chunk_hash, group, kind, shard, shards,
+     chunk_index, num_tokens, n_tensors, plen, payload_checksum, mac) = _FIXED.unpack_from(view, 0)
+    if magic != MAGIC:
+        raise PageFormatError("bad magic: not a hybrid-offload page")
+    if version != FORMAT_VERSION:
+        raise PageFormatError(f"page format version {version}, expected {FORMAT_VERSION}")
+    if not (_FIXED.size + _CHECKSUM.size <= hlen <= min(MAX_HEADER_BYTES, len(view))):
+        raise PageFormatError(f"bad header length {hlen}")
+    if n_tensors > MAX_TENSORS or kind not in _CODE_KINDS or plen > MAX_PAYLOAD_BYTES or not (
+        0 <= shard < shards
+    ):
+        raise PageFormatError("header fields out of range")
+    (stored,) = _CHECKSUM.unpack_from(view, hlen - _CHECKSUM.size)
+    if xxhash.xxh3_64_intdigest(view[: hlen - _CHECKSUM.size]) != stored:
+        raise PageFormatError("header checksum mismatch")
+    tensors = _parse_table(view, _FIXED.size, n_tensors, hlen)
+    if sum(prod(t.shape) * DTYPE_SIZES[t.dtype] for t in tensors) != plen:
+        raise PageFormatError("tensor table does not add up to the payload length")
+    header = PageHeader(fingerprint, chunk_hash, group, _CODE_KINDS[kind], chunk_index,
+                        num_tokens, tensors, shard, shards, signed=mac != _NO_MAC)
+    return header, hlen, payload_checksum
+
+
+def decode_page(
+    data: bytes | bytearray | memoryview, expected: PageHeader | None = None, key: bytes | None = None
+) -> tuple[PageHeader, memoryview]:
+    """Verify a whole page and return its header and payload (a view into ``data``).
+
+    With ``expected``, every identifying field and the tensor shapes/dtypes must match it,
+    so a valid page stored under the wrong key is rejected too. With ``key``, the page must be
+    signed under it (a page without a valid MAC is refused).
+    """
+    view = memoryview(data).cast("B")
+    header, hlen, payload_checksum = decode_header(view)
+    if len(view) != hlen + header.payload_len:
+        raise PageFormatError(f"page is {len(view)} bytes, header says {hlen + header.payload_len}")
+    payload = view[hlen:]
+    if xxhash.xxh3_64_intdigest(payload) != payload_checksum:
+        raise PageFormatError("payload checksum mismatch")
+    if key:
+        _check_mac(view, hlen, payload, key)
+    if expected is not None:
+        _check_expected(header, expected)
+    return header, payload
+
+
+def _check_mac(view: memoryview, hlen: int, payload: memoryview, key: bytes) -> None:
+    mac = bytes(view[_MAC_OFFSET:_FIXED.size])
+    if mac == _NO_MAC:
+        raise PageFormatError("page is not signed, and this cache requires signed pages")
+    unsigned = bytearray(view[: hlen - _CHECKSUM.size])
+    unsigned[_MAC_OFFSET:_FIXED.size] = _NO_MAC
+    if not hmac.compare_digest(mac, _mac(key, unsigned, payload)):
+        raise PageFormatError("page signature does not verify under this cache's key")
+
+
+def _check_expected(got: PageHeader, want: PageHeader) -> None:
+    for name in ("fingerprint", "chunk_hash", "group_index", "kind", "chunk_index",
+                 "num_tokens", "shard", "shards"):
+        if getattr(got, name) != getattr(want, name):
+            raise PageFormatError(f"page {name} is {getattr(got, name)!r}, expected {getattr(want, name)!r}")
+    shapes = [(t.shape, t.dtype) for t in got.tensors]
+    if shapes != [(t.shape, t.dtype) for t in want.tensors]:
+        raise PageFormatError("page tensor shapes/dtypes differ from the model's")

@@ -1,0 +1,356 @@
+"""HybridOffloadPlanner: chunks, page keys, per-group coverage and the loadable prefix.
+
+Pure logic: no torch, no I/O, no vLLM imports. Works on :class:`ModelSpec` from
+:mod:`hybrid_offload.core.spec`.
+
+* A prompt is cut into chunks of ``chunk_tokens`` tokens. Chunk ``i`` covers tokens
+  ``[i * chunk, (i + 1) * chunk)``; only full chunks are ever stored or loaded.
+* Keys are a chain hash over the chunks' token ids, seeded with the model fingerprint and the
+  request's cache scope (LoRA adapter, cache salt, weights version): sha256, or HMAC-SHA256
+  with the cache's secret key where one is configured (then nobody without the key can tell
+  which key a prompt has). They are the same in every process and across restarts; Python's
+  ``hash()`` is never used. Chain hashes are 32 bytes and every page's header carries its own,
+  checked on load, so page keys (128 bits of a sha256) can be short.
+* One page set per (chunk, group). For attention groups, the set of chunk ``i`` holds that
+  chunk's K/V. For Mamba/GDN groups, the set of chunk ``i`` holds the state after the chunk's
+  last token, i.e. at boundary ``N = (i + 1) * chunk``; it exists only where a request's
+  computation stopped at ``N`` (see :func:`prefill_checkpoints`). A set is the group's
+  ``shards`` pages (one backend key each, :meth:`HybridOffloadPlanner.shard_keys`; see
+  ``tp_shards``), and it is present only when all of them are.
+* Coverage at boundary ``N`` (``k = N / chunk``): full attention needs every chunk in
+  ``[start, k)``; sliding window only the chunks inside the window before ``N``; Mamba/GDN only
+  the state page at ``N``. In vLLM's "align" mode a state can be resumed at any chunk boundary,
+  also inside a Mamba block: it goes into the block that covers token ``N - 1``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hybrid_offload.core.spec import GroupKind, GroupSpec, ModelSpec
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MIN_CHUNK_TOKENS = 256
+#: Default chunk (= checkpoint granularity) for hybrid models: a divisor of every block size, at
+#: most this. vLLM's CPU scheduler ends prefill steps at multiples of 128 tokens (its default
+#: block size); finer chunks mean more, smaller pages.
+DEFAULT_HYBRID_CHUNK_TOKENS = 128
+
+
+class PlannerConfigError(ValueError):
+    """``chunk_tokens`` is incompatible with the model's KV cache groups."""
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """How one group maps onto chunks.
+
+    ``window_chunks``: sliding-window groups need this many chunks before a boundary.
+    ``blocks_per_chunk`` / ``chunks_per_block``: how the group's vLLM blocks relate to chunks
+    (one of them is 1); ``unsplittable``: a Mamba group with one block per request (no align
+    mode), whose only state slot is block index 0.
+    """
+
+    group: GroupSpec
+    window_chunks: int | None
+    blocks_per_chunk: int
+    chunks_per_block: int
+    unsplittable: bool = False
+
+    @property
+    def index(self) -> int:
+        return self.group.index
+
+    @property
+    def kind(self) -> GroupKind:
+        return self.group.kind
+
+
+@dataclass(frozen=True)
+class LoadablePrefix:
+    """Result of a lookup: ``tokens`` (a chunk boundary, 0 if nothing loads), per group the
+    largest boundary that group alone would allow (for diagnostics), and ``attention_tokens``:
+    how far the full-attention pages reach without a gap (a boundary beyond ``tokens`` there
+    means earlier traffic shared more of this prefix than any stored state covers)."""
+
+    tokens: int
+    per_group_tokens: tuple[int, ...]
+    attention_tokens: int = 0
+
+    @property
+    def groups_disagree(self) -> bool:
+        return any(t != self.tokens for t in self.per_group_tokens)
+
+
+def default_chunk_tokens(groups: Sequence[GroupSpec], max_model_len: int = 0) -> int:
+    """The default chunk.
+
+    With a Mamba group in align mode the chunk is also the granularity of state checkpoints
+    (a request resumes at a chunk boundary), so it is fine: the largest divisor of every block
+    size not above :data:`DEFAULT_HYBRID_CHUNK_TOKENS`. Attention-only models use the lcm of
+    their block sizes, rounded up to at least 256 tokens to keep pages large.
+    """
+    sizes = [g.block_size for g in groups if not _is_unsplittable(g, max_model_len)]
+    if not sizes:
+        return DEFAULT_MIN_CHUNK_TOKENS
+    if any(g.kind is GroupKind.MAMBA for g in groups if not _is_unsplittable(g, max_model_len)):
+        return math.gcd(DEFAULT_HYBRID_CHUNK_TOKENS, *sizes)
+    chunk = math.lcm(*sizes)
+    return chunk * max(1, math.ceil(DEFAULT_MIN_CHUNK_TOKENS / chunk))
+
+
+def _is_unsplittable(group: GroupSpec, max_model_len: int) -> bool:
+    return group.kind is GroupKind.MAMBA and group.mamba_cache_mode != "align"
+
+
+def _plan_group(group: GroupSpec, chunk: int, max_model_len: int) -> GroupPlan:
+    if _is_unsplittable(group, max_model_len):
+        return GroupPlan(group, window_chunks=None, blocks_per_chunk=1, chunks_per_block=1,
+                         unsplittable=True)
+    block = group.block_size
+    if block <= chunk:
+        if chunk % block:
+            raise PlannerConfigError(
+                f"chunk_tokens={chunk} is not a multiple of group {group.index} "
+                f"({group.kind.value}) block size {block}"
+            )
+        per_chunk, per_block = chunk // block, 1
+    else:
+        if block % chunk:
+            raise PlannerConfigError(
+                f"chunk_tokens={chunk} does not divide group {group.index} "
+                f"({group.kind.value}) block size {block}"
+            )
+        per_chunk, per_block = 1, block // chunk
+    window = None
+    if group.kind is GroupKind.SLIDING_WINDOW:
+        window = max(1, math.ceil(max(1, (group.sliding_window or 1) - 1) / chunk))
+    return GroupPlan(group, window, per_chunk, per_block)
+
+
+def chain_chunk_hashes(
+    seed: bytes, token_ids: Sequence[int], chunk: int, key: bytes | None = None
+) -> list[bytes]:
+    """Chained 32-byte hashes, one per full chunk: ``h[i] = sha256(h[i-1] || tokens_i)``, or
+    HMAC-SHA256 under ``key``; tokens as little-endian int64."""
+    n_full = len(token_ids) // chunk
+    if n_full == 0:
+        return []
+    tokens = np.asarray(token_ids[: n_full * chunk], dtype="<i8").tobytes()
+    step = chunk * 8
+    out: list[bytes] = []
+    prev = seed
+    for i in range(n_full):
+        data = prev + tokens[i * step : (i + 1) * step]
+        prev = hmac.digest(key, data, "sha256") if key else hashlib.sha256(data).digest()
+        out.append(prev)
+    return out
+
+
+def _short_digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:32]
+
+
+def _shard_digest(set_digest: str, shard: int, shards: int) -> str:
+    tail = shard.to_bytes(2, "little") + shards.to_bytes(2, "little")
+    return _short_digest(bytes.fromhex(set_digest) + tail)
+
+
+def key_digest(chunk_hash: bytes, group_index: int, shard: int = 0, shards: int = 1) -> str:
+    """The digest half of a page's key (``<fingerprint>-<digest>``), a function of fields in
+    the page's header: a page stored under another key than its own can be told."""
+    digest = _short_digest(chunk_hash + group_index.to_bytes(2, "little"))
+    return digest if shards == 1 else _shard_digest(digest, shard, shards)
+
+
+class HybridOffloadPlanner:
+    """Maps token prefixes to page keys and decides the longest loadable prefix."""
+
+    def __init__(
+        self, spec: ModelSpec, chunk_tokens: int | None = None, key: bytes | None = None
+    ) -> None:
+        """``key``: the cache's secret (keyed chain hashes); None for sha256."""
+        if chunk_tokens is not None and chunk_tokens <= 0:
+            raise PlannerConfigError(f"chunk_tokens must be positive, got {chunk_tokens}")
+        self.spec = spec
+        self.chunk_tokens = chunk_tokens or default_chunk_tokens(spec.groups, spec.max_model_len)
+        self.plans = tuple(_plan_group(g, self.chunk_tokens, spec.max_model_len) for g in spec.groups)
+        self.namespace = spec.fingerprint
+        self._key = key
+
+    # ---- keys -------------------------------------------------------------------------
+    def scope_seed(self, scope: bytes = b"") -> bytes:
+        """The chain seed: fingerprint plus a request scope (see ``connector.scope``)."""
+        data = self.spec.fingerprint_bytes + b"\x00" + scope
+        return hmac.digest(self._key, data, "sha256") if self._key else hashlib.sha256(data).digest()
+
+    def chain(self, prev: bytes, token_ids: Sequence[int]) -> list[bytes]:
+        """Hashes of the full chunks of ``token_ids`` following chain hash (or seed) ``prev``."""
+        return chain_chunk_hashes(prev, token_ids, self.chunk_tokens, self._key)
+
+    def chunk_hashes(self, token_ids: Sequence[int], scope: bytes = b"") -> list[bytes]:
+        return self.chain(self.scope_seed(scope), token_ids)
+
+    def page_key(self, chunk_hash: bytes, group_index: int) -> str:
+        """Key of one (chunk, group) page set: ``<fingerprint>-<digest>``. A set of one shard
+        is stored under this key; otherwise each shard under :meth:`shard_keys`."""
+        return f"{self.namespace}-{key_digest(chunk_hash, group_index)}"
+
+    def group_keys(self, chunk_hashes: Sequence[bytes]) -> list[list[str]]:
+        """Page-set keys per group (outer) per chunk (inner)."""
+        return [[self.page_key(h, p.index) for h in chunk_hashes] for p in self.plans]
+
+    def shard_keys(self, page_key: str, group_index: int) -> list[str]:
+        """Backend keys of the shards of a page set, in shard order (TP-size independent)."""
+        shards = self.plans[group_index].group.shards
+        if shards == 1:
+            return [page_key]
+        namespace, _, digest = page_key.partition("-")
+        return [f"{namespace}-{_shard_digest(digest, p, shards)}" for p in range(shards)]
+
+    def sets_contain(
+        self, keys: Sequence[Sequence[str]], contains: Callable[[list[str]], list[bool]]
+    ) -> Callable[[list[str]], list[bool]]:
+        """Wrap a per-backend-key ``contains`` into one over page-set keys of ``keys`` (per
+        group lists): a set is present when all of its shards are."""
+        group_of = {key: g for g, group_keys in enumerate(keys) for key in group_keys}
+
+        def contains_sets(set_keys: list[str]) -> list[bool]:
+            expanded = [self.shard_keys(k, group_of[k]) for k in set_keys]
+            flat = [k for shard_keys in expanded for k in shard_keys]
+            answers = iter(contains(flat) if flat else [])
+            return [all([next(answers) for _ in shard_keys]) for shard_keys in expanded]
+
+        return contains_sets
+
+    # ---- coverage ---------------------------------------------------------------------
+    def max_boundary_chunks(self, num_prompt_tokens: int) -> int:
+        """Largest chunk count whose boundary stays strictly below the prompt length.
+
+        vLLM recomputes at least the last prompt token, and a Mamba state loaded for N tokens
+        then stepped again would be corrupted, so N < num_prompt_tokens always.
+        """
+        return max(0, (num_prompt_tokens - 1) // self.chunk_tokens)
+
+    def needed_chunks(self, plan: GroupPlan, k: int, start_chunk: int) -> range:
+        """Chunk indices of ``plan``'s pages needed to load boundary ``k`` (chunks) from
+        ``start_chunk`` on (chunks before it are already in vLLM's cache)."""
+        if plan.kind is GroupKind.MAMBA:
+            return range(k - 1, k)
+        if plan.kind is GroupKind.SLIDING_WINDOW:
+            assert plan.window_chunks is not None
+            return range(max(start_chunk, k - plan.window_chunks), k)
+        return range(start_chunk, k)
+
+    def group_allows(self, plan: GroupPlan, k: int, present: Sequence[bool], start_chunk: int) -> bool:
+        """Whether ``plan``'s group can be restored at boundary ``k`` given its page presence."""
+        return all(present[i] for i in self.needed_chunks(plan, k, start_chunk))
+
+    def loadable_prefix(
+        self,
+        presence: Sequence[Sequence[bool]],
+        num_prompt_tokens: int,
+        start_tokens: int = 0,
+    ) -> LoadablePrefix:
+        """Largest boundary ``N`` (tokens, ``start_tokens < N < num_prompt_tokens``) that every
+        group can restore, given ``presence[group][chunk]``; 0 if none.
+
+        Full-attention coverage is prefix-monotone, so its bound is found by binary search; the
+        other groups are then checked downward from that bound.
+        """
+        if start_tokens % self.chunk_tokens:
+            start_tokens -= start_tokens % self.chunk_tokens
+        start = start_tokens // self.chunk_tokens
+        k_max = min(self.max_boundary_chunks(num_prompt_tokens), *(len(p) for p in presence))
+        if k_max <= start:
+            return LoadablePrefix(0, tuple(0 for _ in self.plans))
+        bound = k_max
+        for plan in self.plans:
+            if plan.kind is GroupKind.FULL_ATTENTION:
+                bound = min(bound, _longest_present_run(presence[plan.index], start, bound))
+        per_group = tuple(self._group_bound(p, presence[p.index], start, k_max) for p in self.plans)
+        k = bound
+        while k > start and not all(self.group_allows(p, k, presence[p.index], start) for p in self.plans):
+            k -= 1
+        tokens = k * self.chunk_tokens if k > start else 0
+        attention = bound * self.chunk_tokens if bound > start else 0
+        return LoadablePrefix(tokens, per_group, attention)
+
+    def _group_bound(self, plan: GroupPlan, present: Sequence[bool], start: int, k_max: int) -> int:
+        for k in range(k_max, start, -1):
+            if self.group_allows(plan, k, present, start):
+                return k * self.chunk_tokens
+        return 0
+
+    def lookup(
+        self,
+        keys: Sequence[Sequence[str]],
+        contains: Callable[[list[str]], list[bool]],
+        num_prompt_tokens: int,
+        start_tokens: int = 0,
+    ) -> LoadablePrefix:
+        """Ask ``contains`` once for every candidate page and compute the loadable prefix."""
+        k_max = min(self.max_boundary_chunks(num_prompt_tokens), *(len(k) for k in keys))
+        start = start_tokens // self.chunk_tokens
+        if k_max <= start:
+            return LoadablePrefix(0, tuple(0 for _ in self.plans))
+        wanted = [key for plan in self.plans for key in keys[plan.index][start:k_max]]
+        answers = dict(zip(wanted, contains(wanted), strict=True))
+        presence = [[answers.get(k, False) for k in group_keys[:k_max]] for group_keys in keys]
+        return self.loadable_prefix(presence, num_prompt_tokens, start_tokens)
+
+    # ---- worker-side positions --------------------------------------------------------
+    def mamba_state_block_index(self, plan: GroupPlan, boundary_tokens: int) -> int:
+        """Index in the request's block table of the block holding the state at a boundary:
+        the block covering token ``boundary - 1`` (vLLM's running-state slot in align mode)."""
+        if plan.unsplittable:
+            return 0
+        return (boundary_tokens - 1) // plan.group.block_size
+
+    @property
+    def has_state_groups(self) -> bool:
+        """Whether some group restores a recurrent state (whose position must be a checkpoint)."""
+        return any(p.kind is GroupKind.MAMBA for p in self.plans)
+
+
+def prefill_checkpoints(prefill_end: int, chunk: int, interval: int, junction: int = 0) -> list[int]:
+    """Positions (ascending, each a multiple of ``chunk``, below ``prefill_end``) where a prefill
+    should stop so that its recurrent state can be stored.
+
+    * the tail: the last chunk boundary before ``prefill_end`` (a repeated prompt, or one that
+      extends this one, resumes there; vLLM recomputes at least one token);
+    * every multiple of ``interval`` (0: none), so prompts that share only a part of this one
+      find a state near where they diverge;
+    * ``junction`` (0: none): a boundary up to which earlier traffic shares this prefix
+      without a stored state there (the next request sharing it resumes there).
+    """
+    tail = (prefill_end - 1) // chunk * chunk if prefill_end > 0 else 0
+    stops = set(range(interval, tail, interval)) if interval > 0 else set()
+    if tail > 0:
+        stops.add(tail)
+    if 0 < junction < prefill_end and junction % chunk == 0:
+        stops.add(junction)
+    return sorted(stops)
+
+
+def _longest_present_run(present: Sequence[bool], start: int, limit: int) -> int:
+    """Largest k in [start, limit] with present[start:k] all True, by binary search over the
+    prefix-monotone predicate."""
+    lo, hi = start, limit
+    prefix_missing = np.cumsum(~np.asarray(present[:limit], dtype=bool)) if limit else np.zeros(0)
+    base = prefix_missing[start - 1] if start > 0 else 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if prefix_missing[mid - 1] - base == 0:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

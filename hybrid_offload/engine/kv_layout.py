@@ -1,0 +1,192 @@
+"""Views over vLLM's registered KV cache tensors: copy chunks and states out and back in.
+
+Worker side only. Attention layers: vLLM's CPU backend keeps each kernel block as
+``[kv_heads][block_size][2 * head_size]`` and, with AMX, in a tiled order that differs per
+instruction set. Instead of hard-coding kernel layouts, :func:`probe_attention_layout` writes
+marked K/V through vLLM's own cache-write op once and records where every
+``(k|v, token, head, dim)`` element lands. Gathers and scatters then use that index map, so
+pages are always ``[token][head][dim]`` whatever the kernel does.
+
+Mamba/GDN layers arrive as int8 page views ``(num_blocks, 1, 1, state_bytes)``; the state
+tensors are packed in the spec's order at the start of each block, padding after them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from hybrid_offload.core.spec import GroupSpec
+
+logger = logging.getLogger(__name__)
+
+# bf16 has too few mantissa bits to hold indices: mark with bit patterns in the normal range.
+_BF16_MARK_BASE = 0x3F80
+
+
+class LayoutError(RuntimeError):
+    """A registered KV tensor has a shape or layout we do not know how to address."""
+
+
+def _marks(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.bfloat16:
+        return (values.to(torch.int32) + _BF16_MARK_BASE).to(torch.int16).view(torch.bfloat16)
+    if dtype in (torch.float16, torch.float32):
+        return values.to(dtype)
+    raise LayoutError(f"cannot probe KV layout for dtype {dtype}")
+
+
+def _unmarks(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.bfloat16:
+        return values.view(torch.int16).to(torch.int64) - _BF16_MARK_BASE
+    return values.to(torch.int64)
+
+
+def _probe_cpu_attn(heads: int, block: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Element offset within one kernel block for each (kv, token, head, dim), via vLLM's op."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = _get_attn_isa(dtype, block, dim)
+    coords = torch.stack(
+        torch.meshgrid(torch.arange(block), torch.arange(heads), torch.arange(dim), indexing="ij")
+    )  # (3, block, heads, dim)
+    found = []
+    for axis in range(3):
+        cache = torch.zeros(1, heads, block, 2 * dim, dtype=dtype)
+        key_cache, value_cache = cache.view(1, heads, block * 2, dim).chunk(2, dim=2)
+        key = _marks(coords[axis] + 1, dtype)
+        value = _marks(coords[axis] + 1 + (1 << 12), dtype)
+        ops.cpu_attn_reshape_and_cache(
+            key, value, key_cache, value_cache, torch.arange(block, dtype=torch.long), isa
+        )
+        found.append(_unmarks(cache.reshape(-1), dtype))
+    is_value = found[0] >= (1 << 12) + 1
+    t, h, d = ((f - 1 - is_value.to(torch.int64) * (1 << 12)) for f in found)
+    perm = torch.full((2, block, heads, dim), -1, dtype=torch.int64)
+    perm[is_value.to(torch.int64), t, h, d] = torch.arange(t.numel())
+    if (perm < 0).any():
+        raise LayoutError(f"CPU attention layout probe (isa={isa}) did not map every element")
+    return perm
+
+
+def _flat_layout(heads: int, block: int, dim: int) -> torch.Tensor:
+    """Layout ``[kv][block][heads][dim]`` per block (vLLM's standard NHD layout)."""
+    return torch.arange(2 * block * heads * dim, dtype=torch.int64).view(2, block, heads, dim)
+
+
+@dataclass
+class AttentionGroupLayout:
+    """Addressing for one attention group: every layer shares block table and layout."""
+
+    group: GroupSpec
+    layers: list[torch.Tensor]  # each flattened to 1-D over the whole cache
+    perm: torch.Tensor  # (2, kernel_block, heads, dim) -> offset in a kernel block
+    kernel_block: int
+    kernel_blocks_per_block: int
+    block_elems: int
+
+    def element_index(
+        self, block_ids: list[int], first_token: int, num_tokens: int, heads: slice = slice(None)
+    ) -> torch.Tensor:
+        """Flat element indices, shape (2, num_tokens, len(heads), dim), for tokens
+        ``[first_token, first_token + num_tokens)`` of a request with this block table and this
+        rank's KV heads ``heads``."""
+        pos = torch.arange(first_token, first_token + num_tokens)
+        bs = self.group.block_size
+        table = torch.as_tensor(block_ids, dtype=torch.int64)
+        kblock = table[pos // bs] * self.kernel_blocks_per_block + (pos % bs) // self.kernel_block
+        offset = self.perm[:, :, heads][:, pos % self.kernel_block]  # (2, T, h, D)
+        return kblock.view(1, -1, 1, 1) * self.block_elems + offset
+
+    def gather(self, index: torch.Tensor, out: list[torch.Tensor]) -> None:
+        """Copy K/V at ``index`` of every layer into ``out[layer]`` (shape (2, T, H, D))."""
+        flat_index = index.reshape(-1)
+        for layer, dst in zip(self.layers, out, strict=True):
+            torch.index_select(layer, 0, flat_index, out=dst.view(-1))
+
+    def scatter(self, index: torch.Tensor, src: list[torch.Tensor]) -> None:
+        flat_index = index.reshape(-1)
+        for layer, data in zip(self.layers, src, strict=True):
+            layer.index_copy_(0, flat_index, data.reshape(-1))
+
+    def zero(self, index: torch.Tensor) -> None:
+        """Zero K/V at ``index`` in every layer."""
+        flat_index = index.reshape(-1)
+        for layer in self.layers:
+            layer.index_fill_(0, flat_index, 0)
+
+
+@dataclass
+class MambaGroupLayout:
+    """Addressing for one Mamba/GDN group: per layer, the unpadded state bytes of a block."""
+
+    group: GroupSpec
+    layers: list[torch.Tensor]  # each (num_blocks, state_bytes) uint8 views; copies: page_codec
+
+
+def _attention_layout(group: GroupSpec, tensors: list[torch.Tensor], num_blocks: int) -> AttentionGroupLayout:
+    first = tensors[0]
+    heads, dim = group.num_kv_heads, group.head_size
+    if first.dim() == 4 and first.shape[1] == heads and first.shape[3] == 2 * dim:
+        kblock = first.shape[2]
+        perm = _probe_cpu_attn(heads, kblock, dim, first.dtype)
+    elif first.dim() == 5 and first.shape[1] == 2 and first.shape[3:] == (heads, dim):
+        kblock = first.shape[2]
+        perm = _flat_layout(heads, kblock, dim)
+    else:
+        raise LayoutError(
+            f"group {group.index}: attention KV tensor shape {tuple(first.shape)} is not a known "
+            f"layout for {heads} kv heads of size {dim}"
+        )
+    if first.shape[0] % num_blocks or group.block_size % kblock:
+        raise LayoutError(
+            f"group {group.index}: {first.shape[0]} kernel blocks of {kblock} tokens do not tile "
+            f"{num_blocks} blocks of {group.block_size} tokens"
+        )
+    for t in tensors:
+        if not t.is_contiguous():
+            raise LayoutError(f"group {group.index}: KV tensor is not contiguous")
+    return AttentionGroupLayout(
+        group=group,
+        layers=[t.view(-1) for t in tensors],
+        perm=perm,
+        kernel_block=kblock,
+        kernel_blocks_per_block=first.shape[0] // num_blocks,
+        block_elems=first[0].numel(),
+    )
+
+
+def _mamba_layout(group: GroupSpec, tensors: list[torch.Tensor]) -> MambaGroupLayout:
+    views = []
+    for t in tensors:
+        if t.dtype not in (torch.int8, torch.uint8) or t.shape[-1] < group.state_bytes:
+            raise LayoutError(
+                f"group {group.index}: Mamba page view {tuple(t.shape)} {t.dtype} cannot hold "
+                f"{group.state_bytes} state bytes"
+            )
+        view = t.view(torch.uint8).flatten(1)[:, : group.state_bytes]
+        if view.data_ptr() != t.data_ptr():
+            raise LayoutError(f"group {group.index}: Mamba page view cannot be addressed in place")
+        views.append(view)
+    return MambaGroupLayout(group=group, layers=views)
+
+
+def build_layouts(
+    groups: tuple[GroupSpec, ...], kv_caches: dict[str, torch.Tensor], num_blocks: int
+) -> dict[int, AttentionGroupLayout | MambaGroupLayout]:
+    """Layouts per group index from the tensors vLLM passes to ``register_kv_caches``."""
+    layouts: dict[int, AttentionGroupLayout | MambaGroupLayout] = {}
+    for group in groups:
+        missing = [n for n in group.layer_names if n not in kv_caches]
+        if missing:
+            raise LayoutError(f"group {group.index}: no KV tensor registered for layers {missing}")
+        tensors = [kv_caches[n] for n in group.layer_names]
+        if group.is_attention:
+            layouts[group.index] = _attention_layout(group, tensors, num_blocks)
+        else:
+            layouts[group.index] = _mamba_layout(group, tensors)
+        logger.info("group %d (%s): %d layers addressed", group.index, group.kind.value, len(tensors))
+    return layouts

