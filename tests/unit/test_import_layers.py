@@ -14,7 +14,11 @@ helper module or in the folder's ``conftest.py``.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
@@ -149,3 +153,16 @@ def test_the_tests_check_catches_an_imported_test_module(tmp_path: Path) -> None
         "tests/unit/helpers.py imports test_b",
         "tests/unit/test_planner.py imports test_page_format",
     ]
+
+
+@pytest.mark.parametrize("module", [
+    f"{PACKAGE}.tools.cli.cache",  # `hybrid-offload cache ...` runs where no engine does
+    f"{PACKAGE}.connector.config",  # the cache CLI reads connector configs
+    f"{PACKAGE}.connector.policy",
+])
+def test_modules_that_need_no_vllm_import_none(module: str) -> None:
+    """The import contract sees module-level imports; this one what importing really loads (the
+    connector package's facade imports vLLM: importing a sibling must not pull it in)."""
+    probe = f"import sys, {module}; print(sorted({{'vllm', 'torch'}} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", module
