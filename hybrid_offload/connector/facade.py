@@ -228,8 +228,9 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self.children.finish_forward()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """vLLM's per-step report; completed loads are written into the KV cache first."""
         assert self.worker is not None
-        recving, failed = self.worker.finished()
+        recving, failed = self.worker.write_finished_loads()
         results = KVConnectorTransferResults(set(), recving, failed)
         if self.children is not None:
             theirs = self.children.transfer_results(finished_req_ids)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import TYPE_CHECKING
 
 from hybrid_offload.connector.coverage import Coverage
@@ -15,13 +16,44 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+class LoadPhase(Enum):
+    """Where a request's load stands. ``IDLE``: none in flight (a lookup may have planned one,
+    ``RequestState.choice``); ``PENDING``: vLLM admitted it, the job is not sent yet;
+    ``LOADING``: the worker has the job; ``FAILED``: a load failed, the request recomputes and
+    never loads again."""
+
+    IDLE = "idle"
+    PENDING = "pending"
+    LOADING = "loading"
+    FAILED = "failed"
+
+
+class LoadEvent(Enum):
+    ADMITTED = "admitted"  # vLLM allocated blocks for the planned load
+    DROPPED = "dropped"  # another source serves the request
+    SENT = "sent"  # the load job went to the worker
+    FINISHED = "finished"  # the worker wrote it into the KV cache
+    FAILED = "failed"  # the worker could not (vLLM recomputes)
+
+
+#: (event, phase) -> next phase; events not listed for a phase leave it as it is. A failure ends
+#: loading whatever came before (vLLM may report a load finished and failed in one step).
+_LOAD_TRANSITIONS: dict[tuple[LoadEvent, LoadPhase], LoadPhase] = {
+    (LoadEvent.ADMITTED, LoadPhase.IDLE): LoadPhase.PENDING,
+    (LoadEvent.DROPPED, LoadPhase.PENDING): LoadPhase.IDLE,
+    (LoadEvent.SENT, LoadPhase.PENDING): LoadPhase.LOADING,
+    (LoadEvent.FINISHED, LoadPhase.LOADING): LoadPhase.IDLE,
+    **{(LoadEvent.FAILED, phase): LoadPhase.FAILED for phase in LoadPhase},
+}
+
+
 @dataclass
 class RequestState:
     """One request as the scheduler side sees it (``request`` is vLLM's, read-only).
 
     Keys: ``chunk_hashes[c]`` and ``keys[group][c]`` cover the known full chunks of the prompt
-    and, as they are generated, of the output. Loads: ``choice`` is the last lookup's plan, a
-    load is ``load_pending`` until its job is sent and ``loading`` until the worker reports it.
+    and, as they are generated, of the output. Loads: ``choice`` is the last lookup's plan,
+    ``load_phase`` where its load stands (changed only by :meth:`on_load`).
     Stores: chunks below ``store_from_chunk`` are not stored (loaded, or vLLM's own hit);
     ``next_store_chunk`` is the first attention chunk not planned yet; ``checkpoints`` are the
     prefill positions where the prefill stops and its state is stored; ``held_attention`` and
@@ -40,9 +72,7 @@ class RequestState:
     choice: LoadChoice | None = None
     load_start: int = 0
     load_end: int = 0
-    load_pending: bool = False
-    loading: bool = False
-    load_failed: bool = False
+    load_phase: LoadPhase = LoadPhase.IDLE
     hit_tokens: dict[str, int] = field(default_factory=dict)
     warned_disagreement: bool = False
     store_from_chunk: int | None = None
@@ -56,6 +86,16 @@ class RequestState:
     coverage: Coverage | None = None
     coverage_counted: bool = False
     stale: bool = False
+
+    def on_load(self, event: LoadEvent) -> LoadPhase:
+        """Move ``load_phase`` as ``event`` says (:data:`_LOAD_TRANSITIONS`); the new phase."""
+        self.load_phase = _LOAD_TRANSITIONS.get((event, self.load_phase), self.load_phase)
+        return self.load_phase
+
+    @property
+    def loading(self) -> bool:
+        """The worker has this request's load (vLLM must not free its blocks yet)."""
+        return self.load_phase is LoadPhase.LOADING
 
     @property
     def req_id(self) -> str:

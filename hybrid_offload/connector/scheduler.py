@@ -42,7 +42,7 @@ from hybrid_offload.connector.metadata import (
 )
 from hybrid_offload.connector.pending import DEFAULT_PENDING_STORE_WAIT_S, PendingStores
 from hybrid_offload.connector.policy import BackendMatch, LoadChoice, make_policy, presence_matrix
-from hybrid_offload.connector.request_state import RequestState, extend_keys, page_job
+from hybrid_offload.connector.request_state import LoadEvent, LoadPhase, RequestState, extend_keys, page_job
 from hybrid_offload.connector.scope import AdapterIdentities, ScopeError, request_scope
 from hybrid_offload.connector.store_plan import StorePlanner
 from hybrid_offload.core.metrics import Locked, SchedulerCounters
@@ -188,7 +188,8 @@ class OffloadScheduler:
         keyed anew when it is looked up again (resumed), unless a load is in flight. None:
         the request does not use the cache (multimodal, embeddings, a malformed scope)."""
         known = self._requests.get(request.request_id)
-        if known is not None and not (known.stale and not (known.loading or known.load_pending)):
+        in_flight = known is not None and known.load_phase in (LoadPhase.PENDING, LoadPhase.LOADING)
+        if known is not None and (in_flight or not known.stale):
             return known
         if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
             return None
@@ -220,7 +221,7 @@ class OffloadScheduler:
         async. None (vLLM asks again next step) while pages of this prefix are being stored. A
         resumed (preempted) request is looked up over its prompt and output so far."""
         state = self._request_state(request)
-        if state is None or state.loading or state.load_failed or state.load_pending:
+        if state is None or state.load_phase is not LoadPhase.IDLE:
             return 0, False
         num_tokens = max(state.prompt_len, request.num_tokens)
         if num_tokens > state.prompt_len:
@@ -323,7 +324,7 @@ class OffloadScheduler:
             return
         state.block_ids = [list(ids) for ids in block_ids]
         state.load_start = state.load_end - num_external_tokens
-        state.load_pending = True
+        state.on_load(LoadEvent.ADMITTED)
         choice = LoadChoice(state.load_start, state.load_end, state.choice.sources, state.choice.score)
         state.hit_tokens = choice.tokens_by_backend(self.planner)
 
@@ -351,7 +352,7 @@ class OffloadScheduler:
         """Score (tokens x weight) of the load planned by the last lookup of ``req_id``; 0.0 if
         none is planned (also while a load runs or after one failed: a stale plan must not win)."""
         state = self._requests.get(req_id)
-        if state is None or state.choice is None or state.loading or state.load_failed:
+        if state is None or state.choice is None or state.load_phase in (LoadPhase.LOADING, LoadPhase.FAILED):
             return 0.0
         return state.choice.score
 
@@ -359,7 +360,8 @@ class OffloadScheduler:
         """Forget the load planned for ``req_id`` (another source serves it)."""
         state = self._requests.get(req_id)
         if state is not None:
-            state.choice, state.load_end, state.load_pending = None, state.load_start, False
+            state.choice, state.load_end = None, state.load_start
+            state.on_load(LoadEvent.DROPPED)
 
     # ---- per-step metadata ----------------------------------------------------------
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadMetadata:
@@ -368,7 +370,7 @@ class OffloadScheduler:
             self.handle_preemption(req_id, meta)
             meta.preempted.append(req_id)
         for state in self._requests.values():
-            if state.load_pending:
+            if state.load_phase is LoadPhase.PENDING:
                 meta.loads.append(self._load_job(state))
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
@@ -428,8 +430,7 @@ class OffloadScheduler:
             if plan.kind is not GroupKind.MAMBA and state.load_end % bs:
                 block = state.block_ids[plan.index][state.load_end // bs]
                 clears.append(ClearRange(plan.index, block, state.load_end % bs, bs - state.load_end % bs))
-        state.load_pending = False
-        state.loading = True
+        state.on_load(LoadEvent.SENT)
         state.store_from_chunk = end
         with self.stats.lock:
             for name, tokens in state.hit_tokens.items():
@@ -456,14 +457,14 @@ class OffloadScheduler:
         for req_id in finished_recving or ():
             state = self._requests.get(req_id)
             if state is not None:
-                state.loading = False
+                state.on_load(LoadEvent.FINISHED)
         if failed_recving:
             with self.stats.lock:
                 self.stats.counters.failed_loads += len(failed_recving)
             for req_id in failed_recving:
                 state = self._requests.get(req_id)
                 if state is not None:  # recompute from scratch, store good pages again
-                    state.load_failed = True
+                    state.on_load(LoadEvent.FAILED)
                     state.store_from_chunk = None
                     state.known_present.clear()
 

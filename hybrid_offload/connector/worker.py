@@ -484,12 +484,13 @@ class OffloadWorker:
                 self._preempted.add(req_id)
                 logger.warning("request %s preempted with a load in flight; its load is dropped", req_id)
 
-    def finished(self) -> tuple[set[str], set[str]]:
-        """(finished receiving, failed receiving) since the last call; failed ones are in both.
+    def write_finished_loads(self) -> tuple[set[str], set[str]]:
+        """Write the pages of every completed load into vLLM's KV cache; (finished receiving,
+        failed receiving) since the last call, failed ones in both.
 
-        Runs on the model-runner thread between forwards: verified pages of completed loads are
-        written into the KV cache here (torch work on the load thread competes with the
-        forward's OpenMP threads and measured ~10x slower), then reported.
+        Runs on the model-runner thread between forwards: the writes happen here, not on the load
+        thread (torch work there competes with the forward's OpenMP threads and measured ~10x
+        slower).
 
         Nothing is ever reported as finished sending: stores copy out synchronously, and when a
         request finishes while its load is in flight, vLLM frees its blocks on the
@@ -509,13 +510,8 @@ class OffloadWorker:
                 continue
             try:
                 decoded = future.result()
-                for read, payload in decoded or ():
-                    read.codec.scatter(
-                        self.layouts[read.page.group], read.page, read.shard,
-                        torch.frombuffer(payload, dtype=torch.uint8),
-                    )
                 if decoded is not None:
-                    self._clear(clears)
+                    self._write_into_kv_cache(decoded, clears)
             except Exception:
                 logger.exception("hybrid-offload load of request %s failed", req_id)
                 decoded = None
@@ -523,6 +519,16 @@ class OffloadWorker:
                 failed.add(req_id)
         self._switch.loading(bool(self._loads))
         return recving, failed
+
+    def _write_into_kv_cache(self, decoded: list[Decoded], clears: Iterable[ClearRange]) -> None:
+        """Scatter a load's verified pages into vLLM's KV cache, then zero the parts of its last
+        attention blocks that it did not fill."""
+        for read, payload in decoded:
+            read.codec.scatter(
+                self.layouts[read.page.group], read.page, read.shard,
+                torch.frombuffer(payload, dtype=torch.uint8),
+            )
+        self._clear(clears)
 
     def _clear(self, clears: Iterable[ClearRange]) -> None:
         """Zero the parts of a load's last attention blocks that the load did not fill."""

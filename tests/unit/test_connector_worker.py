@@ -229,7 +229,7 @@ def test_load_round_trip_into_other_blocks(world, chunk: int) -> None:
     counters = w.counters()
     assert counters["pages_loaded"] == k + 1
     assert counters["missing_pages"] == counters["bad_pages"] == 0
-    assert w.worker.finished() == (set(), set())  # reported once
+    assert w.worker.write_finished_loads() == (set(), set())  # reported once
 
 
 def test_load_leaves_skipped_tokens_alone(world) -> None:
@@ -383,7 +383,7 @@ def test_request_finished_during_its_load_is_reported_once_as_received(world) ->
     job = load_job(tuple(replace(p, block_ids=(b,)) for p, b in zip(pages, (11, 6, 13, 12), strict=True))
     )
     w.worker.start_loads([job])
-    assert w.worker.finished() == (set(), set())  # in flight while vLLM finishes the request
+    assert w.worker.write_finished_loads() == (set(), set())  # in flight while vLLM finishes the request
     facade = SimpleNamespace(worker=w.worker, children=None)
     results = HybridOffloadConnector.get_transfer_results(facade, {"req"})  # type: ignore[arg-type]
     assert (results.finished_sending, results.finished_recving) == (set(), set())

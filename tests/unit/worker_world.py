@@ -136,7 +136,7 @@ class World:
         deadline = time.monotonic() + timeout
         while req_id not in recving:
             assert time.monotonic() < deadline, f"load of {req_id} did not finish"
-            r, f = self.worker.finished()
+            r, f = self.worker.write_finished_loads()
             recving |= r
             failed |= f
             time.sleep(0.002)
