@@ -229,17 +229,9 @@ def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
     policy = extra.get("load_policy", "weighted")
     if policy not in LOAD_POLICIES:
         raise ConfigError(f"{ROOT}.load_policy: expected one of {list(LOAD_POLICIES)}, got {policy!r}")
-    forget = extra.get("adaptive_forget_s", DEFAULT_ADAPTIVE_FORGET_S)
-    if isinstance(forget, bool) or not isinstance(forget, int | float) or not 0 < forget <= 86400:
-        raise ConfigError(
-            f"{ROOT}.adaptive_forget_s: must be a number of seconds in (0, 86400], got {forget!r}"
-        )
-    switch = extra.get("load_switch_interval_s", DEFAULT_LOAD_SWITCH_INTERVAL_S)
-    if isinstance(switch, bool) or not isinstance(switch, int | float) or not 0 <= switch <= 0.1:
-        raise ConfigError(
-            f"{ROOT}.load_switch_interval_s: must be a number of seconds in [0, 0.1] (0: leave "
-            f"Python's switch interval alone), got {switch!r}"
-        )
+    forget = _seconds(extra, "adaptive_forget_s", DEFAULT_ADAPTIVE_FORGET_S, 86400, zero_ok=False)
+    switch = _seconds(extra, "load_switch_interval_s", DEFAULT_LOAD_SWITCH_INTERVAL_S, 0.1,
+                      " (0: leave Python's switch interval alone)")
     shards = _positive_int(extra.get("tp_shards", DEFAULT_TP_SHARDS), f"{ROOT}.tp_shards")
     if shards > MAX_TP_SHARDS:
         raise ConfigError(f"{ROOT}.tp_shards: at most {MAX_TP_SHARDS}, got {shards}")
@@ -249,12 +241,8 @@ def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
             f"{ROOT}.checkpoint_interval_tokens: expected a number of tokens >= 0 (0: only the "
             f"prompt's tail and junctions), got {interval!r}"
         )
-    wait = extra.get("pending_store_wait_s", DEFAULT_PENDING_STORE_WAIT_S)
-    if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= 60:
-        raise ConfigError(
-            f"{ROOT}.pending_store_wait_s: must be a number of seconds in [0, 60] (0: never wait "
-            f"for stores in flight), got {wait!r}"
-        )
+    wait = _seconds(extra, "pending_store_wait_s", DEFAULT_PENDING_STORE_WAIT_S, 60,
+                    " (0: never wait for stores in flight)")
     version = extra.get("model_version")
     if version is not None and (
         not isinstance(version, str) or not 0 < len(version) <= MAX_VERSION_LEN
@@ -275,16 +263,30 @@ def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
         chunk_tokens=chunk,
         max_pending_store_bytes=pending,
         load_policy=policy,
-        adaptive_forget_s=float(forget),
+        adaptive_forget_s=forget,
         connectors=connectors,
-        load_switch_interval_s=float(switch),
+        load_switch_interval_s=switch,
         tp_shards=shards,
         checkpoint_interval_tokens=interval,
-        pending_store_wait_s=float(wait),
+        pending_store_wait_s=wait,
         model_version=version,
         accept_weights_version=accept_version,
         secret=secret,
     )
+
+
+def _seconds(
+    extra: Mapping[str, Any], key: str, default: float, most: float, note: str = "", *,
+    zero_ok: bool = True,
+) -> float:
+    """``extra[key]`` (or ``default``): seconds in ``[0, most]`` (``(0, most]`` unless
+    ``zero_ok``); ConfigError naming the key otherwise (``note`` says what 0 means)."""
+    value = extra.get(key, default)
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not (number and (value >= 0 if zero_ok else value > 0) and value <= most):
+        interval = f"{'[' if zero_ok else '('}0, {most}]"
+        raise ConfigError(f"{ROOT}.{key}: must be a number of seconds in {interval}{note}, got {value!r}")
+    return float(value)
 
 
 _CHILD_OWN_KEYS = frozenset({"name", "load_weight"})
