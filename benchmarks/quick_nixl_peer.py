@@ -16,10 +16,7 @@ Figures are noisy on a shared 2-core machine: compare ratios from one run.
 from __future__ import annotations
 
 import argparse
-import re
 import socket
-import subprocess
-import sys
 import time
 import uuid
 
@@ -28,25 +25,7 @@ import numpy as np
 from hybrid_offload.backends import BackendConfig, create_backend
 from hybrid_offload.backends.nixl_peer import nixl_api
 from hybrid_offload.backends.nixl_peer import protocol as p
-
-READY = re.compile(rb"listening on (\S+):(\d+)")
-
-
-def start_peer(capacity: int, progress_delay_us: int) -> tuple[subprocess.Popen[bytes], str]:
-    cmd = [sys.executable, "-m", "hybrid_offload", "peer", "--listen", "127.0.0.1:0",
-           "--capacity-bytes", str(capacity), "--progress-delay-us", str(progress_delay_us)]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    assert proc.stdout is not None
-    match = None
-    for _ in range(100):  # NIXL logs its start on stdout too
-        line = proc.stdout.readline()
-        match = READY.search(line)
-        if match or not line:
-            break
-    if not match:
-        proc.kill()
-        raise SystemExit("peer did not start")
-    return proc, f"{match.group(1).decode()}:{match.group(2).decode()}"
+from hybrid_offload.testing.services import start_peer
 
 
 def best(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
@@ -103,7 +82,8 @@ def main() -> None:
     args = parser.parse_args()
     page = args.page_kib << 10
     total = args.pages * page
-    proc, address = start_peer(capacity=2 * total, progress_delay_us=args.progress_delay_us)
+    peer = start_peer(2 * total, extra_args=["--progress-delay-us", str(args.progress_delay_us)])
+    address = peer.address
     try:
         config = BackendConfig("nixl_peer", "bench", 2 * total, options={"peers": [address]})
         backend = create_backend(config)
@@ -132,8 +112,7 @@ def main() -> None:
         src, dst = np.ones(total, np.uint8), np.zeros(total, np.uint8)
         results["numpy copy (ceiling)"] = total / best(lambda: np.copyto(dst, src), args.repeats)
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        peer.terminate()
     print(f"{args.pages} pages x {args.page_kib} KiB = {total >> 20} MiB, {args.batch} pages per call, "
           f"best of {args.repeats}")  # fmt: skip
     read = results["raw NIXL READ"]

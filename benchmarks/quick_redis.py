@@ -22,15 +22,12 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from redis_servers import start_redis_server
-
 from hybrid_offload.backends import BackendConfig, create_backend
+from hybrid_offload.testing.services import start_redis_server
 
 
 def redis_benchmark(port: int, value_bytes: int, requests: int) -> dict[str, float]:

@@ -6,9 +6,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from redis_servers import RedisServer, start_redis_server
 
 from hybrid_offload.testing.models import build_model
+from hybrid_offload.testing.services import RedisServer, start_redis_server
 
 ModelFactory = Callable[..., Path]
 

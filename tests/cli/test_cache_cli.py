@@ -24,8 +24,6 @@ from typing import Any
 
 import pytest
 import redis
-from peer_servers import PeerProcess, start_peer
-from redis_servers import RedisServer, start_redis_server
 
 from hybrid_offload import FORMAT_VERSION
 from hybrid_offload.backends import Backend, BackendConfig, create_backend
@@ -33,6 +31,13 @@ from hybrid_offload.core.model_card import CardGroup, ModelCard, card_key, encod
 from hybrid_offload.core.page_format import PageHeader, encode_page
 from hybrid_offload.core.planner import key_digest
 from hybrid_offload.core.spec import GroupKind, TensorSpec
+from hybrid_offload.testing.services import (
+    PeerProcess,
+    RedisServer,
+    free_port,
+    start_peer,
+    start_redis_server,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 FP_A = "a1" * 16  # a hybrid model: attention group 0, Mamba group 1
@@ -586,8 +591,6 @@ def test_bad_action_arguments_exit_2(tmp_path: Path, action: list[str], needle: 
 
 
 def test_unreachable_backends_exit_3(tmp_path: Path) -> None:
-    from redis_servers import free_port
-
     port = free_port()
     down = cli("ls", "--redis", f"redis://127.0.0.1:{port}/0", check=3)
     assert "backend unavailable" in down.stderr and f"127.0.0.1:{port}" in down.stderr

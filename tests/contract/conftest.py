@@ -6,10 +6,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from peer_servers import PeerFactory, PeerProcess, start_peer
 
 from hybrid_offload.backends import BackendConfig, create_backend
 from hybrid_offload.backends.nixl_peer.client import NixlPeerBackend
+from hybrid_offload.testing.services import PeerFactory, PeerProcess, start_peer
 
 MiB = 1 << 20
 

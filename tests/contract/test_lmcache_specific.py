@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import signal
 import struct
 import subprocess
 import sys
@@ -26,8 +25,6 @@ pytest.importorskip(
 )
 import redis
 from backend_contract import key, page
-from process_control import stop_process
-from redis_servers import RedisServer, free_port, start_redis_server
 
 from hybrid_offload.backends import (
     BackendConfig,
@@ -36,6 +33,7 @@ from hybrid_offload.backends import (
     create_backend,
 )
 from hybrid_offload.backends.lmcache import LMCacheBackend
+from hybrid_offload.testing.services import RedisServer, free_port, start_redis_server
 
 # LMCache's loggers attach opentelemetry's deprecated LoggingHandler: not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning")
@@ -361,18 +359,16 @@ def test_server_killed_calls_raise_unavailable_quickly(server: RedisServer) -> N
 
 def test_hung_server_bounded_by_op_timeout(server: RedisServer) -> None:
     backend = make(server.url, op_timeout_s=0.5)
-    pid = server.pid
-    assert pid is not None
     try:
         backend.put_batch([(key(1), page(1, 100))])
-        stop_process(pid)
+        server.pause()
         try:
             start = time.monotonic()
             with pytest.raises(BackendUnavailableError):
                 backend.get_batch([key(1)])
             assert time.monotonic() - start < 3.0
         finally:
-            os.kill(pid, signal.SIGCONT)
+            server.resume()
     finally:
         start = time.monotonic()
         backend.close()

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 from backend_contract import BackendContract
-from peer_servers import PeerProcess, start_peer
 
 from hybrid_offload.backends import Backend, BackendConfig, create_backend
+from hybrid_offload.testing.services import PeerProcess, start_peer
 
 
 class TestNixlPeerContract(BackendContract):

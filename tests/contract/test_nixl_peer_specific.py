@@ -4,9 +4,7 @@ reservations of dead clients, the control channel's defences, and the peer's poo
 from __future__ import annotations
 
 import contextlib
-import os
 import random
-import signal
 import socket
 import subprocess
 import sys
@@ -17,8 +15,6 @@ from typing import Any
 
 import pytest
 from backend_contract import key, page
-from peer_servers import PeerFactory
-from process_control import stop_process
 
 from hybrid_offload.backends import (
     BackendConfig,
@@ -30,6 +26,7 @@ from hybrid_offload.backends.nixl_peer import protocol as p
 from hybrid_offload.backends.nixl_peer.connections import Connection, ConnectionTable, Limits
 from hybrid_offload.backends.nixl_peer.exposure import check_bind, interface_of, is_loopback
 from hybrid_offload.backends.nixl_peer.pool import ALIGN, ExtentAllocator, NotOwnedError, PageIndex
+from hybrid_offload.testing.services import PeerFactory
 
 MiB = 1 << 20
 FAST = {"timeout_s": 1.0, "retry_backoff_s": 0.05, "max_backoff_s": 0.2}
@@ -167,8 +164,7 @@ def test_hung_peer_calls_return_within_timeout(peers: PeerFactory, clients: Any)
     peer = peers()
     backend = clients([peer.address], **FAST)
     assert backend.put_batch([(key(1), page(1, 100))]) == [True]
-    assert peer.proc is not None
-    stop_process(peer.proc.pid)  # accepts connections (kernel), answers nothing
+    peer.pause()  # accepts connections (kernel), answers nothing
     try:
         for call in (lambda: backend.get_batch([key(1)]), lambda: backend.contains_batch([key(1)])):
             began = time.monotonic()
@@ -176,7 +172,7 @@ def test_hung_peer_calls_return_within_timeout(peers: PeerFactory, clients: Any)
                 call()
             assert time.monotonic() - began < 1.5 * FAST["timeout_s"]
     finally:
-        os.kill(peer.proc.pid, signal.SIGCONT)
+        peer.resume()
     deadline = time.monotonic() + 10
     while True:
         with contextlib.suppress(BackendUnavailableError):

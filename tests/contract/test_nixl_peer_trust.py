@@ -2,7 +2,7 @@
 exhaustion, frames that declare huge bodies, silent connections, ids used by another
 connection, reservations that would evict committed pages, off-loopback binds and tokens.
 
-Real peer processes (``peer_servers``), real sockets; the timeout test runs a real
+Real peer processes (``hybrid_offload.testing.services.peer``), real sockets; the timeout test runs a real
 :class:`PeerServer` in this process with an injected clock instead of sleeping.
 """
 
@@ -20,10 +20,11 @@ from typing import Any
 
 import pytest
 from backend_contract import key, page
-from peer_servers import READY, PeerFactory
 
 from hybrid_offload.backends import BackendConfig, BackendConfigError, BackendUnavailableError, create_backend
 from hybrid_offload.backends.nixl_peer import protocol as p
+from hybrid_offload.testing.services import PeerFactory
+from hybrid_offload.testing.services.peer import READY
 
 MiB = 1 << 20
 KiB = 1 << 10

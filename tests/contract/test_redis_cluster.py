@@ -17,14 +17,14 @@ import redis
 import redis.cluster
 from backend_contract import BackendContract, key, page
 from redis.crc import key_slot
-from redis_servers import RedisClusterProcess, start_redis_cluster
 
 from hybrid_offload.backends import Backend, BackendConfig, BackendUnavailableError, create_backend
 from hybrid_offload.backends.redis import RedisBackend, RedisClusterBackend
+from hybrid_offload.testing.services import RedisCluster, start_redis_cluster
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterProcess]:
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
     process = start_redis_cluster(tmp_path_factory.mktemp("redis-cluster"), n=3)
     try:
         yield process
@@ -37,7 +37,7 @@ def unique_prefix() -> str:
 
 
 def make_cluster_backend(
-    cluster: RedisClusterProcess, capacity: int = 64 << 20, **options: Any
+    cluster: RedisCluster, capacity: int = 64 << 20, **options: Any
 ) -> RedisClusterBackend:
     options = {"startup_nodes": cluster.startup_nodes, "prefix": unique_prefix(), **options}
     backend = create_backend(BackendConfig("redis-cluster", "cluster-test", capacity, options=options))
@@ -45,13 +45,13 @@ def make_cluster_backend(
     return backend
 
 
-def node_clients(cluster: RedisClusterProcess) -> list[redis.Redis]:
+def node_clients(cluster: RedisCluster) -> list[redis.Redis]:
     return [redis.Redis.from_url(node.url) for node in cluster.nodes]
 
 
 class TestRedisClusterContract(BackendContract):
     @pytest.fixture(autouse=True)
-    def _cluster(self, cluster: RedisClusterProcess) -> None:
+    def _cluster(self, cluster: RedisCluster) -> None:
         self.cluster = cluster
 
     def make_backend(self, tmp_path: Path, capacity_bytes: int) -> Backend:
@@ -61,7 +61,7 @@ class TestRedisClusterContract(BackendContract):
         return create_backend(backend.config)
 
 
-def test_pages_spread_over_all_nodes(cluster: RedisClusterProcess) -> None:
+def test_pages_spread_over_all_nodes(cluster: RedisCluster) -> None:
     clients = node_clients(cluster)
     with make_cluster_backend(cluster) as backend:
         before = [client.dbsize() for client in clients]
@@ -81,9 +81,7 @@ def test_pages_spread_over_all_nodes(cluster: RedisClusterProcess) -> None:
         client.close()
 
 
-def test_batch_get_is_one_pipeline_per_node(
-    cluster: RedisClusterProcess, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_batch_get_is_one_pipeline_per_node(cluster: RedisCluster, monkeypatch: pytest.MonkeyPatch) -> None:
     clients = node_clients(cluster)
     with make_cluster_backend(cluster) as backend:
         n = 60
@@ -121,7 +119,7 @@ def test_batch_get_is_one_pipeline_per_node(
         client.close()
 
 
-def test_redis_type_with_cluster_url(cluster: RedisClusterProcess) -> None:
+def test_redis_type_with_cluster_url(cluster: RedisCluster) -> None:
     assert cluster.url.startswith("redis+cluster://")
     options = {"url": cluster.url, "prefix": unique_prefix()}
     backend = create_backend(BackendConfig("redis", "cluster-url", 1 << 20, options=options))
@@ -180,7 +178,7 @@ def test_node_killed_then_restarted_same_instance_recovers(tmp_path: Path) -> No
         process.stop()
 
 
-def test_bounded_reads_orphan_expiry_and_index_rebuild(cluster: RedisClusterProcess) -> None:
+def test_bounded_reads_orphan_expiry_and_index_rebuild(cluster: RedisCluster) -> None:
     """Issue 14 M3 on a cluster: a long value read into a small buffer is a miss and is not
     sent whole; pages carry an expiry until accounted; a dropped index key is rebuilt from a
     scan of every node, and the capacity holds again."""

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 from backend_contract import BackendContract
-from redis_servers import RedisServer
 
 from hybrid_offload.backends import Backend, BackendConfig, create_backend
+from hybrid_offload.testing.services import RedisServer
 
 
 class TestRedisContract(BackendContract):

@@ -5,9 +5,7 @@ options, and clients in two processes sharing one capacity and LRU.
 
 from __future__ import annotations
 
-import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -19,8 +17,6 @@ from typing import Any
 import pytest
 import redis
 from backend_contract import key, page
-from process_control import stop_process
-from redis_servers import RedisServer, free_port, start_redis_server
 
 from hybrid_offload.backends import (
     BackendConfig,
@@ -29,6 +25,7 @@ from hybrid_offload.backends import (
     create_backend,
 )
 from hybrid_offload.backends.redis import RedisBackend
+from hybrid_offload.testing.services import RedisServer, free_port, start_redis_server
 
 HERE = Path(__file__).resolve().parent
 KiB = 1 << 10
@@ -313,8 +310,7 @@ def test_hung_server_times_out(own_server: Callable[..., RedisServer]) -> None:
     srv = own_server()
     with make_redis(srv.url, socket_timeout_s=0.5, connect_timeout_s=0.5) as backend:
         assert backend.put_batch([(key(1), b"abc")]) == [True]
-        assert srv.pid is not None
-        stop_process(srv.pid)
+        srv.pause()
         try:
             for call in (lambda: backend.get_batch([key(1)]), backend.used_bytes):
                 start = time.monotonic()
@@ -322,7 +318,7 @@ def test_hung_server_times_out(own_server: Callable[..., RedisServer]) -> None:
                     call()
                 assert time.monotonic() - start < 2.0
         finally:
-            os.kill(srv.pid, signal.SIGCONT)
+            srv.resume()
         assert backend.get_batch([key(1)]) == [b"abc"]
 
 

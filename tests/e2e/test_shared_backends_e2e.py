@@ -15,9 +15,8 @@ from typing import Any
 
 import pytest
 from engine_runs import CHUNK_TOKENS, hit_rate, shared_prefix_prompts, tokens
-from peer_servers import start_peer
-from redis_servers import start_redis_server
 
+from hybrid_offload.testing.services import start_peer, start_redis_server
 from hybrid_offload.testing.session import run_session_subprocess
 
 pytestmark = pytest.mark.e2e

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 from engine_runs import CHUNK_TOKENS, shared_prefix_prompts, tokens
-from redis_servers import free_port
 
+from hybrid_offload.testing.services import free_port
 from hybrid_offload.testing.session import ENGINE_ENV, run_session_subprocess
 
 pytestmark = pytest.mark.e2e

@@ -41,9 +41,9 @@ from disk_faults import (
     wait_until,
 )
 from engine_runs import hit_rate, release_pass, tokens, wait_for_pass
-from redis_servers import start_redis_server
 
 from hybrid_offload.core.model_card import is_card_key
+from hybrid_offload.testing.services import start_redis_server
 from hybrid_offload.testing.session import run_session_subprocess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("disk-faults")]

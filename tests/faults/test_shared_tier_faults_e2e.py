@@ -22,10 +22,8 @@ from typing import Any
 
 import pytest
 from engine_runs import CHUNK_TOKENS, hit_rate, release_pass, shared_prefix_prompts, tokens, wait_for_pass
-from peer_servers import start_peer
-from process_control import resume_process, stop_process
-from redis_servers import start_redis_server
 
+from hybrid_offload.testing.services import start_peer, start_redis_server
 from hybrid_offload.testing.session import run_session_subprocess
 
 pytestmark = pytest.mark.e2e
@@ -108,21 +106,19 @@ def test_hung_peer_is_bounded_by_its_timeout_and_used_again_after(model_dir, tmp
     barrier = tmp_path / "barrier"
     barrier.mkdir()
     spec = {**base, "connector": {"backends": [cfg]}, "passes": 3, "pass_barrier": str(barrier)}
-    assert peer.proc is not None
-    pid = peer.proc.pid
     try:
         with ThreadPoolExecutor(1) as pool:
             session = pool.submit(run_session_subprocess, spec)
             wait_for_pass(barrier, 0, session)
-            stop_process(pid)
+            peer.pause()
             release_pass(barrier, 0)
             wait_for_pass(barrier, 1, session)
-            resume_process(pid)
+            peer.resume()
             time.sleep(BACKOFF["retry_after_max_s"] + 0.5)  # the next lookup is a probe
             release_pass(barrier, 1)
             result = session.result(timeout=600)
     finally:
-        resume_process(pid)
+        peer.resume()
         peer.kill()
 
     for index in range(3):

@@ -28,10 +28,15 @@ from typing import Any
 
 import pytest
 from engine_runs import CHUNK_TOKENS, VOCAB
-from peer_servers import start_peer
-from redis_servers import start_redis_cluster, start_redis_server
-from serve_servers import Metrics, ServeProcess, start_serve
 
+from hybrid_offload.testing.services import (
+    Metrics,
+    ServeProcess,
+    start_peer,
+    start_redis_cluster,
+    start_redis_server,
+    start_serve,
+)
 from hybrid_offload.tools.cli.serve import load_config_file
 
 pytestmark = pytest.mark.e2e

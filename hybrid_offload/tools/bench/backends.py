@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from hybrid_offload.testing.services import start_peer, start_redis_server
 from hybrid_offload.tools.bench import ceilings as ce
 from hybrid_offload.tools.bench import lmcache_tiers as lm
 from hybrid_offload.tools.bench.common import format_table, machine, write_results
@@ -43,6 +44,8 @@ from hybrid_offload.tools.bench.report import plot_all, ratio_rows, summary_rows
 logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
+#: the cache peer's NIXL progress thread sleeps 100 us between polls (instead of spinning a core)
+PEER_ARGS = ("--progress-delay-us", "100")
 
 
 @dataclass(frozen=True)
@@ -381,8 +384,9 @@ def run(args: argparse.Namespace) -> int:
     load_before = machine()["load_average_1m"]
     peer_capacity = 2 * sizes.pool_bytes + 64 * MiB
     with tempfile.TemporaryDirectory(prefix="bench-backends-", dir=os.environ.get("BENCH_TMP")) as td, \
-            ce.redis_server(Path(td)) as port, ce.peer_process(peer_capacity) as peer:  # fmt: skip
-        bench = Run(sizes, Path(td), port, peer, peer_capacity)
+            start_redis_server(Path(td) / "redis") as redis, \
+            start_peer(peer_capacity, extra_args=PEER_ARGS, start_timeout_s=60) as peer:  # fmt: skip
+        bench = Run(sizes, Path(td), redis.port, peer.address, peer_capacity)
         if args.no_lmcache:
             bench.lm_error = "skipped (--no-lmcache)"
         try:

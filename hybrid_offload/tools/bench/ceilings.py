@@ -1,11 +1,11 @@
-"""Physical and library ceilings for `hybrid-offload bench backends`, and the processes it needs.
+"""Physical and library ceilings for `hybrid-offload bench backends`.
 
 Every ceiling moves the same bytes as the backend it bounds, in calls of ``batch`` pages of
 ``page`` bytes, and is timed with :func:`time_calls` (so GB/s and per-call latency mean the same
 thing everywhere): numpy copy (cpu), pwritev/preadv into one file, warm and cold (disk),
 pipelined redis-py+hiredis SET/GET and ``redis-benchmark`` (redis), raw NIXL WRITE/READ into a
-peer's pool (nixl_peer). Services: a loopback ``redis-server`` and a ``hybrid-offload peer``
-process, killed by pid only.
+peer's pool (nixl_peer). The redis-server and cache peer they measure against are started by
+:mod:`hybrid_offload.testing.services`.
 """
 
 from __future__ import annotations
@@ -14,23 +14,17 @@ import contextlib
 import csv
 import io
 import os
-import re
 import shutil
 import socket
 import subprocess
-import sys
-import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from hybrid_offload.tools.bench.common import percentile
-
-_PEER_READY = re.compile(r"hybrid-offload peer listening on (\S+):(\d+)")
 
 
 def time_calls(calls: Sequence[Callable[[], None]], call_bytes: int) -> dict[str, float]:
@@ -58,63 +52,6 @@ def slots(pool: int, batch: int, calls: int) -> list[range]:
             start = 0
         out.append(range(start, start + batch))
     return out
-
-
-# -- services --------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@contextlib.contextmanager
-def redis_server(directory: Path) -> Iterator[int]:
-    """A loopback redis-server without persistence; yields its port; SIGKILLed by pid at exit."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise RuntimeError("redis-server not found: run scripts/setup.sh")
-    port = _free_port()
-    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-            "--dir", str(directory), "--daemonize", "no"]  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=directory)
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5) as s:
-                s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
-                    break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server on port {port} did not start")
-            time.sleep(0.02)
-        yield port
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
-
-
-@contextlib.contextmanager
-def peer_process(capacity: int) -> Iterator[str]:
-    """A `hybrid-offload peer` on a free loopback port; yields ``host:port``; killed by pid."""
-    log = tempfile.NamedTemporaryFile(prefix="bench-peer-", suffix=".log", delete=False)  # noqa: SIM115
-    cmd = [sys.executable, "-m", "hybrid_offload", "peer", "--listen", "127.0.0.1:0",
-           "--capacity-bytes", str(capacity), "--progress-delay-us", "100"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-    try:
-        deadline = time.monotonic() + 60
-        while (match := _PEER_READY.search(Path(log.name).read_text(errors="replace"))) is None:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"peer did not start:\n{Path(log.name).read_text()[-2000:]}")
-            time.sleep(0.02)
-        yield f"{match.group(1)}:{match.group(2)}"
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
-        log.close()
-        with contextlib.suppress(OSError):
-            os.unlink(log.name)
 
 
 # -- ceilings ----------------------------------------------------------------------------------

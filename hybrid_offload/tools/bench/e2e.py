@@ -28,8 +28,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from hybrid_offload.testing.services import start_peer, start_redis_server
 from hybrid_offload.tools.bench import e2e_report
-from hybrid_offload.tools.bench.e2e_services import cache_peer, redis_server
 
 logger = logging.getLogger(__name__)
 
@@ -183,9 +183,10 @@ def run_scenarios(settings: dict[str, Any], progress: Any = None) -> dict[str, d
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="hybrid-offload-bench-e2e-")))
         urls: dict[str, str] = {}
         if "redis" in settings["scenarios"]:
-            urls["redis"] = stack.enter_context(redis_server(work / "redis"))
+            redis = start_redis_server(work / "redis", log_name="redis.log", start_timeout_s=30)
+            urls["redis"] = stack.enter_context(redis).url
         if "nixl_peer" in settings["scenarios"]:
-            urls["nixl_peer"] = stack.enter_context(cache_peer(1 << 30))
+            urls["nixl_peer"] = stack.enter_context(start_peer(1 << 30)).address
         for passes, tiers in _engine_runs(settings):
             if progress is not None:
                 progress.set_description(f"engine {'+'.join(passes)}")

@@ -1,8 +1,8 @@
 """`hybrid-offload bench load`: concurrency load against `vllm serve`, by connector configuration.
 
 For each configuration a real OpenAI server is started on a free loopback port
-(:mod:`hybrid_offload.tools.bench.server`; ``hybrid-offload serve`` with a generated config, or plain
-vLLM for ``none``), and the same seeded workloads are sent by N concurrent streaming clients
+(:mod:`hybrid_offload.testing.services.vllm_server`; ``hybrid-offload serve`` with a generated
+config, or plain vLLM for ``none``), and the same seeded workloads are sent by N concurrent streaming clients
 (:mod:`hybrid_offload.tools.bench.load_client`):
 
 * ``shared`` at every concurrency: documents and multi-turn chats with repeated long prefixes
@@ -28,15 +28,16 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import shutil
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from hybrid_offload.testing.services import Metrics, ServeProcess, fetch_metrics, start_redis_server
 from hybrid_offload.tools.bench.common import bar_plot, format_table, line_plot, write_results
 from hybrid_offload.tools.bench.load_client import (
     WorkloadShape,
@@ -45,7 +46,7 @@ from hybrid_offload.tools.bench.load_client import (
     shared_prefix_workload,
     summarize,
 )
-from hybrid_offload.tools.bench.server import Metrics, RedisProcess, ServeProcess, fetch_metrics
+from hybrid_offload.tools.cli.serve import serve_env
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ QUICK_CONCURRENCY, QUICK_REQUESTS = 4, 12
 FULL_SHAPE = WorkloadShape(docs=16, chats=16)
 QUICK_SHAPE = WorkloadShape(docs=2, chats=2)
 SERVER_ENV: dict[str, str] = {}
+START_TIMEOUT_S = 300.0
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
 LOCAL_HITS = "vllm:prefix_cache_hits_total"
@@ -178,22 +180,13 @@ def _redis_if_needed(configs: list[str], workdir: Path) -> Iterator[str | None]:
     if not any("redis" in c for c in configs):
         yield None
         return
-    redis = RedisProcess(workdir / "redis")
-    redis.start()
-    try:
+    with start_redis_server(workdir / "redis", log_name="redis.log") as redis:
         yield redis.url
-    finally:
-        redis.stop()
 
 
 def _warm_up(server: ServeProcess) -> None:
     """One short request, so the first measured one does not pay for lazy initialisation."""
-    body = json.dumps({"model": str(server.model), "prompt": [5, 6, 7, 8], "max_tokens": 2}).encode()
-    req = urllib.request.Request(
-        server.base_url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=120) as reply:
-        reply.read()
+    server.complete([5, 6, 7, 8], max_tokens=2)
 
 
 def _hit_rates(before: Metrics, after: Metrics) -> dict[str, Any]:
@@ -243,7 +236,9 @@ def _serve(
         str(args.kv_cache_mib << 20),
     ]
     log = workdir / "logs" / f"{config.replace('+', '_')}.log"
-    return ServeProcess(model, log, config=config_path, env=SERVER_ENV, vllm_args=vllm_args)
+    # `hybrid-offload serve`'s environment defaults, also for plain vLLM (a fair baseline)
+    env = serve_env({**os.environ, **SERVER_ENV}, vllm_args, model.is_dir())
+    return ServeProcess(model, log, config=config_path, env=env, vllm_args=vllm_args)
 
 
 def run_configs(args: argparse.Namespace, the_plan: dict[str, Any], model: Path, workdir: Path) -> dict:
@@ -258,13 +253,13 @@ def run_configs(args: argparse.Namespace, the_plan: dict[str, Any], model: Path,
             server = _serve(model, workdir, config, _config_file(base, workdir, redis_url), args)
             began = time.monotonic()
             logger.info("starting the %s server", config)
-            server.start()
+            server.start(START_TIMEOUT_S)
             startup[config] = round(server.startup_s, 1)
             try:
                 _warm_up(server)
                 rows += run_steps(server, config, the_plan["steps"], shape, args.max_tokens)
             except BaseException:
-                logger.error("server log tail:\n%s", server.log_tail())
+                logger.error("server log tail:\n%s", server.log_tail(60))
                 raise
             finally:
                 server.stop()

@@ -30,9 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hybrid_offload.testing.services.vllm_server import API_SERVER_MODULE
+
 logger = logging.getLogger(__name__)
 
-API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_CPU_KVCACHE_GIB = "4"

@@ -1,24 +1,23 @@
-"""Real ``hybrid-offload serve`` processes for tests (importable as ``serve_servers``).
+"""Real vLLM OpenAI-compatible servers on loopback, and their Prometheus ``/metrics``.
 
-``start_serve(config, model, log_dir)`` runs ``sys.executable -m hybrid_offload serve``
-on a free loopback port in its own session (process group) and waits, with a deadline, until
-``GET /health`` answers. ``stop()`` kills the whole group (API server, EngineCore and worker
-processes): SIGTERM, then SIGKILL after a short grace. Servers still alive at interpreter exit
-are killed too. ``with server.log_on_failure():`` adds the tail of the server log to any
-exception raised inside it, so a failing assertion shows what the server said.
-
-HTTP goes through ``urllib`` (no extra dependency); ``/metrics`` is parsed into
-:class:`Metrics` (sums of samples per name, optionally filtered by labels).
+Contract: :class:`ServeProcess` runs ``python -m hybrid_offload serve --config C --model M``
+(or, with ``config=None``, plain vLLM: ``python -m vllm.entrypoints.openai.api_server``, no
+connector) on a free loopback port in its own session (process group), with ``env`` added to
+this process's environment and ``vllm_args`` passed to vLLM. ``start()`` returns once
+``GET /health`` answers, or raises RuntimeError with the tail of the server log (a port lost
+to another process is retried on another). ``stop()`` kills the whole group (API server,
+EngineCore, workers): SIGTERM, then SIGKILL after a short grace. The log file is appended to
+across restarts; ``with server.log_on_failure():`` adds its tail to any exception raised in
+the block. HTTP goes through ``urllib``; :class:`Metrics` parses Prometheus text.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
+import logging
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -28,17 +27,19 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from redis_servers import free_port
+from hybrid_offload.testing.services.common import Service, free_port, stop_process_group, wait_ready
 
-__all__ = ["Metrics", "ServeProcess", "start_serve"]
+__all__ = ["API_SERVER_MODULE", "Metrics", "ServeProcess", "fetch_metrics", "start_serve"]
 
+logger = logging.getLogger(__name__)
+
+#: vLLM's OpenAI-compatible server, run as ``python -m``
+API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 START_TIMEOUT_S = 240.0
 STOP_GRACE_S = 5.0
 _PORT_ATTEMPTS = 3
 _SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-_alive: set[ServeProcess] = set()
 
 
 class Metrics:
@@ -52,7 +53,8 @@ class Metrics:
             if match is None or line.startswith("#"):
                 continue
             labels = dict(_LABEL.findall(match.group(2) or ""))
-            self.samples.append((match.group(1), labels, float(match.group(3))))
+            with contextlib.suppress(ValueError):
+                self.samples.append((match.group(1), labels, float(match.group(3))))
 
     def names(self) -> set[str]:
         return {name for name, _, _ in self.samples}
@@ -69,94 +71,107 @@ class Metrics:
         return {have[label] for sample, have, _ in self.samples if sample == name and label in have}
 
 
-class ServeProcess:
-    """One ``hybrid-offload serve`` process group on ``127.0.0.1:port``."""
+def fetch_metrics(base_url: str, timeout: float = 30.0) -> Metrics:
+    """``GET base_url/metrics``, parsed."""
+    with urllib.request.urlopen(base_url + "/metrics", timeout=timeout) as reply:
+        return Metrics(reply.read().decode())
+
+
+def _healthy(base_url: str) -> bool:
+    try:
+        with urllib.request.urlopen(base_url + "/health", timeout=2) as reply:
+            return bool(reply.status == 200)
+    except OSError:
+        return False
+
+
+class ServeProcess(Service):
+    """One vLLM OpenAI server process group on ``127.0.0.1:port`` (see the module docstring).
+
+    ``config`` is a ``hybrid-offload serve`` config file, or None for plain vLLM. The log is
+    ``log_path``; ``startup_s`` is the wall time of the last start until /health answered.
+    """
 
     def __init__(
         self,
-        config: Path,
         model: Path,
-        log_dir: Path,
+        log_path: Path,
         *,
+        config: Path | None = None,
         env: Mapping[str, str] | None = None,
         vllm_args: Sequence[str] = (),
     ) -> None:
-        self.config = Path(config)
         self.model = Path(model)
-        self.log_dir = Path(log_dir)
+        self.log_path = Path(log_path)
+        self.config = None if config is None else Path(config)
         self.env = dict(env or {})
         self.vllm_args = list(vllm_args)
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
-        self.log_path = self.log_dir / "serve.log"
-        self.startup_s = 0.0  # wall time from spawn until /health answered
+        self.startup_s = 0.0
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def _command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "hybrid_offload", "serve", "--config", str(self.config)]
-        cmd += ["--model", str(self.model), "--host", "127.0.0.1", "--port", str(self.port)]
-        return cmd + (["--", *self.vllm_args] if self.vllm_args else [])
+    def command(self) -> list[str]:
+        """The argv of the server on ``self.port``."""
+        where = ["--host", "127.0.0.1", "--port", str(self.port)]
+        if self.config is None:
+            argv = [sys.executable, "-m", API_SERVER_MODULE, "--model", str(self.model), *where]
+            return argv + self.vllm_args
+        argv = [sys.executable, "-m", "hybrid_offload", "serve", "--config", str(self.config)]
+        argv += ["--model", str(self.model), *where]
+        return argv + (["--", *self.vllm_args] if self.vllm_args else [])
 
     def start(self, timeout: float = START_TIMEOUT_S) -> None:
-        """Start on a free port and wait for /health; raise RuntimeError with the log tail."""
+        """Start on a free port and wait for /health; RuntimeError (with the log tail) if not."""
         for attempt in range(_PORT_ATTEMPTS):
             self.port = free_port()
             self._spawn()
+            began = time.monotonic()
             try:
-                self._wait_healthy(timeout)
-                return
+                assert self.proc is not None
+                wait_ready(
+                    f"vLLM server on port {self.port}",
+                    self.proc,
+                    lambda: _healthy(self.base_url),
+                    self.log_tail,
+                    timeout_s=timeout,
+                    interval_s=0.25,
+                )
             except RuntimeError:
                 lost_port = "address already in use" in self.log().lower()
                 self.stop()
                 if not lost_port or attempt == _PORT_ATTEMPTS - 1:
                     raise
+            else:
+                self.startup_s = time.monotonic() - began
+                return
 
     def _spawn(self) -> None:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        argv = self.command()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as out:
-            out.write(f"\n==== {' '.join(self._command())}\n".encode())
+            out.write(f"\n==== {' '.join(argv)}\n".encode())
             out.flush()
             self.proc = subprocess.Popen(
-                self._command(),
+                argv,
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **self.env},
                 start_new_session=True,  # its own process group: stop() kills every child
             )
-        _alive.add(self)
-
-    def _wait_healthy(self, timeout: float) -> None:
-        began = time.monotonic()
-        deadline = began + timeout
-        while time.monotonic() < deadline:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            if _healthy(self.base_url):
-                self.startup_s = time.monotonic() - began
-                return
-            time.sleep(0.25)
-        raise RuntimeError(f"server not healthy after {timeout:.0f}s:\n{self.log_tail()}")
+        self._track()
+        logger.info("server pid %d on port %d: %s", self.proc.pid, self.port, self.log_path)
 
     def stop(self) -> None:
         """SIGTERM the process group, SIGKILL it after a grace period; reap. Idempotent."""
         proc, self.proc = self.proc, None
-        _alive.discard(self)
-        if proc is None:
-            return
-        for sig, wait_s in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 30.0)):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, sig)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=wait_s)
-                if sig == signal.SIGKILL or not _group_alive(proc.pid):
-                    break
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # children that outlived their parent
+        self._untrack()
+        if proc is not None:
+            stop_process_group(proc, STOP_GRACE_S)
 
     # ---- HTTP ----------------------------------------------------------------------------
     def request(self, method: str, path: str, body: Any = None, timeout: float = 120.0) -> Any:
@@ -177,8 +192,7 @@ class ServeProcess:
         return self.request("POST", "/v1/completions", {"model": str(self.model), "prompt": prompt, **params})
 
     def metrics(self) -> Metrics:
-        with urllib.request.urlopen(self.base_url + "/metrics", timeout=30) as reply:
-            return Metrics(reply.read().decode())
+        return fetch_metrics(self.base_url)
 
     def reset_prefix_cache(self, timeout: float = 30.0) -> None:
         """Drop vLLM's own prefix cache (not the connector's); needs VLLM_SERVER_DEV_MODE=1.
@@ -216,21 +230,8 @@ class ServeProcess:
             exc.add_note(f"---- server log ({self.log_path}), last lines ----\n{self.log_tail()}")
             raise
 
-
-def _healthy(base_url: str) -> bool:
-    try:
-        with urllib.request.urlopen(base_url + "/health", timeout=2) as reply:
-            return reply.status == 200
-    except OSError:
-        return False
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    def __repr__(self) -> str:
+        return f"ServeProcess(port={self.port}, pid={self.pid}, log={self.log_path})"
 
 
 def start_serve(
@@ -240,14 +241,12 @@ def start_serve(
     *,
     env: Mapping[str, str] | None = None,
     vllm_args: Sequence[str] = (),
+    timeout: float = START_TIMEOUT_S,
 ) -> ServeProcess:
-    """A started, healthy server; the caller must ``stop()`` it."""
-    server = ServeProcess(config, model, log_dir, env=env, vllm_args=vllm_args)
-    server.start()
+    """A started, healthy ``hybrid-offload serve`` logging to ``log_dir/serve.log``.
+
+    The caller must ``stop()`` it (or use ``with``).
+    """
+    server = ServeProcess(model, Path(log_dir) / "serve.log", config=config, env=env, vllm_args=vllm_args)
+    server.start(timeout)
     return server
-
-
-@atexit.register
-def _kill_all() -> None:
-    for server in list(_alive):
-        server.stop()

@@ -1,42 +1,36 @@
-"""Real redis-server processes for tests: single servers and small clusters on loopback.
+"""Real redis-server processes on loopback: single servers and small Redis Clusters.
 
-Plain helpers (no pytest dependency), reused by the contract, fault and end-to-end tests::
+Contract::
 
-    server = start_redis_server(tmp_path)           # redis://127.0.0.1:PORT/0
-    try:
-        ...
-        server.stop(); server.start()                # kill, then restart on the same port
-    finally:
-        server.stop()
+    server = start_redis_server(directory)           # started; server.url: redis://127.0.0.1:PORT/0
+    server.stop(); server.start()                    # kill, then restart on the same port
+    with start_redis_server(directory) as server: ...  # stopped at the end of the block
 
-    cluster = start_redis_cluster(tmp_path, n=3)     # cluster.url: redis+cluster://127.0.0.1:P1
-    try: ... finally: cluster.stop()
+    cluster = start_redis_cluster(directory, n=3)    # cluster.url: redis+cluster://127.0.0.1:P1
 
-Parallel-safe (pytest-xdist): every server gets a free loopback port (bind to port 0; a server
-that loses the race for its port is retried on another), its own ``--dir`` and log file, no
-persistence (``--save "" --appendonly no``). Servers are stopped by pid (SIGKILL), never by
-name; servers still running when the interpreter exits are killed too (``atexit``). Callers
-stop what they start (``try/finally`` or a yield fixture).
+Every server: ``--bind 127.0.0.1``, no persistence (``--save "" --appendonly no``), its own
+``--dir`` and log file (``redis-PORT.log`` in that directory unless ``log_name`` says
+otherwise; what it prints before it opens that file is appended there too). ``start()``
+returns once PING answers (a NOAUTH error counts: it is up) or raises RuntimeError with the
+log tail. ``start_redis_server`` picks a free loopback port; a server that loses the race for
+it is retried on another (parallel-safe under pytest-xdist). Servers are stopped by pid
+(SIGKILL), never by name.
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import os
 import shutil
-import signal
 import socket
 import subprocess
 import threading
 import time
-import weakref
 from pathlib import Path
 
+from hybrid_offload.testing.services.common import Service, free_port, kill_process, read_tail, wait_ready
+
 __all__ = [
-    "RedisClusterProcess",
+    "RedisCluster",
     "RedisServer",
-    "free_port",
     "redis_server_binary",
     "start_redis_cluster",
     "start_redis_server",
@@ -44,20 +38,6 @@ __all__ = [
 
 START_TIMEOUT_S = 20.0
 _PORT_ATTEMPTS = 8
-_CLUSTER_BUS_OFFSET = 10000
-
-_live: weakref.WeakSet[RedisServer] = weakref.WeakSet()
-_live_lock = threading.Lock()
-
-
-def _kill_all() -> None:
-    with _live_lock:
-        servers = list(_live)
-    for server in servers:
-        server.stop()
-
-
-atexit.register(_kill_all)
 
 
 def redis_server_binary() -> str:
@@ -78,28 +58,6 @@ def _redis_cli_binary() -> str:
     return path
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port(*, cluster_bus: bool = False) -> int:
-    """A loopback TCP port free right now (with ``cluster_bus``: also port + 10000)."""
-    for _ in range(200):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
-        if not cluster_bus:
-            return port
-        if port + _CLUSTER_BUS_OFFSET < 65536 and _port_free(port + _CLUSTER_BUS_OFFSET):
-            return port
-    raise RuntimeError("no free loopback port found")
-
-
 def _ping(port: int, timeout: float = 0.5) -> bool:
     """Whether a server answers on ``port`` (a NOAUTH error counts: it is up)."""
     try:
@@ -111,22 +69,30 @@ def _ping(port: int, timeout: float = 0.5) -> bool:
     return reply.startswith(b"+PONG") or reply.startswith(b"-NOAUTH")
 
 
-class RedisServer:
-    """One redis-server process on ``127.0.0.1:port`` (see the module docstring)."""
+class RedisServer(Service):
+    """One redis-server process on ``127.0.0.1:port`` (see the module docstring).
 
-    def __init__(self, port: int, directory: Path, extra_args: tuple[str, ...] = ()) -> None:
+    ``extra_args`` go to redis-server after ours (later flags win); ``log_name`` is the log
+    file's name in ``directory``; ``start_timeout_s`` bounds the wait for PING.
+    """
+
+    def __init__(
+        self,
+        port: int,
+        directory: Path,
+        extra_args: tuple[str, ...] = (),
+        *,
+        log_name: str | None = None,
+        start_timeout_s: float = START_TIMEOUT_S,
+    ) -> None:
         self.port = port
         self.directory = Path(directory)
         self.extra_args = tuple(extra_args)
         self.url = f"redis://127.0.0.1:{port}/0"
-        self.log_path = self.directory / f"redis-{port}.log"
-        self._proc: subprocess.Popen[bytes] | None = None
+        self.log_path = self.directory / (log_name or f"redis-{port}.log")
+        self.start_timeout_s = start_timeout_s
+        self.proc: subprocess.Popen[bytes] | None = None
         self._lock = threading.Lock()
-
-    @property
-    def pid(self) -> int | None:
-        proc = self._proc
-        return proc.pid if proc is not None and proc.poll() is None else None
 
     def _argv(self) -> list[str]:
         return [
@@ -142,10 +108,7 @@ class RedisServer:
         ]  # fmt: skip
 
     def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return read_tail(self.log_path, lines)
 
     def start(self) -> None:
         """(Re)start on the same port; return once PING answers. Raises RuntimeError."""
@@ -153,52 +116,51 @@ class RedisServer:
             if self.pid is not None:
                 return
             self.directory.mkdir(parents=True, exist_ok=True)
-            self._proc = subprocess.Popen(
-                self._argv(),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                cwd=self.directory,
+            # redis-server logs to the file itself; what it prints before opening it (a bad
+            # flag, say) is appended there too, so the error below shows it
+            with open(self.log_path, "ab") as early:
+                self.proc = subprocess.Popen(
+                    self._argv(), stdin=subprocess.DEVNULL, stdout=early, stderr=early, cwd=self.directory
+                )
+            self._track()
+            proc = self.proc
+        try:
+            wait_ready(
+                f"redis-server on port {self.port}",
+                proc,
+                lambda: _ping(self.port),
+                self.log_tail,
+                timeout_s=self.start_timeout_s,
+                interval_s=0.02,
             )
-            with _live_lock:
-                _live.add(self)
-            deadline = time.monotonic() + START_TIMEOUT_S
-            while time.monotonic() < deadline:
-                if self._proc.poll() is not None:
-                    code = self._proc.returncode
-                    self._proc = None
-                    raise RuntimeError(
-                        f"redis-server on port {self.port} exited with {code}:\n{self.log_tail()}"
-                    )
-                if _ping(self.port):
-                    return
-                time.sleep(0.02)
-        self.stop()
-        raise RuntimeError(f"redis-server on port {self.port} did not answer PING:\n{self.log_tail()}")
+        except RuntimeError:
+            self.stop()
+            raise
 
     def stop(self) -> None:
         """SIGKILL the server by pid and wait for it to exit; idempotent."""
         with self._lock:
-            proc, self._proc = self._proc, None
-            if proc is None:
-                return
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
+            proc, self.proc = self.proc, None
+            self._untrack()
+            if proc is not None:
+                kill_process(proc)
 
     def __repr__(self) -> str:
         return f"RedisServer(port={self.port}, pid={self.pid})"
 
 
-def _start_on_free_port(directory: Path, extra_args: tuple[str, ...], cluster_bus: bool) -> RedisServer:
+def _start_on_free_port(
+    directory: Path,
+    extra_args: tuple[str, ...],
+    *,
+    cluster_bus: bool,
+    log_name: str | None = None,
+    start_timeout_s: float = START_TIMEOUT_S,
+) -> RedisServer:
     last: Exception | None = None
     for _ in range(_PORT_ATTEMPTS):
-        server = RedisServer(free_port(cluster_bus=cluster_bus), directory, extra_args)
+        port = free_port(cluster_bus=cluster_bus)
+        server = RedisServer(port, directory, extra_args, log_name=log_name, start_timeout_s=start_timeout_s)
         try:
             server.start()
             return server
@@ -209,13 +171,29 @@ def _start_on_free_port(directory: Path, extra_args: tuple[str, ...], cluster_bu
     raise RuntimeError(f"could not start redis-server on a free port: {last}")
 
 
-def start_redis_server(directory: Path, *extra_args: str) -> RedisServer:
-    """Start a redis-server on a free loopback port, files under ``directory``."""
-    return _start_on_free_port(Path(directory), tuple(extra_args), cluster_bus=False)
+def start_redis_server(
+    directory: Path,
+    *extra_args: str,
+    log_name: str | None = None,
+    start_timeout_s: float = START_TIMEOUT_S,
+) -> RedisServer:
+    """A started redis-server on a free loopback port, files under ``directory``.
+
+    The caller stops it (``stop()``, or ``with``).
+    """
+    return _start_on_free_port(
+        Path(directory), tuple(extra_args), cluster_bus=False, log_name=log_name,
+        start_timeout_s=start_timeout_s,
+    )  # fmt: skip
 
 
-class RedisClusterProcess:
-    """A cluster of ``RedisServer`` nodes (primaries only, slots split evenly)."""
+class RedisCluster:
+    """A cluster of :class:`RedisServer` nodes (primaries only, slots split evenly).
+
+    ``startup_nodes`` are ``"127.0.0.1:PORT"`` of every node; ``url`` names the first node as
+    ``redis+cluster://``. Stop a node and ``start()`` it again: it keeps its port and
+    ``nodes.conf``, so it takes its slots back.
+    """
 
     def __init__(self, nodes: list[RedisServer]) -> None:
         self.nodes = nodes
@@ -226,6 +204,12 @@ class RedisClusterProcess:
         """Stop every node (idempotent)."""
         for node in self.nodes:
             node.stop()
+
+    def __enter__(self) -> RedisCluster:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
 
 
 def _cluster_ok(port: int) -> bool:
@@ -243,8 +227,13 @@ def _cluster_ok(port: int) -> bool:
     return b"cluster_state:ok" in data
 
 
-def start_redis_cluster(directory: Path, n: int = 3) -> RedisClusterProcess:
-    """Start ``n`` cluster-enabled nodes on loopback, join them, wait for cluster_state:ok."""
+def start_redis_cluster(directory: Path, n: int = 3) -> RedisCluster:
+    """Start ``n`` cluster-enabled nodes on loopback, join them, wait for cluster_state:ok.
+
+    Node ``i`` keeps its files in ``directory/node<i>``. Raises RuntimeError (every node
+    stopped) when a node does not start, ``redis-cli --cluster create`` fails, or the cluster
+    is not ok within the start timeout.
+    """
     if n < 3:
         raise ValueError("redis-cli --cluster create needs at least 3 primaries")
     directory = Path(directory)
@@ -272,10 +261,10 @@ def start_redis_cluster(directory: Path, n: int = 3) -> RedisClusterProcess:
         deadline = time.monotonic() + START_TIMEOUT_S
         while not all(_cluster_ok(node.port) for node in nodes):
             if time.monotonic() > deadline:
-                raise RuntimeError("cluster did not reach cluster_state:ok on every node")
+                raise RuntimeError("redis cluster did not reach cluster_state:ok on every node")
             time.sleep(0.05)
     except BaseException:
         for node in nodes:
             node.stop()
         raise
-    return RedisClusterProcess(nodes)
+    return RedisCluster(nodes)

@@ -1,18 +1,17 @@
-"""Real ``hybrid-offload peer`` processes for tests (importable as ``peer_servers``).
+"""Real cache peer processes (``python -m hybrid_offload peer``) on loopback.
 
-``start_peer(capacity)`` runs ``sys.executable -m hybrid_offload peer`` on a free
-loopback port and waits (bounded) for its ready line. A ``token`` is written to a private file
-and passed as ``--token-file`` (never on the command line); ``extra_args`` go to the command
-line as they are; ``nofile`` lowers the process's open-file limit (RLIMIT_NOFILE).
-Parallel-safe: the first start listens on port 0 and reads the port the peer chose from its
-ready line (no port race between xdist workers); restarts reuse that port. Processes are killed
-by pid only, and every process still alive at interpreter exit is killed. Use them from
-fixtures with ``yield`` and ``kill()``.
+Contract: ``start_peer(capacity_bytes)`` (or ``with PeerProcess(capacity_bytes) as peer:``)
+runs ``sys.executable -m hybrid_offload peer --listen 127.0.0.1:0`` and waits, at most
+``start_timeout_s``, for its ready line (:data:`READY`); ``address`` is then
+``"127.0.0.1:PORT"`` with the port the peer chose (no port race between processes). Restarts
+reuse that port. A ``token`` is written to a private file passed as ``--token-file`` (never on
+the command line); ``extra_args`` go to the command line as they are; ``nofile`` lowers the
+process's open-file limit (RLIMIT_NOFILE). The peer's stdout and stderr go to a temporary log
+file (``log``), removed with the token file when the peer is killed. Killed by pid only.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import re
@@ -23,16 +22,19 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypedDict, Unpack
 
-__all__ = ["PeerFactory", "PeerProcess", "start_peer"]
+from hybrid_offload.testing.services.common import Service, kill_process, wait_ready
 
+__all__ = ["READY", "PeerFactory", "PeerOptions", "PeerProcess", "start_peer"]
+
+#: the line a peer prints once it listens
 READY = re.compile(r"hybrid-offload peer listening on (\S+):(\d+)")
 START_TIMEOUT_S = 30.0
+LOG_TAIL_CHARS = 3000
 
-_alive: set[PeerProcess] = set()
 
-
-class PeerProcess:
+class PeerProcess(Service):
     """One peer process; ``address`` is ``"127.0.0.1:PORT"`` once started."""
 
     def __init__(
@@ -44,6 +46,7 @@ class PeerProcess:
         alloc_timeout_s: float | None = None,
         extra_args: Sequence[str] = (),
         nofile: int | None = None,
+        start_timeout_s: float = START_TIMEOUT_S,
     ) -> None:
         self.capacity_bytes = capacity_bytes
         self.token = token
@@ -51,6 +54,7 @@ class PeerProcess:
         self.alloc_timeout_s = alloc_timeout_s
         self.extra_args = list(extra_args)
         self.nofile = nofile
+        self.start_timeout_s = start_timeout_s
         self.token_path: Path | None = None
         self.port = 0
         self.address = ""
@@ -78,8 +82,19 @@ class PeerProcess:
         if self.nofile is not None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))
 
+    def _ready(self) -> bool:
+        match = READY.search(self.log)
+        if match is None:
+            return False
+        self.port = int(match.group(2))
+        self.address = f"127.0.0.1:{self.port}"
+        return True
+
     def start(self) -> None:
-        """(Re)start on the same port (any free port the first time); wait for the ready line."""
+        """(Re)start on the same port (any free port the first time); wait for the ready line.
+
+        Raises RuntimeError with the log tail (the peer killed) if it exits or times out first.
+        """
         self.kill()
         fd, log = tempfile.mkstemp(prefix="hybrid-offload-peer-", suffix=".log")
         self.log_path = Path(log)
@@ -92,39 +107,37 @@ class PeerProcess:
                 stderr=out,
                 preexec_fn=self._limit_files,
             )
-        _alive.add(self)
-        deadline = began + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            text = self.log_path.read_text(errors="replace")
-            match = READY.search(text)
-            if match:
-                self.port = int(match.group(2))
-                self.address = f"127.0.0.1:{self.port}"
-                self.startup_s = time.monotonic() - began
-                return
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.01)
-        tail = self.log_path.read_text(errors="replace")[-3000:]
-        self.kill()
-        raise RuntimeError(f"peer did not start (exit {self.proc.returncode}):\n{tail}")
+        self._track()
+        try:
+            wait_ready(
+                "cache peer",
+                self.proc,
+                self._ready,
+                lambda: self.log[-LOG_TAIL_CHARS:],
+                timeout_s=self.start_timeout_s,
+                interval_s=0.01,
+            )
+        except RuntimeError:
+            self.kill()
+            raise
+        self.startup_s = time.monotonic() - began
 
     def kill(self) -> None:
-        """SIGKILL by pid and reap; idempotent."""
+        """SIGKILL by pid and reap; remove the log and token files. Idempotent."""
         proc, self.proc = self.proc, None
-        _alive.discard(self)
+        self._untrack()
         if proc is None:
             return
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=10)
+        kill_process(proc, wait_s=10)
         for path in (self.log_path, self.token_path):
             if path is not None:
                 with contextlib.suppress(OSError):
                     path.unlink()
         self.token_path = None
+
+    def stop(self) -> None:
+        """The same as :meth:`kill`."""
+        self.kill()
 
     def terminate(self, timeout: float = 10.0) -> int | None:
         """SIGTERM by pid; wait for a clean exit; returns the exit code (None if it hung)."""
@@ -139,43 +152,32 @@ class PeerProcess:
         self.kill()
         return code
 
-    def restart(self) -> None:
-        self.kill()
-        self.start()
-
     @property
     def log(self) -> str:
+        """Everything the peer printed since its last start ("" once killed)."""
         if self.log_path is None or not self.log_path.exists():
             return ""
         return self.log_path.read_text(errors="replace")
 
+    def __repr__(self) -> str:
+        return f"PeerProcess(address={self.address!r}, pid={self.pid})"
 
-def start_peer(
-    capacity_bytes: int,
-    token: str | None = None,
-    *,
-    lease_timeout_s: float | None = None,
-    alloc_timeout_s: float | None = None,
-    extra_args: Sequence[str] = (),
-    nofile: int | None = None,
-) -> PeerProcess:
-    """A started peer on a free loopback port; the caller must ``kill()`` it."""
-    peer = PeerProcess(
-        capacity_bytes,
-        token,
-        lease_timeout_s=lease_timeout_s,
-        alloc_timeout_s=alloc_timeout_s,
-        extra_args=extra_args,
-        nofile=nofile,
-    )
+
+class PeerOptions(TypedDict, total=False):
+    """The keyword arguments of :class:`PeerProcess` after ``capacity_bytes`` and ``token``."""
+
+    lease_timeout_s: float | None
+    alloc_timeout_s: float | None
+    extra_args: Sequence[str]
+    nofile: int | None
+    start_timeout_s: float
+
+
+def start_peer(capacity_bytes: int, token: str | None = None, **options: Unpack[PeerOptions]) -> PeerProcess:
+    """A started peer on a free loopback port; the caller must ``kill()`` it (or use ``with``)."""
+    peer = PeerProcess(capacity_bytes, token, **options)
     peer.start()
     return peer
-
-
-@atexit.register
-def _kill_all() -> None:
-    for peer in list(_alive):
-        peer.kill()
 
 
 #: ``peers(capacity_bytes, token, **options) -> PeerProcess`` (the contract tests' fixture)
