@@ -78,26 +78,17 @@ class BackendConfigError(ValueError):
 
 @dataclass(frozen=True)
 class BackendConfig:
-    """Validated configuration of one backend instance.
+    """Validated configuration of one backend instance: what it stores and where.
 
     ``options`` holds the type-specific keys, already checked by the backend class's
-    :meth:`Backend.validate_options`. ``retry_after_s`` / ``retry_after_max_s`` are the
-    connector's backoff after the backend fails (see ``hybrid_offload.connector.health``).
-    The connector's store policy for this backend: a page is stored once its chunk was seen
-    in ``store_threshold`` requests, output chunks only with ``store_output``, never when
-    ``read_only``.
+    :meth:`Backend.validate_options`. How the connector uses the backend (load weight,
+    backoff, store policy) is not here: see ``TierPolicy`` in ``hybrid_offload.connector.config``.
     """
 
     type: str
     name: str
     capacity_bytes: int
-    load_weight: float = 1.0
     options: dict[str, Any] = field(default_factory=dict)
-    retry_after_s: float = 1.0
-    retry_after_max_s: float = 30.0
-    store_threshold: int = 1
-    store_output: bool = True
-    read_only: bool = False
 
 
 @dataclass

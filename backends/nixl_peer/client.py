@@ -143,7 +143,7 @@ class NixlPeerBackend(Backend):
         self._staging_bytes = int(opts["staging_bytes"])
         token = self._token_of(opts)
         self._token = Secret(b"") if token is None else token
-        self._peers = [_Peer(address, self._backoff0) for address in opts["peers"]]
+        self._peers = [_Peer(address, self._backoff0, self._backoff_max) for address in opts["peers"]]
         self._ring = HashRing(opts["peers"])
         self.agent_name = f"hybrid-offload-client-{uuid.uuid4().hex}"
         self._xfer_lock = threading.Lock()  # agent, staging, remote agents
@@ -171,12 +171,8 @@ class NixlPeerBackend(Backend):
     def _mark_down(self, peer: _Peer, reason: str) -> None:
         """Call with ``peer.lock`` held."""
         peer.disconnect()
-        if not peer.is_down():
-            logger.warning("nixl peer %s down for %.1fs: %s", peer.address, peer.backoff, reason)
         peer.last_error = reason
-        peer.failing = True
-        peer.down_until = time.monotonic() + peer.backoff
-        peer.backoff = min(peer.backoff * 2, self._backoff_max)
+        peer.health.record_failure("call", reason)
         self._count(errors=1)
 
     def _call(
@@ -197,7 +193,6 @@ class NixlPeerBackend(Backend):
                 try:
                     if fresh:
                         peer.connect(p.Hello(self._token.value, self.agent_name), self._timeout)
-                        peer.backoff = self._backoff0
                     reply = peer.exchange(request, wait=wait)
                     if not wait:
                         return None, peer.hello  # type: ignore[return-value]
@@ -209,7 +204,7 @@ class NixlPeerBackend(Backend):
                         raise _PeerDownError(f"{peer.address}: {reason}") from exc
                     continue  # a stale connection (peer restarted?): one fresh try
                 assert peer.hello is not None
-                peer.failing = False
+                peer.health.record_success()
                 if isinstance(reply, p.Error):
                     raise _PeerDownError(f"{peer.address}: error {reply.code}: {reply.message}")
                 if reply.TYPE != request.TYPE | 0x80:
@@ -236,7 +231,7 @@ class NixlPeerBackend(Backend):
     def _raise_if_all_down(self, what: str) -> None:
         """Raise when every peer's last call failed: a backoff that already ran out while
         this call went on must not turn an outage into a silent miss."""
-        if all(peer.failing or peer.is_down() for peer in self._peers):
+        if all(peer.health.is_down for peer in self._peers):
             reasons = "; ".join(f"{peer.address}: {peer.last_error}" for peer in self._peers)
             raise BackendUnavailableError(f"nixl_peer {self.name!r}: {what}: all peers down ({reasons})")
 

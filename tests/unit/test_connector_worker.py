@@ -45,7 +45,7 @@ from hybrid_offload.backends import (
     register_backend,
 )
 from hybrid_offload.backends.cpu import CpuBackend
-from hybrid_offload.connector.health import BackendHealth
+from hybrid_offload.connector.config import Tier
 from hybrid_offload.connector.metadata import (
     ClearRange,
     CommitJob,
@@ -181,7 +181,7 @@ def test_stored_pages_decode_to_the_blocks_contents_in_canonical_order(world, ch
 def test_copy_out_before_kv_caches_are_registered_is_a_no_op() -> None:
     spec = make_spec()
     planner = HybridOffloadPlanner(spec, BS)
-    worker = OffloadWorker(spec, planner, (cpu(),), 1 << 30)
+    worker = OffloadWorker(spec, planner, (Tier(cpu()),), 1 << 30)
     try:
         hashes = planner.chunk_hashes(list(range(8)))
         page = PageJob(planner.page_key(hashes[0], ATTN), ATTN, 0, hashes[0], (1,))
@@ -662,10 +662,10 @@ def test_shutdown_is_idempotent_and_flush_after_it_returns(world) -> None:
 
 def test_down_backend_is_skipped_while_backing_off_then_probed(world) -> None:
     flaky = BackendConfig("test_unavailable", "flaky", 1 << 30)
-    w, pages, _ = stored_world(world, flaky)
-    broken = w.backend("flaky")
     clock = [0.0]
-    health = w.worker.health["flaky"] = BackendHealth("flaky", 1.0, 8.0, lambda: clock[0])
+    w, pages, _ = stored_world(world, flaky, clock=lambda: clock[0])
+    broken = w.backend("flaky")
+    health = w.worker.tiers["flaky"].health
     calls = []
     real_get_into = broken.get_into
     broken.get_into = lambda keys, bufs: (calls.append(len(keys)), real_get_into(keys, bufs))[1]

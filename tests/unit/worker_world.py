@@ -5,11 +5,15 @@ KV tensors (vLLM's CPU attention layout, Mamba int8 page views), its PageJob bui
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from scheduler_world import as_tiers
 
 from hybrid_offload.backends import BackendConfig
+from hybrid_offload.backends.wrappers import unwrap
+from hybrid_offload.connector.config import Tier
 from hybrid_offload.connector.metadata import LoadJob, LoadSegment, PageJob, StoreJob
 from hybrid_offload.connector.page_codec import PageCodec
 from hybrid_offload.connector.worker import OffloadWorker
@@ -105,12 +109,13 @@ class World:
     """A worker over a KVCache, and PageJobs for one prompt built the way the scheduler does."""
 
     def __init__(
-        self, backends: tuple[BackendConfig, ...], chunk: int = BS, max_pending: int = 1 << 30, seed: int = 0
+        self, backends: Sequence[BackendConfig | Tier], chunk: int = BS, max_pending: int = 1 << 30,
+        seed: int = 0, clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.spec = make_spec()
         self.planner = HybridOffloadPlanner(self.spec, chunk)
         self.chunk = chunk
-        self.worker = OffloadWorker(self.spec, self.planner, backends, max_pending)
+        self.worker = OffloadWorker(self.spec, self.planner, as_tiers(backends), max_pending, clock=clock)
         self.cache = KVCache(seed)
         self.worker.register_kv_caches(self.cache.tensors)
         self.tokens = [7 + 3 * i for i in range(64)]
@@ -127,7 +132,8 @@ class World:
         return PageJob(self.planner.page_key(self.hashes[c], MAMBA), MAMBA, c, self.hashes[c], blocks)
 
     def backend(self, name: str) -> Any:
-        return self.worker.backends[name]
+        """The storage backend ``name`` under the tier's wrappers (tests break it there)."""
+        return unwrap(self.worker.backends[name])
 
     def finish(self, req_id: str, timeout: float = 10.0) -> tuple[set[str], set[str]]:
         """Poll ``finished()`` until ``req_id`` is reported; return everything reported."""
@@ -159,9 +165,11 @@ def load_job(pages: tuple[PageJob, ...], backend: str = "cpu", req_id: str = "re
     return LoadJob(req_id, (LoadSegment(backend, tuple(pages)),))
 
 
-def stored_world(world, *backends: BackendConfig) -> tuple[World, list[PageJob], dict[str, torch.Tensor]]:
+def stored_world(
+    world, *backends: BackendConfig, **kwargs: Any
+) -> tuple[World, list[PageJob], dict[str, torch.Tensor]]:
     """Pages of 3 chunks stored from blocks [3, 7, 5] (+ state of block 2); a snapshot."""
-    w = world(*backends)
+    w = world(*backends, **kwargs)
     w.cache.write_tokens([3, 7, 5], 0, 24)
     w.cache.fill_states([2])
     names = tuple(b.name for b in backends) or ("cpu",)
