@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import wait
 from typing import Any
 
 import torch
@@ -135,17 +136,20 @@ class World:
         """The storage backend ``name`` under the tier's wrappers (tests break it there)."""
         return unwrap(self.worker.backends[name])
 
-    def finish(self, req_id: str, timeout: float = 10.0) -> tuple[set[str], set[str]]:
-        """Poll ``finished()`` until ``req_id`` is reported; return everything reported."""
-        recving: set[str] = set()
-        failed: set[str] = set()
-        deadline = time.monotonic() + timeout
-        while req_id not in recving:
-            assert time.monotonic() < deadline, f"load of {req_id} did not finish"
-            r, f = self.worker.write_finished_loads()
-            recving |= r
-            failed |= f
-            time.sleep(0.002)
+    def wait_loaded(self, req_id: str, timeout: float = 60.0) -> None:
+        """Block until the load thread is done with ``req_id``'s load (``timeout`` only fires
+        on a hang)."""
+        future = self.worker._loads.get(req_id)
+        assert future is not None, f"no load of {req_id} in flight"
+        wait([future], timeout)
+        assert future.done(), f"load of {req_id} did not finish"
+
+    def finish(self, req_id: str, timeout: float = 60.0) -> tuple[set[str], set[str]]:
+        """Wait for ``req_id``'s load, then report finished loads once; return everything
+        reported (``req_id`` among them)."""
+        self.wait_loaded(req_id, timeout)
+        recving, failed = self.worker.write_finished_loads()
+        assert req_id in recving
         return recving, failed
 
     def counters(self) -> dict[str, Any]:
