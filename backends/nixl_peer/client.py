@@ -55,6 +55,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from hybrid_offload.compat import check_versions, nixl_agent
 from hybrid_offload.core.secrets import Secret, SecretError, secret_from_options
 
 from ..base import (
@@ -240,11 +241,8 @@ class NixlPeerBackend(Backend):
     def _ensure_agent(self) -> Any:
         """Create the agent and register staging (call with the xfer lock held)."""
         if self._agent is None:
-            from . import nixl_api
-
-            api = nixl_api()
-            config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
-            agent = api.nixl_agent(self.agent_name, config)
+            check_versions("nixl", what=f"nixl_peer backend {self.name!r}")
+            agent = nixl_agent(self.agent_name, progress_thread=False)
             staging = np.zeros(self._staging_bytes, dtype=np.uint8)
             reg = agent.register_memory([(staging.ctypes.data, staging.nbytes, 0, "")], "DRAM")
             self._staging, self._staging_view, self._staging_reg = staging, memoryview(staging), reg

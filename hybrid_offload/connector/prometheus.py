@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
+from hybrid_offload.compat import check_versions, registered_collectors
 from hybrid_offload.connector.config import parse_offload_config
 from hybrid_offload.core.metrics import (
     ERROR_KINDS,
@@ -125,8 +126,7 @@ class HybridOffloadStats(KVConnectorStats):
 def _unregister_previous() -> None:
     """Drop ``hybrid_offload_*`` collectors an earlier stat logger of this process registered
     (prometheus_client refuses duplicates; vLLM does the same for its ``vllm:*`` metrics)."""
-    names_by_collector = getattr(REGISTRY, "_collector_to_names", {})
-    for collector, names in list(names_by_collector.items()):
+    for collector, names in registered_collectors(REGISTRY).items():
         if any(name.startswith(PREFIX) for name in names):
             with contextlib.suppress(KeyError):
                 REGISTRY.unregister(collector)
@@ -164,6 +164,7 @@ class HybridOffloadPromMetrics(KVConnectorPromMetrics):
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
+        check_versions("prometheus_client", what="hybrid-offload metrics")
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         _unregister_previous()
         names = list(labelnames)

@@ -14,7 +14,7 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 import torch
@@ -41,9 +41,7 @@ from hybrid_offload.backends import (
     BackendConfig,
     BackendUnavailableError,
     create_backend,
-    register_backend,
 )
-from hybrid_offload.backends.cpu import CpuBackend
 from hybrid_offload.connector.config import Tier
 from hybrid_offload.connector.metadata import (
     ClearRange,
@@ -59,36 +57,6 @@ from hybrid_offload.connector.page_codec import PageCodec
 from hybrid_offload.connector.worker import LoadSwitchInterval, OffloadWorker
 from hybrid_offload.core.page_format import decode_page
 from hybrid_offload.core.planner import HybridOffloadPlanner
-
-
-class UnavailableBackend(CpuBackend):
-    """A cpu pool whose medium can be switched off: every call then raises ``error``."""
-
-    type_name: ClassVar[str] = "test_unavailable"
-    error: Exception | None = None
-
-    def _maybe_fail(self) -> None:
-        if self.error is not None:
-            raise self.error
-
-    def put_batch(self, items):  # type: ignore[no-untyped-def]
-        self._maybe_fail()
-        return super().put_batch(items)
-
-    def get_batch(self, keys):  # type: ignore[no-untyped-def]
-        self._maybe_fail()
-        return super().get_batch(keys)
-
-    def get_into(self, keys, buffers):  # type: ignore[no-untyped-def]
-        self._maybe_fail()
-        return super().get_into(keys, buffers)
-
-    def delete_batch(self, keys):  # type: ignore[no-untyped-def]
-        self._maybe_fail()
-        return super().delete_batch(keys)
-
-
-register_backend("test_unavailable", UnavailableBackend)
 
 
 class Gate(threading.Event):

@@ -1,11 +1,13 @@
 """The import contract: each layer of hybrid-offload imports only the layers below it.
 
-    core < backends < engine < connector < testing < tools
+    core < compat < backends < engine < connector < testing < tools
 
 plus the external packages a layer must not touch: the core neither vLLM nor torch (nor the
-Hugging Face libraries), backends not vLLM. Every import statement counts, also inside a
-function or under ``TYPE_CHECKING``. ``backends/`` lives at the top of the repository and is
-installed as ``hybrid_offload.backends`` (``pyproject.toml``).
+Hugging Face libraries), backends not vLLM. Private names of vLLM, NIXL and prometheus_client
+(:data:`PRIVATE_NAMES`) appear only in ``hybrid_offload/compat.py``, the one gate to them.
+Every import statement counts, also inside a function or under ``TYPE_CHECKING``.
+``backends/`` lives at the top of the repository and is installed as ``hybrid_offload.backends``
+(``pyproject.toml``).
 
 Under ``tests/`` no module imports a test module (``test_*``): what tests share lives in a plain
 helper module or in the folder's ``conftest.py``.
@@ -24,11 +26,17 @@ ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
 PACKAGE = "hybrid_offload"
 #: lowest first; a module may import its own layer and the ones before it
-LAYERS = ("core", "backends", "engine", "connector", "testing", "tools")
+LAYERS = ("core", "compat", "backends", "engine", "connector", "testing", "tools")
 FORBIDDEN_EXTERNAL = {
     "core": {"vllm", "torch", "transformers", "huggingface_hub"},
     "backends": {"vllm"},
 }
+#: private names of other packages we use; only the compat module may name them
+PRIVATE_NAMES = frozenset(
+    {"_custom_ops", "_get_attn_isa", "_collector_to_names", "nixlBind", "nixl_meta_utils",
+     "_torch_cuda_version_from_disk"}
+)
+GATE = f"{PACKAGE}.compat"
 
 
 def _sources() -> dict[str, Path]:
@@ -166,3 +174,41 @@ def test_modules_that_need_no_vllm_import_none(module: str) -> None:
     probe = f"import sys, {module}; print(sorted({{'vllm', 'torch'}} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", module
+
+
+def private_names_used(name: str, source: str) -> set[str]:
+    """The :data:`PRIVATE_NAMES` a module's source names: as a name, an attribute, an import or
+    a string (``getattr(x, "_private")``)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source, name)):
+        if isinstance(node, ast.Name):
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            found.add(node.attr)
+        elif isinstance(node, ast.alias):
+            found.update(node.name.split("."))
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.update(node.module.split("."))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            found.add(node.value)
+    return found & PRIVATE_NAMES
+
+
+def test_private_apis_only_through_the_compat_module() -> None:
+    sources = {name: path.read_text() for name, path in _sources().items()}
+    assert private_names_used(GATE, sources[GATE]) >= {"_custom_ops", "_collector_to_names", "nixlBind"}
+    leaks = {name: used for name, source in sources.items() if name != GATE
+             if (used := private_names_used(name, source))}
+    assert leaks == {}
+
+
+@pytest.mark.parametrize("source", [
+    "from vllm import _custom_ops as ops\n",
+    "import nixl_meta_utils\n",
+    "x = REGISTRY._collector_to_names\n",
+    "x = getattr(REGISTRY, '_collector_to_names', {})\n",
+    "def f(api):\n    return api.nixlBind.nixlAgentConfig\n",
+    "from vllm.v1.attention.backends.cpu_attn import _get_attn_isa\n",
+])
+def test_the_private_api_check_catches_a_direct_use(source: str) -> None:
+    assert private_names_used("mod", source)

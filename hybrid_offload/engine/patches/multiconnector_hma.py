@@ -2,9 +2,9 @@
 
 vLLM decides whether the hybrid KV cache manager (HMA) stays on from
 `KVConnectorFactory.supports_hma_config`, which for `kv_connector: "MultiConnector"` asks vLLM's
-own MultiConnector about the `connectors` list, whatever the module path. Our connector also
-answers to that name (`kv_connector_module_path: "hybrid_offload.connector"`, composing foreign
-connectors), and there that check is wrong three ways: it turns HMA off for a config with only
+own MultiConnector about the `connectors` list, whatever the module path. Our composing connector
+answers to that name (`kv_connector_module_path: "hybrid_offload.connector"`,
+`connector/composite.py`), and there that check is wrong three ways: it turns HMA off for a config with only
 native `backends` (hybrids then fail to start), it fails on our child keys `name` /
 `load_weight`, and for a child without HMA support it gives vLLM's generic "Failed to promote"
 error instead of ours naming the child. So for our module path the answer is our class's (it
