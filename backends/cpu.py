@@ -24,11 +24,11 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 from .base import Backend, BackendClosedError, BackendConfig, Buffer, PageInfo, check_keys, check_prefix
+from .lru_index import LruIndex
 
 __all__ = ["CpuBackend"]
 
@@ -46,8 +46,7 @@ class CpuBackend(Backend):
         super().__init__(config)
         self.validate_options(dict(config.options))
         self._lock = threading.Lock()
-        self._pages: OrderedDict[str, bytes] = OrderedDict()  # LRU first, MRU last
-        self._used = 0
+        self._pages: LruIndex[bytes] = LruIndex()  # LRU first, MRU last
         self._evicted: list[str] = []
         self._closed = False
 
@@ -57,22 +56,15 @@ class CpuBackend(Backend):
         if self._closed:
             raise BackendClosedError(f"cpu backend {self.name!r} is closed")
 
-    def _drop(self, key: str) -> int:
-        """Remove ``key`` if present; return the bytes freed."""
-        data = self._pages.pop(key, None)
-        if data is None:
-            return 0
-        self._used -= len(data)
-        return len(data)
-
     def _make_room(self, size: int) -> None:
         """Evict least recently used pages until ``size`` more bytes fit."""
-        while self._pages and self._used + size > self.capacity_bytes:
-            key, data = self._pages.popitem(last=False)
-            self._used -= len(data)
-            self._evicted.append(key)
+        while self._pages.used + size > self.capacity_bytes:
+            victim = self._pages.pop_victim()
+            if victim is None:
+                return
+            self._evicted.append(victim[0])
             self.stats.evictions += 1
-            self.stats.evicted_bytes += len(data)
+            self.stats.evicted_bytes += victim[1].size
 
     # -- Backend API -----------------------------------------------------------------------
 
@@ -87,10 +79,9 @@ class CpuBackend(Backend):
                     self.stats.put_refused += 1
                     results.append(False)
                     continue
-                self._drop(key)  # a re-put replaces, without counting as an eviction
+                self._pages.pop(key)  # a re-put replaces, without counting as an eviction
                 self._make_room(len(data))
-                self._pages[key] = data
-                self._used += len(data)
+                self._pages.put(key, len(data), data)
                 self.stats.puts += 1
                 self.stats.put_bytes += len(data)
                 results.append(True)
@@ -102,12 +93,11 @@ class CpuBackend(Backend):
         with self._lock:
             self._check_open()
             for key in keys:
-                data = self._pages.get(key)
-                if data is not None:
-                    self._pages.move_to_end(key)
+                entry = self._pages.get(key)
+                if entry is not None:
                     self.stats.hits += 1
-                    self.stats.get_bytes += len(data)
-                results.append(data)
+                    self.stats.get_bytes += entry.size
+                results.append(None if entry is None else entry.value)
             self.stats.gets += len(keys)
         return results
 
@@ -123,8 +113,7 @@ class CpuBackend(Backend):
         with self._lock:
             self._check_open()
             for key in keys:
-                if key in self._pages:
-                    self._pages.move_to_end(key)
+                self._pages.touch(key)
 
     def delete_batch(self, keys: Sequence[str]) -> int:
         check_keys(keys)
@@ -132,8 +121,7 @@ class CpuBackend(Backend):
         with self._lock:
             self._check_open()
             for key in keys:
-                if key in self._pages:
-                    self._drop(key)
+                if self._pages.pop(key) is not None:
                     self._evicted.append(key)
                     deleted += 1
         return deleted
@@ -141,14 +129,14 @@ class CpuBackend(Backend):
     def used_bytes(self) -> int:
         with self._lock:
             self._check_open()
-            return self._used
+            return self._pages.used
 
     def scan(self, prefix: str = "") -> Iterator[PageInfo]:
         """The pages stored when the scan starts (a snapshot of keys and sizes; no times)."""
         check_prefix(prefix)
         with self._lock:
             self._check_open()
-            listed = [(key, len(data)) for key, data in self._pages.items() if key.startswith(prefix)]
+            listed = [(key, entry.size) for key, entry in self._pages.items() if key.startswith(prefix)]
         for key, size in listed:
             yield PageInfo(key, size, None)
 
@@ -164,5 +152,4 @@ class CpuBackend(Backend):
         with self._lock:
             self._closed = True
             self._pages.clear()
-            self._used = 0
             self._evicted = []

@@ -57,7 +57,6 @@ import secrets
 import shutil
 import stat
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, TypeVar
@@ -88,6 +87,7 @@ from .disk_files import (
 from .disk_root import check_writable_root, expand_path, page_problem, root_problem
 from .disk_tree import TMP_SUFFIX, page_paths, scan_pages, walk
 from .disk_usage import UnsafeUsageFileError, UsageRecord, locked_usage
+from .lru_index import LruIndex
 
 __all__ = ["DiskBackend"]
 
@@ -141,8 +141,7 @@ class DiskBackend(Backend):
         self._io_threads: int = opts["io_threads"]
         self._touch_on_read = touch_on_read
         self._lock = threading.RLock()
-        self._index: OrderedDict[str, int] = OrderedDict()  # key -> size, LRU first
-        self._used = 0
+        self._index: LruIndex[None] = LruIndex()  # this process's pages, LRU first
         self._empty_root: tuple[int, int] | None = None  # (dev, ino) of a root counted empty
         self._pool: ThreadPoolExecutor | None = None
         self._logged: set[tuple[str, int | None]] = set()
@@ -171,8 +170,7 @@ class DiskBackend(Backend):
         self._index.clear()
         for _, key, size in pages:
             if key != skip:
-                self._index[key] = size
-        self._used = sum(self._index.values())
+                self._index.put(key, size)
         usage.total = sum(size for _, _, size in pages)
         usage.write(usage.total)
         self._empty_root = None if usage.exists else usage.root_id
@@ -262,7 +260,7 @@ class DiskBackend(Backend):
             with self._lock:
                 for key in keys:
                     if key in self._index and not self._exists(key):
-                        self._used -= self._index.pop(key)
+                        self._index.pop(key)
 
     def _page_size(self, key: str) -> int:
         """Bytes the key's page file counts in the shared total (0: none, or not a page)."""
@@ -304,14 +302,14 @@ class DiskBackend(Backend):
         recounted = self._known_total(usage, skip)
         assert usage.total is not None
         while usage.total + incoming > self.capacity_bytes:
-            if not self._index:
+            victim = self._index.pop_victim()
+            if victim is None:
                 if recounted:
                     return False
                 self._recount(usage, skip)  # pages other processes wrote
                 recounted = True
                 continue
-            key, size = self._index.popitem(last=False)
-            self._used -= size
+            key = victim[0]
             freed = self._unlink_page(key, "evict")
             if freed is not None:
                 usage.total = max(0, usage.total - freed)
@@ -351,9 +349,7 @@ class DiskBackend(Backend):
 
     def _commit(self, key: str, tmp: str, size: int, usage: UsageRecord) -> bool:
         """Evict for room, then rename the temp file onto the page (both locks held)."""
-        indexed = self._index.pop(key, None)
-        if indexed is not None:
-            self._used -= indexed
+        indexed = self._index.pop(key)
         final = self._paths(key)[1]
         old = self._page_size(key)  # the page replaced: its bytes leave the total
         if not self._make_room(usage, size - old, skip=key):
@@ -376,8 +372,7 @@ class DiskBackend(Backend):
             return False
         usage.total += size - old
         usage.pending -= size
-        self._index[key] = size
-        self._used += size
+        self._index.put(key, size)
         self.stats.puts += 1
         self.stats.put_bytes += size
         return True
@@ -497,8 +492,7 @@ class DiskBackend(Backend):
                 if isinstance(got, bytes | int):
                     self.stats.hits += 1
                     self.stats.get_bytes += got if isinstance(got, int) else len(got)
-                    if key in self._index:
-                        self._index.move_to_end(key)
+                    self._index.touch(key)
             self._forget_missing([k for k, got in zip(keys, outcomes, strict=True) if got is None])
         self._fail_if_medium_gone(outcomes, os.R_OK | os.X_OK)
         return [None if isinstance(got, OSError) else got for got in outcomes]
@@ -553,8 +547,7 @@ class DiskBackend(Backend):
             with contextlib.suppress(OSError):
                 os.utime(self._paths(key)[1], ns=(stamp, stamp), follow_symlinks=False)
                 with self._lock:
-                    if key in self._index:
-                        self._index.move_to_end(key)
+                    self._index.touch(key)
 
     def delete_batch(self, keys: Sequence[str]) -> int:
         """Delete page files (and their bytes from the shared total); returns how many."""
@@ -570,7 +563,7 @@ class DiskBackend(Backend):
             with self._lock:
                 self._check_open()
                 for key in keys:
-                    self._used -= self._index.pop(key, 0)
+                    self._index.pop(key)
             return 0
         except OSError as exc:  # the record could not be opened or written
             self._note_error("delete", os.path.join(self._root, ".usage"), exc)
@@ -582,7 +575,7 @@ class DiskBackend(Backend):
         assert usage.total is not None
         deleted = 0
         for key in keys:
-            self._used -= self._index.pop(key, 0)
+            self._index.pop(key)
             freed = self._unlink_page(key, "delete")
             if freed is not None:
                 deleted += 1
@@ -593,7 +586,7 @@ class DiskBackend(Backend):
     def used_bytes(self) -> int:
         with self._lock:
             self._check_open()
-            return self._used
+            return self._index.used
 
     def scan(self, prefix: str = "") -> Iterator[PageInfo]:
         """Every page file under ``path`` whose key starts with ``prefix``, also those other
@@ -616,6 +609,5 @@ class DiskBackend(Backend):
             self._closed = True
             pool, self._pool = self._pool, None
             self._index.clear()
-            self._used = 0
         if pool is not None:
             pool.shutdown(wait=True)

@@ -77,7 +77,6 @@ import struct
 import threading
 import time
 import warnings
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 from urllib.parse import urlsplit
@@ -95,6 +94,7 @@ from .base import (
 )
 from .lmcache_expiry import EXPIRY_SCHEMES, make_expiry
 from .lmcache_options import OPTION_DEFAULTS, check_remote_url, validate_lmcache_options
+from .lru_index import LruIndex
 
 # LMCache's loggers attach opentelemetry-sdk's deprecated LoggingHandler (one warning each).
 with warnings.catch_warnings():
@@ -200,8 +200,7 @@ class LMCacheBackend(Backend):
         self._url = check_remote_url(options["remote_url"], self._op_timeout)
         self._expiry = make_expiry(self._url, options["ttl_s"], self._namespace)
         self._lock = threading.Lock()
-        self._pages: OrderedDict[str, int] = OrderedDict()  # key -> size, LRU first
-        self._used = 0
+        self._pages: LruIndex[None] = LruIndex()  # key -> size, LRU first
         self._evicted: list[str] = []
         self._closed = False
         self._can_remove = True  # until the connector says NotImplementedError
@@ -393,9 +392,7 @@ class LMCacheBackend(Backend):
         return None
 
     def _forget(self, key: str) -> None:
-        size = self._pages.pop(key, None)
-        if size is not None:
-            self._used -= size
+        if self._pages.pop(key) is not None:
             self._evicted.append(key)
 
     async def _gather(self, jobs: list[Awaitable[Any]]) -> list[Any]:
@@ -451,7 +448,7 @@ class LMCacheBackend(Backend):
         results: list[bool] = []
         with self._lock:
             self._check_open()
-            before = set(self._pages)
+            before = set(self._pages.keys())
             latest: dict[str, Buffer] = {}
             evicted: list[str] = []
             stored_sizes: list[int] = []
@@ -461,18 +458,14 @@ class LMCacheBackend(Backend):
                     self.stats.put_refused += 1
                     results.append(False)
                     continue
-                old = self._pages.pop(key, None)
-                if old is not None:
-                    self._used -= old
-                while self._pages and self._used + size > self.capacity_bytes:
-                    victim, victim_size = self._pages.popitem(last=False)
-                    self._used -= victim_size
+                self._pages.pop(key)
+                while self._pages.used + size > self.capacity_bytes:
+                    victim, gone = self._pages.pop_victim()  # type: ignore[misc]  # used > 0
                     latest.pop(victim, None)
                     evicted.append(victim)
                     self.stats.evictions += 1
-                    self.stats.evicted_bytes += victim_size
-                self._pages[key] = size
-                self._used += size
+                    self.stats.evicted_bytes += gone.size
+                self._pages.put(key, size)
                 latest[key] = buf
                 stored_sizes.append(size)
                 results.append(True)
@@ -518,11 +511,10 @@ class LMCacheBackend(Backend):
                     else:
                         data = self._unwrap(key, result)
                     found[key] = data
-                    if data is None or len(data) != self._pages.get(key):
+                    entry = self._pages.get(key)  # an access: refreshes recency
+                    if data is None or entry is None or len(data) != entry.size:
                         found[key] = None
                         self._forget(key)  # the remote lost it (or holds another version)
-                    else:
-                        self._pages.move_to_end(key)
                 self._expire([key for key in wanted if found[key] is not None])
             results = [found.get(key) for key in keys]
             for data in results:
@@ -544,8 +536,7 @@ class LMCacheBackend(Backend):
         with self._lock:
             self._check_open()
             for key in keys:
-                if key in self._pages:
-                    self._pages.move_to_end(key)
+                self._pages.touch(key)
 
     def delete_batch(self, keys: Sequence[str]) -> int:
         check_keys(keys)
@@ -560,7 +551,7 @@ class LMCacheBackend(Backend):
     def used_bytes(self) -> int:
         with self._lock:
             self._check_open()
-            return self._used
+            return self._pages.used
 
     def take_evicted(self) -> list[str]:
         """Keys evicted, deleted, lost by the remote or whose put failed, oldest first."""
@@ -577,7 +568,6 @@ class LMCacheBackend(Backend):
                 return
             self._closed = True
             self._pages.clear()
-            self._used = 0
             self._evicted = []
             connector, self._connector = self._connector, None
         finally:

@@ -30,9 +30,11 @@ import bisect
 import heapq
 import itertools
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from ..lru_index import Entry, LruIndex
 
 __all__ = [
     "ALIGN",
@@ -179,8 +181,7 @@ class PageIndex:
         self.lease_timeout_s = lease_timeout_s
         self.alloc_timeout_s = alloc_timeout_s
         self._clock = clock
-        self._pages: OrderedDict[str, _Page] = OrderedDict()  # LRU first
-        self._used = 0
+        self._pages: LruIndex[_Page] = LruIndex()  # committed pages, LRU first
         self._reserved = 0
         self._leases: dict[int, _Lease] = {}
         self._allocs: dict[int, _Reservation] = {}
@@ -203,19 +204,19 @@ class PageIndex:
             self.allocator.free(extent)
 
     def _drop(self, key: str) -> int:
-        page = self._pages.pop(key, None)
-        if page is None:
+        entry = self._pages.pop(key)
+        if entry is None:
             return 0
-        self._used -= page.size
-        self._retire(page.extent)
-        return page.size
+        self._retire(entry.value.extent)
+        return entry.size
 
     def _evict_lru(self, *, unpinned_only: bool) -> int | None:
         """Evict the least recently used (unpinned) page; its size, or None if none."""
-        for key, page in self._pages.items():
-            if not unpinned_only or page.extent.pins == 0:
-                return self._drop(key)
-        return None
+        victim = self._pages.pop_victim(_pinned if unpinned_only else None)
+        if victim is None:
+            return None
+        self._retire(victim[1].value.extent)
+        return victim[1].size
 
     def _physical_alloc(self, size: int, reservation: _Reservation) -> Extent | None:
         """A free extent; else evict LRU (unpinned) pages for it, but only while all
@@ -246,11 +247,11 @@ class PageIndex:
         lease = _Lease(owner, now + self.lease_timeout_s)
         out: list[tuple[int, int] | None] = []
         for key in keys:
-            page = self._pages.get(key)
-            if page is None:
+            entry = self._pages.get(key)  # an access: most recently used now
+            if entry is None:
                 out.append(None)
                 continue
-            self._pages.move_to_end(key)
+            page = entry.value
             page.used_at = now
             page.extent.pins += 1
             lease.extents.append(page.extent)
@@ -320,12 +321,13 @@ class PageIndex:
                 self.allocator.free(extent)
                 continue
             self._drop(key)  # replacing an older version is not an eviction
-            while self._pages and self._used + size > self.capacity:
+            while self._pages.used + size > self.capacity:
                 evicted = self._evict_lru(unpinned_only=False)
+                if evicted is None:
+                    break
                 evictions += 1
-                evicted_bytes += evicted or 0
-            self._pages[key] = _Page(size, extent, now)
-            self._used += size
+                evicted_bytes += evicted
+            self._pages.put(key, size, _Page(size, extent, now))
             committed += 1
         return committed, evictions, evicted_bytes
 
@@ -356,7 +358,7 @@ class PageIndex:
             self.abort(alloc_id)
 
     def stats(self) -> PoolStats:
-        return PoolStats(self._used, self._reserved, self.allocator.free_bytes, len(self._pages))
+        return PoolStats(self._pages.used, self._reserved, self.allocator.free_bytes, len(self._pages))
 
     # -- listing ----------------------------------------------------------------------------
 
@@ -365,13 +367,17 @@ class PageIndex:
         return self._clock()
 
     def pages_snapshot(self) -> list[tuple[str, _Page]]:
-        """The visible pages now, for :func:`scan_pages`: one C-speed copy of the index, so the
+        """The visible pages now, for :func:`scan_pages`: one copy of the index, so the
         caller's lock is held only for that (sizes never change; use times are plain floats)."""
-        return list(self._pages.items())
+        return [(key, entry.value) for key, entry in self._pages.items()]
 
     def scan(self, prefix: str, after: str, limit: int) -> tuple[list[tuple[str, int, float]], bool]:
         """:func:`scan_pages` over the pages now."""
         return scan_pages(self.pages_snapshot(), prefix, after, limit, self._clock())
+
+
+def _pinned(key: str, entry: Entry[_Page]) -> bool:
+    return entry.value.extent.pins > 0
 
 
 def _uncount(counter: Counter[object], owner: object) -> None:
