@@ -4,6 +4,12 @@ A backend stores opaque, self-describing page bytes (see ``hybrid_offload.core.p
 under keys made by the planner. It never interprets page bytes: verification happens in the
 page decoder of whoever reads them.
 
+A backend implements ``_put_batch``, ``_get_batch``, ``_contains_batch``, ``_delete_batch``,
+``_used_bytes`` and ``close`` (optionally ``_get_into``, ``_touch_batch``, ``scan``, ...): the
+public methods check keys, buffer lengths and that the backend is open, then call them (a class
+named by ``type: "pkg.mod:Class"`` implements the same). It sets ``self._closed = True`` in
+``close()``.
+
 Contract (every backend, checked by ``tests/contract``):
 
 * **Keys** are ASCII strings matching :data:`KEY_PATTERN` (lowercase hex, ``-`` separated
@@ -153,6 +159,7 @@ class Backend(ABC):
     def __init__(self, config: BackendConfig) -> None:
         self.config = config
         self.stats = BackendStats()
+        self._closed = False
 
     @classmethod
     def validate_options(cls, options: dict[str, Any]) -> dict[str, Any]:
@@ -173,13 +180,25 @@ class Backend(ABC):
     def capacity_bytes(self) -> int:
         return self.config.capacity_bytes
 
-    @abstractmethod
+    def _check_open(self) -> None:
+        """Raise :class:`BackendClosedError` after ``close()`` (subclasses set ``_closed``;
+        those that close concurrently with calls check again under their lock)."""
+        if self._closed:
+            raise BackendClosedError(f"{self.type_name} backend {self.name!r} is closed")
+
+    # -- the public calls: contract checks here, the work in the ``_`` methods ---------------
+
     def put_batch(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
         """Store pages; per item True if stored, False if refused (too large, backend full)."""
+        check_keys([key for key, _ in items])
+        self._check_open()
+        return self._put_batch(items)
 
-    @abstractmethod
     def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
         """Return each page's bytes, or None for a miss."""
+        check_keys(keys)
+        self._check_open()
+        return self._get_batch(keys)
 
     def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
         """Read each page into the caller's buffer; return its length, or None for a miss.
@@ -189,8 +208,48 @@ class Backend(ABC):
         """
         if len(keys) != len(buffers):
             raise ValueError("get_into: keys and buffers differ in length")
+        check_keys(keys)
+        self._check_open()
+        return self._get_into(keys, buffers)
+
+    def contains_batch(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is stored now (a later get may still miss after eviction)."""
+        check_keys(keys)
+        self._check_open()
+        return self._contains_batch(keys)
+
+    def delete_batch(self, keys: Sequence[str]) -> int:
+        """Delete pages; return how many existed."""
+        check_keys(keys)
+        self._check_open()
+        return self._delete_batch(keys)
+
+    def touch_batch(self, keys: Sequence[str]) -> None:
+        """Make each stored key in ``keys`` the most recently used, in order (the last key ends
+        most recent), without reading it; keys not stored are ignored."""
+        check_keys(keys)
+        self._check_open()
+        self._touch_batch(keys)
+
+    def used_bytes(self) -> int:
+        """Bytes of page data held now."""
+        self._check_open()
+        return self._used_bytes()
+
+    # -- what a backend implements (keys are checked and the backend open) -----------------
+
+    @abstractmethod
+    def _put_batch(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
+        """See :meth:`put_batch`."""
+
+    @abstractmethod
+    def _get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
+        """See :meth:`get_batch`."""
+
+    def _get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+        """See :meth:`get_into`; the default copies what :meth:`_get_batch` returns."""
         sizes: list[int | None] = []
-        for data, buf in zip(self.get_batch(keys), buffers, strict=True):
+        for data, buf in zip(self._get_batch(keys), buffers, strict=True):
             view = memoryview(buf).cast("B")
             if data is None or len(data) > view.nbytes:
                 sizes.append(None)
@@ -198,6 +257,24 @@ class Backend(ABC):
             view[: len(data)] = data
             sizes.append(len(data))
         return sizes
+
+    @abstractmethod
+    def _contains_batch(self, keys: Sequence[str]) -> list[bool]:
+        """See :meth:`contains_batch`."""
+
+    @abstractmethod
+    def _delete_batch(self, keys: Sequence[str]) -> int:
+        """See :meth:`delete_batch`."""
+
+    @abstractmethod
+    def _used_bytes(self) -> int:
+        """See :meth:`used_bytes`."""
+
+    def _touch_batch(self, keys: Sequence[str]) -> None:
+        """See :meth:`touch_batch`. Optional: the default does nothing (``touch_refreshes = False``)."""
+        return
+
+    # -- the rest --------------------------------------------------------------------------
 
     def get_prefix(self, keys: Sequence[str], nbytes: int, sizes: Sequence[int]) -> list[bytes | None]:
         """The first ``nbytes`` bytes of each page (all of a shorter one), or None for a miss.
@@ -216,31 +293,11 @@ class Backend(ABC):
             None if n is None else bytes(buf[: min(n, nbytes)]) for n, buf in zip(got, buffers, strict=True)
         ]
 
-    @abstractmethod
-    def contains_batch(self, keys: Sequence[str]) -> list[bool]:
-        """Whether each key is stored now (a later get may still miss after eviction)."""
-
-    @abstractmethod
-    def delete_batch(self, keys: Sequence[str]) -> int:
-        """Delete pages; return how many existed."""
-
-    @abstractmethod
-    def used_bytes(self) -> int:
-        """Bytes of page data held now."""
-
     def prepare_data_path(self) -> None:
         """Do one-time data-path setup now rather than in the first put or get (e.g. register
         transfer memory, handshake with servers). Called once by the connector's worker on a
         background thread; may block; a :class:`BackendError` is logged there, never fatal."""
         return  # most backends have nothing to set up
-
-    def touch_batch(self, keys: Sequence[str]) -> None:
-        """Make each stored key in ``keys`` the most recently used, in order (the last key ends
-        most recent), without reading it; keys not stored are ignored.
-
-        Optional: the default checks the keys and does nothing (``touch_refreshes = False``).
-        """
-        check_keys(keys)
 
     def take_evicted(self) -> list[str]:
         """Keys evicted or deleted since the last call (for index mirrors; may be empty).

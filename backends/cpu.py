@@ -27,7 +27,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
-from .base import Backend, BackendClosedError, BackendConfig, Buffer, PageInfo, check_keys, check_prefix
+from .base import Backend, BackendConfig, Buffer, PageInfo, check_prefix
 from .lru_index import LruIndex
 
 __all__ = ["CpuBackend"]
@@ -52,10 +52,6 @@ class CpuBackend(Backend):
 
     # -- helpers (call with the lock held) -------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BackendClosedError(f"cpu backend {self.name!r} is closed")
-
     def _make_room(self, size: int) -> None:
         """Evict least recently used pages until ``size`` more bytes fit."""
         while self._pages.used + size > self.capacity_bytes:
@@ -68,8 +64,7 @@ class CpuBackend(Backend):
 
     # -- Backend API -----------------------------------------------------------------------
 
-    def put_batch(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
-        check_keys([key for key, _ in items])
+    def _put_batch(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
         copies = [(key, bytes(buf)) for key, buf in items]  # copy outside the lock
         results: list[bool] = []
         with self._lock:
@@ -87,8 +82,7 @@ class CpuBackend(Backend):
                 results.append(True)
         return results
 
-    def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
-        check_keys(keys)
+    def _get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
         results: list[bytes | None] = []
         with self._lock:
             self._check_open()
@@ -101,22 +95,19 @@ class CpuBackend(Backend):
             self.stats.gets += len(keys)
         return results
 
-    def contains_batch(self, keys: Sequence[str]) -> list[bool]:
+    def _contains_batch(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is stored; does not refresh recency."""
-        check_keys(keys)
         with self._lock:
             self._check_open()
             return [key in self._pages for key in keys]
 
-    def touch_batch(self, keys: Sequence[str]) -> None:
-        check_keys(keys)
+    def _touch_batch(self, keys: Sequence[str]) -> None:
         with self._lock:
             self._check_open()
             for key in keys:
                 self._pages.touch(key)
 
-    def delete_batch(self, keys: Sequence[str]) -> int:
-        check_keys(keys)
+    def _delete_batch(self, keys: Sequence[str]) -> int:
         deleted = 0
         with self._lock:
             self._check_open()
@@ -126,7 +117,7 @@ class CpuBackend(Backend):
                     deleted += 1
         return deleted
 
-    def used_bytes(self) -> int:
+    def _used_bytes(self) -> int:
         with self._lock:
             self._check_open()
             return self._pages.used

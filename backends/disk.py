@@ -186,10 +186,6 @@ class DiskBackend(Backend):
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BackendClosedError(f"disk backend {self.name!r} is closed")
-
     def _check_root(self) -> None:
         """Raise BackendUnavailableError if the root is no longer trusted (a vanished root is
         left to the per-page outcomes)."""
@@ -377,10 +373,8 @@ class DiskBackend(Backend):
         self.stats.put_bytes += size
         return True
 
-    def put_batch(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
+    def _put_batch(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
         """Store pages: data written in parallel, renames in input order under the lock."""
-        check_keys([key for key, _ in items])
-        self._check_open()
         self._check_root()
         views = [memoryview(buf).cast("B") for _, buf in items]
         todo = [i for i, view in enumerate(views) if view.nbytes <= self.capacity_bytes]
@@ -497,14 +491,12 @@ class DiskBackend(Backend):
         self._fail_if_medium_gone(outcomes, os.R_OK | os.X_OK)
         return [None if isinstance(got, OSError) else got for got in outcomes]
 
-    def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
+    def _get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
         found = self._read_batch(keys, [None] * len(keys))
         return [got if isinstance(got, bytes) else None for got in found]
 
-    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+    def _get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
         """Read pages straight into ``buffers`` (readinto); a page too large is a miss."""
-        if len(keys) != len(buffers):
-            raise ValueError("get_into: keys and buffers differ in length")
         found = self._read_batch(keys, [memoryview(buf).cast("B") for buf in buffers])
         return [got if isinstance(got, int) else None for got in found]
 
@@ -523,25 +515,21 @@ class DiskBackend(Backend):
 
     # -- the rest --------------------------------------------------------------------------
 
-    def contains_batch(self, keys: Sequence[str]) -> list[bool]:
+    def _contains_batch(self, keys: Sequence[str]) -> list[bool]:
         """Stat each page file (sees other processes' pages); no recency refresh.
 
         Synchronous: a stat is cheaper than a thread-pool round trip on a local disk.
         """
-        check_keys(keys)
-        self._check_open()
         found = [self._exists(key) for key in keys]
         self._forget_missing([k for k, f in zip(keys, found, strict=True) if not f])
         return found
 
-    def touch_batch(self, keys: Sequence[str]) -> None:
+    def _touch_batch(self, keys: Sequence[str]) -> None:
         """Stamp each page file's mtime, in order (its LRU position, also after a restart).
 
         Synchronous: one ``utime`` per page, no read; a page missing or not a regular file is
         skipped (links are not followed).
         """
-        check_keys(keys)
-        self._check_open()
         for key in keys:
             stamp = next_stamp()
             with contextlib.suppress(OSError):
@@ -549,10 +537,8 @@ class DiskBackend(Backend):
                 with self._lock:
                     self._index.touch(key)
 
-    def delete_batch(self, keys: Sequence[str]) -> int:
+    def _delete_batch(self, keys: Sequence[str]) -> int:
         """Delete page files (and their bytes from the shared total); returns how many."""
-        check_keys(keys)
-        self._check_open()
         try:
             with locked_usage(self._root) as usage, self._lock:
                 self._check_open()
@@ -583,7 +569,7 @@ class DiskBackend(Backend):
         usage.write(usage.total)
         return deleted
 
-    def used_bytes(self) -> int:
+    def _used_bytes(self) -> int:
         with self._lock:
             self._check_open()
             return self._index.used

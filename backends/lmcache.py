@@ -85,12 +85,10 @@ import xxhash
 
 from .base import (
     Backend,
-    BackendClosedError,
     BackendConfig,
     BackendConfigError,
     BackendUnavailableError,
     Buffer,
-    check_keys,
 )
 from .lmcache_expiry import EXPIRY_SCHEMES, make_expiry
 from .lmcache_options import OPTION_DEFAULTS, check_remote_url, validate_lmcache_options
@@ -272,10 +270,6 @@ class LMCacheBackend(Backend):
 
     # -- helpers (call with the lock held) -------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BackendClosedError(f"lmcache backend {self.name!r} is closed")
-
     def _connect(self) -> Any:
         """LMCache's connector, built once on the loop thread (``lm://`` connects in its
         constructor, without a timeout): waits at most ``op_timeout_s``; a build still running
@@ -443,8 +437,7 @@ class LMCacheBackend(Backend):
 
     # -- Backend API -----------------------------------------------------------------------
 
-    def put_batch(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
-        check_keys([key for key, _ in items])
+    def _put_batch(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
         results: list[bool] = []
         with self._lock:
             self._check_open()
@@ -484,8 +477,7 @@ class LMCacheBackend(Backend):
             self.stats.put_bytes += sum(stored_sizes)
         return results
 
-    def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
-        check_keys(keys)
+    def _get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
         with self._lock:
             self._check_open()
             self.stats.gets += len(keys)
@@ -523,23 +515,20 @@ class LMCacheBackend(Backend):
                     self.stats.get_bytes += len(data)
         return results
 
-    def contains_batch(self, keys: Sequence[str]) -> list[bool]:
+    def _contains_batch(self, keys: Sequence[str]) -> list[bool]:
         """From this instance's index, without I/O; does not refresh recency."""
-        check_keys(keys)
         with self._lock:
             self._check_open()
             return [key in self._pages for key in keys]
 
-    def touch_batch(self, keys: Sequence[str]) -> None:
+    def _touch_batch(self, keys: Sequence[str]) -> None:
         """Refresh the client-side LRU index, in order (no remote I/O)."""
-        check_keys(keys)
         with self._lock:
             self._check_open()
             for key in keys:
                 self._pages.touch(key)
 
-    def delete_batch(self, keys: Sequence[str]) -> int:
-        check_keys(keys)
+    def _delete_batch(self, keys: Sequence[str]) -> int:
         with self._lock:
             self._check_open()
             present = [key for key in dict.fromkeys(keys) if key in self._pages]
@@ -548,7 +537,7 @@ class LMCacheBackend(Backend):
             self._remove_remote(present)
             return len(present)
 
-    def used_bytes(self) -> int:
+    def _used_bytes(self) -> int:
         with self._lock:
             self._check_open()
             return self._pages.used

@@ -224,10 +224,6 @@ class RedisBackend(Backend):
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BackendClosedError(f"{self.type_name} backend {self.name!r} is closed")
-
     def _page_key(self, key: str) -> str:
         return f"{self._prefix}:p:{key}"
 
@@ -287,10 +283,8 @@ class RedisBackend(Backend):
 
     # -- Backend API -----------------------------------------------------------------------
 
-    def put_batch(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
+    def _put_batch(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
         """Store pages in order; False for a page larger than the capacity or refused (OOM)."""
-        check_keys([key for key, _ in items])
-        self._check_open()
         results = [False] * len(items)
         views: list[tuple[int, str, memoryview]] = []
         for i, (key, buf) in enumerate(items):
@@ -421,22 +415,16 @@ class RedisBackend(Backend):
         self._count(gets=len(keys), hits=len(hits), get_bytes=sum(size for _, size in hits))
         return found
 
-    def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
+    def _get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
         """Each page's bytes or None; a value longer than the capacity (no put stored it) is
         a miss, read no further than that."""
-        check_keys(keys)
-        self._check_open()
         if not keys:
             return []
         return self._get(keys, [self.capacity_bytes] * len(keys), unknown_weight=False)
 
-    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+    def _get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
         """Read each page into its buffer; a page longer than its buffer is a miss, and the
         server sends at most the buffer's size of it."""
-        if len(keys) != len(buffers):
-            raise ValueError("get_into: keys and buffers differ in length")
-        check_keys(keys)
-        self._check_open()
         if not keys:
             return []
         views = [memoryview(buf).cast("B") for buf in buffers]
@@ -460,10 +448,8 @@ class RedisBackend(Backend):
         with self._guard("get_prefix"):
             return self._getrange(self._redis(), keys, [nbytes - 1] * len(keys), [nbytes] * len(keys))
 
-    def contains_batch(self, keys: Sequence[str]) -> list[bool]:
+    def _contains_batch(self, keys: Sequence[str]) -> list[bool]:
         """Whether each page exists now (EXISTS on the pages; does not refresh recency)."""
-        check_keys(keys)
-        self._check_open()
         if not keys:
             return []
         with self._guard("contains"):
@@ -473,19 +459,15 @@ class RedisBackend(Backend):
                 found += self._pipeline(client, [("exists", self._page_key(keys[j])) for j in chunk])
         return [bool(n) for n in found]
 
-    def touch_batch(self, keys: Sequence[str]) -> None:
+    def _touch_batch(self, keys: Sequence[str]) -> None:
         """Refresh the indexed pages' LRU ticks, in order (one script, no page I/O)."""
-        check_keys(keys)
-        self._check_open()
         if not keys:
             return
         with self._guard("touch"):
             self._index.refresh(self._redis(), list(dict.fromkeys(keys)))
 
-    def delete_batch(self, keys: Sequence[str]) -> int:
+    def _delete_batch(self, keys: Sequence[str]) -> int:
         """Delete pages and forget them; return how many pages existed."""
-        check_keys(keys)
-        self._check_open()
         if not keys:
             return 0
         deleted = 0
@@ -559,9 +541,8 @@ class RedisBackend(Backend):
         with self._guard("connect"):
             self._redis().ping()
 
-    def used_bytes(self) -> int:
+    def _used_bytes(self) -> int:
         """Bytes accounted in the shared index (all clients of this prefix)."""
-        self._check_open()
         with self._guard("used_bytes"):
             return self._index.used_bytes(self._redis())
 

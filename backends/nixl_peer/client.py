@@ -60,7 +60,6 @@ from hybrid_offload.core.secrets import Secret, SecretError, secret_from_options
 
 from ..base import (
     Backend,
-    BackendClosedError,
     BackendConfig,
     BackendConfigError,
     BackendUnavailableError,
@@ -156,10 +155,6 @@ class NixlPeerBackend(Backend):
         self._closed = False
 
     # -- control channel ----------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BackendClosedError(f"nixl_peer backend {self.name!r} is closed")
 
     def _count(self, **deltas: int) -> None:
         with self._stats_lock:
@@ -416,9 +411,7 @@ class NixlPeerBackend(Backend):
             self._raise_if_all_down("get")
         return sizes
 
-    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
-        if len(keys) != len(buffers):
-            raise ValueError("get_into: keys and buffers differ in length")
+    def _get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
         views = [memoryview(buf).cast("B") for buf in buffers]
 
         def dest_for(i: int, length: int) -> memoryview | None:
@@ -426,7 +419,7 @@ class NixlPeerBackend(Backend):
 
         return self._load(keys, dest_for)
 
-    def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
+    def _get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
         out: dict[int, bytearray] = {}
 
         def dest_for(i: int, length: int) -> memoryview:
@@ -436,10 +429,8 @@ class NixlPeerBackend(Backend):
         sizes = self._load(keys, dest_for)
         return [None if size is None else bytes(out[i]) for i, size in enumerate(sizes)]
 
-    def put_batch(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
+    def _put_batch(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
         keys = [key for key, _ in items]
-        check_keys(keys)
-        self._check_open()
         results = [False] * len(items)
         if not items:
             return results
@@ -490,7 +481,7 @@ class NixlPeerBackend(Backend):
             self._raise_if_all_down(what)
         return answers
 
-    def contains_batch(self, keys: Sequence[str]) -> list[bool]:
+    def _contains_batch(self, keys: Sequence[str]) -> list[bool]:
         """LOOKUP on each key's peer (no LRU refresh); a down peer's keys are False."""
         present = [False] * len(keys)
         for idxs, reply in self._ask(keys, p.Lookup, "contains"):
@@ -499,10 +490,10 @@ class NixlPeerBackend(Backend):
                     present[i] = found
         return present
 
-    def delete_batch(self, keys: Sequence[str]) -> int:
+    def _delete_batch(self, keys: Sequence[str]) -> int:
         return sum(reply.deleted for _, reply in self._ask(keys, p.Delete, "delete"))
 
-    def used_bytes(self) -> int:
+    def _used_bytes(self) -> int:
         """Sum of USED over the peers that answer; raises if none does."""
         usage = [u for u in self.peer_usage().values() if u is not None]
         if not usage:
