@@ -99,13 +99,12 @@ class CpuBackend(Backend):
         """Whether each key is stored; does not refresh recency."""
         with self._lock:
             self._check_open()
-            return [key in self._pages for key in keys]
+            return self._pages.contains(keys)
 
     def _touch_batch(self, keys: Sequence[str]) -> None:
         with self._lock:
             self._check_open()
-            for key in keys:
-                self._pages.touch(key)
+            self._pages.touch_all(keys)
 
     def _delete_batch(self, keys: Sequence[str]) -> int:
         deleted = 0

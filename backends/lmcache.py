@@ -519,14 +519,13 @@ class LMCacheBackend(Backend):
         """From this instance's index, without I/O; does not refresh recency."""
         with self._lock:
             self._check_open()
-            return [key in self._pages for key in keys]
+            return self._pages.contains(keys)
 
     def _touch_batch(self, keys: Sequence[str]) -> None:
         """Refresh the client-side LRU index, in order (no remote I/O)."""
         with self._lock:
             self._check_open()
-            for key in keys:
-                self._pages.touch(key)
+            self._pages.touch_all(keys)
 
     def _delete_batch(self, keys: Sequence[str]) -> int:
         with self._lock:

@@ -13,7 +13,7 @@ Not thread-safe: every backend holds its own lock around its index.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -77,6 +77,15 @@ class LruIndex(Generic[V]):
     def touch(self, key: str) -> bool:
         """An access without a read; False if ``key`` is absent."""
         return self.get(key) is not None
+
+    def touch_all(self, keys: Iterable[str]) -> None:
+        """:meth:`touch` each key, in order (absent keys are ignored)."""
+        for key in keys:
+            self.touch(key)
+
+    def contains(self, keys: Iterable[str]) -> list[bool]:
+        """Whether each key is held (not an access)."""
+        return [key in self._entries for key in keys]
 
     def pop(self, key: str) -> Entry[V] | None:
         """Remove ``key``; its entry, or None if absent."""

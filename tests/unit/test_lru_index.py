@@ -18,6 +18,9 @@ def test_bytes_replacement_and_eviction_order() -> None:
     assert index.keys() == ["c", "a", "b"]  # an access makes it the most recently used
     assert index.get("c", access=False) is not None and index.keys() == ["c", "a", "b"]
     assert index.touch("c") and not index.touch("zz") and index.keys() == ["a", "b", "c"]
+    index.touch_all(["b", "zz", "a"])
+    assert index.keys() == ["c", "b", "a"] and index.contains(["a", "zz"]) == [True, False]
+    index.touch_all(["b", "c"])
     victim = index.pop_victim()
     assert victim is not None and victim[0] == "a" and victim[1].value == "A2"
     assert index.used == 25 and "a" not in index
