@@ -11,11 +11,11 @@ from hybrid_offload.backends.cpu import CpuBackend
 
 
 class SlowCpuBackend(CpuBackend):
-    """CpuBackend that sleeps ``delay_s`` in every ``get_into``."""
+    """CpuBackend that sleeps ``delay_s`` in every ``get_into`` (after the base's checks)."""
 
     type_name: ClassVar[str] = "slow_cpu"
     option_defaults: ClassVar[dict[str, Any]] = {"delay_s": 0.0}
 
-    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+    def _get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
         time.sleep(float(self.config.options["delay_s"]))
-        return super().get_into(keys, buffers)
+        return super()._get_into(keys, buffers)

@@ -174,11 +174,11 @@ class FlakyDiskBackend(DiskBackend):
     error: Exception | None = None
     lookups = 0
 
-    def contains_batch(self, keys):  # type: ignore[no-untyped-def]
+    def _contains_batch(self, keys):  # type: ignore[no-untyped-def]
         FlakyDiskBackend.lookups += 1
         if FlakyDiskBackend.error is not None:
             raise FlakyDiskBackend.error
-        return super().contains_batch(keys)
+        return super()._contains_batch(keys)
 
 
 register_backend("test_flaky_disk", FlakyDiskBackend)

@@ -232,7 +232,7 @@ class DownDisk(DiskBackend):
 
     type_name: ClassVar[str] = "test_card_down"
 
-    def put_batch(self, items):  # type: ignore[no-untyped-def]
+    def _put_batch(self, items):  # type: ignore[no-untyped-def]
         raise BackendUnavailableError("medium gone")
 
 

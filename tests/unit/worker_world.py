@@ -194,21 +194,21 @@ class UnavailableBackend(CpuBackend):
         if self.error is not None:
             raise self.error
 
-    def put_batch(self, items):  # type: ignore[no-untyped-def]
+    def _put_batch(self, items):  # type: ignore[no-untyped-def]
         self._maybe_fail()
-        return super().put_batch(items)
+        return super()._put_batch(items)
 
-    def get_batch(self, keys):  # type: ignore[no-untyped-def]
+    def _get_batch(self, keys):  # type: ignore[no-untyped-def]
         self._maybe_fail()
-        return super().get_batch(keys)
+        return super()._get_batch(keys)
 
-    def get_into(self, keys, buffers):  # type: ignore[no-untyped-def]
+    def _get_into(self, keys, buffers):  # type: ignore[no-untyped-def]
         self._maybe_fail()
-        return super().get_into(keys, buffers)
+        return super()._get_into(keys, buffers)
 
-    def delete_batch(self, keys):  # type: ignore[no-untyped-def]
+    def _delete_batch(self, keys):  # type: ignore[no-untyped-def]
         self._maybe_fail()
-        return super().delete_batch(keys)
+        return super()._delete_batch(keys)
 
 
 register_backend("test_unavailable", UnavailableBackend)
