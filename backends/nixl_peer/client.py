@@ -245,11 +245,9 @@ class NixlPeerBackend(Backend):
     def _ensure_agent(self) -> Any:
         """Create the agent and register staging (call with the xfer lock held)."""
         if self._agent is None:
-            from . import nixl_api
+            from . import make_agent
 
-            api = nixl_api()
-            config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
-            agent = api.nixl_agent(self.agent_name, config)
+            agent = make_agent(self.agent_name, progress_thread=False)  # checks NIXL's version
             staging = np.zeros(self._staging_bytes, dtype=np.uint8)
             reg = agent.register_memory([(staging.ctypes.data, staging.nbytes, 0, "")], "DRAM")
             self._staging, self._staging_view, self._staging_reg = staging, memoryview(staging), reg

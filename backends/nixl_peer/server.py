@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hybrid_offload.compat import check_versions
 from hybrid_offload.core.secrets import Secret
 
 from . import protocol as p
@@ -389,7 +390,9 @@ def _shutdown(sock: socket.socket) -> None:
 
 
 def run_peer(options: PeerOptions) -> int:
-    """Run a peer until SIGTERM/SIGINT; prints the ready line on stdout. Returns the exit code."""
+    """Run a peer until SIGTERM/SIGINT; prints the ready line on stdout. Returns the exit code.
+    An untested NIXL stops it before anything is allocated (:func:`check_versions`)."""
+    check_versions("nixl")
     server = PeerServer(options)
 
     def on_signal(signum: int, _frame: object) -> None:

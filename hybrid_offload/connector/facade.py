@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from hybrid_offload.compat import check_versions
 from hybrid_offload.connector.children import (
     ForeignConnectors,
     HybridMetadata,
@@ -91,6 +92,7 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
+        check_versions("vllm", "prometheus_client")  # untested: a clear error, before anything
         super().__init__(vllm_config, role, kv_cache_config)
         config = parse_offload_config(self._kv_transfer_config.kv_connector_extra_config)
         tp_size = vllm_config.parallel_config.tensor_parallel_size

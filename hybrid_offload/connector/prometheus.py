@@ -8,7 +8,8 @@ sends ``to_dict()`` to the API server in ``SchedulerStats``, and there hands the
 ``build_kv_connector_stats`` + ``reduce`` (the periodic log line). The payload's shape and its
 tolerance rules are in :func:`hybrid_offload.core.metrics.clean_payload`.
 
-This is the only module of the package that touches prometheus_client or vLLM's metric types.
+This is the only module of the package that touches prometheus_client or vLLM's metric types
+(prometheus_client's private collector table only through :mod:`hybrid_offload.compat`).
 Exposed names carry the prefix ``hybrid_offload_``; every metric carries vLLM's labels
 (``model_name``, ``engine``), per-backend ones also ``backend``.
 """
@@ -28,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
+from hybrid_offload.compat import registered_metric_names
 from hybrid_offload.connector.config import parse_offload_config
 from hybrid_offload.core.metrics import (
     ERROR_KINDS,
@@ -125,8 +127,7 @@ class HybridOffloadStats(KVConnectorStats):
 def _unregister_previous() -> None:
     """Drop ``hybrid_offload_*`` collectors an earlier stat logger of this process registered
     (prometheus_client refuses duplicates; vLLM does the same for its ``vllm:*`` metrics)."""
-    names_by_collector = getattr(REGISTRY, "_collector_to_names", {})
-    for collector, names in list(names_by_collector.items()):
+    for collector, names in registered_metric_names(REGISTRY).items():
         if any(name.startswith(PREFIX) for name in names):
             with contextlib.suppress(KeyError):
                 REGISTRY.unregister(collector)

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from hybrid_offload import compat
 from hybrid_offload.engine import patches
 from hybrid_offload.engine.patches import mamba2_cpu_checkpoint, multiconnector_hma, prefill_stops
 
@@ -45,11 +46,12 @@ def test_an_untested_vllm_is_left_alone_with_a_warning(
     owner, name = target(patch)
     original = owner.__dict__[name]
     monkeypatch.setattr(owner, name, original)  # restored after the test, patched or not
-    monkeypatch.setattr(patches, "vllm_version", lambda: "0.99.0")
+    monkeypatch.setattr(compat, "installed_version", lambda package: "0.99.0")
     with caplog.at_level(logging.WARNING, logger=patches.logger.name):
         patch.register()
     assert owner.__dict__[name] is original
-    assert f"patch {patch.ENTRY_POINT} not applied: vLLM 0.99.0" in caplog.text
+    why = "vLLM 0.99.0 is not one it was written for (0.32.x)"
+    assert f"patch {patch.ENTRY_POINT} not applied: {why}" in caplog.text
 
 
 @pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.ENTRY_POINT)

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from hybrid_offload import compat
 from hybrid_offload.backends import BackendConfig
 from hybrid_offload.connector.metadata import LoadJob, LoadSegment, PageJob, StoreJob
 from hybrid_offload.connector.page_codec import PageCodec
@@ -70,17 +71,14 @@ class KVCache:
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Write random K/V for tokens [first, first + count) of a request with block table
         ``table`` through vLLM's cache-write op; return them per layer as (T, H, D)."""
-        from vllm import _custom_ops as ops
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        isa = _get_attn_isa(torch.bfloat16, BS, DIM)
+        isa = compat.cpu_attention_isa(torch.bfloat16, BS, DIM)
         slots = torch.tensor([table[t // BS] * BS + t % BS for t in range(first, first + count)])
         written = {}
         for name, cache in self.attn.items():
             k = torch.randn(count, HEADS, DIM, generator=self.gen).to(torch.bfloat16)
             v = torch.randn(count, HEADS, DIM, generator=self.gen).to(torch.bfloat16)
             key_cache, value_cache = cache.view(NUM_BLOCKS, HEADS, BS * 2, DIM).chunk(2, dim=2)
-            ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa)
+            compat.cpu_attention_write(k, v, key_cache, value_cache, slots, isa)
             written[name] = (k, v)
         return written
 

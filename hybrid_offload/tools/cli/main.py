@@ -12,6 +12,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from hybrid_offload.compat import UntestedVersionError
+
 logger = logging.getLogger(__name__)
 
 Subparsers = argparse._SubParsersAction  # the object add_subparsers() returns
@@ -255,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         return int(args.handler(args))
-    except ValueError as exc:
+    except (ValueError, UntestedVersionError) as exc:
         logger.error("%s: %s", args.command, exc)
         return 2
 
