@@ -7,7 +7,7 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
 
 * **Visibility.** ``shared_index = False``: the pool lives in the worker process, so the
   scheduler process cannot see it. The connector mirrors the index from worker reports; this
-  backend reports every key it evicts or deletes through :meth:`CpuBackend.take_evicted`.
+  backend reports every key it evicts or deletes through ``take_evicted`` (:mod:`.local_index`).
   A key may be reported after it was put again (evict, then re-put before the next
   ``take_evicted``): the mirror then forgets a page that is stored, which only costs a hit,
   never a wrong load.
@@ -23,146 +23,67 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
-from .base import Backend, BackendClosedError, BackendConfig, Buffer, PageInfo, check_keys, check_prefix
+from .base import BackendConfig, Buffer, PageInfo
+from .local_index import LocalIndexBackend
 
 __all__ = ["CpuBackend"]
 
 
-class CpuBackend(Backend):
+class CpuBackend(LocalIndexBackend[bytes]):
     """LRU page pool in this process's memory (see the module docstring)."""
 
     type_name: ClassVar[str] = "cpu"
-    shared_index: ClassVar[bool] = False
     hit_source: ClassVar[str] = "host"
-    touch_refreshes: ClassVar[bool] = True
     option_defaults: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, config: BackendConfig) -> None:
         super().__init__(config)
         self.validate_options(dict(config.options))
-        self._lock = threading.Lock()
-        self._pages: OrderedDict[str, bytes] = OrderedDict()  # LRU first, MRU last
-        self._used = 0
-        self._evicted: list[str] = []
-        self._closed = False
 
-    # -- helpers (call with the lock held) -------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BackendClosedError(f"cpu backend {self.name!r} is closed")
-
-    def _drop(self, key: str) -> int:
-        """Remove ``key`` if present; return the bytes freed."""
-        data = self._pages.pop(key, None)
-        if data is None:
-            return 0
-        self._used -= len(data)
-        return len(data)
-
-    def _make_room(self, size: int) -> None:
-        """Evict least recently used pages until ``size`` more bytes fit."""
-        while self._pages and self._used + size > self.capacity_bytes:
-            key, data = self._pages.popitem(last=False)
-            self._used -= len(data)
-            self._evicted.append(key)
-            self.stats.evictions += 1
-            self.stats.evicted_bytes += len(data)
-
-    # -- Backend API -----------------------------------------------------------------------
-
-    def put_batch(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
-        check_keys([key for key, _ in items])
+    def _put_batch(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
         copies = [(key, bytes(buf)) for key, buf in items]  # copy outside the lock
         results: list[bool] = []
         with self._lock:
-            self._check_open()
+            self._check_open()  # close() may have emptied the pool meanwhile
             for key, data in copies:
-                if len(data) > self.capacity_bytes:
+                evicted = self._pages.put(key, len(data), data)
+                if evicted is None:
                     self.stats.put_refused += 1
                     results.append(False)
                     continue
-                self._drop(key)  # a re-put replaces, without counting as an eviction
-                self._make_room(len(data))
-                self._pages[key] = data
-                self._used += len(data)
+                self._record_evictions(evicted)
                 self.stats.puts += 1
                 self.stats.put_bytes += len(data)
                 results.append(True)
         return results
 
-    def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
-        check_keys(keys)
+    def _get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
         results: list[bytes | None] = []
         with self._lock:
-            self._check_open()
             for key in keys:
-                data = self._pages.get(key)
-                if data is not None:
-                    self._pages.move_to_end(key)
+                entry = self._pages.touch(key)
+                if entry is not None:
                     self.stats.hits += 1
-                    self.stats.get_bytes += len(data)
-                results.append(data)
+                    self.stats.get_bytes += entry.size
+                results.append(None if entry is None else entry.value)
             self.stats.gets += len(keys)
         return results
 
-    def contains_batch(self, keys: Sequence[str]) -> list[bool]:
-        """Whether each key is stored; does not refresh recency."""
-        check_keys(keys)
+    def _delete_batch(self, keys: Sequence[str]) -> int:
         with self._lock:
-            self._check_open()
-            return [key in self._pages for key in keys]
+            return sum(self._forget(key) for key in keys)
 
-    def touch_batch(self, keys: Sequence[str]) -> None:
-        check_keys(keys)
-        with self._lock:
-            self._check_open()
-            for key in keys:
-                if key in self._pages:
-                    self._pages.move_to_end(key)
-
-    def delete_batch(self, keys: Sequence[str]) -> int:
-        check_keys(keys)
-        deleted = 0
-        with self._lock:
-            self._check_open()
-            for key in keys:
-                if key in self._pages:
-                    self._drop(key)
-                    self._evicted.append(key)
-                    deleted += 1
-        return deleted
-
-    def used_bytes(self) -> int:
-        with self._lock:
-            self._check_open()
-            return self._used
-
-    def scan(self, prefix: str = "") -> Iterator[PageInfo]:
+    def _scan(self, prefix: str) -> Iterator[PageInfo]:
         """The pages stored when the scan starts (a snapshot of keys and sizes; no times)."""
-        check_prefix(prefix)
         with self._lock:
-            self._check_open()
-            listed = [(key, len(data)) for key, data in self._pages.items() if key.startswith(prefix)]
+            listed = [(key, size) for key, size in self._pages.sizes() if key.startswith(prefix)]
         for key, size in listed:
             yield PageInfo(key, size, None)
 
-    def take_evicted(self) -> list[str]:
-        """Keys evicted or deleted since the last call, oldest first."""
+    def _close(self) -> None:
+        """Drop all pages; never blocks beyond the lock."""
         with self._lock:
-            self._check_open()
-            evicted, self._evicted = self._evicted, []
-        return evicted
-
-    def close(self) -> None:
-        """Drop all pages; idempotent, never blocks beyond the lock."""
-        with self._lock:
-            self._closed = True
-            self._pages.clear()
-            self._used = 0
-            self._evicted = []
+            self._clear_index()

@@ -57,7 +57,6 @@ import secrets
 import shutil
 import stat
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, TypeVar
@@ -70,8 +69,6 @@ from .base import (
     BackendUnavailableError,
     Buffer,
     PageInfo,
-    check_keys,
-    check_prefix,
 )
 from .disk_files import (
     counted_size,
@@ -88,6 +85,7 @@ from .disk_files import (
 from .disk_root import check_writable_root, expand_path, page_problem, root_problem
 from .disk_tree import TMP_SUFFIX, page_paths, scan_pages, walk
 from .disk_usage import UnsafeUsageFileError, UsageRecord, locked_usage
+from .lru_index import LruIndex
 
 __all__ = ["DiskBackend"]
 
@@ -141,12 +139,10 @@ class DiskBackend(Backend):
         self._io_threads: int = opts["io_threads"]
         self._touch_on_read = touch_on_read
         self._lock = threading.RLock()
-        self._index: OrderedDict[str, int] = OrderedDict()  # key -> size, LRU first
-        self._used = 0
+        self._index: LruIndex[None] = LruIndex(self.capacity_bytes)  # bounds the shared total
         self._empty_root: tuple[int, int] | None = None  # (dev, ino) of a root counted empty
         self._pool: ThreadPoolExecutor | None = None
         self._logged: set[tuple[str, int | None]] = set()
-        self._closed = False
         check_writable_root(self._root, self.name)
         try:
             with locked_usage(self._root) as usage, self._lock:
@@ -171,8 +167,7 @@ class DiskBackend(Backend):
         self._index.clear()
         for _, key, size in pages:
             if key != skip:
-                self._index[key] = size
-        self._used = sum(self._index.values())
+                self._index.insert(key, size, None)
         usage.total = sum(size for _, _, size in pages)
         usage.write(usage.total)
         self._empty_root = None if usage.exists else usage.root_id
@@ -187,10 +182,6 @@ class DiskBackend(Backend):
         return walk(self._root, prefix, on_tmp, on_dir)
 
     # -- helpers ---------------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BackendClosedError(f"disk backend {self.name!r} is closed")
 
     def _check_root(self) -> None:
         """Raise BackendUnavailableError if the root is no longer trusted (a vanished root is
@@ -262,7 +253,7 @@ class DiskBackend(Backend):
             with self._lock:
                 for key in keys:
                     if key in self._index and not self._exists(key):
-                        self._used -= self._index.pop(key)
+                        self._index.remove(key)
 
     def _page_size(self, key: str) -> int:
         """Bytes the key's page file counts in the shared total (0: none, or not a page)."""
@@ -304,15 +295,14 @@ class DiskBackend(Backend):
         recounted = self._known_total(usage, skip)
         assert usage.total is not None
         while usage.total + incoming > self.capacity_bytes:
-            if not self._index:
+            victim = self._index.evict()
+            if victim is None:
                 if recounted:
                     return False
                 self._recount(usage, skip)  # pages other processes wrote
                 recounted = True
                 continue
-            key, size = self._index.popitem(last=False)
-            self._used -= size
-            freed = self._unlink_page(key, "evict")
+            freed = self._unlink_page(victim.key, "evict")
             if freed is not None:
                 usage.total = max(0, usage.total - freed)
                 self.stats.evictions += 1
@@ -351,9 +341,7 @@ class DiskBackend(Backend):
 
     def _commit(self, key: str, tmp: str, size: int, usage: UsageRecord) -> bool:
         """Evict for room, then rename the temp file onto the page (both locks held)."""
-        indexed = self._index.pop(key, None)
-        if indexed is not None:
-            self._used -= indexed
+        indexed = self._index.remove(key)
         final = self._paths(key)[1]
         old = self._page_size(key)  # the page replaced: its bytes leave the total
         if not self._make_room(usage, size - old, skip=key):
@@ -376,16 +364,13 @@ class DiskBackend(Backend):
             return False
         usage.total += size - old
         usage.pending -= size
-        self._index[key] = size
-        self._used += size
+        self._index.insert(key, size, None)
         self.stats.puts += 1
         self.stats.put_bytes += size
         return True
 
-    def put_batch(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
+    def _put_batch(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
         """Store pages: data written in parallel, renames in input order under the lock."""
-        check_keys([key for key, _ in items])
-        self._check_open()
         self._check_root()
         views = [memoryview(buf).cast("B") for _, buf in items]
         todo = [i for i, view in enumerate(views) if view.nbytes <= self.capacity_bytes]
@@ -487,8 +472,6 @@ class DiskBackend(Backend):
         self, keys: Sequence[str], buffers: Sequence[memoryview | None]
     ) -> list[bytes | int | None]:
         """Read pages, count them, refresh hits' recency, forget pages deleted elsewhere."""
-        check_keys(keys)
-        self._check_open()
         self._check_root()
         outcomes = self._map(self._read, list(zip(keys, buffers, strict=True)))
         with self._lock:
@@ -497,69 +480,55 @@ class DiskBackend(Backend):
                 if isinstance(got, bytes | int):
                     self.stats.hits += 1
                     self.stats.get_bytes += got if isinstance(got, int) else len(got)
-                    if key in self._index:
-                        self._index.move_to_end(key)
+                    self._index.touch(key)
             self._forget_missing([k for k, got in zip(keys, outcomes, strict=True) if got is None])
         self._fail_if_medium_gone(outcomes, os.R_OK | os.X_OK)
         return [None if isinstance(got, OSError) else got for got in outcomes]
 
-    def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
+    def _get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
         found = self._read_batch(keys, [None] * len(keys))
         return [got if isinstance(got, bytes) else None for got in found]
 
-    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+    def _get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
         """Read pages straight into ``buffers`` (readinto); a page too large is a miss."""
-        if len(keys) != len(buffers):
-            raise ValueError("get_into: keys and buffers differ in length")
         found = self._read_batch(keys, [memoryview(buf).cast("B") for buf in buffers])
         return [got if isinstance(got, int) else None for got in found]
 
-    def get_prefix(self, keys: Sequence[str], nbytes: int, sizes: Sequence[int]) -> list[bytes | None]:
+    def _get_prefix(self, keys: Sequence[str], nbytes: int, sizes: Sequence[int]) -> list[bytes | None]:
         """The first ``nbytes`` of each page (``pread``: only those bytes are read), or None for
         a miss; opened like a get (no link followed, untrusted files are misses); no recency
         refresh, not counted as gets; ``sizes`` are not needed."""
-        check_keys(keys)
-        self._check_open()
         self._check_root()
-        if len(keys) != len(sizes) or nbytes < 1:
-            raise ValueError("get_prefix: keys and sizes differ in length, or nbytes < 1")
         outcomes = self._map(self._read, [(key, nbytes) for key in keys])
         self._fail_if_medium_gone(outcomes, os.R_OK | os.X_OK)
         return [got if isinstance(got, bytes) else None for got in outcomes]
 
     # -- the rest --------------------------------------------------------------------------
 
-    def contains_batch(self, keys: Sequence[str]) -> list[bool]:
+    def _contains_batch(self, keys: Sequence[str]) -> list[bool]:
         """Stat each page file (sees other processes' pages); no recency refresh.
 
         Synchronous: a stat is cheaper than a thread-pool round trip on a local disk.
         """
-        check_keys(keys)
-        self._check_open()
         found = [self._exists(key) for key in keys]
         self._forget_missing([k for k, f in zip(keys, found, strict=True) if not f])
         return found
 
-    def touch_batch(self, keys: Sequence[str]) -> None:
+    def _touch_batch(self, keys: Sequence[str]) -> None:
         """Stamp each page file's mtime, in order (its LRU position, also after a restart).
 
         Synchronous: one ``utime`` per page, no read; a page missing or not a regular file is
         skipped (links are not followed).
         """
-        check_keys(keys)
-        self._check_open()
         for key in keys:
             stamp = next_stamp()
             with contextlib.suppress(OSError):
                 os.utime(self._paths(key)[1], ns=(stamp, stamp), follow_symlinks=False)
                 with self._lock:
-                    if key in self._index:
-                        self._index.move_to_end(key)
+                    self._index.touch(key)
 
-    def delete_batch(self, keys: Sequence[str]) -> int:
+    def _delete_batch(self, keys: Sequence[str]) -> int:
         """Delete page files (and their bytes from the shared total); returns how many."""
-        check_keys(keys)
-        self._check_open()
         try:
             with locked_usage(self._root) as usage, self._lock:
                 self._check_open()
@@ -570,7 +539,7 @@ class DiskBackend(Backend):
             with self._lock:
                 self._check_open()
                 for key in keys:
-                    self._used -= self._index.pop(key, 0)
+                    self._index.remove(key)
             return 0
         except OSError as exc:  # the record could not be opened or written
             self._note_error("delete", os.path.join(self._root, ".usage"), exc)
@@ -582,7 +551,7 @@ class DiskBackend(Backend):
         assert usage.total is not None
         deleted = 0
         for key in keys:
-            self._used -= self._index.pop(key, 0)
+            self._index.remove(key)
             freed = self._unlink_page(key, "delete")
             if freed is not None:
                 deleted += 1
@@ -590,16 +559,13 @@ class DiskBackend(Backend):
         usage.write(usage.total)
         return deleted
 
-    def used_bytes(self) -> int:
+    def _used_bytes(self) -> int:
         with self._lock:
-            self._check_open()
-            return self._used
+            return self._index.used
 
-    def scan(self, prefix: str = "") -> Iterator[PageInfo]:
+    def _scan(self, prefix: str) -> Iterator[PageInfo]:
         """Every page file under ``path`` whose key starts with ``prefix``, also those other
         processes wrote; ``mtime`` is the file's (last put or get). Temp files are skipped."""
-        check_prefix(prefix)
-        self._check_open()
         if not os.path.isdir(self._root):
             raise BackendUnavailableError(f"disk backend {self.name!r}: {self._root!r} is gone")
         try:
@@ -608,14 +574,10 @@ class DiskBackend(Backend):
         except OSError as exc:
             raise BackendUnavailableError(f"disk backend {self.name!r}: scan failed: {exc}") from exc
 
-    def close(self) -> None:
-        """Stop the I/O pool (waits for in-flight page I/O); pages stay on disk. Idempotent."""
+    def _close(self) -> None:
+        """Stop the I/O pool (waits for in-flight page I/O); pages stay on disk."""
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
             pool, self._pool = self._pool, None
             self._index.clear()
-            self._used = 0
         if pool is not None:
             pool.shutdown(wait=True)

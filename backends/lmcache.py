@@ -31,7 +31,8 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
 * **Index, capacity and LRU are client side.** LMCache's connectors enforce no capacity and keep
   no LRU, and its Redis connector cannot delete (``RemoteConnector.remove_sync`` raises
   ``NotImplementedError``) or list keys. So each instance keeps an index (key -> size, LRU order
-  by last put/get) and enforces ``capacity_bytes`` over it, exactly as the ``cpu`` pool does. A
+  by last put/get) and enforces ``capacity_bytes`` over it, as the ``cpu`` pool does
+  (:mod:`.local_index`). A
   deleted or evicted page is removed through ``remove_sync`` where the connector has it (fs),
   otherwise overwritten with a 24-byte tombstone envelope (Redis): its page bytes are freed, but
   the two small Redis keys of a tombstone stay until they expire (``ttl_s``) or the key is put
@@ -42,11 +43,12 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
   :mod:`hybrid_offload.backends.lmcache_expiry`; other remotes grow (a warning at start-up).
 * **Visibility.** ``shared_index = False``: the index lives in this process (another process
   cannot tell a tombstone from a page without reading it, nor learn sizes or recency), so the
-  connector mirrors it from :meth:`LMCacheBackend.take_evicted`. Pages do not survive a restart
-  from this backend's point of view (the Redis connector cannot list keys): a new instance starts
-  empty. ``contains_batch`` answers from the index without I/O; ``get_batch`` does I/O only for
-  indexed keys. A page the remote lost (Redis eviction, flush) is dropped from the index on the
-  get that finds it gone and reported by ``take_evicted``.
+  connector mirrors it from ``take_evicted`` (keys evicted, deleted, lost by the remote or whose
+  put failed, oldest first). Pages do not survive a restart from this backend's point of view
+  (the Redis connector cannot list keys): a new instance starts empty. ``contains_batch``
+  answers from the index without I/O; ``get_batch`` does I/O only for indexed keys. A page the
+  remote lost (Redis eviction, flush) is dropped from the index on the get that finds it gone
+  and reported by ``take_evicted``.
 * **Threading / blocking.** One lock per instance is held for a whole batch call, I/O included,
   so this process never has two writes of one key in flight (LMCache's Redis connector writes its
   two keys non-atomically). Within a call, all keys go to LMCache at once (one ``put``/``get``
@@ -77,7 +79,6 @@ import struct
 import threading
 import time
 import warnings
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 from urllib.parse import urlsplit
@@ -85,16 +86,14 @@ from urllib.parse import urlsplit
 import xxhash
 
 from .base import (
-    Backend,
-    BackendClosedError,
     BackendConfig,
     BackendConfigError,
     BackendUnavailableError,
     Buffer,
-    check_keys,
 )
 from .lmcache_expiry import EXPIRY_SCHEMES, make_expiry
 from .lmcache_options import OPTION_DEFAULTS, check_remote_url, validate_lmcache_options
+from .local_index import LocalIndexBackend
 
 # LMCache's loggers attach opentelemetry-sdk's deprecated LoggingHandler (one warning each).
 with warnings.catch_warnings():
@@ -179,12 +178,10 @@ def _byte_view(obj: Any) -> memoryview:
     return view.cast("B") if view.format != "B" else view
 
 
-class LMCacheBackend(Backend):
+class LMCacheBackend(LocalIndexBackend[None]):
     """Pages through LMCache's remote connectors (see the module docstring)."""
 
     type_name: ClassVar[str] = "lmcache"
-    shared_index: ClassVar[bool] = False
-    touch_refreshes: ClassVar[bool] = True
     option_defaults: ClassVar[dict[str, Any]] = dict(OPTION_DEFAULTS)
 
     @classmethod
@@ -199,11 +196,6 @@ class LMCacheBackend(Backend):
         self._namespace = options["namespace"]
         self._url = check_remote_url(options["remote_url"], self._op_timeout)
         self._expiry = make_expiry(self._url, options["ttl_s"], self._namespace)
-        self._lock = threading.Lock()
-        self._pages: OrderedDict[str, int] = OrderedDict()  # key -> size, LRU first
-        self._used = 0
-        self._evicted: list[str] = []
-        self._closed = False
         self._can_remove = True  # until the connector says NotImplementedError
 
         self._lm_config = LMCacheEngineConfig.from_defaults(
@@ -272,10 +264,6 @@ class LMCacheBackend(Backend):
             logger.warning("lmcache backend %r: expiry of %d values failed: %r", self.name, len(keys), exc)
 
     # -- helpers (call with the lock held) -------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BackendClosedError(f"lmcache backend {self.name!r} is closed")
 
     def _connect(self) -> Any:
         """LMCache's connector, built once on the loop thread (``lm://`` connects in its
@@ -392,12 +380,6 @@ class LMCacheBackend(Backend):
         logger.warning("lmcache backend %r: page %s is not valid (%s): miss", self.name, key, why)
         return None
 
-    def _forget(self, key: str) -> None:
-        size = self._pages.pop(key, None)
-        if size is not None:
-            self._used -= size
-            self._evicted.append(key)
-
     async def _gather(self, jobs: list[Awaitable[Any]]) -> list[Any]:
         return await asyncio.gather(*jobs, return_exceptions=True)
 
@@ -446,37 +428,28 @@ class LMCacheBackend(Backend):
 
     # -- Backend API -----------------------------------------------------------------------
 
-    def put_batch(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
-        check_keys([key for key, _ in items])
+    def _put_batch(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
         results: list[bool] = []
         with self._lock:
-            self._check_open()
+            self._check_open()  # close() may have run while this call waited for the lock
             before = set(self._pages)
             latest: dict[str, Buffer] = {}
             evicted: list[str] = []
             stored_sizes: list[int] = []
             for key, buf in items:  # plan on the index, in input order (like the cpu pool)
                 size = memoryview(buf).nbytes
-                if size > self.capacity_bytes:
+                victims = self._pages.put(key, size, None)
+                if victims is None:
                     self.stats.put_refused += 1
                     results.append(False)
                     continue
-                old = self._pages.pop(key, None)
-                if old is not None:
-                    self._used -= old
-                while self._pages and self._used + size > self.capacity_bytes:
-                    victim, victim_size = self._pages.popitem(last=False)
-                    self._used -= victim_size
-                    latest.pop(victim, None)
-                    evicted.append(victim)
-                    self.stats.evictions += 1
-                    self.stats.evicted_bytes += victim_size
-                self._pages[key] = size
-                self._used += size
+                for victim in victims:
+                    latest.pop(victim.key, None)
+                    evicted.append(victim.key)
+                self._record_evictions(victims)
                 latest[key] = buf
                 stored_sizes.append(size)
                 results.append(True)
-            self._evicted.extend(evicted)
             # Free what was stored before this call and is gone now; write the survivors.
             stale = [key for key in dict.fromkeys(evicted) if key in before and key not in latest]
             try:
@@ -491,8 +464,7 @@ class LMCacheBackend(Backend):
             self.stats.put_bytes += sum(stored_sizes)
         return results
 
-    def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
-        check_keys(keys)
+    def _get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
         with self._lock:
             self._check_open()
             self.stats.gets += len(keys)
@@ -518,11 +490,10 @@ class LMCacheBackend(Backend):
                     else:
                         data = self._unwrap(key, result)
                     found[key] = data
-                    if data is None or len(data) != self._pages.get(key):
+                    entry = self._pages.touch(key)
+                    if data is None or entry is None or len(data) != entry.size:
                         found[key] = None
                         self._forget(key)  # the remote lost it (or holds another version)
-                    else:
-                        self._pages.move_to_end(key)
                 self._expire([key for key in wanted if found[key] is not None])
             results = [found.get(key) for key in keys]
             for data in results:
@@ -531,24 +502,7 @@ class LMCacheBackend(Backend):
                     self.stats.get_bytes += len(data)
         return results
 
-    def contains_batch(self, keys: Sequence[str]) -> list[bool]:
-        """From this instance's index, without I/O; does not refresh recency."""
-        check_keys(keys)
-        with self._lock:
-            self._check_open()
-            return [key in self._pages for key in keys]
-
-    def touch_batch(self, keys: Sequence[str]) -> None:
-        """Refresh the client-side LRU index, in order (no remote I/O)."""
-        check_keys(keys)
-        with self._lock:
-            self._check_open()
-            for key in keys:
-                if key in self._pages:
-                    self._pages.move_to_end(key)
-
-    def delete_batch(self, keys: Sequence[str]) -> int:
-        check_keys(keys)
+    def _delete_batch(self, keys: Sequence[str]) -> int:
         with self._lock:
             self._check_open()
             present = [key for key in dict.fromkeys(keys) if key in self._pages]
@@ -557,28 +511,11 @@ class LMCacheBackend(Backend):
             self._remove_remote(present)
             return len(present)
 
-    def used_bytes(self) -> int:
-        with self._lock:
-            self._check_open()
-            return self._used
-
-    def take_evicted(self) -> list[str]:
-        """Keys evicted, deleted, lost by the remote or whose put failed, oldest first."""
-        with self._lock:
-            self._check_open()
-            evicted, self._evicted = self._evicted, []
-        return evicted
-
-    def close(self) -> None:
-        """Close LMCache's connector, waiting at most ``close_timeout_s``; idempotent."""
+    def _close(self) -> None:
+        """Close LMCache's connector, waiting at most ``close_timeout_s``."""
         locked = self._lock.acquire(timeout=self._close_timeout)  # a call in flight ends by then
         try:
-            if self._closed:
-                return
-            self._closed = True
-            self._pages.clear()
-            self._used = 0
-            self._evicted = []
+            self._clear_index()
             connector, self._connector = self._connector, None
         finally:
             if locked:

@@ -95,8 +95,6 @@ from .base import (
     BackendUnavailableError,
     Buffer,
     PageInfo,
-    check_keys,
-    check_prefix,
 )
 from .redis_index import RedisIndex
 from .redis_options import (
@@ -162,7 +160,6 @@ class RedisBackend(Backend):
         self._write_lock = threading.Lock()  # puts and deletes of this instance
         self._client_lock = threading.Lock()
         self._stats_lock = threading.Lock()
-        self._closed = False
         self._failing = False
         self._client: Any = None if self._cluster else self._make_standalone()
 
@@ -224,10 +221,6 @@ class RedisBackend(Backend):
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BackendClosedError(f"{self.type_name} backend {self.name!r} is closed")
-
     def _page_key(self, key: str) -> str:
         return f"{self._prefix}:p:{key}"
 
@@ -287,10 +280,8 @@ class RedisBackend(Backend):
 
     # -- Backend API -----------------------------------------------------------------------
 
-    def put_batch(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
+    def _put_batch(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
         """Store pages in order; False for a page larger than the capacity or refused (OOM)."""
-        check_keys([key for key, _ in items])
-        self._check_open()
         results = [False] * len(items)
         views: list[tuple[int, str, memoryview]] = []
         for i, (key, buf) in enumerate(items):
@@ -421,22 +412,16 @@ class RedisBackend(Backend):
         self._count(gets=len(keys), hits=len(hits), get_bytes=sum(size for _, size in hits))
         return found
 
-    def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
+    def _get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
         """Each page's bytes or None; a value longer than the capacity (no put stored it) is
         a miss, read no further than that."""
-        check_keys(keys)
-        self._check_open()
         if not keys:
             return []
         return self._get(keys, [self.capacity_bytes] * len(keys), unknown_weight=False)
 
-    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+    def _get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
         """Read each page into its buffer; a page longer than its buffer is a miss, and the
         server sends at most the buffer's size of it."""
-        if len(keys) != len(buffers):
-            raise ValueError("get_into: keys and buffers differ in length")
-        check_keys(keys)
-        self._check_open()
         if not keys:
             return []
         views = [memoryview(buf).cast("B") for buf in buffers]
@@ -448,22 +433,16 @@ class RedisBackend(Backend):
             sizes.append(None if data is None else len(data))
         return sizes
 
-    def get_prefix(self, keys: Sequence[str], nbytes: int, sizes: Sequence[int]) -> list[bytes | None]:
+    def _get_prefix(self, keys: Sequence[str], nbytes: int, sizes: Sequence[int]) -> list[bytes | None]:
         """The first ``nbytes`` of each page (GETRANGE: only those bytes travel), or None for a
         miss; does not refresh recency; ``sizes`` are not needed."""
-        check_keys(keys)
-        self._check_open()
-        if len(keys) != len(sizes) or nbytes < 1:
-            raise ValueError("get_prefix: keys and sizes differ in length, or nbytes < 1")
         if not keys:
             return []
         with self._guard("get_prefix"):
             return self._getrange(self._redis(), keys, [nbytes - 1] * len(keys), [nbytes] * len(keys))
 
-    def contains_batch(self, keys: Sequence[str]) -> list[bool]:
+    def _contains_batch(self, keys: Sequence[str]) -> list[bool]:
         """Whether each page exists now (EXISTS on the pages; does not refresh recency)."""
-        check_keys(keys)
-        self._check_open()
         if not keys:
             return []
         with self._guard("contains"):
@@ -473,19 +452,15 @@ class RedisBackend(Backend):
                 found += self._pipeline(client, [("exists", self._page_key(keys[j])) for j in chunk])
         return [bool(n) for n in found]
 
-    def touch_batch(self, keys: Sequence[str]) -> None:
+    def _touch_batch(self, keys: Sequence[str]) -> None:
         """Refresh the indexed pages' LRU ticks, in order (one script, no page I/O)."""
-        check_keys(keys)
-        self._check_open()
         if not keys:
             return
         with self._guard("touch"):
             self._index.refresh(self._redis(), list(dict.fromkeys(keys)))
 
-    def delete_batch(self, keys: Sequence[str]) -> int:
+    def _delete_batch(self, keys: Sequence[str]) -> int:
         """Delete pages and forget them; return how many pages existed."""
-        check_keys(keys)
-        self._check_open()
         if not keys:
             return 0
         deleted = 0
@@ -496,14 +471,12 @@ class RedisBackend(Backend):
             self._index.remove(client, list(dict.fromkeys(keys)))
         return deleted
 
-    def scan(self, prefix: str = "") -> Iterator[PageInfo]:
+    def _scan(self, prefix: str) -> Iterator[PageInfo]:
         """Every page whose key starts with ``prefix`` (see "Listing" in the module docstring).
 
         SCAN may return a key twice (while the server rehashes): keys are deduplicated, at the
         cost of a set of the keys listed so far.
         """
-        check_prefix(prefix)
-        self._check_open()
         with self._guard("scan"):
             client = self._redis()
             for keys in self._scan_batches(client, prefix):
@@ -559,18 +532,14 @@ class RedisBackend(Backend):
         with self._guard("connect"):
             self._redis().ping()
 
-    def used_bytes(self) -> int:
+    def _used_bytes(self) -> int:
         """Bytes accounted in the shared index (all clients of this prefix)."""
-        self._check_open()
         with self._guard("used_bytes"):
             return self._index.used_bytes(self._redis())
 
-    def close(self) -> None:
-        """Disconnect the pools; idempotent, bounded (no network round trip)."""
+    def _close(self) -> None:
+        """Disconnect the pools; bounded (no network round trip)."""
         with self._client_lock:
-            if self._closed:
-                return
-            self._closed = True
             client, self._client = self._client, None
         if client is not None:
             with contextlib.suppress(Exception):

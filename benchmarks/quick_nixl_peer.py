@@ -23,8 +23,8 @@ import uuid
 import numpy as np
 
 from hybrid_offload.backends import BackendConfig, create_backend
-from hybrid_offload.backends.nixl_peer import nixl_api
 from hybrid_offload.backends.nixl_peer import protocol as p
+from hybrid_offload.compat import nixl_api
 from hybrid_offload.testing.services import start_peer
 
 

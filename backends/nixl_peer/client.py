@@ -55,18 +55,16 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from hybrid_offload.compat import check_versions, nixl_agent
 from hybrid_offload.core.secrets import Secret, SecretError, secret_from_options
 
 from ..base import (
     Backend,
-    BackendClosedError,
     BackendConfig,
     BackendConfigError,
     BackendUnavailableError,
     Buffer,
     PageInfo,
-    check_keys,
-    check_prefix,
 )
 from . import protocol as p
 from .peers import PeerDownError as _PeerDownError
@@ -143,7 +141,7 @@ class NixlPeerBackend(Backend):
         self._staging_bytes = int(opts["staging_bytes"])
         token = self._token_of(opts)
         self._token = Secret(b"") if token is None else token
-        self._peers = [_Peer(address, self._backoff0) for address in opts["peers"]]
+        self._peers = [_Peer(address, self._backoff0, self._backoff_max) for address in opts["peers"]]
         self._ring = HashRing(opts["peers"])
         self.agent_name = f"hybrid-offload-client-{uuid.uuid4().hex}"
         self._xfer_lock = threading.Lock()  # agent, staging, remote agents
@@ -152,13 +150,8 @@ class NixlPeerBackend(Backend):
         self._staging: np.ndarray | None = None
         self._staging_view: memoryview | None = None
         self._staging_reg: Any = None
-        self._closed = False
 
     # -- control channel ----------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BackendClosedError(f"nixl_peer backend {self.name!r} is closed")
 
     def _count(self, **deltas: int) -> None:
         with self._stats_lock:
@@ -171,12 +164,8 @@ class NixlPeerBackend(Backend):
     def _mark_down(self, peer: _Peer, reason: str) -> None:
         """Call with ``peer.lock`` held."""
         peer.disconnect()
-        if not peer.is_down():
-            logger.warning("nixl peer %s down for %.1fs: %s", peer.address, peer.backoff, reason)
         peer.last_error = reason
-        peer.failing = True
-        peer.down_until = time.monotonic() + peer.backoff
-        peer.backoff = min(peer.backoff * 2, self._backoff_max)
+        peer.health.record_failure("call", reason)
         self._count(errors=1)
 
     def _call(
@@ -197,7 +186,6 @@ class NixlPeerBackend(Backend):
                 try:
                     if fresh:
                         peer.connect(p.Hello(self._token.value, self.agent_name), self._timeout)
-                        peer.backoff = self._backoff0
                     reply = peer.exchange(request, wait=wait)
                     if not wait:
                         return None, peer.hello  # type: ignore[return-value]
@@ -209,7 +197,7 @@ class NixlPeerBackend(Backend):
                         raise _PeerDownError(f"{peer.address}: {reason}") from exc
                     continue  # a stale connection (peer restarted?): one fresh try
                 assert peer.hello is not None
-                peer.failing = False
+                peer.health.record_success()
                 if isinstance(reply, p.Error):
                     raise _PeerDownError(f"{peer.address}: error {reply.code}: {reply.message}")
                 if reply.TYPE != request.TYPE | 0x80:
@@ -236,7 +224,7 @@ class NixlPeerBackend(Backend):
     def _raise_if_all_down(self, what: str) -> None:
         """Raise when every peer's last call failed: a backoff that already ran out while
         this call went on must not turn an outage into a silent miss."""
-        if all(peer.failing or peer.is_down() for peer in self._peers):
+        if all(peer.health.is_down for peer in self._peers):
             reasons = "; ".join(f"{peer.address}: {peer.last_error}" for peer in self._peers)
             raise BackendUnavailableError(f"nixl_peer {self.name!r}: {what}: all peers down ({reasons})")
 
@@ -245,9 +233,8 @@ class NixlPeerBackend(Backend):
     def _ensure_agent(self) -> Any:
         """Create the agent and register staging (call with the xfer lock held)."""
         if self._agent is None:
-            from . import make_agent
-
-            agent = make_agent(self.agent_name, progress_thread=False)  # checks NIXL's version
+            check_versions("nixl", what=f"nixl_peer backend {self.name!r}")
+            agent = nixl_agent(self.agent_name, progress_thread=False)
             staging = np.zeros(self._staging_bytes, dtype=np.uint8)
             reg = agent.register_memory([(staging.ctypes.data, staging.nbytes, 0, "")], "DRAM")
             self._staging, self._staging_view, self._staging_reg = staging, memoryview(staging), reg
@@ -383,8 +370,6 @@ class NixlPeerBackend(Backend):
         self, keys: Sequence[str], dest_for: Callable[[int, int], memoryview | None]
     ) -> list[int | None]:
         """GET -> READ -> RELEASE; ``dest_for(pos, length)`` gives the destination or None."""
-        check_keys(keys)
-        self._check_open()
         sizes: list[int | None] = [None] * len(keys)
         if not keys:
             return sizes
@@ -421,9 +406,7 @@ class NixlPeerBackend(Backend):
             self._raise_if_all_down("get")
         return sizes
 
-    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
-        if len(keys) != len(buffers):
-            raise ValueError("get_into: keys and buffers differ in length")
+    def _get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
         views = [memoryview(buf).cast("B") for buf in buffers]
 
         def dest_for(i: int, length: int) -> memoryview | None:
@@ -431,7 +414,7 @@ class NixlPeerBackend(Backend):
 
         return self._load(keys, dest_for)
 
-    def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
+    def _get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
         out: dict[int, bytearray] = {}
 
         def dest_for(i: int, length: int) -> memoryview:
@@ -441,10 +424,8 @@ class NixlPeerBackend(Backend):
         sizes = self._load(keys, dest_for)
         return [None if size is None else bytes(out[i]) for i, size in enumerate(sizes)]
 
-    def put_batch(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
+    def _put_batch(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
         keys = [key for key, _ in items]
-        check_keys(keys)
-        self._check_open()
         results = [False] * len(items)
         if not items:
             return results
@@ -485,8 +466,6 @@ class NixlPeerBackend(Backend):
     def _ask(self, keys: Sequence[str], make: Callable[[list[str]], p.Message], what: str) -> list[Any]:
         """Send ``make(keys of a peer)`` to each key's peer; ``[(positions, reply)]`` of those
         that answered. Raises BackendUnavailableError if none did and all peers are down."""
-        check_keys(keys)
-        self._check_open()
         answers = []
         for _, peer, idxs in self._per_peer(keys):
             with contextlib.suppress(_PeerDownError):
@@ -495,7 +474,7 @@ class NixlPeerBackend(Backend):
             self._raise_if_all_down(what)
         return answers
 
-    def contains_batch(self, keys: Sequence[str]) -> list[bool]:
+    def _contains_batch(self, keys: Sequence[str]) -> list[bool]:
         """LOOKUP on each key's peer (no LRU refresh); a down peer's keys are False."""
         present = [False] * len(keys)
         for idxs, reply in self._ask(keys, p.Lookup, "contains"):
@@ -504,10 +483,10 @@ class NixlPeerBackend(Backend):
                     present[i] = found
         return present
 
-    def delete_batch(self, keys: Sequence[str]) -> int:
+    def _delete_batch(self, keys: Sequence[str]) -> int:
         return sum(reply.deleted for _, reply in self._ask(keys, p.Delete, "delete"))
 
-    def used_bytes(self) -> int:
+    def _used_bytes(self) -> int:
         """Sum of USED over the peers that answer; raises if none does."""
         usage = [u for u in self.peer_usage().values() if u is not None]
         if not usage:
@@ -527,10 +506,8 @@ class NixlPeerBackend(Backend):
 
     scan_batch: ClassVar[int] = p.SCAN_MAX_ENTRIES  # keys per SCAN request
 
-    def scan(self, prefix: str = "") -> Iterator[PageInfo]:
+    def _scan(self, prefix: str) -> Iterator[PageInfo]:
         """Each peer's pages whose key starts with ``prefix`` (see "Listing" above)."""
-        check_prefix(prefix)
-        self._check_open()
         for peer in self._peers:
             reply = p.ScanReply([("", 0, 0)], True)
             while reply.more and reply.entries:
@@ -548,11 +525,8 @@ class NixlPeerBackend(Backend):
         """The address of the peer that owns ``key``."""
         return self._ring.node_for(key)
 
-    def close(self) -> None:
-        """Close sockets, forget remote agents, deregister staging; idempotent, bounded."""
-        if self._closed:
-            return
-        self._closed = True
+    def _close(self) -> None:
+        """Close sockets, forget remote agents, deregister staging; bounded."""
         for peer in self._peers:
             if peer.lock.acquire(timeout=2 * self._timeout):
                 try:

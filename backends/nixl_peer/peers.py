@@ -6,8 +6,8 @@ import contextlib
 import logging
 import socket
 import threading
-import time
 
+from ..health import BackendHealth
 from . import protocol as p
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ class PeerDownError(Exception):
 class PeerState:
     """One peer's connection and health, as a client sees it; ``lock`` guards the socket."""
 
-    def __init__(self, address: str, backoff: float) -> None:
+    def __init__(self, address: str, backoff: float, max_backoff: float) -> None:
         self.address = address
         self.host, self.port = parse_address(address)
         self.lock = threading.Lock()  # the socket and request ids
@@ -42,14 +42,14 @@ class PeerState:
         self.hello: p.HelloReply | None = None
         self.request_id = 0
         self.unanswered = 0  # requests sent without waiting; their replies are skipped later
-        self.down_until = 0.0
-        self.failing = False  # the last call failed (unlike is_down(), not time-bound)
-        self.backoff = backoff
+        #: the backend's backoff, per peer: down from a failure until a call succeeds again
+        self.health = BackendHealth(f"nixl peer {address}", backoff, max_backoff)
         self.last_error = ""
         self.remote_agent: str | None = None  # loaded into our agent (under the xfer lock)
 
     def is_down(self) -> bool:
-        return self.down_until > time.monotonic()
+        """Whether calls to this peer wait out its backoff now (after it, one call probes)."""
+        return not self.health.available()
 
     def disconnect(self) -> None:
         if self.sock is not None:

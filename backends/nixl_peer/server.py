@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hybrid_offload.compat import check_versions
+from hybrid_offload.compat import check_versions, nixl_agent
 from hybrid_offload.core.secrets import Secret
 
 from . import protocol as p
@@ -144,8 +144,7 @@ class PeerServer:
 
     def start(self) -> None:
         """Register the pool with NIXL and bind the listener (raises on failure)."""
-        from . import make_agent
-
+        check_versions("nixl", what="hybrid-offload peer")
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft != resource.RLIM_INFINITY and self.options.max_connections + _FD_RESERVE > soft:
             logger.warning(
@@ -157,7 +156,7 @@ class PeerServer:
             logger.warning("serving %s WITHOUT a token (--insecure)", self.options.listen)
         logger.info("%s", exposure)
         # The peer never polls its own transfers: the progress thread serves initiators.
-        agent = make_agent(
+        agent = nixl_agent(
             self.agent_name, progress_thread=True, progress_delay_us=self.options.progress_delay_us, env=env
         )
         self._reg = agent.register_memory([(self._pool.ctypes.data, self._pool.nbytes, 0, "")], "DRAM")
@@ -390,9 +389,7 @@ def _shutdown(sock: socket.socket) -> None:
 
 
 def run_peer(options: PeerOptions) -> int:
-    """Run a peer until SIGTERM/SIGINT; prints the ready line on stdout. Returns the exit code.
-    An untested NIXL stops it before anything is allocated (:func:`check_versions`)."""
-    check_versions("nixl")
+    """Run a peer until SIGTERM/SIGINT; prints the ready line on stdout. Returns the exit code."""
     server = PeerServer(options)
 
     def on_signal(signum: int, _frame: object) -> None:

@@ -85,10 +85,41 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
+class TierPolicy:
+    """How the connector uses one backend (the storage itself is its :class:`BackendConfig`).
+
+    Loads: a hit scores matched tokens x ``load_weight``. Health: after a failure the backend is
+    skipped for ``retry_after_s``, doubling up to ``retry_after_max_s`` (see
+    ``hybrid_offload.backends.health``). Stores: a page is stored once its chunk was seen in
+    ``store_threshold`` requests, output chunks only with ``store_output``, never when
+    ``read_only``.
+    """
+
+    load_weight: float = 1.0
+    retry_after_s: float = 1.0
+    retry_after_max_s: float = 30.0
+    store_threshold: int = 1
+    store_output: bool = True
+    read_only: bool = False
+
+
+@dataclass(frozen=True)
+class Tier:
+    """One element of ``backends``: a storage backend and the connector's policy for it."""
+
+    backend: BackendConfig
+    policy: TierPolicy = TierPolicy()
+
+    @property
+    def name(self) -> str:
+        return self.backend.name
+
+
+@dataclass(frozen=True)
 class OffloadConfig:
     """The connector's validated configuration."""
 
-    backends: tuple[BackendConfig, ...]
+    backends: tuple[Tier, ...]
     chunk_tokens: int | None = None
     max_pending_store_bytes: int = DEFAULT_MAX_PENDING_STORE_BYTES
     load_policy: str = "weighted"
@@ -159,7 +190,7 @@ def _positive_float(value: Any, key: str) -> float:
     return float(value)
 
 
-def _parse_backend(raw: Any, index: int) -> BackendConfig:
+def _parse_backend(raw: Any, index: int) -> Tier:
     key = f"{ROOT}.backends[{index}]"
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{key}: expected a mapping with a 'type', got {raw!r}")
@@ -189,18 +220,15 @@ def _parse_backend(raw: Any, index: int) -> BackendConfig:
         options = cls.validate_options(options)
     except BackendConfigError as exc:
         raise ConfigError(f"{key}: {exc}") from exc
-    return BackendConfig(
-        type=type_name,
-        name=name,
-        capacity_bytes=capacity,
+    policy = TierPolicy(
         load_weight=float(weight),
-        options=options,
         retry_after_s=retry,
         retry_after_max_s=retry_max,
         store_threshold=threshold,
         store_output=store_output,
         read_only=read_only,
     )
+    return Tier(BackendConfig(type=type_name, name=name, capacity_bytes=capacity, options=options), policy)
 
 
 def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:

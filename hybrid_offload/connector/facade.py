@@ -3,21 +3,18 @@
 
 A thin :class:`KVConnectorBase_V1` + :class:`SupportsHMA` that translates vLLM's config once,
 then delegates every call to :class:`OffloadScheduler` (scheduler role) or
-:class:`OffloadWorker` (worker role), and to the foreign child connectors of
-``kv_connector_extra_config.connectors`` (:class:`ForeignConnectors`): our side first, then the
-children in config order.
+:class:`OffloadWorker` (worker role). Foreign child connectors (``connectors``) are composed by
+:class:`~hybrid_offload.connector.composite.MultiConnector`, not here.
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
-    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
@@ -26,14 +23,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hybrid_offload.compat import check_versions
-from hybrid_offload.connector.children import (
-    ForeignConnectors,
-    HybridMetadata,
-    HybridWorkerMetadata,
-    choose_source,
-    native_metadata,
-    native_worker_metadata,
-)
 from hybrid_offload.connector.config import ROOT, ConfigError, parse_offload_config
 from hybrid_offload.connector.metadata import OffloadMetadata
 from hybrid_offload.connector.prometheus import HybridOffloadPromMetrics, HybridOffloadStats
@@ -48,7 +37,6 @@ from hybrid_offload.engine.translate import model_spec_from_vllm
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
-    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorPromMetrics,
         KVConnectorStats,
@@ -57,7 +45,7 @@ if TYPE_CHECKING:
     )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -88,13 +76,20 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     """External KV cache for hybrid models: attention KV and Mamba/GDN state, many backends."""
 
     _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
+    #: whether this class composes the foreign connectors of ``connectors`` (MultiConnector)
+    composes_children = False
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
-        check_versions("vllm", "prometheus_client")  # untested: a clear error, before anything
+        check_versions("vllm", what="HybridOffloadConnector")
         super().__init__(vllm_config, role, kv_cache_config)
         config = parse_offload_config(self._kv_transfer_config.kv_connector_extra_config)
+        if config.connectors and not self.composes_children:
+            raise ConfigError(
+                f"{ROOT}.connectors: HybridOffloadConnector does not compose foreign connectors; "
+                'set kv_connector="MultiConnector" (same module path) to run them next to ours'
+            )
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         try:
             spec = model_spec_from_vllm(
@@ -110,9 +105,6 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             raise ConfigError(f"{ROOT}.chunk_tokens: {exc}") from exc
         self.scheduler: OffloadScheduler | None = None
         self.worker: OffloadWorker | None = None
-        self.children: ForeignConnectors | None = None
-        if config.connectors:
-            self.children = ForeignConnectors(config.connectors, vllm_config, role, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             self._require_recompute_on_failure()
             self.scheduler = OffloadScheduler(
@@ -162,87 +154,59 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     @property
     def requires_kv_delivery(self) -> bool:
-        return self.children is not None and self.children.requires_kv_delivery
+        """A best-effort cache: a dropped store is a future miss, nothing waits on delivery."""
+        return False
 
+    # ---- what the session harness inspects --------------------------------------------
     def child_connectors(self) -> list[KVConnectorBase_V1]:
-        """The foreign child connectors built from ``connectors`` (config order)."""
-        return [] if self.children is None else list(self.children.connectors)
+        """The foreign child connectors this one composes (none: see ``MultiConnector``)."""
+        return []
+
+    def counters(self) -> dict[str, Any]:
+        """A snapshot of this process's side's counters (plain data)."""
+        return self._side.stats.snapshot()
+
+    def _offload_metadata(self) -> KVConnectorMetadata:
+        """This step's metadata for our worker."""
+        return self._get_connector_metadata()
 
     # ---- worker side ------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.worker is not None
         self.worker.register_kv_caches(kv_caches)
-        if self.children is not None:
-            self.children.register_kv_caches(kv_caches)
-
-    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        super().bind_connector_metadata(connector_metadata)
-        if self.children is not None:
-            assert isinstance(connector_metadata, HybridMetadata)
-            self.children.bind_metadata(connector_metadata)
-
-    def clear_connector_metadata(self) -> None:
-        if self.children is not None:
-            self.children.clear_metadata()
-        super().clear_connector_metadata()
-
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        meta = native_metadata(self._get_connector_metadata())
+        meta = self._offload_metadata()
         assert self.worker is not None and isinstance(meta, OffloadMetadata)
         self.worker.start_loads(meta.loads)
-        if self.children is not None:
-            self.children.start_load_kv(forward_context, **kwargs)
 
     def handle_preemptions(self, preempted: Any) -> None:
         """Both vLLM signatures: ``(kv_connector_metadata)`` (vLLM >= 0.15) and
-        ``(preempted_req_ids)`` (older; children then get the ids as they are)."""
+        ``(preempted_req_ids)`` (older)."""
         assert self.worker is not None
-        if isinstance(preempted, KVConnectorMetadata):
-            ours = native_metadata(preempted)
-            assert isinstance(ours, OffloadMetadata)
-            self.worker.handle_preemptions(ours.preempted)
-            if self.children is not None:
-                assert isinstance(preempted, HybridMetadata)
-                self.children.handle_preemptions(preempted)
+        if isinstance(preempted, OffloadMetadata):
+            self.worker.handle_preemptions(preempted.preempted)
         elif isinstance(preempted, set | frozenset | list | tuple):
             self.worker.handle_preemptions(preempted)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        if self.children is not None:
-            self.children.wait_for_layer_load(layer_name)
+        return  # loads are whole requests, written between steps
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
     ) -> None:
-        if self.children is not None:
-            self.children.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+        return  # pages are copied out after the forward, in wait_for_save
 
     def wait_for_save(self) -> None:
-        meta = native_metadata(self._get_connector_metadata())
+        meta = self._offload_metadata()
         assert self.worker is not None and isinstance(meta, OffloadMetadata)
         self.worker.save(meta)
-        if self.children is not None:
-            self.children.wait_for_save()
-
-    def finish_forward(self) -> None:
-        if self.children is not None:
-            self.children.finish_forward()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """vLLM's per-step report; completed loads are written into the KV cache first."""
         assert self.worker is not None
         recving, failed = self.worker.write_finished_loads()
-        results = KVConnectorTransferResults(set(), recving, failed)
-        if self.children is not None:
-            theirs = self.children.transfer_results(finished_req_ids)
-            results.finished_sending |= theirs.finished_sending
-            results.finished_recving |= theirs.finished_recving
-            results.failed_recving |= theirs.failed_recving
-        return results
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return set() if self.children is None else self.children.block_ids_with_load_errors()
+        return KVConnectorTransferResults(set(), recving, failed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
@@ -250,28 +214,13 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_worker_meta(self) -> Any:
         assert self.worker is not None
-        ours = self.worker.worker_meta()
-        if self.children is None:
-            return ours
-        meta = HybridWorkerMetadata(ours, self.children.worker_meta())
-        return None if meta.is_empty() else meta
-
-    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        return None if self.children is None else self.children.handshake_metadata()
-
-    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
-        if self.children is not None:
-            self.children.set_xfer_handshake_metadata(metadata)
+        return self.worker.worker_meta()
 
     def shutdown(self) -> None:
-        try:
-            if self.worker is not None:
-                self.worker.shutdown()
-            if self.scheduler is not None:
-                self.scheduler.shutdown()
-        finally:
-            if self.children is not None:
-                self.children.shutdown()
+        if self.worker is not None:
+            self.worker.shutdown()
+        if self.scheduler is not None:
+            self.scheduler.shutdown()
 
     # ---- metrics (both roles) ---------------------------------------------------------
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
@@ -307,19 +256,20 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         assert self.scheduler is not None
-        if self.children is None:
-            return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
-        return choose_source(self.scheduler, self.children, request, num_computed_tokens)
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         assert self.scheduler is not None
         self.scheduler.update_state_after_alloc(request, blocks.get_block_ids(), num_external_tokens)
-        if self.children is not None:
-            self.children.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def _native_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        return self._kv_cache_config.transfer_group_ids
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
         """Tokens of our planned load per tier (cpu: host, disk: disk, nixl_peer: p2p)."""
         assert self.scheduler is not None
         if num_external_tokens <= 0:
@@ -329,87 +279,40 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             return {self._cache_hit_source: num_external_tokens}
         return {k: v for k, v in sources.items() if v}
 
-    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
-        theirs = None if self.children is None else self.children.loaded_group_ids(request)
-        return self._kv_cache_config.transfer_group_ids if theirs is None else theirs
-
-    def get_external_cache_hit_sources(
-        self, request: Request, num_external_tokens: int
-    ) -> dict[CacheHitSource, int]:
-        theirs = None
-        if self.children is not None:
-            theirs = self.children.cache_hit_sources(request, num_external_tokens)
-        if theirs is None:
-            return self._native_hit_sources(request, num_external_tokens)
-        return theirs
-
-    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
-        super().bind_kv_cache_manager(kv_cache_manager)
-        if self.children is not None:
-            self.children.bind_kv_cache_manager(kv_cache_manager)
-
-    def on_new_request(self, request: Request) -> None:
-        if self.children is not None:
-            self.children.on_new_request(request)
-
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
-        ours = self.scheduler.build_connector_meta(scheduler_output)
-        if self.children is None:
-            return ours
-        theirs, extra_async_saves = self.children.build_meta(scheduler_output)
-        return HybridMetadata(ours, theirs, extra_async_saves)
+        return self.scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._update_offload_output(connector_output, connector_output.kv_connector_worker_meta)
+
+    def _update_offload_output(self, connector_output: KVConnectorOutput, worker_meta: Any) -> None:
         assert self.scheduler is not None
-        worker_meta = connector_output.kv_connector_worker_meta
         self.scheduler.update_connector_output(
-            native_worker_metadata(worker_meta),
-            connector_output.finished_recving,
-            connector_output.failed_recving,
+            worker_meta, connector_output.finished_recving, connector_output.failed_recving
         )
-        if self.children is not None:
-            theirs = worker_meta.children if isinstance(worker_meta, HybridWorkerMetadata) else None
-            self.children.update_connector_output(connector_output, theirs)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
-        ours, report = self.scheduler.request_finished(request)
-        if self.children is None:
-            return ours, report
-        delay, params = self.children.request_finished(request, block_ids)
-        return ours or delay, _merge_params(report, params)
+        return self.scheduler.request_finished(request)
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
-        ours, report = self.scheduler.request_finished(request)
-        if self.children is None:
-            return ours, report
-        delay, params = self.children.request_finished_all_groups(request, block_ids)
-        return ours or delay, _merge_params(report, params)
+        return self.scheduler.request_finished(request)
 
     def prefill_stop(self, request: Request, start: int, end: int) -> int:
         """Where a prefill step of ``request`` from ``start`` that vLLM would end at ``end``
         must end instead so that its recurrent state lands on a checkpoint (see
-        ``engine/patches/prefill_stops``), ours or a child connector's; ``end`` when none lies
-        strictly inside."""
+        ``engine/patches/prefill_stops``); ``end`` when none lies strictly inside."""
         assert self.scheduler is not None
-        end = self.scheduler.prefill_stop(request.request_id, start, end)
-        return end if self.children is None else self.children.prefill_stop(request, start, end)
-
-    def take_events(self) -> Iterable[KVCacheEvent]:
-        return () if self.children is None else self.children.take_events()
-
-    def has_pending_block_frees(self) -> bool:
-        return self.children is not None and self.children.has_pending_block_frees()
+        return self.scheduler.prefill_stop(request.request_id, start, end)
 
     def has_pending_push_work(self) -> bool:
         """True while ended requests' held pages wait for a step to be committed, so that vLLM
         runs that step now rather than with the next request."""
-        ours = self.scheduler is not None and self.scheduler.has_ended_work()
-        return ours or (self.children is not None and self.children.has_pending_push_work())
+        return self.scheduler is not None and self.scheduler.has_ended_work()
 
     def reset_cache(self) -> bool | None:
         """vLLM's ``reset_prefix_cache(reset_external=True)`` (e.g. after a weight update): pages
@@ -417,16 +320,4 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         deleted, other engines sharing a tier keep theirs."""
         if self.scheduler is not None:
             self.scheduler.reset_cache()
-        return True if self.children is None else self.children.reset_cache()
-
-
-def _merge_params(ours: dict[str, Any] | None, theirs: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The request's ``kv_transfer_params``: the children's, plus our coverage report."""
-    if ours is None or theirs is None:
-        return theirs if ours is None else ours
-    return {**theirs, **ours}
-
-
-#: ``kv_connector: "MultiConnector"`` with this module path selects this connector too, so a vLLM
-#: MultiConnector config switches to hybrid-offload by changing the module path.
-MultiConnector = HybridOffloadConnector
+        return True

@@ -8,8 +8,7 @@ sends ``to_dict()`` to the API server in ``SchedulerStats``, and there hands the
 ``build_kv_connector_stats`` + ``reduce`` (the periodic log line). The payload's shape and its
 tolerance rules are in :func:`hybrid_offload.core.metrics.clean_payload`.
 
-This is the only module of the package that touches prometheus_client or vLLM's metric types
-(prometheus_client's private collector table only through :mod:`hybrid_offload.compat`).
+This is the only module of the package that touches prometheus_client or vLLM's metric types.
 Exposed names carry the prefix ``hybrid_offload_``; every metric carries vLLM's labels
 (``model_name``, ``engine``), per-backend ones also ``backend``.
 """
@@ -29,7 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
-from hybrid_offload.compat import registered_metric_names
+from hybrid_offload.compat import check_versions, registered_collectors
 from hybrid_offload.connector.config import parse_offload_config
 from hybrid_offload.core.metrics import (
     ERROR_KINDS,
@@ -127,7 +126,7 @@ class HybridOffloadStats(KVConnectorStats):
 def _unregister_previous() -> None:
     """Drop ``hybrid_offload_*`` collectors an earlier stat logger of this process registered
     (prometheus_client refuses duplicates; vLLM does the same for its ``vllm:*`` metrics)."""
-    for collector, names in registered_metric_names(REGISTRY).items():
+    for collector, names in registered_collectors(REGISTRY).items():
         if any(name.startswith(PREFIX) for name in names):
             with contextlib.suppress(KeyError):
                 REGISTRY.unregister(collector)
@@ -165,6 +164,7 @@ class HybridOffloadPromMetrics(KVConnectorPromMetrics):
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
+        check_versions("prometheus_client", what="hybrid-offload metrics")
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         _unregister_previous()
         names = list(labelnames)

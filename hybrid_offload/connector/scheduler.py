@@ -23,15 +23,17 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from hybrid_offload.backends.base import Backend, BackendConfig, BackendError
+from hybrid_offload.backends.base import Backend, BackendError
+from hybrid_offload.backends.health import BackendHealth
 from hybrid_offload.backends.registry import backend_class
-from hybrid_offload.connector.config import DEFAULT_ADAPTIVE_FORGET_S, open_backend
+from hybrid_offload.backends.wrappers import BackendSkippedError
+from hybrid_offload.connector.config import DEFAULT_ADAPTIVE_FORGET_S, Tier
 from hybrid_offload.connector.coverage import coverage
-from hybrid_offload.connector.health import BackendHealth
 from hybrid_offload.connector.metadata import (
     ClearRange,
     LoadJob,
@@ -45,6 +47,7 @@ from hybrid_offload.connector.policy import BackendMatch, LoadChoice, make_polic
 from hybrid_offload.connector.request_state import LoadEvent, LoadPhase, RequestState, extend_keys, page_job
 from hybrid_offload.connector.scope import AdapterIdentities, ScopeError, request_scope
 from hybrid_offload.connector.store_plan import StorePlanner
+from hybrid_offload.connector.tiers import SchedulerRecorder, open_tier
 from hybrid_offload.core.metrics import Locked, SchedulerCounters
 from hybrid_offload.core.planner import HybridOffloadPlanner, LoadablePrefix
 from hybrid_offload.core.spec import GroupKind
@@ -60,42 +63,44 @@ MAX_TRACKED_CHUNKS = 1 << 18
 
 
 class BackendView:
-    """Answers ``contains`` for one backend from the scheduler process.
+    """Answers ``contains`` for one tier from the scheduler process.
 
-    A shared-index backend that fails is skipped (all misses) while its
-    :class:`BackendHealth` backs off; the first lookup after the wait probes it again.
+    A shared-index backend is opened through :func:`~.tiers.open_tier`: while it backs off
+    after a failure its lookups are all misses. A backend only this engine's workers see (the
+    cpu pool) is answered from a mirror of their reports.
     """
 
-    def __init__(self, config: BackendConfig, stats: Locked | None = None, index: int = 0) -> None:
-        self.config = config
-        self._stats = stats
-        cls = backend_class(config.type)
+    def __init__(
+        self, tier: Tier, stats: Locked, index: int = 0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.tier = tier
+        self.policy = tier.policy
+        cls = backend_class(tier.backend.type)
         self.shared = cls.shared_index
         self.hit_source = cls.hit_source
         self.touch_refreshes = cls.touch_refreshes
-        self._backend: Backend | None = open_backend(config, index) if self.shared else None
+        opened = open_tier(tier, index, SchedulerRecorder(stats), clock) if self.shared else None
+        self._backend: Backend | None = None if opened is None else opened.backend
+        self.health: BackendHealth | None = None if opened is None else opened.health
         self._mirror: set[str] = set()
-        self.health = BackendHealth(config.name, config.retry_after_s, config.retry_after_max_s)
 
     @property
     def name(self) -> str:
-        return self.config.name
+        return self.tier.name
+
+    @property
+    def is_down(self) -> bool:
+        """Whether this process backs off from the backend now (never for a mirror)."""
+        return self.health is not None and self.health.is_down
 
     def contains(self, keys: list[str]) -> list[bool]:
-        """Presence per key; raises BackendError when the backend fails (after marking it down)."""
+        """Presence per key; raises BackendError when the backend fails (it then backs off)."""
         if self._backend is None:
             return [k in self._mirror for k in keys]
-        if not self.health.available():
-            if self._stats is not None:
-                self._stats.record_error(self.name, "skipped")
-            return [False] * len(keys)
         try:
-            answers = self._backend.contains_batch(keys)
-        except BackendError as exc:
-            self.health.record_failure("lookup", exc)
-            raise
-        self.health.record_success()
-        return answers
+            return self._backend.contains_batch(keys)
+        except BackendSkippedError:
+            return [False] * len(keys)
 
     def apply_report(self, stored: list[str], evicted: list[str]) -> None:
         if self._backend is None:
@@ -158,7 +163,7 @@ class OffloadScheduler:
     def __init__(
         self,
         planner: HybridOffloadPlanner,
-        backends: tuple[BackendConfig, ...],
+        backends: tuple[Tier, ...],
         load_policy: str = "weighted",
         *,
         adaptive_forget_s: float = DEFAULT_ADAPTIVE_FORGET_S,
@@ -170,9 +175,9 @@ class OffloadScheduler:
         self.planner = planner
         self._accept_weights_version = accept_weights_version
         self.stats = Locked(SchedulerCounters())
-        self.views = [BackendView(c, self.stats, i) for i, c in enumerate(backends)]
+        self.views = [BackendView(t, self.stats, i, clock or time.monotonic) for i, t in enumerate(backends)]
         self._by_name = {v.name: v for v in self.views}
-        self._fallback_order = tuple(v.name for v in sorted(self.views, key=lambda v: -v.config.load_weight))
+        self._fallback_order = tuple(v.name for v in sorted(self.views, key=lambda v: -v.policy.load_weight))
         self.policy = make_policy(load_policy, planner, adaptive_forget_s)
         self._sightings = ChunkSightings()
         self.pending = PendingStores(pending_wait_s, clock) if clock else PendingStores(pending_wait_s)
@@ -273,16 +278,13 @@ class OffloadScheduler:
         start = computed // self.planner.chunk_tokens
         try:
             result = self.planner.lookup(state.keys, contains, num_tokens, computed)
-        except BackendError:
-            with self.stats.lock:
-                self.stats.counters.backend(view.name).unavailable += 1
-            self.stats.record_error(view.name, "lookup")
-            return BackendMatch(view.name, view.config.load_weight, 0, ()), None
+        except BackendError:  # counted, and backed off, by the tier's wrappers
+            return BackendMatch(view.name, view.policy.load_weight, 0, ()), None
         state.known_present.setdefault(view.name, set()).update(present)
         self._count_lookup(view.name, state, result.tokens, result.per_group_tokens)
         presence = presence_matrix(state.keys, present, k_max, start)
-        match = BackendMatch(view.name, view.config.load_weight, result.tokens, presence)
-        return match, None if view.health.is_down else result  # still down: it was skipped
+        match = BackendMatch(view.name, view.policy.load_weight, result.tokens, presence)
+        return match, None if view.is_down else result  # still down: it was skipped
 
     def _count_lookup(self, name: str, state: RequestState, tokens: int, per_group: tuple[int, ...]) -> None:
         disagree = any(t != tokens for t in per_group)
@@ -484,9 +486,9 @@ class OffloadScheduler:
         """Copy each backend's availability (as this process sees it) and capacity into the
         counters; cheap, no backend call."""
         for view in self.views:
-            available = 0 if view.health.is_down else 1
+            available = 0 if view.is_down else 1
             self.stats.update_backend(
-                view.name, available=available, capacity_bytes=view.config.capacity_bytes
+                view.name, available=available, capacity_bytes=view.tier.backend.capacity_bytes
             )
 
     def reset_cache(self) -> None:

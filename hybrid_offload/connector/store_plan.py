@@ -59,9 +59,9 @@ class StorePlanner:
         self.pending = pending
         chunk = planner.chunk_tokens
         self.checkpoint_interval = -(-checkpoint_interval // chunk) * chunk if checkpoint_interval else 0
-        writable = [v for v in views if not v.config.read_only]
+        writable = [v for v in views if not v.policy.read_only]
         self.stores_anything = bool(writable)
-        self.stores_output = any(v.config.store_output for v in writable)
+        self.stores_output = any(v.policy.store_output for v in writable)
         spec = planner.spec
         self._writers = [  # TP ranks that write a shard of each group's page sets
             max(1, sum(bool(shards_written(g.splits, g.shards, spec.tp_size, r))
@@ -152,7 +152,7 @@ class StorePlanner:
         state.stored = False
         targets = tuple(
             v.name for v in self.views
-            if v.touch_refreshes and not v.config.read_only and not v.health.is_down
+            if v.touch_refreshes and not v.policy.read_only and not v.is_down
         )  # fmt: skip
         if not targets:
             return
@@ -188,11 +188,11 @@ class StorePlanner:
         return tuple(
             v.name
             for v in self.views
-            if not v.config.read_only
-            and (v.config.store_output or not output)
-            and seen >= v.config.store_threshold
+            if not v.policy.read_only
+            and (v.policy.store_output or not output)
+            and seen >= v.policy.store_threshold
             and page.key not in state.known_present.get(v.name, ())
-            and not v.health.is_down
+            and not v.is_down
         )
 
     def _store(self, meta: OffloadMetadata, state: RequestState, page: PageJob) -> None:

@@ -9,28 +9,32 @@ Threads and blocking:
   request is released. Sealing (checksums) and backend puts run on the store thread, which
   reports every page set it finished (``settled``) so that lookups waiting for it go on.
 * :meth:`OffloadWorker.start_loads` hands load jobs to the load thread, which reads and
-  verifies pages; :meth:`OffloadWorker.finished` (model-runner thread, between forwards)
+  verifies pages; :meth:`OffloadWorker.write_finished_loads` (model-runner thread, between forwards)
   writes them into the blocks vLLM allocated for the waiting requests and reports them.
+* Backends are the tiers' wrapped backends (:mod:`.tiers`): backoff after failures, timing and
+  error counting happen in the wrappers, so this module only moves bytes; a
+  :class:`~hybrid_offload.backends.base.BackendError` here means misses.
 * A backend error or a bad page never raises into vLLM: the page is a miss, the load fails
   as a whole, and vLLM recomputes the request.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import sys
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from hybrid_offload.backends.base import Backend, BackendConfig, BackendError
-from hybrid_offload.connector.config import open_backend
-from hybrid_offload.connector.health import BackendHealth
+from hybrid_offload.backends.base import Backend, BackendError
+from hybrid_offload.backends.wrappers import BackendSkippedError
+from hybrid_offload.connector.config import Tier
 from hybrid_offload.connector.held import HeldCopies
 from hybrid_offload.connector.metadata import (
     ClearRange,
@@ -44,6 +48,7 @@ from hybrid_offload.connector.metadata import (
     TouchJob,
 )
 from hybrid_offload.connector.page_codec import PageCodec
+from hybrid_offload.connector.tiers import OpenTier, WorkerRecorder, open_tier
 from hybrid_offload.core.metrics import Locked, WorkerCounters
 from hybrid_offload.core.model_card import ModelCardError, card_from_spec, card_key, encode_card
 from hybrid_offload.core.page_format import PageFormatError, decode_page, seal_page
@@ -54,8 +59,6 @@ from hybrid_offload.engine.kv_layout import AttentionGroupLayout, MambaGroupLayo
 logger = logging.getLogger(__name__)
 
 _STOP = object()
-#: backends' used_bytes() is sampled at most this often (it may be a network round trip)
-USAGE_SAMPLE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -102,10 +105,6 @@ class LoadSwitchInterval:
             self._saved = None
 
 
-class _SkippedError(Exception):
-    """The backend is down and backing off: the call was not made."""
-
-
 class OffloadWorker:
     """Worker-side logic behind the connector facade."""
 
@@ -113,26 +112,29 @@ class OffloadWorker:
         self,
         spec: ModelSpec,
         planner: HybridOffloadPlanner,
-        backends: tuple[BackendConfig, ...],
+        backends: tuple[Tier, ...],
         max_pending_store_bytes: int,
         *,
         load_switch_interval_s: float = 0.0,
         page_key: bytes | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``page_key``: pages are signed with it and must verify under it (see ``page_format``)."""
+        """``page_key``: pages are signed with it and must verify under it (see ``page_format``).
+        ``clock`` drives the backends' backoff."""
         self.spec = spec
         self.planner = planner
         self._page_key = page_key
         self.codecs = {g.index: PageCodec(spec, g, planner.chunk_tokens) for g in spec.groups}
-        self.backends: dict[str, Backend] = {c.name: open_backend(c, i) for i, c in enumerate(backends)}
-        self.health = {
-            c.name: BackendHealth(c.name, c.retry_after_s, c.retry_after_max_s) for c in backends
-        }
         self.layouts: dict[int, AttentionGroupLayout | MambaGroupLayout] = {}
         self.stats = Locked(WorkerCounters())
-        for c in backends:
-            self.stats.update_backend(c.name, available=1, capacity_bytes=c.capacity_bytes)
-        self._usage_at: dict[str, float] = {}
+        recorder = WorkerRecorder(self.stats)
+        self.tiers: dict[str, OpenTier] = {
+            t.name: open_tier(t, i, recorder, clock) for i, t in enumerate(backends)
+        }
+        #: the opened backends, wrapped (health gate, instruments): pure data movement here
+        self.backends: dict[str, Backend] = {name: t.backend for name, t in self.tiers.items()}
+        for t in backends:
+            self.stats.update_backend(t.name, available=1, capacity_bytes=t.backend.capacity_bytes)
         self._max_pending = max_pending_store_bytes
         self._pending_bytes = 0
         self._held = HeldCopies()
@@ -186,7 +188,7 @@ class OffloadWorker:
             logger.warning("hybrid-offload: no model card written: %s", exc)
             return
         for name, backend in self.backends.items():
-            if backend.config.read_only or not backend.shared_index:
+            if self.tiers[name].tier.policy.read_only or not backend.shared_index:
                 continue  # in-process pools (cpu, lmcache) cannot be listed by another process
             try:
                 backend.put_batch([(key, card)])
@@ -236,7 +238,8 @@ class OffloadWorker:
             used = self._held.nbytes if job.hold else self._pending_bytes + queued
             if used + size <= self._max_pending:
                 return True
-        self._count("stores_dropped")
+        with self.stats.lock:
+            self.stats.counters.stores_dropped += 1
         if not job.hold:
             self._settle([job.page.key])
         return False
@@ -297,7 +300,8 @@ class OffloadWorker:
                 self._store_batch(batch)
             except Exception:  # the store thread must survive anything a backend does
                 logger.exception("hybrid-offload store batch failed")
-                self._count("store_batch_errors")
+                with self.stats.lock:
+                    self.stats.counters.store_batch_errors += 1
             finally:
                 with self._lock:
                     self._pending_bytes -= nbytes
@@ -330,20 +334,12 @@ class OffloadWorker:
             for name in job.backends:
                 per_backend.setdefault(name, []).append((key, buf))
         for name, items in per_backend.items():
-            backend = self.backends[name]
             try:
-                if not self.health[name].available():
-                    raise _SkippedError
-                start = time.perf_counter()
-                results = backend.put_batch(items)
-                self.stats.record_call(name, "store", time.perf_counter() - start)
-            except (BackendError, _SkippedError) as exc:
-                self._backend_error(name, "put", exc)
+                results = self.backends[name].put_batch(items)
+            except BackendError:
                 with self.stats.lock:
                     self.stats.counters.backend(name).store_failures += len(items)
                 continue
-            self.health[name].record_success()
-            self._sample_usage(backend)
             stored = [key for (key, _), ok in zip(items, results, strict=True) if ok]
             with self._lock:
                 self._stored.setdefault(name, []).extend(stored)
@@ -364,15 +360,10 @@ class OffloadWorker:
             backend = self.backends.get(name)
             if backend is None or not backend.touch_refreshes or not keys:
                 continue
-            if not self.health[name].available():
-                self._backend_error(name, "touch", _SkippedError())
-                continue
             try:
                 backend.touch_batch(keys)
-            except BackendError as exc:
-                self._backend_error(name, "touch", exc)
-                continue
-            self.health[name].record_success()
+            except BackendError:
+                continue  # counted by the tier's wrappers; recency is best effort
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until queued stores are written (used at shutdown and by tests)."""
@@ -432,17 +423,12 @@ class OffloadWorker:
         bufs = [bytearray(reads[i].codec.page_lens[reads[i].shard]) for i in indices]
         started = time.perf_counter()
         try:
-            if not self.health[name].available():
-                raise _SkippedError
             sizes = backend.get_into([reads[i].key for i in indices], [memoryview(b) for b in bufs])
-            self.stats.record_call(name, "load", time.perf_counter() - started)
-        except (BackendError, _SkippedError) as exc:
-            self._backend_error(name, "get", exc)
-            if not isinstance(exc, _SkippedError):
-                self._sample(name, 0, time.perf_counter() - started, False)
+        except BackendSkippedError:
             return
-        self.health[name].record_success()
-        self._sample_usage(backend)
+        except BackendError:  # a failed read is what the adaptive load policy measured
+            self._sample(name, 0, time.perf_counter() - started, False)
+            return
         nbytes = npages = 0
         for i, buf, size in zip(indices, bufs, sizes, strict=True):
             read = reads[i]
@@ -454,7 +440,8 @@ class OffloadWorker:
                     memoryview(buf)[:size], read.codec.header(read.page, read.shard), self._page_key
                 )
             except PageFormatError as exc:
-                self._count("bad_pages")
+                with self.stats.lock:
+                    self.stats.counters.bad_pages += 1
                 self.stats.record_error(name, "bad_page")
                 self._log_bad_page(name, read.key, exc)
                 self._delete_quietly(backend, read.key)
@@ -554,12 +541,8 @@ class OffloadWorker:
     # ---- helpers ----------------------------------------------------------------------
     def _delete_quietly(self, backend: Backend, key: str) -> None:
         """Remove a page that failed verification, so that a later store rewrites it."""
-        try:
+        with contextlib.suppress(BackendError):  # counted by the tier's wrappers
             backend.delete_batch([key])
-        except BackendError as exc:
-            self._backend_error(backend.name, "delete", exc)
-        else:
-            self.health[backend.name].record_success()
 
     def _log_bad_page(self, name: str, key: str, exc: PageFormatError) -> None:
         """The first bad page of a backend is a warning; later ones are counted (metrics)
@@ -570,39 +553,10 @@ class OffloadWorker:
         log = logger.warning if first else logger.debug
         log("bad page %s from %s: %s (a miss; deleted; later ones are logged at debug level)", key, name, exc)
 
-    def _count(self, field_name: str) -> None:
-        with self.stats.lock:
-            setattr(self.stats.counters, field_name, getattr(self.stats.counters, field_name) + 1)
-
-    def _backend_error(self, name: str, op: str, exc: Exception) -> None:
-        """Count a failed or skipped call; a real failure marks the backend down (backoff)."""
-        if isinstance(exc, _SkippedError):
-            with self.stats.lock:
-                self.stats.counters.backend(name).unavailable += 1
-            self.stats.record_error(name, "skipped")
-            return
-        self._count("backend_errors")
-        self.stats.record_error(name, op)
-        self.health[name].record_failure(op, exc)
-
-    def _sample_usage(self, backend: Backend) -> None:
-        """I/O threads, after a successful call: the backend's evictions (its own cumulative
-        count) and, at most every :data:`USAGE_SAMPLE_S`, its ``used_bytes()``."""
-        now = time.monotonic()
-        used = None
-        if now - self._usage_at.get(backend.name, -USAGE_SAMPLE_S) >= USAGE_SAMPLE_S:
-            self._usage_at[backend.name] = now
-            try:
-                used = backend.used_bytes()
-            except BackendError as exc:  # a gauge is not worth a backoff: the next call decides
-                logger.debug("used_bytes of %s failed: %s", backend.name, exc)
-        evictions = getattr(getattr(backend, "stats", None), "evictions", None)
-        self.stats.update_backend(backend.name, used_bytes=used, evictions=evictions)
-
     def refresh_gauges(self) -> None:
         """Copy each backend's availability (as this process sees it) into the counters."""
-        for name, health in self.health.items():
-            self.stats.update_backend(name, available=0 if health.is_down else 1)
+        for name, tier in self.tiers.items():
+            self.stats.update_backend(name, available=0 if tier.health.is_down else 1)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         if self._store_thread.is_alive():  # idempotent: a second call must not wait on the queue

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybrid_offload import compat
+from hybrid_offload.compat import cpu_attention_isa, cpu_attention_reshape_and_cache
 from hybrid_offload.core.spec import GroupSpec
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,8 @@ def _unmarks(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _probe_cpu_attn(heads: int, block: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
     """Element offset within one kernel block for each (kv, token, head, dim), via vLLM's op."""
-    isa = compat.cpu_attention_isa(dtype, block, dim)
+    isa = cpu_attention_isa(dtype, block, dim)
+    reshape_and_cache = cpu_attention_reshape_and_cache()
     coords = torch.stack(
         torch.meshgrid(torch.arange(block), torch.arange(heads), torch.arange(dim), indexing="ij")
     )  # (3, block, heads, dim)
@@ -57,7 +58,7 @@ def _probe_cpu_attn(heads: int, block: int, dim: int, dtype: torch.dtype) -> tor
         key_cache, value_cache = cache.view(1, heads, block * 2, dim).chunk(2, dim=2)
         key = _marks(coords[axis] + 1, dtype)
         value = _marks(coords[axis] + 1 + (1 << 12), dtype)
-        compat.cpu_attention_write(
+        reshape_and_cache(
             key, value, key_cache, value_cache, torch.arange(block, dtype=torch.long), isa
         )
         found.append(_unmarks(cache.reshape(-1), dtype))

@@ -57,9 +57,10 @@ CONNECTOR_MODULE = "hybrid_offload.connector"
 
 
 def kv_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
-    """The ``kv_transfer_config`` that loads our connector with ``extra`` as its config."""
+    """The ``kv_transfer_config`` that loads our connector with ``extra`` as its config (the
+    composing ``MultiConnector`` when ``extra`` lists foreign ``connectors``)."""
     return {
-        "kv_connector": CONNECTOR_NAME,
+        "kv_connector": "MultiConnector" if extra.get("connectors") else CONNECTOR_NAME,
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
@@ -80,10 +81,7 @@ def _scheduler_counters() -> dict[str, Any]:
     """The top-level connector's scheduler counters; child connectors' loads under "children"."""
     for conn in _top_level_connectors():
         if conn.scheduler is not None:
-            counters = conn.scheduler.stats.snapshot()
-            if conn.children is not None:
-                counters["children"] = conn.children.snapshot()
-            return counters
+            return conn.counters()
     return {}
 
 
@@ -96,7 +94,7 @@ def _flush_workers() -> dict[str, Any]:
             conn.worker.flush(timeout=60)
     for conn in _top_level_connectors():
         if conn.worker is not None:
-            return conn.worker.stats.snapshot()
+            return conn.counters()
     return {}
 
 

@@ -2,9 +2,11 @@
 
 Every test writes real pages (``encode_page``) for two fingerprints through the real backend,
 then runs the CLI as a subprocess and checks its output and exit status. The redis server and
-the peer process are started once per xdist worker (module fixtures; the ``xdist_group`` marks
-keep each backend's tests on one worker); tests keep apart by a unique redis prefix, and the
-peer is emptied before each test.
+the peer are started once per xdist worker (module fixtures; the ``xdist_group`` marks keep
+each backend's tests on one worker); tests keep apart by a unique redis prefix, and the peer
+is emptied before each test. The peer is a real :class:`PeerServer` in this process on a clock
+the tests move, so pages age without sleeping (as redis pages do by RESTORE IDLETIME and disk
+pages by their mtimes).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -32,7 +35,6 @@ from hybrid_offload.core.page_format import PageHeader, encode_page
 from hybrid_offload.core.planner import key_digest
 from hybrid_offload.core.spec import GroupKind, TensorSpec
 from hybrid_offload.testing.services import (
-    PeerProcess,
     RedisServer,
     free_port,
     start_peer,
@@ -108,13 +110,39 @@ class Cache:
         assert self.backend.put_batch(list(pages.items())) == [True] * len(pages)
 
 
+AGED_S = 8 * 86400  # what ``make_old`` ages pages by: ``--older-than 7d`` hits them
+
+
+@dataclass
+class InProcessPeer:
+    """A real peer server in this process whose clock (``now``) the tests move."""
+
+    server: Any
+    now: list[float]
+
+    @property
+    def address(self) -> str:
+        return str(self.server.address)
+
+
 @pytest.fixture(scope="module")
-def peer_process() -> Iterator[PeerProcess]:
-    peer = start_peer(64 * MiB)
+def peer_server() -> Iterator[InProcessPeer]:
+    from hybrid_offload.backends.nixl_peer.server import PeerOptions, PeerServer
+
+    now = [1000.0]
+    never = 10 * AGED_S  # moving the clock must not expire connections, leases or reservations
+    options = PeerOptions(host="127.0.0.1", port=0, capacity_bytes=64 * MiB, lease_timeout_s=never,
+                          alloc_timeout_s=never, idle_timeout_s=never)  # fmt: skip
+    server = PeerServer(options, clock=lambda: now[0])
+    server.start()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
     try:
-        yield peer
+        yield InProcessPeer(server, now)
     finally:
-        peer.kill()
+        server.stop()
+        thread.join(timeout=60)
+        server.close()
 
 
 def _disk_cache(tmp_path: Path) -> Cache:
@@ -131,7 +159,7 @@ def _disk_cache(tmp_path: Path) -> Cache:
         page_path(key).write_bytes(bytes(raw))
 
     def make_old(keys: list[str]) -> str:
-        stamp = time.time() - 8 * 86400
+        stamp = time.time() - AGED_S
         for key in keys:
             os.utime(page_path(key), (stamp, stamp))
         return "7d"
@@ -149,14 +177,17 @@ def _redis_cache(server: RedisServer) -> Cache:
         client.set(f"{prefix}:p:{key}", flipped(data))
 
     def make_old(keys: list[str]) -> str:
-        time.sleep(3.5)  # idle times have 1 s resolution; pages read just before a CLI run stay < 2.5 s
-        return "2.5s"
+        for key in keys:  # the server's idle time of a key is its LRU clock: set it, keep the TTL
+            name = f"{prefix}:p:{key}"
+            ttl = client.pttl(name)
+            client.restore(name, max(ttl, 0), client.dump(name), replace=True, idletime=AGED_S)
+        return "7d"
 
     return Cache("redis", ["--redis", server.url, "--redis-prefix", prefix], backend, corrupt, make_old,
                  {"client": client, "prefix": prefix})  # fmt: skip
 
 
-def _peer_cache(peer: PeerProcess) -> Cache:
+def _peer_cache(peer: InProcessPeer) -> Cache:
     options = {"peers": [peer.address], "timeout_s": 5.0}
     backend = create_backend(BackendConfig("nixl_peer", "w", 1 << 30, options=options))
     backend.delete_batch([info.key for info in backend.scan()])  # the peer is shared by the module
@@ -165,8 +196,8 @@ def _peer_cache(peer: PeerProcess) -> Cache:
         assert backend.put_batch([(key, flipped(data))]) == [True]
 
     def make_old(keys: list[str]) -> str:
-        time.sleep(3.0)
-        return "2s"
+        peer.now[0] += AGED_S  # every page on the peer ages: callers put the young ones after
+        return "7d"
 
     return Cache("nixl_peer", ["--peer", peer.address], backend, corrupt, make_old)
 
@@ -184,7 +215,7 @@ def cache(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cache]:
     elif request.param == "redis":
         made = _redis_cache(request.getfixturevalue("redis_server"))
     else:
-        made = _peer_cache(request.getfixturevalue("peer_process"))
+        made = _peer_cache(request.getfixturevalue("peer_server"))
     try:
         yield made
     finally:

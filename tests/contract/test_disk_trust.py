@@ -207,13 +207,13 @@ def test_shipped_disk_configs_use_a_private_per_user_directory(
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     (entry,) = _disk_entries(CONFIGS / name)
     assert not entry["path"].startswith(("/tmp", "/var/tmp", "/dev/shm")), entry["path"]
-    parsed = parse_offload_config({"backends": [entry]}).backends[0]
+    parsed = parse_offload_config({"backends": [entry]}).backends[0].backend
     root = tmp_path / "home" / ".cache" / "hybrid-offload"
     assert parsed.options["path"] == str(root)
     with create_backend(parsed):
         assert stat.S_IMODE(root.stat().st_mode) == 0o700
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert parse_offload_config({"backends": [entry]}).backends[0].options["path"] == str(
+    assert parse_offload_config({"backends": [entry]}).backends[0].backend.options["path"] == str(
         tmp_path / "xdg" / "hybrid-offload"
     )
 

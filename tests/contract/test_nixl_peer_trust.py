@@ -14,12 +14,12 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from backend_contract import key, page
+from deadlines import wait_until
 
 from hybrid_offload.backends import BackendConfig, BackendConfigError, BackendUnavailableError, create_backend
 from hybrid_offload.backends.nixl_peer import protocol as p
@@ -69,14 +69,42 @@ def _rss(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-def _listening(pid: int) -> set[str]:
-    """``"ip:port"`` of every TCP socket ``pid`` listens on (/proc, as ``ss -ltnp`` shows it)."""
+def _cpu_s(pid: int) -> float:
+    """CPU seconds ``pid`` has used (user + system): what a busy machine does not inflate."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _socket_inodes(pid: int) -> set[str]:
     inodes = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
         with contextlib.suppress(OSError):
             target = os.readlink(f"/proc/{pid}/fd/{fd}")
             if target.startswith("socket:["):
                 inodes.add(target[8:-1])
+    return inodes
+
+
+def _accepted(pid: int, port: int) -> dict[int, int]:
+    """The IPv4 connections ``pid`` has accepted on ``port``: unread bytes in each one's receive
+    queue, by the client's port."""
+    inodes = _socket_inodes(pid)
+    unread = {}
+    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, remote, queues = fields[1], fields[2], fields[4]
+        if fields[9] in inodes and int(local.split(":")[1], 16) == port and fields[3] != "0A":
+            unread[int(remote.split(":")[1], 16)] = int(queues.split(":")[1], 16)
+    return unread
+
+
+def _port(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
+
+
+def _listening(pid: int) -> set[str]:
+    """``"ip:port"`` of every TCP socket ``pid`` listens on (/proc, as ``ss -ltnp`` shows it)."""
+    inodes = _socket_inodes(pid)
     found = set()
     for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
         for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
@@ -113,28 +141,24 @@ def test_file_limit_exhausted_by_bare_connections_peer_keeps_serving(
     try:
         for _ in range(150):  # more than the peer's file limit: its accept() hits EMFILE
             flood.append(_connect(peer.address))
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and "too many open files" not in peer.log.lower():
-            time.sleep(0.02)
-        assert "too many open files" in peer.log.lower(), peer.log[-2000:]
+        wait_until(lambda: "too many open files" in peer.log.lower(), "EMFILE logged")
         assert peer.proc is not None and peer.proc.poll() is None, peer.log[-2000:]
     finally:
         for sock in flood:
             sock.close()
-    deadline = time.monotonic() + 10
-    while True:  # the peer goes back to accepting once descriptors are free again
-        with contextlib.suppress(BackendUnavailableError):
-            if backend.get_batch([key(1)]) == [page(1, 5000)]:
-                break
-        assert time.monotonic() < deadline, peer.log[-2000:]
-        time.sleep(0.05)
+    # the peer goes back to accepting once descriptors are free again
+    wait_until(lambda: backend.get_batch([key(1)]) == [page(1, 5000)], "accepting again",
+               ignore=(BackendUnavailableError,), poll_s=0.05)  # fmt: skip
     assert peer.proc.poll() is None
 
 
 def test_connection_caps_total_and_before_hello(peers: PeerFactory, clients: Any) -> None:
     peer = peers(extra_args=["--max-connections", "6", "--max-unauthenticated", "3"])
+    assert peer.proc is not None
+    pid, port = peer.proc.pid, _port(peer.address)
     bare = [_connect(peer.address) for _ in range(3)]
-    time.sleep(0.2)  # let the peer accept them in order
+    ports = {sock.getsockname()[1] for sock in bare}
+    wait_until(lambda: ports <= set(_accepted(pid, port)), "the peer accepting them in order")
     newest = _connect(peer.address)  # a 4th connection without HELLO: the oldest one goes
     assert _closed_by_peer(bare[0])
     assert not _closed_by_peer(bare[1], timeout=0.3)
@@ -147,14 +171,9 @@ def test_connection_caps_total_and_before_hello(peers: PeerFactory, clients: Any
     assert _closed_by_peer(refused)
     assert isinstance(_ask(greeted[0], p.Used()), p.UsedReply)  # the others are served
     greeted.pop().close()
-    deadline = time.monotonic() + 5
-    while True:  # a freed slot is taken by a real client
-        with contextlib.suppress(BackendUnavailableError):
-            backend = clients([peer.address], **FAST)
-            if backend.put_batch([(key(1), b"ok")]) == [True]:
-                break
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    # a freed slot is taken by a real client
+    wait_until(lambda: clients([peer.address], **FAST).put_batch([(key(1), b"ok")]) == [True],
+               "a freed slot taken", ignore=(BackendUnavailableError,), poll_s=0.05)  # fmt: skip
     for sock in greeted:
         sock.close()
 
@@ -177,7 +196,14 @@ def test_declared_huge_bodies_allocate_nothing_up_front(peers: PeerFactory, clie
     greeted = [_hello(peer.address) for _ in range(24)]
     for sock in greeted:  # after HELLO: allowed, but memory follows the bytes that arrive
         sock.sendall(lookup + b"\0" * 1000)
-    time.sleep(0.5)
+    pid, port = peer.proc.pid, _port(peer.address)
+    ports = [sock.getsockname()[1] for sock in greeted]
+
+    def unread() -> list[int | None]:
+        accepted = _accepted(pid, port)
+        return [accepted.get(client) for client in ports]
+
+    wait_until(lambda: unread() == [0] * len(ports), "the peer reading every byte sent")
     grown = _rss(peer.proc.pid) - rss0
     assert grown < 48 * MiB, f"peer grew by {grown / MiB:.0f} MiB"
     for sock in greeted:
@@ -200,7 +226,8 @@ def test_handshake_and_idle_timeouts_with_injected_clock() -> None:
     try:
         assert backend.contains_batch([key(1)]) == [False]
         silent, greeted = _connect(server.address), _hello(server.address)
-        time.sleep(0.2)  # both accepted before the clock moves
+        # both accepted before the clock moves (the third open connection is the backend's)
+        wait_until(lambda: server._table.counts() == (3, 1), "the silent connection accepted")
         now[0] += 6  # past the handshake timeout, well within the idle timeout
         assert _closed_by_peer(silent)
         assert isinstance(_ask(greeted, p.Used()), p.UsedReply)  # activity: idle clock restarts
@@ -278,11 +305,14 @@ def test_too_many_keys_in_one_message_refused_quickly(peers: PeerFactory, client
     sock = _hello(peer.address)
     n = 500_000  # short keys, so that the message stays under MAX_BODY
     keys = [f"5eed0001-{i:08x}" for i in range(n)]
-    began = time.monotonic()
-    reply = _ask(sock, p.Alloc(keys, [1] * n))
+    frame = p.encode(p.Alloc(keys, [1] * n), 2)
+    assert peer.proc is not None
+    cpu0 = _cpu_s(peer.proc.pid)
+    sock.sendall(frame)
+    reply, _ = p.recv_message(sock)
     assert isinstance(reply, p.Error) and reply.code == p.ErrorCode.TOO_LARGE, reply
     assert _closed_by_peer(sock)
-    assert time.monotonic() - began < 1.0
+    assert _cpu_s(peer.proc.pid) - cpu0 < 0.5, "the peer decoded the keys before refusing"  # ~1 s if it did
     assert backend.get_batch([key(1)]) == [b"kept"]
     assert backend.used_bytes() == 4
 

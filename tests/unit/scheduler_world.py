@@ -4,12 +4,14 @@ and ``FlakyDiskBackend`` (a disk backend whose lookups fail on demand)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
 from hybrid_offload.backends import BackendConfig, create_backend, register_backend
 from hybrid_offload.backends.disk import DiskBackend
+from hybrid_offload.connector.config import Tier, TierPolicy
 from hybrid_offload.connector.metadata import LoadJob, OffloadMetadata, OffloadWorkerMetadata
 from hybrid_offload.connector.scheduler import OffloadScheduler
 from hybrid_offload.core.planner import HybridOffloadPlanner
@@ -93,23 +95,34 @@ def step(
     )
 
 
-def cpu_config(name: str = "cpu", weight: float = 1.0) -> BackendConfig:
-    return BackendConfig("cpu", name, 1 << 30, load_weight=weight)
+def tier(config: BackendConfig, **policy: Any) -> Tier:
+    """``config`` as a tier of the connector, with ``policy`` (:class:`TierPolicy` fields)."""
+    return Tier(config, TierPolicy(**policy))
+
+
+def as_tiers(backends: Sequence[BackendConfig | Tier]) -> tuple[Tier, ...]:
+    """Tiers for the connector: a bare BackendConfig gets the default policy."""
+    return tuple(b if isinstance(b, Tier) else tier(b) for b in backends)
+
+
+def cpu_config(name: str = "cpu", weight: float = 1.0, **policy: Any) -> Tier:
+    return tier(BackendConfig("cpu", name, 1 << 30), load_weight=weight, **policy)
 
 
 class World:
     """A planner plus a scheduler; keys of prompts; ways to make backends hold pages."""
 
     def __init__(
-        self, spec: ModelSpec, chunk: int, backends: tuple[BackendConfig, ...], policy: str = "weighted",
+        self, spec: ModelSpec, chunk: int, backends: Sequence[BackendConfig | Tier], policy: str = "weighted",
         **scheduler_kw: Any,
     ) -> None:
         self.planner = HybridOffloadPlanner(spec, chunk)
         self.clock = [0.0]
+        tiers = as_tiers(backends)
         self.sched = OffloadScheduler(
-            self.planner, backends, policy, clock=lambda: self.clock[0], **scheduler_kw
+            self.planner, tiers, policy, clock=lambda: self.clock[0], **scheduler_kw
         )
-        self.configs = {c.name: c for c in backends}
+        self.configs = {t.name: t.backend for t in tiers}
         self._writers: dict[str, Any] = {}
 
     def complete(self, meta: OffloadMetadata) -> None:

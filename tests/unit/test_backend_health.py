@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybrid_offload.connector.health import BackendHealth
+from hybrid_offload.backends.health import BackendHealth
 
 
 class Clock:

@@ -13,6 +13,8 @@ from hybrid_offload.connector.config import (
     DEFAULT_MAX_PENDING_STORE_BYTES,
     ConfigError,
     OffloadConfig,
+    Tier,
+    TierPolicy,
     parse_offload_config,
     parse_size,
 )
@@ -36,12 +38,12 @@ def test_happy_path() -> None:
     assert isinstance(cfg, OffloadConfig)
     assert cfg.chunk_tokens == 256
     assert cfg.max_pending_store_bytes == DEFAULT_MAX_PENDING_STORE_BYTES
-    cpu, disk = cfg.backends
-    assert cpu == BackendConfig(type="cpu", name="cpu0", capacity_bytes=1 << 30, load_weight=1.0,
-                                options={})
+    cpu, (disk, disk_policy) = cfg.backends[0], (cfg.backends[1].backend, cfg.backends[1].policy)
+    assert cpu == Tier(BackendConfig(type="cpu", name="cpu0", capacity_bytes=1 << 30, options={}),
+                       TierPolicy(load_weight=1.0))
     assert disk.type == "disk" and disk.name == "ssd"
     assert disk.capacity_bytes == 10 << 30
-    assert disk.load_weight == 0.5 and isinstance(disk.load_weight, float)
+    assert disk_policy.load_weight == 0.5 and isinstance(disk_policy.load_weight, float)
     assert disk.options == {"path": "/var/cache/kv", "fsync": False, "io_threads": 8}
 
 
@@ -49,10 +51,10 @@ def test_defaults() -> None:
     cfg = parse_offload_config({"backends": [{"type": "cpu"}, {"type": "cpu"}]})
     assert cfg.chunk_tokens is None  # the planner picks it from the model
     assert [b.name for b in cfg.backends] == ["cpu0", "cpu1"]
-    assert all(b.capacity_bytes == DEFAULT_CAPACITY_BYTES for b in cfg.backends)
-    assert all(b.load_weight == 1.0 for b in cfg.backends)
+    assert all(t.backend.capacity_bytes == DEFAULT_CAPACITY_BYTES for t in cfg.backends)
+    assert all(t.policy.load_weight == 1.0 for t in cfg.backends)
     assert cfg.max_pending_store_bytes == DEFAULT_MAX_PENDING_STORE_BYTES
-    disk = parse_offload_config({"backends": [{"type": "disk", "path": "/x"}]}).backends[0]
+    disk = parse_offload_config({"backends": [{"type": "disk", "path": "/x"}]}).backends[0].backend
     assert disk.name == "disk0" and disk.options == {"path": "/x", "fsync": False, "io_threads": 4}
     cfg = parse_offload_config({"backends": [{"type": "cpu"}], "chunk_tokens": None,
                                 "max_pending_store_bytes": "64MiB"})
@@ -95,7 +97,7 @@ def test_input_is_not_mutated() -> None:
 def test_sizes(value: object, expected: int) -> None:
     assert parse_size(value, "k") == expected
     cfg = parse_offload_config({"backends": [{"type": "cpu", "capacity_bytes": value}]})
-    assert cfg.backends[0].capacity_bytes == expected
+    assert cfg.backends[0].backend.capacity_bytes == expected
 
 
 def _with(path: str, value: object) -> dict[str, Any]:
@@ -237,12 +239,13 @@ def test_errors_chain_the_backend_error() -> None:
     assert info.value.__cause__ is not None
 
 
-def test_retry_after_keys_reach_the_backend_config() -> None:
+def test_retry_after_keys_reach_the_tier_policy() -> None:
     cfg = parse_offload_config({"backends": [{"type": "cpu", "retry_after_s": 0.25}, {"type": "cpu",
                                 "name": "b", "retry_after_s": 2, "retry_after_max_s": 4}]})
-    assert (cfg.backends[0].retry_after_s, cfg.backends[0].retry_after_max_s) == (0.25, 30.0)
-    assert (cfg.backends[1].retry_after_s, cfg.backends[1].retry_after_max_s) == (2.0, 4.0)
-    assert "retry_after_s" not in cfg.backends[0].options
+    first, second = cfg.backends[0].policy, cfg.backends[1].policy
+    assert (first.retry_after_s, first.retry_after_max_s) == (0.25, 30.0)
+    assert (second.retry_after_s, second.retry_after_max_s) == (2.0, 4.0)
+    assert "retry_after_s" not in cfg.backends[0].backend.options
 
 
 def test_load_and_store_policy_keys() -> None:
@@ -257,17 +260,18 @@ def test_load_and_store_policy_keys() -> None:
     )
     assert cfg.load_policy == "ranged"
     # generated tokens are stored by default
-    assert (cfg.backends[0].store_threshold, cfg.backends[0].store_output, cfg.backends[0].read_only) == (
+    first, second = cfg.backends[0].policy, cfg.backends[1].policy
+    assert (first.store_threshold, first.store_output, first.read_only) == (
         1,
         True,
         False,
     )
-    assert (cfg.backends[1].store_threshold, cfg.backends[1].store_output, cfg.backends[1].read_only) == (
+    assert (second.store_threshold, second.store_output, second.read_only) == (
         3,
         False,
         True,
     )
-    assert not {"store_threshold", "store_output", "read_only"} & set(cfg.backends[1].options)
+    assert not {"store_threshold", "store_output", "read_only"} & set(cfg.backends[1].backend.options)
     assert parse_offload_config({"backends": [{"type": "cpu"}]}).load_policy == "weighted"
 
 

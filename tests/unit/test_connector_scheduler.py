@@ -27,10 +27,11 @@ from scheduler_world import (
     prompt,
     start_load,
     step,
+    tier,
 )
 
 from hybrid_offload.backends import BackendConfig, BackendUnavailableError
-from hybrid_offload.connector.health import BackendHealth
+from hybrid_offload.connector.config import Tier
 from hybrid_offload.connector.metadata import (
     ClearRange,
     CommitJob,
@@ -45,8 +46,9 @@ from hybrid_offload.connector.metadata import (
 
 
 # ---- builders -----------------------------------------------------------------------------
-def disk_config(tmp_path: Path, name: str = "disk", weight: float = 1.0) -> BackendConfig:
-    return BackendConfig("disk", name, 1 << 30, load_weight=weight, options={"path": str(tmp_path / name)})
+def disk_config(tmp_path: Path, name: str = "disk", weight: float = 1.0) -> Tier:
+    disk = BackendConfig("disk", name, 1 << 30, options={"path": str(tmp_path / name)})
+    return tier(disk, load_weight=weight)
 
 
 def store_summary(meta: OffloadMetadata) -> list[tuple[int, int, tuple[int, ...], int]]:
@@ -187,7 +189,7 @@ def test_a_request_that_stored_touches_its_chain_deepest_first(worlds, tmp_path:
     or stored, and the states it stored or loaded), deepest chunk first and per chunk the state
     before the attention, in the writable backends whose LRU refreshes; a request that stored
     nothing touches nothing."""
-    ro = BackendConfig("disk", "ro", 1 << 30, read_only=True, options={"path": str(tmp_path / "ro")})
+    ro = tier(BackendConfig("disk", "ro", 1 << 30, options={"path": str(tmp_path / "ro")}), read_only=True)
     w = worlds(make_spec(8, 8), 8, backends=(cpu_config(), disk_config(tmp_path), ro))
     tokens = prompt(24)
     req = FakeRequest("r1", tokens)
@@ -220,7 +222,7 @@ def test_a_request_that_stored_touches_its_chain_deepest_first(worlds, tmp_path:
     assert w.sched.build_connector_meta(step()).touches == [TouchJob(chain, ("cpu", "disk"))]
 
     # a request that stored nothing (its chunks are below the store threshold) touches nothing
-    w = worlds(make_spec(8, 8), 8, backends=(BackendConfig("cpu", "cpu", 1 << 30, store_threshold=2),))
+    w = worlds(make_spec(8, 8), 8, backends=(tier(BackendConfig("cpu", "cpu", 1 << 30), store_threshold=2),))
     req = FakeRequest("r2", tokens)
     w.sched.get_num_new_matched_tokens(req, 0)
     assert all(store_summary(m) == [] for m in run_prefill(w, req, ([10, 11, 12], [20, 21, 22]), 64))
@@ -232,7 +234,7 @@ def test_a_request_that_stored_touches_its_chain_deepest_first(worlds, tmp_path:
 def test_coverage_tells_chunks_never_stored_from_evicted_ones(worlds) -> None:
     """Two requests saw a prompt that is below the store threshold (3): the third finds nothing
     stored, and its lost tokens are ``not_stored``; once stored and gone, ``evicted``."""
-    w = worlds(make_spec(8, 8), 8, backends=(BackendConfig("cpu", "cpu", 1 << 30, store_threshold=3),))
+    w = worlds(make_spec(8, 8), 8, backends=(tier(BackendConfig("cpu", "cpu", 1 << 30), store_threshold=3),))
     tokens = prompt(24)
 
     def run(req_id: str) -> dict[str, Any]:
@@ -660,11 +662,11 @@ def test_disk_lookup_sees_pages_written_by_another_process(worlds, tmp_path: Pat
 
 
 def test_unavailable_shared_backend_is_skipped_while_down_then_used_again(worlds, tmp_path: Path) -> None:
-    flaky = BackendConfig("test_flaky_disk", "redis", 1 << 30, options={"path": str(tmp_path / "r")})
+    flaky = tier(BackendConfig("test_flaky_disk", "redis", 1 << 30, options={"path": str(tmp_path / "r")}),
+                 retry_after_s=1.0, retry_after_max_s=8.0)
     w = worlds(make_spec(8, 8), 8, backends=(cpu_config(), flaky))
-    clock = [0.0]
+    clock = w.clock  # the scheduler's clock drives the backoff
     view = w.sched.views[1]
-    view.health = BackendHealth("redis", 1.0, 8.0, lambda: clock[0])
     tokens = prompt(28)
     w.hold("redis", w.chunk_keys(tokens, range(3)))
     FlakyDiskBackend.error, FlakyDiskBackend.lookups = BackendUnavailableError("down"), 0

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 import torch
@@ -42,10 +41,8 @@ from hybrid_offload.backends import (
     BackendConfig,
     BackendUnavailableError,
     create_backend,
-    register_backend,
 )
-from hybrid_offload.backends.cpu import CpuBackend
-from hybrid_offload.connector.health import BackendHealth
+from hybrid_offload.connector.config import Tier
 from hybrid_offload.connector.metadata import (
     ClearRange,
     CommitJob,
@@ -62,44 +59,25 @@ from hybrid_offload.core.page_format import decode_page
 from hybrid_offload.core.planner import HybridOffloadPlanner
 
 
-class UnavailableBackend(CpuBackend):
-    """A cpu pool whose medium can be switched off: every call then raises ``error``."""
+class Gate(threading.Event):
+    """Set it to let gated calls through; ``returned`` is set once one of them has returned."""
 
-    type_name: ClassVar[str] = "test_unavailable"
-    error: Exception | None = None
-
-    def _maybe_fail(self) -> None:
-        if self.error is not None:
-            raise self.error
-
-    def put_batch(self, items):  # type: ignore[no-untyped-def]
-        self._maybe_fail()
-        return super().put_batch(items)
-
-    def get_batch(self, keys):  # type: ignore[no-untyped-def]
-        self._maybe_fail()
-        return super().get_batch(keys)
-
-    def get_into(self, keys, buffers):  # type: ignore[no-untyped-def]
-        self._maybe_fail()
-        return super().get_into(keys, buffers)
-
-    def delete_batch(self, keys):  # type: ignore[no-untyped-def]
-        self._maybe_fail()
-        return super().delete_batch(keys)
+    def __init__(self) -> None:
+        super().__init__()
+        self.returned = threading.Event()
 
 
-register_backend("test_unavailable", UnavailableBackend)
-
-
-def gate(backend: Any, method: str) -> threading.Event:
-    """Make ``backend.<method>`` wait until the returned event is set."""
-    opened = threading.Event()
+def gate(backend: Any, method: str) -> Gate:
+    """Make ``backend.<method>`` wait until the returned gate is set (30 s only on a hang)."""
+    opened = Gate()
     original = getattr(backend, method)
 
     def gated(*args: Any, **kwargs: Any) -> Any:
-        assert opened.wait(10), "gate never opened"
-        return original(*args, **kwargs)
+        try:
+            assert opened.wait(30), "gate never opened"
+            return original(*args, **kwargs)
+        finally:
+            opened.returned.set()
 
     setattr(backend, method, gated)
     return opened
@@ -181,7 +159,7 @@ def test_stored_pages_decode_to_the_blocks_contents_in_canonical_order(world, ch
 def test_copy_out_before_kv_caches_are_registered_is_a_no_op() -> None:
     spec = make_spec()
     planner = HybridOffloadPlanner(spec, BS)
-    worker = OffloadWorker(spec, planner, (cpu(),), 1 << 30)
+    worker = OffloadWorker(spec, planner, (Tier(cpu()),), 1 << 30)
     try:
         hashes = planner.chunk_hashes(list(range(8)))
         page = PageJob(planner.page_key(hashes[0], ATTN), ATTN, 0, hashes[0], (1,))
@@ -388,11 +366,8 @@ def test_request_finished_during_its_load_is_reported_once_as_received(world) ->
     results = HybridOffloadConnector.get_transfer_results(facade, {"req"})  # type: ignore[arg-type]
     assert (results.finished_sending, results.finished_recving) == (set(), set())
     opened.set()
-    deadline = time.monotonic() + 10
-    while not results.finished_recving:
-        assert time.monotonic() < deadline
-        results = HybridOffloadConnector.get_transfer_results(facade, set())  # type: ignore[arg-type]
-        time.sleep(0.002)
+    w.wait_loaded("req")
+    results = HybridOffloadConnector.get_transfer_results(facade, set())  # type: ignore[arg-type]
     assert results.finished_sending == set() and results.failed_recving == set()
     assert results.finished_recving == {"req"}
 
@@ -536,10 +511,9 @@ def test_full_store_queue_drops_without_blocking(world) -> None:
     w.cache.write_tokens([3, 7, 5], 0, 24)
     p0, p1, p2 = (w.attn_page(c, [3, 7, 5]) for c in range(3))
     opened = gate(w.backend("cpu"), "put_batch")
-    start = time.monotonic()
     w.worker.copy_out([StoreJob(p0, ("cpu",)), StoreJob(p1, ("cpu",))])  # p1 does not fit beside p0
     w.worker.copy_out([StoreJob(p2, ("cpu",))])  # p0 still pending: dropped, not waited for
-    assert time.monotonic() - start < 2
+    assert not opened.returned.is_set()  # both returned while p0's put was still held in the gate
     assert w.counters()["stores_dropped"] == 2
     opened.set()
     w.worker.flush(10)
@@ -632,12 +606,13 @@ def test_shutdown_flushes_pending_stores_and_closes_backends(world, tmp_path: Pa
     w = world(cpu(), disk)
     w.cache.write_tokens([3, 7, 5], 0, 24)
     pages = [w.attn_page(c, [3, 7, 5]) for c in range(3)]
-    slow_disk = w.backend("disk")
-    put = slow_disk.put_batch
-    slow_disk.put_batch = lambda items: (time.sleep(0.2), put(items))[1]
+    opened = gate(w.backend("disk"), "put_batch")  # disk writes wait until shutdown flushes
+    flush = w.worker.flush
+    w.worker.flush = lambda timeout=None: (opened.set(), flush(timeout))[1]  # type: ignore[method-assign]
     for p in pages:
         w.worker.copy_out([StoreJob(p, ("cpu", "disk"))])
-    w.worker.shutdown(timeout=10)
+    assert not opened.returned.is_set()
+    w.worker.shutdown(timeout=60)
 
     assert w.counters()["backends"]["disk"]["stored_pages"] == 3
     assert w.counters()["backends"]["cpu"]["stored_pages"] == 3
@@ -654,18 +629,23 @@ def test_shutdown_flushes_pending_stores_and_closes_backends(world, tmp_path: Pa
 def test_shutdown_is_idempotent_and_flush_after_it_returns(world) -> None:
     w = world()
     w.worker.shutdown(timeout=10)
-    start = time.monotonic()
-    w.worker.shutdown(timeout=5)  # vLLM may shut a connector down twice
-    w.worker.flush()  # no timeout: must not wait for a stopped store thread
-    assert time.monotonic() - start < 2
+
+    def again() -> None:
+        w.worker.shutdown(timeout=3600)  # vLLM may shut a connector down twice
+        w.worker.flush()  # no timeout: must not wait for a stopped store thread
+
+    thread = threading.Thread(target=again, daemon=True)
+    thread.start()
+    thread.join(60)  # only a hang (waiting for the stopped store thread) gets this far
+    assert not thread.is_alive(), "a second shutdown or a later flush waits forever"
 
 
 def test_down_backend_is_skipped_while_backing_off_then_probed(world) -> None:
     flaky = BackendConfig("test_unavailable", "flaky", 1 << 30)
-    w, pages, _ = stored_world(world, flaky)
-    broken = w.backend("flaky")
     clock = [0.0]
-    health = w.worker.health["flaky"] = BackendHealth("flaky", 1.0, 8.0, lambda: clock[0])
+    w, pages, _ = stored_world(world, flaky, clock=lambda: clock[0])
+    broken = w.backend("flaky")
+    health = w.worker.tiers["flaky"].health
     calls = []
     real_get_into = broken.get_into
     broken.get_into = lambda keys, bufs: (calls.append(len(keys)), real_get_into(keys, bufs))[1]

@@ -396,3 +396,19 @@ def test_bad_connectors_config_names_the_key(extra: dict[str, Any], key: str, wo
 
 def test_child_match_defaults() -> None:
     assert ChildMatch(None, 0) == NO_MATCH and NO_MATCH.score == 0.0 and PENDING.tokens is None
+
+
+# ---- the plain facade does not compose ---------------------------------------------------------
+def test_the_plain_facade_refuses_connectors_naming_the_composing_class() -> None:
+    from hybrid_offload.connector import HybridOffloadConnector, MultiConnector
+
+    extra = {"backends": [{"type": "cpu"}], "connectors": [child("x")]}
+    config = SimpleNamespace(kv_transfer_config=KVTransferConfig(
+        kv_connector="HybridOffloadConnector", kv_connector_module_path="hybrid_offload.connector",
+        kv_role="kv_both", kv_connector_extra_config=extra))
+    refusal = r'connectors: HybridOffloadConnector does not compose.*"MultiConnector"'
+    with pytest.raises(ConfigError, match=refusal):
+        HybridOffloadConnector(config, SCHED, kv_cache_config())  # type: ignore[arg-type]
+    assert issubclass(MultiConnector, HybridOffloadConnector) and MultiConnector.composes_children
+    facade = Path(__file__).resolve().parents[2] / "hybrid_offload/connector/facade.py"
+    assert "children" not in facade.read_text().replace("composes_children", "")

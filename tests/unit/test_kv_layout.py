@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_offload import compat
 from hybrid_offload.core.spec import GroupKind, GroupSpec
 from hybrid_offload.engine import kv_layout
 
@@ -28,16 +27,20 @@ def attention_group(block_size: int = BLOCK) -> GroupSpec:
 def write_tokens(
     cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, isa: str
 ) -> None:
+    from vllm import _custom_ops as ops
+
     nb, heads, block, _ = cache.shape
     key_cache, value_cache = cache.view(nb, heads, block * 2, HEAD_DIM).chunk(2, dim=2)
-    compat.cpu_attention_write(key, value, key_cache, value_cache, slots, isa)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
 
 
 @pytest.fixture(params=["amx", "vec"])
 def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    import vllm.v1.attention.backends.cpu_attn as cpu_attn
+
     if request.param == "amx" and not torch.cpu._is_amx_tile_supported():
         pytest.skip("no AMX on this CPU")
-    monkeypatch.setattr(compat, "cpu_attention_isa", lambda *a, **k: request.param)
+    monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *a, **k: request.param)
     return request.param
 
 
@@ -85,6 +88,8 @@ def test_scatter_then_gather_round_trips_and_touches_nothing_else(isa: str) -> N
 
 def test_pages_identical_across_kernel_layouts(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same K/V written by two kernels with different block layouts gathers identically."""
+    import vllm.v1.attention.backends.cpu_attn as cpu_attn
+
     if not torch.cpu._is_amx_tile_supported():
         pytest.skip("no AMX on this CPU: only one layout to compare")
     torch.manual_seed(2)
@@ -92,7 +97,7 @@ def test_pages_identical_across_kernel_layouts(monkeypatch: pytest.MonkeyPatch) 
     value = torch.randn(BLOCK, HEADS, HEAD_DIM).to(torch.bfloat16)
     gathered, raw = [], []
     for isa in ("amx", "vec"):
-        monkeypatch.setattr(compat, "cpu_attention_isa", lambda *a, _isa=isa, **k: _isa)
+        monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *a, _isa=isa, **k: _isa)
         cache = torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM, dtype=torch.bfloat16)
         write_tokens(cache, key, value, torch.arange(BLOCK) + 3 * BLOCK, isa)
         group = GroupSpec(

@@ -168,8 +168,8 @@ def stores_by_backend(w: World, req_id: str, tokens: list[int], computed: int, s
 def test_store_threshold_and_read_only(worlds) -> None:
     backends = (
         cpu_config("always"),
-        replace(cpu_config("second-sight"), store_threshold=2),
-        replace(cpu_config("ro"), read_only=True),
+        cpu_config("second-sight", store_threshold=2),
+        cpu_config("ro", read_only=True),
     )
     w = worlds(make_spec(8, 8), 8, backends, pending_wait_s=0)
     tokens = prompt(20)  # 2 chunks: 2 attention pages + the state at 16
@@ -181,7 +181,7 @@ def test_store_threshold_and_read_only(worlds) -> None:
 
 
 def test_output_chunks_are_stored_only_where_store_output(worlds) -> None:
-    w = worlds(make_spec(8, 8), 8, (replace(cpu_config("prompt"), store_output=False), cpu_config("all")))
+    w = worlds(make_spec(8, 8), 8, (cpu_config("prompt", store_output=False), cpu_config("all")))
     req = FakeRequest("r", prompt(12))
     w.sched.get_num_new_matched_tokens(req, 0)
     assert stores_by_backend(w, "r", req.prompt_token_ids, 0, 12) == {"prompt": 1, "all": 1}  # chunk 0

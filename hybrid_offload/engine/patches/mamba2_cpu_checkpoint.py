@@ -29,6 +29,7 @@ from typing import Any
 from hybrid_offload.engine.patches import is_patched, logger, mark, version_supported
 
 ENTRY_POINT = "hybrid_offload_mamba2_cpu_checkpoint_fix"
+VLLM_VERSIONS = ("0.32.",)
 _logged = False
 
 
@@ -76,7 +77,7 @@ def register() -> None:
 
     current = MambaMixer2.get_kv_cache_spec
     if not version_supported(
-        ENTRY_POINT,
+        ENTRY_POINT, VLLM_VERSIONS,
         "MambaMixer2 models may fail with IndexError at prefills crossing a block boundary",
     ) or is_patched(current):
         return

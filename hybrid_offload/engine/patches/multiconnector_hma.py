@@ -2,9 +2,9 @@
 
 vLLM decides whether the hybrid KV cache manager (HMA) stays on from
 `KVConnectorFactory.supports_hma_config`, which for `kv_connector: "MultiConnector"` asks vLLM's
-own MultiConnector about the `connectors` list, whatever the module path. Our connector also
-answers to that name (`kv_connector_module_path: "hybrid_offload.connector"`, composing foreign
-connectors), and there that check is wrong three ways: it turns HMA off for a config with only
+own MultiConnector about the `connectors` list, whatever the module path. Our composing connector
+answers to that name (`kv_connector_module_path: "hybrid_offload.connector"`,
+`connector/composite.py`), and there that check is wrong three ways: it turns HMA off for a config with only
 native `backends` (hybrids then fail to start), it fails on our child keys `name` /
 `load_weight`, and for a child without HMA support it gives vLLM's generic "Failed to promote"
 error instead of ours naming the child. So for our module path the answer is our class's (it
@@ -19,6 +19,7 @@ from typing import Any
 from hybrid_offload.engine.patches import is_patched, mark, version_supported
 
 ENTRY_POINT = "hybrid_offload_multiconnector_hma"
+VLLM_VERSIONS = ("0.32.",)
 CONNECTOR_MODULE = "hybrid_offload.connector"
 
 
@@ -29,7 +30,7 @@ def register() -> None:
 
     current = KVConnectorFactory.supports_hma_config
     if not version_supported(
-        ENTRY_POINT,
+        ENTRY_POINT, VLLM_VERSIONS,
         'kv_connector "MultiConnector" with our module path may start without HMA or be refused',
     ) or is_patched(current):
         return

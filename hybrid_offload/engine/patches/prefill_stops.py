@@ -23,6 +23,7 @@ from typing import Any
 from hybrid_offload.engine.patches import is_patched, mark, version_supported, warn_not_applied
 
 ENTRY_POINT = "hybrid_offload_prefill_stops"
+VLLM_VERSIONS = ("0.32.",)
 _SPLIT_PARAMS = ["self", "request", "num_new_tokens", "num_new_local_computed_tokens",
                  "num_external_computed_tokens"]
 _WITHOUT = "recurrent states are stored only where vLLM ends prefill steps by itself"
@@ -33,7 +34,7 @@ def register() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
 
     current = Scheduler._mamba_block_aligned_split
-    if not version_supported(ENTRY_POINT, _WITHOUT) or is_patched(current):
+    if not version_supported(ENTRY_POINT, VLLM_VERSIONS, _WITHOUT) or is_patched(current):
         return
     params = list(inspect.signature(current).parameters)
     if params != _SPLIT_PARAMS:

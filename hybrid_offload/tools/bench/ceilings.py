@@ -170,8 +170,8 @@ class RawNixl:
     """
 
     def __init__(self, address: str) -> None:
-        from hybrid_offload.backends.nixl_peer import make_agent
         from hybrid_offload.backends.nixl_peer import protocol as p
+        from hybrid_offload.compat import nixl_agent
 
         host, port = address.rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=10) as sock:
@@ -180,7 +180,7 @@ class RawNixl:
         if not isinstance(hello, p.HelloReply):
             raise RuntimeError(f"peer answered {hello!r} to HELLO")
         self.hello = hello
-        self.agent = make_agent(f"bench-raw-{uuid.uuid4().hex}", progress_thread=False)
+        self.agent = nixl_agent(f"bench-raw-{uuid.uuid4().hex}", progress_thread=False)
         self.agent.add_remote_agent(hello.metadata)
 
     def _xfer(self, op: str, local: np.ndarray, remote: np.ndarray) -> None:

@@ -111,7 +111,7 @@ def _entry_config(entry: Any, source: str) -> BackendConfig:
     if not isinstance(entry, dict) or "type" not in entry:
         raise CacheCliError(f"{source}: expected one backend entry (a mapping with a 'type'), got {entry!r}")
     try:
-        return parse_offload_config({"backends": [entry]}).backends[0]
+        return parse_offload_config({"backends": [entry]}).backends[0].backend
     except ConfigError as exc:
         raise CacheCliError(f"{source}: {str(exc).replace(f'{ROOT}.backends[0]', 'backend')}") from exc
 
@@ -122,7 +122,7 @@ def _config_backend(path: Path, name: str) -> BackendConfig:
     from hybrid_offload.tools.cli.serve import load_config_file
 
     config = load_config_file(path)
-    backends = parse_offload_config(config["kv_connector_extra_config"]).backends
+    backends = [t.backend for t in parse_offload_config(config["kv_connector_extra_config"]).backends]
     for backend in backends:
         if backend.name == name:
             return backend

@@ -12,8 +12,6 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from hybrid_offload.compat import UntestedVersionError
-
 logger = logging.getLogger(__name__)
 
 Subparsers = argparse._SubParsersAction  # the object add_subparsers() returns
@@ -257,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         return int(args.handler(args))
-    except (ValueError, UntestedVersionError) as exc:
+    except ValueError as exc:
         logger.error("%s: %s", args.command, exc)
         return 2
 

@@ -61,7 +61,7 @@ class BackendHealth:
             self.skipped += 1
             return False
 
-    def record_failure(self, op: str, exc: BaseException) -> None:
+    def record_failure(self, op: str, exc: object) -> None:
         """Mark down after a failed call; the wait doubles on each consecutive failure."""
         with self._lock:
             self.failures += 1
