@@ -5,10 +5,9 @@ Nothing else in hybrid-offload reaches a private name of those packages (checked
 ``tests/unit/test_import_layers.py``). Each accessor below names what it reaches; :data:`TESTED`
 lists the releases it was checked on, and :func:`check_versions` (called when the connector and
 the cache peer start) refuses other releases with a message naming the package, the installed
-and the tested versions, unless ``HYBRID_OFFLOAD_ALLOW_UNTESTED=1`` (then it warns). Our reading
-of vLLM's Mamba state shapes (``engine/translate.mamba_splits`` inverts
-``MambaStateShapeCalculator``) and the patches of ``engine/patches`` are covered by the same
-vLLM entry.
+and the tested versions, unless ``HYBRID_OFFLOAD_ALLOW_UNTESTED=1`` (then it warns). vLLM's
+Mamba state-shape formula is read here too (:func:`mamba_rank_dims`), and the patches of
+``engine/patches`` compare vLLM versions with :func:`release_in`.
 
 Importing this module imports none of those packages: every accessor imports lazily.
 """
@@ -22,6 +21,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from types import ModuleType
 from typing import Any
@@ -50,10 +50,20 @@ def installed_version(package: str) -> str | None:
     return None
 
 
+def release_in(found: str | None, prefixes: tuple[str, ...]) -> bool:
+    """Whether release ``found`` is one of ``prefixes`` (``"0.32."``: every 0.32.x); None is not."""
+    return found is not None and found.startswith(prefixes)
+
+
+def releases_text(prefixes: tuple[str, ...]) -> str:
+    """``prefixes`` for a message: ``"0.32.x, 0.33.x"``."""
+    return ", ".join(prefix + "x" for prefix in prefixes)
+
+
 def is_tested(package: str, found: str | None = None) -> bool:
     """Whether ``found`` (default: the installed release) is a tested release of ``package``."""
     found = installed_version(package) if found is None else found
-    return found is not None and found.startswith(TESTED[package][1])
+    return release_in(found, TESTED[package][1])
 
 
 def check_versions(*packages: str, what: str = "hybrid-offload") -> None:
@@ -64,7 +74,7 @@ def check_versions(*packages: str, what: str = "hybrid-offload") -> None:
         found = installed_version(package)
         if found is None or is_tested(package, found):
             continue
-        tested = ", ".join(prefix + "x" for prefix in TESTED[package][1])
+        tested = releases_text(TESTED[package][1])
         message = (
             f"{what}: {package} {found} is not a release hybrid-offload was tested with ({tested}); "
             f"it uses private {package} APIs that may have changed. Install a tested release, or set "
@@ -92,11 +102,44 @@ def cpu_attention_isa(dtype: Any, block_size: int, head_size: int) -> Any:
     return _get_attn_isa(dtype, block_size, head_size)
 
 
+#: Mamba layer types whose state shapes :func:`mamba_rank_dims` can read
+MAMBA_TYPES_WITH_DIMS = ("MAMBA2", "GDN_ATTN")
+
+
+@dataclass(frozen=True)
+class MambaRankDims:
+    """One rank's dimensions of a Mamba layer. MAMBA2: SSM heads, head dim, state size, B/C
+    groups; GDN_ATTN: value heads, value dim, key dim, key heads."""
+
+    heads: int
+    head_dim: int
+    state: int
+    groups: int
+
+
+def mamba_rank_dims(mamba_type: str, shapes: tuple[tuple[int, ...], ...]) -> MambaRankDims | None:
+    """This rank's dimensions from its (conv SD, ssm) state shapes; None where the type has no
+    such formula or the shapes do not fit it. Inverts vLLM's
+    ``MambaStateShapeCalculator.mamba2_state_shape`` and ``gated_delta_net_state_shape``
+    (``conv = (kernel - 1, heads * head_dim + 2 * groups * state)``, ``ssm = (heads, head_dim,
+    state)``, counts per rank); checked on vLLM 0.32."""
+    if mamba_type not in MAMBA_TYPES_WITH_DIMS:
+        return None
+    if len(shapes) != 2 or len(shapes[0]) != 2 or len(shapes[1]) != 3:
+        return None
+    (_, conv), (heads, head_dim, state) = shapes
+    groups, rest = divmod(conv - heads * head_dim, 2 * state)
+    if rest or groups < 1:
+        return None
+    return MambaRankDims(heads, head_dim, state, groups)
+
+
 # ---- prometheus_client ----------------------------------------------------------------------
 def registered_collectors(registry: Any) -> dict[Any, set[str]]:
     """Collector -> the metric names it registered (``CollectorRegistry._collector_to_names``;
     prometheus_client 0.26), {} when the registry does not have it."""
-    return dict(getattr(registry, "_collector_to_names", {}))
+    table = getattr(registry, "_collector_to_names", {})
+    return {collector: set(names) for collector, names in list(table.items())}
 
 
 # ---- NIXL -----------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hybrid_offload.compat import mamba_rank_dims
 from hybrid_offload.core.spec import (
     DTYPE_SIZES,
     GroupKind,
@@ -61,42 +62,32 @@ def mamba_splits(
     mamba_type: str, shapes: tuple[tuple[int, ...], ...], shape: ModelShape
 ) -> tuple[TensorSplit, ...]:
     """The TP=1 structure of a Mamba2 or GDN layer's (conv SD, ssm) state from this rank's
-    shapes (vLLM's MambaStateShapeCalculator, inverted); () where it is not known."""
+    shapes (read by :func:`hybrid_offload.compat.mamba_rank_dims`); () where it is not known."""
     t = shape.tp_size
-    if len(shapes) != 2 or len(shapes[0]) != 2 or len(shapes[1]) != 3:
+    dims = mamba_rank_dims(mamba_type, shapes)
+    if dims is None:
         return ()
-    (_, conv_r), (heads_r, d1, d2) = shapes
+    heads = TensorSplit(0, (Component("heads", dims.heads * t, 1),))
     if mamba_type == "MAMBA2":
-        head_dim, state = d1, d2
-        x_r = heads_r * head_dim
-        groups_r, rest = divmod(conv_r - x_r, 2 * state)
-        if rest or groups_r < 1:
-            return ()
-        groups = shape.mamba_n_groups if t > 1 else groups_r  # TP=1: the shapes say it
+        groups = shape.mamba_n_groups if t > 1 else dims.groups  # TP=1: the shapes say it
         if groups is None:
-            if t > 1 and groups_r == 1:
+            if t > 1 and dims.groups == 1:
                 raise ShardLayoutError(
                     "cannot tell the model's Mamba2 group count from its config "
                     f"(none of {_N_GROUPS_KEYS}); needed at tensor_parallel_size={t}"
                 )
-            groups = groups_r * t
+            groups = dims.groups * t
         return (
-            TensorSplit(1, (Component("x", heads_r * t, head_dim), Component("B", groups, state),
-                            Component("C", groups, state))),
-            TensorSplit(0, (Component("heads", heads_r * t, 1),)),
+            TensorSplit(1, (Component("x", dims.heads * t, dims.head_dim),
+                            Component("B", groups, dims.state), Component("C", groups, dims.state))),
+            heads,
         )
-    if mamba_type == "GDN_ATTN":
-        v_dim, k_dim = d1, d2
-        key_r, rest = divmod(conv_r - heads_r * v_dim, 2)
-        if rest or key_r % k_dim:
-            return ()
-        k_heads = key_r // k_dim * t
-        return (
-            TensorSplit(1, (Component("q", k_heads, k_dim), Component("k", k_heads, k_dim),
-                            Component("v", heads_r * t, v_dim))),
-            TensorSplit(0, (Component("heads", heads_r * t, 1),)),
-        )
-    return ()
+    k_heads = dims.groups * t  # GDN_ATTN: key heads of key dim (state), value heads of value dim
+    return (
+        TensorSplit(1, (Component("q", k_heads, dims.state), Component("k", k_heads, dims.state),
+                        Component("v", dims.heads * t, dims.head_dim))),
+        heads,
+    )
 
 
 def _group_from_vllm(index: int, group: Any, shape: ModelShape | None = None) -> GroupSpec:

