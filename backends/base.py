@@ -4,12 +4,6 @@ A backend stores opaque, self-describing page bytes (see ``hybrid_offload.core.p
 under keys made by the planner. It never interprets page bytes: verification happens in the
 page decoder of whoever reads them.
 
-A backend implements ``_put_batch``, ``_get_batch``, ``_contains_batch``, ``_delete_batch``,
-``_used_bytes`` and ``close`` (optionally ``_get_into``, ``_touch_batch``, ``scan``, ...): the
-public methods check keys, buffer lengths and that the backend is open, then call them (a class
-named by ``type: "pkg.mod:Class"`` implements the same). It sets ``self._closed = True`` in
-``close()``.
-
 Contract (every backend, checked by ``tests/contract``):
 
 * **Keys** are ASCII strings matching :data:`KEY_PATTERN` (lowercase hex, ``-`` separated
@@ -44,11 +38,22 @@ Contract (every backend, checked by ``tests/contract``):
 * **Listing (optional).** ``scan(prefix)`` yields a :class:`PageInfo` per stored page whose key
   starts with ``prefix`` (for tools such as ``hybrid-offload cache``; the connector never calls
   it). Backends that cannot list raise ``NotImplementedError``. See :meth:`Backend.scan`.
+
+Implementing a backend (a built-in type, or a user's ``type: "pkg.mod:Class"``): subclass
+:class:`Backend`. Its public methods check the keys (or prefix, or buffer lengths) and that the
+backend is open, once, then call the method of the same name with a leading ``_``. A subclass
+implements ``_put_batch``, ``_get_batch``, ``_contains_batch``, ``_delete_batch``,
+``_used_bytes`` and ``_close`` (run by the first ``close()`` only), and where the defaults do
+not fit ``_get_into``, ``_get_prefix``, ``_touch_batch``, ``_scan``, ``take_evicted`` and
+``prepare_data_path``. One with a lock of its own calls ``_check_open()`` again under it where
+a call racing ``close()`` must not go on. Backends keeping their own index of pages use
+:class:`~.lru_index.LruIndex`.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -159,7 +164,8 @@ class Backend(ABC):
     def __init__(self, config: BackendConfig) -> None:
         self.config = config
         self.stats = BackendStats()
-        self._closed = False
+        self._closed = False  # set once by close()
+        self._close_lock = threading.Lock()
 
     @classmethod
     def validate_options(cls, options: dict[str, Any]) -> dict[str, Any]:
@@ -180,13 +186,7 @@ class Backend(ABC):
     def capacity_bytes(self) -> int:
         return self.config.capacity_bytes
 
-    def _check_open(self) -> None:
-        """Raise :class:`BackendClosedError` after ``close()`` (subclasses set ``_closed``;
-        those that close concurrently with calls check again under their lock)."""
-        if self._closed:
-            raise BackendClosedError(f"{self.type_name} backend {self.name!r} is closed")
-
-    # -- the public calls: contract checks here, the work in the ``_`` methods ---------------
+    # -- the public methods: contract checks once, then the subclass's ``_`` method ----------
 
     def put_batch(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
         """Store pages; per item True if stored, False if refused (too large, backend full)."""
@@ -212,6 +212,19 @@ class Backend(ABC):
         self._check_open()
         return self._get_into(keys, buffers)
 
+    def get_prefix(self, keys: Sequence[str], nbytes: int, sizes: Sequence[int]) -> list[bytes | None]:
+        """The first ``nbytes`` bytes of each page (all of a shorter one), or None for a miss.
+
+        For tools that read page headers only (``hybrid-offload cache stats``); ``sizes`` are
+        the pages' sizes as :meth:`scan` listed them. Optional (see :meth:`_get_prefix`). Does
+        not need to refresh recency.
+        """
+        if len(keys) != len(sizes) or nbytes < 1:
+            raise ValueError("get_prefix: keys and sizes differ in length, or nbytes < 1")
+        check_keys(keys)
+        self._check_open()
+        return self._get_prefix(keys, nbytes, sizes)
+
     def contains_batch(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is stored now (a later get may still miss after eviction)."""
         check_keys(keys)
@@ -226,7 +239,8 @@ class Backend(ABC):
 
     def touch_batch(self, keys: Sequence[str]) -> None:
         """Make each stored key in ``keys`` the most recently used, in order (the last key ends
-        most recent), without reading it; keys not stored are ignored."""
+        most recent), without reading it; keys not stored are ignored. Optional (see
+        :meth:`_touch_batch`)."""
         check_keys(keys)
         self._check_open()
         self._touch_batch(keys)
@@ -236,82 +250,12 @@ class Backend(ABC):
         self._check_open()
         return self._used_bytes()
 
-    # -- what a backend implements (keys are checked and the backend open) -----------------
-
-    @abstractmethod
-    def _put_batch(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
-        """See :meth:`put_batch`."""
-
-    @abstractmethod
-    def _get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
-        """See :meth:`get_batch`."""
-
-    def _get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
-        """See :meth:`get_into`; the default copies what :meth:`_get_batch` returns."""
-        sizes: list[int | None] = []
-        for data, buf in zip(self._get_batch(keys), buffers, strict=True):
-            view = memoryview(buf).cast("B")
-            if data is None or len(data) > view.nbytes:
-                sizes.append(None)
-                continue
-            view[: len(data)] = data
-            sizes.append(len(data))
-        return sizes
-
-    @abstractmethod
-    def _contains_batch(self, keys: Sequence[str]) -> list[bool]:
-        """See :meth:`contains_batch`."""
-
-    @abstractmethod
-    def _delete_batch(self, keys: Sequence[str]) -> int:
-        """See :meth:`delete_batch`."""
-
-    @abstractmethod
-    def _used_bytes(self) -> int:
-        """See :meth:`used_bytes`."""
-
-    def _touch_batch(self, keys: Sequence[str]) -> None:
-        """See :meth:`touch_batch`. Optional: the default does nothing (``touch_refreshes = False``)."""
-        return
-
-    # -- the rest --------------------------------------------------------------------------
-
-    def get_prefix(self, keys: Sequence[str], nbytes: int, sizes: Sequence[int]) -> list[bytes | None]:
-        """The first ``nbytes`` bytes of each page (all of a shorter one), or None for a miss.
-
-        For tools that read page headers only (``hybrid-offload cache stats``); ``sizes`` are
-        the pages' sizes as :meth:`scan` listed them. Optional: backends that can read a byte
-        range read only those bytes (redis: GETRANGE); the default reads each whole page into a
-        buffer of its listed size with :meth:`get_into` (a page now larger is a miss), so
-        memory is bounded by ``sum(sizes)``. Does not need to refresh recency.
-        """
-        if len(keys) != len(sizes) or nbytes < 1:
-            raise ValueError("get_prefix: keys and sizes differ in length, or nbytes < 1")
-        buffers = [memoryview(bytearray(size)) for size in sizes]
-        got = self.get_into(keys, buffers)
-        return [
-            None if n is None else bytes(buf[: min(n, nbytes)]) for n, buf in zip(got, buffers, strict=True)
-        ]
-
-    def prepare_data_path(self) -> None:
-        """Do one-time data-path setup now rather than in the first put or get (e.g. register
-        transfer memory, handshake with servers). Called once by the connector's worker on a
-        background thread; may block; a :class:`BackendError` is logged there, never fatal."""
-        return  # most backends have nothing to set up
-
-    def take_evicted(self) -> list[str]:
-        """Keys evicted or deleted since the last call (for index mirrors; may be empty).
-
-        Backends with ``shared_index = False`` must implement it: the connector forwards these
-        keys to the scheduler process so its mirror of this backend's index stays exact.
-        """
-        return []
-
     def scan(self, prefix: str = "") -> Iterator[PageInfo]:
         """Yield a :class:`PageInfo` for every page whose key starts with ``prefix``.
 
-        Optional: the default raises ``NotImplementedError`` naming the backend type. Used by
-        maintenance tools (``hybrid-offload cache``), never by the connector.
+        Optional (see :meth:`_scan`). Used by maintenance tools (``hybrid-offload cache``),
+        never by the connector. A generator: every error, the checks' included, surfaces
+        from ``next()``.
 
         * **Prefix.** ``prefix`` must match :data:`KEY_PREFIX_PATTERN` (e.g. a fingerprint, or
           ``"<fingerprint>-"``), else :class:`InvalidKeyError` is raised before any I/O.
@@ -327,13 +271,101 @@ class Backend(ABC):
           Errors surface from ``next()``: :class:`BackendUnavailableError` when the medium or a
           server fails, :class:`BackendClosedError` after ``close()``.
         """
+        check_prefix(prefix)
+        self._check_open()
+        yield from self._scan(prefix)
+
+    def close(self) -> None:
+        """Release resources; idempotent (only the first call runs :meth:`_close`); bounded in
+        time. Every later call of the methods above raises :class:`BackendClosedError`."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._close()
+
+    def _check_open(self) -> None:
+        """Raise :class:`BackendClosedError` once :meth:`close` has begun (subclasses call it
+        again under their own lock where a call racing ``close()`` must not go on)."""
+        if self._closed:
+            raise BackendClosedError(f"{self.type_name} backend {self.name!r} is closed")
+
+    # -- what a subclass implements (keys checked, ``close()`` not called yet) --------------
+
+    @abstractmethod
+    def _put_batch(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
+        """:meth:`put_batch`."""
+
+    @abstractmethod
+    def _get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
+        """:meth:`get_batch`."""
+
+    def _get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+        """:meth:`get_into` (``keys`` and ``buffers`` of equal length). The default copies
+        from :meth:`_get_batch`."""
+        sizes: list[int | None] = []
+        for data, buf in zip(self._get_batch(keys), buffers, strict=True):
+            view = memoryview(buf).cast("B")
+            if data is None or len(data) > view.nbytes:
+                sizes.append(None)
+                continue
+            view[: len(data)] = data
+            sizes.append(len(data))
+        return sizes
+
+    def _get_prefix(self, keys: Sequence[str], nbytes: int, sizes: Sequence[int]) -> list[bytes | None]:
+        """:meth:`get_prefix` (arguments checked). Backends that can read a byte range read
+        only those bytes (redis: GETRANGE); the default reads each whole page into a buffer of
+        its listed size with :meth:`_get_into` (a page now larger is a miss), so memory is
+        bounded by ``sum(sizes)``."""
+        buffers = [memoryview(bytearray(size)) for size in sizes]
+        got = self._get_into(keys, buffers)
+        return [
+            None if n is None else bytes(buf[: min(n, nbytes)]) for n, buf in zip(got, buffers, strict=True)
+        ]
+
+    @abstractmethod
+    def _contains_batch(self, keys: Sequence[str]) -> list[bool]:
+        """:meth:`contains_batch`."""
+
+    @abstractmethod
+    def _delete_batch(self, keys: Sequence[str]) -> int:
+        """:meth:`delete_batch`."""
+
+    def _touch_batch(self, keys: Sequence[str]) -> None:
+        """:meth:`touch_batch`; the default does nothing (``touch_refreshes = False``)."""
+        return
+
+    @abstractmethod
+    def _used_bytes(self) -> int:
+        """:meth:`used_bytes`."""
+
+    def _scan(self, prefix: str) -> Iterator[PageInfo]:
+        """:meth:`scan` (the prefix checked); the default raises ``NotImplementedError``
+        naming the backend type (backends that cannot list)."""
         raise NotImplementedError(
             f"backend type {self.type_name!r} ({type(self).__name__}) cannot list its pages"
         )
 
     @abstractmethod
-    def close(self) -> None:
-        """Release resources; idempotent; bounded in time."""
+    def _close(self) -> None:
+        """:meth:`close`, run once; later calls of the public methods already raise."""
+
+    # -- optional, called as they are ----------------------------------------------------------
+
+    def prepare_data_path(self) -> None:
+        """Do one-time data-path setup now rather than in the first put or get (e.g. register
+        transfer memory, handshake with servers). Called once by the connector's worker on a
+        background thread; may block; a :class:`BackendError` is logged there, never fatal."""
+        return  # most backends have nothing to set up
+
+    def take_evicted(self) -> list[str]:
+        """Keys evicted or deleted since the last call (for index mirrors; may be empty).
+
+        Backends with ``shared_index = False`` must implement it: the connector forwards these
+        keys to the scheduler process so its mirror of this backend's index stays exact.
+        """
+        return []
 
     def __enter__(self) -> Backend:
         return self

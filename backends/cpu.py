@@ -7,7 +7,7 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
 
 * **Visibility.** ``shared_index = False``: the pool lives in the worker process, so the
   scheduler process cannot see it. The connector mirrors the index from worker reports; this
-  backend reports every key it evicts or deletes through :meth:`CpuBackend.take_evicted`.
+  backend reports every key it evicts or deletes through ``take_evicted`` (:mod:`.local_index`).
   A key may be reported after it was put again (evict, then re-put before the next
   ``take_evicted``): the mirror then forgets a page that is stored, which only costs a hit,
   never a wrong load.
@@ -23,60 +23,38 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
-from .base import Backend, BackendConfig, Buffer, PageInfo, check_prefix
-from .lru_index import LruIndex
+from .base import BackendConfig, Buffer, PageInfo
+from .local_index import LocalIndexBackend
 
 __all__ = ["CpuBackend"]
 
 
-class CpuBackend(Backend):
+class CpuBackend(LocalIndexBackend[bytes]):
     """LRU page pool in this process's memory (see the module docstring)."""
 
     type_name: ClassVar[str] = "cpu"
-    shared_index: ClassVar[bool] = False
     hit_source: ClassVar[str] = "host"
-    touch_refreshes: ClassVar[bool] = True
     option_defaults: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, config: BackendConfig) -> None:
         super().__init__(config)
         self.validate_options(dict(config.options))
-        self._lock = threading.Lock()
-        self._pages: LruIndex[bytes] = LruIndex()  # LRU first, MRU last
-        self._evicted: list[str] = []
-        self._closed = False
-
-    # -- helpers (call with the lock held) -------------------------------------------------
-
-    def _make_room(self, size: int) -> None:
-        """Evict least recently used pages until ``size`` more bytes fit."""
-        while self._pages.used + size > self.capacity_bytes:
-            victim = self._pages.pop_victim()
-            if victim is None:
-                return
-            self._evicted.append(victim[0])
-            self.stats.evictions += 1
-            self.stats.evicted_bytes += victim[1].size
-
-    # -- Backend API -----------------------------------------------------------------------
 
     def _put_batch(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
         copies = [(key, bytes(buf)) for key, buf in items]  # copy outside the lock
         results: list[bool] = []
         with self._lock:
-            self._check_open()
+            self._check_open()  # close() may have emptied the pool meanwhile
             for key, data in copies:
-                if len(data) > self.capacity_bytes:
+                evicted = self._pages.put(key, len(data), data)
+                if evicted is None:
                     self.stats.put_refused += 1
                     results.append(False)
                     continue
-                self._pages.pop(key)  # a re-put replaces, without counting as an eviction
-                self._make_room(len(data))
-                self._pages.put(key, len(data), data)
+                self._record_evictions(evicted)
                 self.stats.puts += 1
                 self.stats.put_bytes += len(data)
                 results.append(True)
@@ -85,9 +63,8 @@ class CpuBackend(Backend):
     def _get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
         results: list[bytes | None] = []
         with self._lock:
-            self._check_open()
             for key in keys:
-                entry = self._pages.get(key)
+                entry = self._pages.touch(key)
                 if entry is not None:
                     self.stats.hits += 1
                     self.stats.get_bytes += entry.size
@@ -95,51 +72,18 @@ class CpuBackend(Backend):
             self.stats.gets += len(keys)
         return results
 
-    def _contains_batch(self, keys: Sequence[str]) -> list[bool]:
-        """Whether each key is stored; does not refresh recency."""
-        with self._lock:
-            self._check_open()
-            return self._pages.contains(keys)
-
-    def _touch_batch(self, keys: Sequence[str]) -> None:
-        with self._lock:
-            self._check_open()
-            self._pages.touch_all(keys)
-
     def _delete_batch(self, keys: Sequence[str]) -> int:
-        deleted = 0
         with self._lock:
-            self._check_open()
-            for key in keys:
-                if self._pages.pop(key) is not None:
-                    self._evicted.append(key)
-                    deleted += 1
-        return deleted
+            return sum(self._forget(key) for key in keys)
 
-    def _used_bytes(self) -> int:
-        with self._lock:
-            self._check_open()
-            return self._pages.used
-
-    def scan(self, prefix: str = "") -> Iterator[PageInfo]:
+    def _scan(self, prefix: str) -> Iterator[PageInfo]:
         """The pages stored when the scan starts (a snapshot of keys and sizes; no times)."""
-        check_prefix(prefix)
         with self._lock:
-            self._check_open()
-            listed = [(key, entry.size) for key, entry in self._pages.items() if key.startswith(prefix)]
+            listed = [(key, size) for key, size in self._pages.sizes() if key.startswith(prefix)]
         for key, size in listed:
             yield PageInfo(key, size, None)
 
-    def take_evicted(self) -> list[str]:
-        """Keys evicted or deleted since the last call, oldest first."""
+    def _close(self) -> None:
+        """Drop all pages; never blocks beyond the lock."""
         with self._lock:
-            self._check_open()
-            evicted, self._evicted = self._evicted, []
-        return evicted
-
-    def close(self) -> None:
-        """Drop all pages; idempotent, never blocks beyond the lock."""
-        with self._lock:
-            self._closed = True
-            self._pages.clear()
-            self._evicted = []
+            self._clear_index()

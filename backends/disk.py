@@ -69,8 +69,6 @@ from .base import (
     BackendUnavailableError,
     Buffer,
     PageInfo,
-    check_keys,
-    check_prefix,
 )
 from .disk_files import (
     counted_size,
@@ -141,11 +139,10 @@ class DiskBackend(Backend):
         self._io_threads: int = opts["io_threads"]
         self._touch_on_read = touch_on_read
         self._lock = threading.RLock()
-        self._index: LruIndex[None] = LruIndex()  # this process's pages, LRU first
+        self._index: LruIndex[None] = LruIndex(self.capacity_bytes)  # bounds the shared total
         self._empty_root: tuple[int, int] | None = None  # (dev, ino) of a root counted empty
         self._pool: ThreadPoolExecutor | None = None
         self._logged: set[tuple[str, int | None]] = set()
-        self._closed = False
         check_writable_root(self._root, self.name)
         try:
             with locked_usage(self._root) as usage, self._lock:
@@ -170,7 +167,7 @@ class DiskBackend(Backend):
         self._index.clear()
         for _, key, size in pages:
             if key != skip:
-                self._index.put(key, size)
+                self._index.insert(key, size, None)
         usage.total = sum(size for _, _, size in pages)
         usage.write(usage.total)
         self._empty_root = None if usage.exists else usage.root_id
@@ -256,7 +253,7 @@ class DiskBackend(Backend):
             with self._lock:
                 for key in keys:
                     if key in self._index and not self._exists(key):
-                        self._index.pop(key)
+                        self._index.remove(key)
 
     def _page_size(self, key: str) -> int:
         """Bytes the key's page file counts in the shared total (0: none, or not a page)."""
@@ -298,15 +295,14 @@ class DiskBackend(Backend):
         recounted = self._known_total(usage, skip)
         assert usage.total is not None
         while usage.total + incoming > self.capacity_bytes:
-            victim = self._index.pop_victim()
+            victim = self._index.evict()
             if victim is None:
                 if recounted:
                     return False
                 self._recount(usage, skip)  # pages other processes wrote
                 recounted = True
                 continue
-            key = victim[0]
-            freed = self._unlink_page(key, "evict")
+            freed = self._unlink_page(victim.key, "evict")
             if freed is not None:
                 usage.total = max(0, usage.total - freed)
                 self.stats.evictions += 1
@@ -345,7 +341,7 @@ class DiskBackend(Backend):
 
     def _commit(self, key: str, tmp: str, size: int, usage: UsageRecord) -> bool:
         """Evict for room, then rename the temp file onto the page (both locks held)."""
-        indexed = self._index.pop(key)
+        indexed = self._index.remove(key)
         final = self._paths(key)[1]
         old = self._page_size(key)  # the page replaced: its bytes leave the total
         if not self._make_room(usage, size - old, skip=key):
@@ -368,7 +364,7 @@ class DiskBackend(Backend):
             return False
         usage.total += size - old
         usage.pending -= size
-        self._index.put(key, size)
+        self._index.insert(key, size, None)
         self.stats.puts += 1
         self.stats.put_bytes += size
         return True
@@ -476,8 +472,6 @@ class DiskBackend(Backend):
         self, keys: Sequence[str], buffers: Sequence[memoryview | None]
     ) -> list[bytes | int | None]:
         """Read pages, count them, refresh hits' recency, forget pages deleted elsewhere."""
-        check_keys(keys)
-        self._check_open()
         self._check_root()
         outcomes = self._map(self._read, list(zip(keys, buffers, strict=True)))
         with self._lock:
@@ -500,15 +494,11 @@ class DiskBackend(Backend):
         found = self._read_batch(keys, [memoryview(buf).cast("B") for buf in buffers])
         return [got if isinstance(got, int) else None for got in found]
 
-    def get_prefix(self, keys: Sequence[str], nbytes: int, sizes: Sequence[int]) -> list[bytes | None]:
+    def _get_prefix(self, keys: Sequence[str], nbytes: int, sizes: Sequence[int]) -> list[bytes | None]:
         """The first ``nbytes`` of each page (``pread``: only those bytes are read), or None for
         a miss; opened like a get (no link followed, untrusted files are misses); no recency
         refresh, not counted as gets; ``sizes`` are not needed."""
-        check_keys(keys)
-        self._check_open()
         self._check_root()
-        if len(keys) != len(sizes) or nbytes < 1:
-            raise ValueError("get_prefix: keys and sizes differ in length, or nbytes < 1")
         outcomes = self._map(self._read, [(key, nbytes) for key in keys])
         self._fail_if_medium_gone(outcomes, os.R_OK | os.X_OK)
         return [got if isinstance(got, bytes) else None for got in outcomes]
@@ -549,7 +539,7 @@ class DiskBackend(Backend):
             with self._lock:
                 self._check_open()
                 for key in keys:
-                    self._index.pop(key)
+                    self._index.remove(key)
             return 0
         except OSError as exc:  # the record could not be opened or written
             self._note_error("delete", os.path.join(self._root, ".usage"), exc)
@@ -561,7 +551,7 @@ class DiskBackend(Backend):
         assert usage.total is not None
         deleted = 0
         for key in keys:
-            self._index.pop(key)
+            self._index.remove(key)
             freed = self._unlink_page(key, "delete")
             if freed is not None:
                 deleted += 1
@@ -571,14 +561,11 @@ class DiskBackend(Backend):
 
     def _used_bytes(self) -> int:
         with self._lock:
-            self._check_open()
             return self._index.used
 
-    def scan(self, prefix: str = "") -> Iterator[PageInfo]:
+    def _scan(self, prefix: str) -> Iterator[PageInfo]:
         """Every page file under ``path`` whose key starts with ``prefix``, also those other
         processes wrote; ``mtime`` is the file's (last put or get). Temp files are skipped."""
-        check_prefix(prefix)
-        self._check_open()
         if not os.path.isdir(self._root):
             raise BackendUnavailableError(f"disk backend {self.name!r}: {self._root!r} is gone")
         try:
@@ -587,12 +574,9 @@ class DiskBackend(Backend):
         except OSError as exc:
             raise BackendUnavailableError(f"disk backend {self.name!r}: scan failed: {exc}") from exc
 
-    def close(self) -> None:
-        """Stop the I/O pool (waits for in-flight page I/O); pages stay on disk. Idempotent."""
+    def _close(self) -> None:
+        """Stop the I/O pool (waits for in-flight page I/O); pages stay on disk."""
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
             pool, self._pool = self._pool, None
             self._index.clear()
         if pool is not None:

@@ -31,7 +31,8 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
 * **Index, capacity and LRU are client side.** LMCache's connectors enforce no capacity and keep
   no LRU, and its Redis connector cannot delete (``RemoteConnector.remove_sync`` raises
   ``NotImplementedError``) or list keys. So each instance keeps an index (key -> size, LRU order
-  by last put/get) and enforces ``capacity_bytes`` over it, exactly as the ``cpu`` pool does. A
+  by last put/get) and enforces ``capacity_bytes`` over it, as the ``cpu`` pool does
+  (:mod:`.local_index`). A
   deleted or evicted page is removed through ``remove_sync`` where the connector has it (fs),
   otherwise overwritten with a 24-byte tombstone envelope (Redis): its page bytes are freed, but
   the two small Redis keys of a tombstone stay until they expire (``ttl_s``) or the key is put
@@ -42,11 +43,12 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
   :mod:`hybrid_offload.backends.lmcache_expiry`; other remotes grow (a warning at start-up).
 * **Visibility.** ``shared_index = False``: the index lives in this process (another process
   cannot tell a tombstone from a page without reading it, nor learn sizes or recency), so the
-  connector mirrors it from :meth:`LMCacheBackend.take_evicted`. Pages do not survive a restart
-  from this backend's point of view (the Redis connector cannot list keys): a new instance starts
-  empty. ``contains_batch`` answers from the index without I/O; ``get_batch`` does I/O only for
-  indexed keys. A page the remote lost (Redis eviction, flush) is dropped from the index on the
-  get that finds it gone and reported by ``take_evicted``.
+  connector mirrors it from ``take_evicted`` (keys evicted, deleted, lost by the remote or whose
+  put failed, oldest first). Pages do not survive a restart from this backend's point of view
+  (the Redis connector cannot list keys): a new instance starts empty. ``contains_batch``
+  answers from the index without I/O; ``get_batch`` does I/O only for indexed keys. A page the
+  remote lost (Redis eviction, flush) is dropped from the index on the get that finds it gone
+  and reported by ``take_evicted``.
 * **Threading / blocking.** One lock per instance is held for a whole batch call, I/O included,
   so this process never has two writes of one key in flight (LMCache's Redis connector writes its
   two keys non-atomically). Within a call, all keys go to LMCache at once (one ``put``/``get``
@@ -84,7 +86,6 @@ from urllib.parse import urlsplit
 import xxhash
 
 from .base import (
-    Backend,
     BackendConfig,
     BackendConfigError,
     BackendUnavailableError,
@@ -92,7 +93,7 @@ from .base import (
 )
 from .lmcache_expiry import EXPIRY_SCHEMES, make_expiry
 from .lmcache_options import OPTION_DEFAULTS, check_remote_url, validate_lmcache_options
-from .lru_index import LruIndex
+from .local_index import LocalIndexBackend
 
 # LMCache's loggers attach opentelemetry-sdk's deprecated LoggingHandler (one warning each).
 with warnings.catch_warnings():
@@ -177,12 +178,10 @@ def _byte_view(obj: Any) -> memoryview:
     return view.cast("B") if view.format != "B" else view
 
 
-class LMCacheBackend(Backend):
+class LMCacheBackend(LocalIndexBackend[None]):
     """Pages through LMCache's remote connectors (see the module docstring)."""
 
     type_name: ClassVar[str] = "lmcache"
-    shared_index: ClassVar[bool] = False
-    touch_refreshes: ClassVar[bool] = True
     option_defaults: ClassVar[dict[str, Any]] = dict(OPTION_DEFAULTS)
 
     @classmethod
@@ -197,10 +196,6 @@ class LMCacheBackend(Backend):
         self._namespace = options["namespace"]
         self._url = check_remote_url(options["remote_url"], self._op_timeout)
         self._expiry = make_expiry(self._url, options["ttl_s"], self._namespace)
-        self._lock = threading.Lock()
-        self._pages: LruIndex[None] = LruIndex()  # key -> size, LRU first
-        self._evicted: list[str] = []
-        self._closed = False
         self._can_remove = True  # until the connector says NotImplementedError
 
         self._lm_config = LMCacheEngineConfig.from_defaults(
@@ -385,10 +380,6 @@ class LMCacheBackend(Backend):
         logger.warning("lmcache backend %r: page %s is not valid (%s): miss", self.name, key, why)
         return None
 
-    def _forget(self, key: str) -> None:
-        if self._pages.pop(key) is not None:
-            self._evicted.append(key)
-
     async def _gather(self, jobs: list[Awaitable[Any]]) -> list[Any]:
         return await asyncio.gather(*jobs, return_exceptions=True)
 
@@ -440,29 +431,25 @@ class LMCacheBackend(Backend):
     def _put_batch(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
         results: list[bool] = []
         with self._lock:
-            self._check_open()
-            before = set(self._pages.keys())
+            self._check_open()  # close() may have run while this call waited for the lock
+            before = set(self._pages)
             latest: dict[str, Buffer] = {}
             evicted: list[str] = []
             stored_sizes: list[int] = []
             for key, buf in items:  # plan on the index, in input order (like the cpu pool)
                 size = memoryview(buf).nbytes
-                if size > self.capacity_bytes:
+                victims = self._pages.put(key, size, None)
+                if victims is None:
                     self.stats.put_refused += 1
                     results.append(False)
                     continue
-                self._pages.pop(key)
-                while self._pages.used + size > self.capacity_bytes:
-                    victim, gone = self._pages.pop_victim()  # type: ignore[misc]  # used > 0
-                    latest.pop(victim, None)
-                    evicted.append(victim)
-                    self.stats.evictions += 1
-                    self.stats.evicted_bytes += gone.size
-                self._pages.put(key, size)
+                for victim in victims:
+                    latest.pop(victim.key, None)
+                    evicted.append(victim.key)
+                self._record_evictions(victims)
                 latest[key] = buf
                 stored_sizes.append(size)
                 results.append(True)
-            self._evicted.extend(evicted)
             # Free what was stored before this call and is gone now; write the survivors.
             stale = [key for key in dict.fromkeys(evicted) if key in before and key not in latest]
             try:
@@ -503,7 +490,7 @@ class LMCacheBackend(Backend):
                     else:
                         data = self._unwrap(key, result)
                     found[key] = data
-                    entry = self._pages.get(key)  # an access: refreshes recency
+                    entry = self._pages.touch(key)
                     if data is None or entry is None or len(data) != entry.size:
                         found[key] = None
                         self._forget(key)  # the remote lost it (or holds another version)
@@ -515,18 +502,6 @@ class LMCacheBackend(Backend):
                     self.stats.get_bytes += len(data)
         return results
 
-    def _contains_batch(self, keys: Sequence[str]) -> list[bool]:
-        """From this instance's index, without I/O; does not refresh recency."""
-        with self._lock:
-            self._check_open()
-            return self._pages.contains(keys)
-
-    def _touch_batch(self, keys: Sequence[str]) -> None:
-        """Refresh the client-side LRU index, in order (no remote I/O)."""
-        with self._lock:
-            self._check_open()
-            self._pages.touch_all(keys)
-
     def _delete_batch(self, keys: Sequence[str]) -> int:
         with self._lock:
             self._check_open()
@@ -536,27 +511,11 @@ class LMCacheBackend(Backend):
             self._remove_remote(present)
             return len(present)
 
-    def _used_bytes(self) -> int:
-        with self._lock:
-            self._check_open()
-            return self._pages.used
-
-    def take_evicted(self) -> list[str]:
-        """Keys evicted, deleted, lost by the remote or whose put failed, oldest first."""
-        with self._lock:
-            self._check_open()
-            evicted, self._evicted = self._evicted, []
-        return evicted
-
-    def close(self) -> None:
-        """Close LMCache's connector, waiting at most ``close_timeout_s``; idempotent."""
+    def _close(self) -> None:
+        """Close LMCache's connector, waiting at most ``close_timeout_s``."""
         locked = self._lock.acquire(timeout=self._close_timeout)  # a call in flight ends by then
         try:
-            if self._closed:
-                return
-            self._closed = True
-            self._pages.clear()
-            self._evicted = []
+            self._clear_index()
             connector, self._connector = self._connector, None
         finally:
             if locked:

@@ -1,116 +1,197 @@
-"""One page index for the backends that keep theirs in memory: cpu, disk, lmcache, the cache peer.
+"""The one index of stored pages that backends keeping their own bookkeeping share.
 
-:class:`LruIndex` maps keys to sizes (and an optional value: the cpu pool keeps the page bytes,
-the peer its extent), counts the bytes held and keeps the pages in eviction order: the first is
-the next victim. What an access does to that order is the :class:`EvictionPolicy`'s business:
-:class:`Lru` (the default, and what the backends use) makes an accessed page the most recently
-used, :class:`Fifo` leaves the order as put. Capacity stays with the backend (the disk backend
-counts bytes across processes): it asks for victims until what it needs fits.
+:class:`LruIndex` maps keys to a size and a value, counts the bytes used against a capacity,
+keeps recency, and makes room by evicting the entries a pluggable :class:`EvictionPolicy`
+names first (:class:`LruPolicy`, least recently used, by default). Used by the ``cpu`` pool
+(value: the page bytes), ``disk`` and ``lmcache`` (no value) and the cache peer's pool
+(value: the page's extent). Redis keeps its index on the server (:mod:`.redis_index`).
 
-Not thread-safe: every backend holds its own lock around its index.
+* **Sizes** are what the capacity counts (page bytes). ``used`` is their sum.
+* **Recency.** :meth:`LruIndex.insert` and :meth:`LruIndex.put` make a key the most recent,
+  :meth:`LruIndex.touch` refreshes one; :meth:`LruIndex.get` and listing do not.
+* **Making room.** :meth:`LruIndex.make_room` evicts until ``used + nbytes <= capacity`` or no
+  eligible entry is left; an ``eligible`` predicate skips entries that must stay (the peer's
+  pinned pages). :meth:`LruIndex.put` refuses (None, nothing changes) a page larger than the
+  capacity. Evicted and replaced entries are returned to the caller, who frees what they hold.
+* **Threading.** Not thread-safe: each backend calls it under its own lock.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Generic, NamedTuple, TypeVar
+
+__all__ = ["Entry", "EvictionPolicy", "LruIndex", "LruPolicy"]
 
 V = TypeVar("V")
 
 
-class EvictionPolicy(Protocol):
-    """Decides the eviction order; the index evicts from the front of ``order``."""
+class Entry(NamedTuple, Generic[V]):
+    """One indexed page: its key, its size in bytes, the caller's value."""
 
-    def on_access(self, order: OrderedDict[str, Any], key: str) -> None:
-        """``key`` (present in ``order``) was read or touched."""
-
-
-class Lru:
-    """Least recently used first: an access moves the page to the back."""
-
-    def on_access(self, order: OrderedDict[str, Any], key: str) -> None:
-        order.move_to_end(key)
-
-
-class Fifo:
-    """First put, first evicted: accesses change nothing (a re-put still counts as new)."""
-
-    def on_access(self, order: OrderedDict[str, Any], key: str) -> None:
-        return
-
-
-@dataclass
-class Entry(Generic[V]):
+    key: str
     size: int
     value: V
 
 
-class LruIndex(Generic[V]):
-    """Key -> (size, value) in eviction order, and the bytes held (see the module docstring)."""
+class EvictionPolicy(ABC):
+    """Which entries of one :class:`LruIndex` to evict first.
 
-    def __init__(self, policy: EvictionPolicy | None = None) -> None:
-        self._policy = policy or Lru()
-        self._entries: OrderedDict[str, Entry[V]] = OrderedDict()
-        self.used = 0
+    Contract: the index reports every key that enters (:meth:`added`; only keys not held, so a
+    replaced key is :meth:`removed` first), is used (:meth:`used`: a hit or a touch) or leaves
+    (:meth:`removed`, or :meth:`clear` for all). :meth:`order` yields each held key exactly
+    once, the first to evict first; the index does not change while it iterates and starts a
+    new iteration for each victim. A policy serves one index and is called under its lock.
+    """
 
-    def __len__(self) -> int:
-        return len(self._entries)
+    @abstractmethod
+    def added(self, key: str) -> None:
+        """``key`` entered the index."""
 
-    def __contains__(self, key: object) -> bool:
-        return key in self._entries
+    @abstractmethod
+    def used(self, key: str) -> None:
+        """``key`` was read or touched."""
 
-    def put(self, key: str, size: int, value: V = None) -> None:  # type: ignore[assignment]
-        """Add ``key`` as the newest page, replacing (not evicting) an entry of the same key."""
-        self.pop(key)
-        self._entries[key] = Entry(size, value)
-        self.used += size
+    @abstractmethod
+    def removed(self, key: str) -> None:
+        """``key`` left the index (evicted, deleted or about to be replaced)."""
 
-    def get(self, key: str, *, access: bool = True) -> Entry[V] | None:
-        """``key``'s entry (None if absent); an access tells the policy unless ``access=False``."""
-        entry = self._entries.get(key)
-        if entry is not None and access:
-            self._policy.on_access(self._entries, key)
-        return entry
+    @abstractmethod
+    def clear(self) -> None:
+        """Every key left the index."""
 
-    def touch(self, key: str) -> bool:
-        """An access without a read; False if ``key`` is absent."""
-        return self.get(key) is not None
+    @abstractmethod
+    def order(self) -> Iterator[str]:
+        """The held keys, the first to evict first."""
 
-    def touch_all(self, keys: Iterable[str]) -> None:
-        """:meth:`touch` each key, in order (absent keys are ignored)."""
-        for key in keys:
-            self.touch(key)
 
-    def contains(self, keys: Iterable[str]) -> list[bool]:
-        """Whether each key is held (not an access)."""
-        return [key in self._entries for key in keys]
+class LruPolicy(EvictionPolicy):
+    """Least recently used first: by last add, read or touch."""
 
-    def pop(self, key: str) -> Entry[V] | None:
-        """Remove ``key``; its entry, or None if absent."""
-        entry = self._entries.pop(key, None)
-        if entry is not None:
-            self.used -= entry.size
-        return entry
+    def __init__(self) -> None:
+        self._order: OrderedDict[str, None] = OrderedDict()  # LRU first, MRU last
 
-    def pop_victim(self, keep: Callable[[str, Entry[V]], bool] | None = None) -> tuple[str, Entry[V]] | None:
-        """Remove and return the next victim, skipping pages ``keep`` says must stay (e.g.
-        pinned by a reader); None when there is none."""
-        for key, entry in self._entries.items():
-            if keep is None or not keep(key, entry):
-                self.pop(key)
-                return key, entry
-        return None
+    def added(self, key: str) -> None:
+        self._order[key] = None
 
-    def keys(self) -> list[str]:
-        """The keys in eviction order (a copy)."""
-        return list(self._entries)
+    def used(self, key: str) -> None:
+        self._order.move_to_end(key)
 
-    def items(self) -> Iterator[tuple[str, Entry[V]]]:
-        """``(key, entry)`` in eviction order (a snapshot: the index may change meanwhile)."""
-        return iter(list(self._entries.items()))
+    def removed(self, key: str) -> None:
+        del self._order[key]
 
     def clear(self) -> None:
-        self._entries.clear()
-        self.used = 0
+        self._order.clear()
+
+    def order(self) -> Iterator[str]:
+        return iter(self._order)
+
+
+class LruIndex(Generic[V]):
+    """Key -> (size, value) with used bytes, a capacity and an eviction policy (module
+    docstring). ``capacity`` may be changed between calls."""
+
+    def __init__(self, capacity: int, policy: EvictionPolicy | None = None) -> None:
+        self.capacity = capacity
+        self._policy = LruPolicy() if policy is None else policy
+        self._sizes: dict[str, int] = {}
+        self._values: dict[str, V] = {}
+        self._used = 0
+
+    @property
+    def used(self) -> int:
+        """Sum of the sizes held."""
+        return self._used
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._sizes
+
+    def __iter__(self) -> Iterator[str]:
+        """The held keys, in no particular order (change the index only after iterating)."""
+        return iter(self._sizes)
+
+    def get(self, key: str) -> Entry[V] | None:
+        """The entry of ``key``, or None; recency unchanged."""
+        size = self._sizes.get(key)
+        return None if size is None else Entry(key, size, self._values[key])
+
+    def touch(self, key: str) -> Entry[V] | None:
+        """Make ``key`` most recently used (as the policy counts use); its entry, or None."""
+        entry = self.get(key)
+        if entry is not None:
+            self._policy.used(key)
+        return entry
+
+    def items(self) -> list[tuple[str, V]]:
+        """A snapshot of (key, value), in no particular order (one copy, C speed)."""
+        return list(self._values.items())
+
+    def sizes(self) -> list[tuple[str, int]]:
+        """A snapshot of (key, size), in no particular order."""
+        return list(self._sizes.items())
+
+    def insert(self, key: str, size: int, value: V) -> Entry[V] | None:
+        """Hold ``key`` as the most recent entry, replacing any held; never evicts (``used``
+        may pass the capacity: callers make room first). The replaced entry, or None."""
+        replaced = self.remove(key)
+        self._sizes[key] = size
+        self._values[key] = value
+        self._used += size
+        self._policy.added(key)
+        return replaced
+
+    def remove(self, key: str) -> Entry[V] | None:
+        """Drop ``key``; its entry, or None if not held."""
+        size = self._sizes.pop(key, None)
+        if size is None:
+            return None
+        self._used -= size
+        self._policy.removed(key)
+        return Entry(key, size, self._values.pop(key))
+
+    def clear(self) -> None:
+        self._sizes.clear()
+        self._values.clear()
+        self._used = 0
+        self._policy.clear()
+
+    def evict(self, eligible: Callable[[Entry[V]], bool] | None = None) -> Entry[V] | None:
+        """Remove the first entry in the policy's order that ``eligible`` accepts (any, without
+        it); that entry, or None if there is none."""
+        for key in self._policy.order():
+            entry = Entry(key, self._sizes[key], self._values[key])
+            if eligible is None or eligible(entry):
+                break
+        else:
+            return None
+        self.remove(key)
+        return entry
+
+    def make_room(
+        self, nbytes: int, eligible: Callable[[Entry[V]], bool] | None = None
+    ) -> list[Entry[V]]:
+        """Evict (see :meth:`evict`) until ``nbytes`` more fit in the capacity, or no eligible
+        entry is left; the entries evicted, first first."""
+        evicted: list[Entry[V]] = []
+        while self._used + nbytes > self.capacity:
+            entry = self.evict(eligible)
+            if entry is None:
+                break
+            evicted.append(entry)
+        return evicted
+
+    def put(self, key: str, size: int, value: V) -> list[Entry[V]] | None:
+        """Store ``key`` as the most recent entry, replacing its old entry (not an eviction)
+        and evicting others for room; the entries evicted, or None when ``size`` exceeds the
+        capacity (refused: nothing changes)."""
+        if size > self.capacity:
+            return None
+        self.remove(key)
+        evicted = self.make_room(size)
+        self.insert(key, size, value)
+        return evicted

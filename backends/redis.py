@@ -95,8 +95,6 @@ from .base import (
     BackendUnavailableError,
     Buffer,
     PageInfo,
-    check_keys,
-    check_prefix,
 )
 from .redis_index import RedisIndex
 from .redis_options import (
@@ -162,7 +160,6 @@ class RedisBackend(Backend):
         self._write_lock = threading.Lock()  # puts and deletes of this instance
         self._client_lock = threading.Lock()
         self._stats_lock = threading.Lock()
-        self._closed = False
         self._failing = False
         self._client: Any = None if self._cluster else self._make_standalone()
 
@@ -436,13 +433,9 @@ class RedisBackend(Backend):
             sizes.append(None if data is None else len(data))
         return sizes
 
-    def get_prefix(self, keys: Sequence[str], nbytes: int, sizes: Sequence[int]) -> list[bytes | None]:
+    def _get_prefix(self, keys: Sequence[str], nbytes: int, sizes: Sequence[int]) -> list[bytes | None]:
         """The first ``nbytes`` of each page (GETRANGE: only those bytes travel), or None for a
         miss; does not refresh recency; ``sizes`` are not needed."""
-        check_keys(keys)
-        self._check_open()
-        if len(keys) != len(sizes) or nbytes < 1:
-            raise ValueError("get_prefix: keys and sizes differ in length, or nbytes < 1")
         if not keys:
             return []
         with self._guard("get_prefix"):
@@ -478,14 +471,12 @@ class RedisBackend(Backend):
             self._index.remove(client, list(dict.fromkeys(keys)))
         return deleted
 
-    def scan(self, prefix: str = "") -> Iterator[PageInfo]:
+    def _scan(self, prefix: str) -> Iterator[PageInfo]:
         """Every page whose key starts with ``prefix`` (see "Listing" in the module docstring).
 
         SCAN may return a key twice (while the server rehashes): keys are deduplicated, at the
         cost of a set of the keys listed so far.
         """
-        check_prefix(prefix)
-        self._check_open()
         with self._guard("scan"):
             client = self._redis()
             for keys in self._scan_batches(client, prefix):
@@ -546,12 +537,9 @@ class RedisBackend(Backend):
         with self._guard("used_bytes"):
             return self._index.used_bytes(self._redis())
 
-    def close(self) -> None:
-        """Disconnect the pools; idempotent, bounded (no network round trip)."""
+    def _close(self) -> None:
+        """Disconnect the pools; bounded (no network round trip)."""
         with self._client_lock:
-            if self._closed:
-                return
-            self._closed = True
             client, self._client = self._client, None
         if client is not None:
             with contextlib.suppress(Exception):

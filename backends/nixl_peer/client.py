@@ -65,8 +65,6 @@ from ..base import (
     BackendUnavailableError,
     Buffer,
     PageInfo,
-    check_keys,
-    check_prefix,
 )
 from . import protocol as p
 from .peers import PeerDownError as _PeerDownError
@@ -152,7 +150,6 @@ class NixlPeerBackend(Backend):
         self._staging: np.ndarray | None = None
         self._staging_view: memoryview | None = None
         self._staging_reg: Any = None
-        self._closed = False
 
     # -- control channel ----------------------------------------------------------------------
 
@@ -373,8 +370,6 @@ class NixlPeerBackend(Backend):
         self, keys: Sequence[str], dest_for: Callable[[int, int], memoryview | None]
     ) -> list[int | None]:
         """GET -> READ -> RELEASE; ``dest_for(pos, length)`` gives the destination or None."""
-        check_keys(keys)
-        self._check_open()
         sizes: list[int | None] = [None] * len(keys)
         if not keys:
             return sizes
@@ -471,8 +466,6 @@ class NixlPeerBackend(Backend):
     def _ask(self, keys: Sequence[str], make: Callable[[list[str]], p.Message], what: str) -> list[Any]:
         """Send ``make(keys of a peer)`` to each key's peer; ``[(positions, reply)]`` of those
         that answered. Raises BackendUnavailableError if none did and all peers are down."""
-        check_keys(keys)
-        self._check_open()
         answers = []
         for _, peer, idxs in self._per_peer(keys):
             with contextlib.suppress(_PeerDownError):
@@ -513,10 +506,8 @@ class NixlPeerBackend(Backend):
 
     scan_batch: ClassVar[int] = p.SCAN_MAX_ENTRIES  # keys per SCAN request
 
-    def scan(self, prefix: str = "") -> Iterator[PageInfo]:
+    def _scan(self, prefix: str) -> Iterator[PageInfo]:
         """Each peer's pages whose key starts with ``prefix`` (see "Listing" above)."""
-        check_prefix(prefix)
-        self._check_open()
         for peer in self._peers:
             reply = p.ScanReply([("", 0, 0)], True)
             while reply.more and reply.entries:
@@ -534,11 +525,8 @@ class NixlPeerBackend(Backend):
         """The address of the peer that owns ``key``."""
         return self._ring.node_for(key)
 
-    def close(self) -> None:
-        """Close sockets, forget remote agents, deregister staging; idempotent, bounded."""
-        if self._closed:
-            return
-        self._closed = True
+    def _close(self) -> None:
+        """Close sockets, forget remote agents, deregister staging; bounded."""
         for peer in self._peers:
             if peer.lock.acquire(timeout=2 * self._timeout):
                 try:

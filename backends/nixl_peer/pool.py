@@ -2,8 +2,9 @@
 
 * :class:`ExtentAllocator` hands out 64-byte aligned extents of the pool, first fit over a
   sorted list of free extents, coalescing neighbours on free.
-* :class:`PageIndex` maps keys to extents with LRU order (by last commit or GET), bounded by
-  ``capacity`` counted in page bytes (not aligned extent bytes). The pool is sized with slack
+* :class:`PageIndex` maps keys to extents with LRU order (by last commit or GET; an
+  :class:`~hybrid_offload.backends.lru_index.LruIndex`), bounded by ``capacity`` counted in
+  page bytes (not aligned extent bytes). The pool is sized with slack
   above the capacity, so logical LRU decides evictions; only when a physical allocation still
   fails are more LRU pages evicted.
 * Two-phase store: :meth:`PageIndex.alloc` reserves extents (invisible to readers),
@@ -172,7 +173,6 @@ class PageIndex:
         max_pending: int = 64,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.capacity = capacity
         self.allocator = ExtentAllocator(pool_size)
         size = self.allocator.size
         #: reserved bytes beyond which ALLOC refuses instead of evicting committed pages
@@ -181,13 +181,17 @@ class PageIndex:
         self.lease_timeout_s = lease_timeout_s
         self.alloc_timeout_s = alloc_timeout_s
         self._clock = clock
-        self._pages: LruIndex[_Page] = LruIndex()  # committed pages, LRU first
+        self._pages: LruIndex[_Page] = LruIndex(capacity)  # bounds committed page bytes
         self._reserved = 0
         self._leases: dict[int, _Lease] = {}
         self._allocs: dict[int, _Reservation] = {}
         self._open_leases: Counter[object] = Counter()  # owner -> open leases
         self._open_allocs: Counter[object] = Counter()  # owner -> open reservations
         self._ids = itertools.count(1)
+
+    @property
+    def capacity(self) -> int:
+        return self._pages.capacity
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -203,20 +207,12 @@ class PageIndex:
         if extent.pins == 0 and extent.dead:
             self.allocator.free(extent)
 
-    def _drop(self, key: str) -> int:
-        entry = self._pages.pop(key)
-        if entry is None:
-            return 0
-        self._retire(entry.value.extent)
-        return entry.size
-
-    def _evict_lru(self, *, unpinned_only: bool) -> int | None:
-        """Evict the least recently used (unpinned) page; its size, or None if none."""
-        victim = self._pages.pop_victim(_pinned if unpinned_only else None)
-        if victim is None:
-            return None
-        self._retire(victim[1].value.extent)
-        return victim[1].size
+    def _drop(self, key: str) -> bool:
+        """Unindex ``key``'s page (its extent retired); whether it was indexed."""
+        entry = self._pages.remove(key)
+        if entry is not None:
+            self._retire(entry.value.extent)
+        return entry is not None
 
     def _physical_alloc(self, size: int, reservation: _Reservation) -> Extent | None:
         """A free extent; else evict LRU (unpinned) pages for it, but only while all
@@ -227,11 +223,12 @@ class PageIndex:
                 return extent
             if self._reserved + _align(size) > self.reserve_limit:
                 return None
-            evicted = self._evict_lru(unpinned_only=True)
+            evicted = self._pages.evict(_unpinned)
             if evicted is None:
                 return None
+            self._retire(evicted.value.extent)
             reservation.evictions += 1
-            reservation.evicted_bytes += evicted
+            reservation.evicted_bytes += evicted.size
 
     # -- reads ------------------------------------------------------------------------------
 
@@ -247,7 +244,7 @@ class PageIndex:
         lease = _Lease(owner, now + self.lease_timeout_s)
         out: list[tuple[int, int] | None] = []
         for key in keys:
-            entry = self._pages.get(key)  # an access: most recently used now
+            entry = self._pages.touch(key)
             if entry is None:
                 out.append(None)
                 continue
@@ -321,13 +318,11 @@ class PageIndex:
                 self.allocator.free(extent)
                 continue
             self._drop(key)  # replacing an older version is not an eviction
-            while self._pages.used + size > self.capacity:
-                evicted = self._evict_lru(unpinned_only=False)
-                if evicted is None:
-                    break
+            for evicted in self._pages.make_room(size):  # pinned pages too: freed on release
+                self._retire(evicted.value.extent)
                 evictions += 1
-                evicted_bytes += evicted
-            self._pages.put(key, size, _Page(size, extent, now))
+                evicted_bytes += evicted.size
+            self._pages.insert(key, size, _Page(size, extent, now))
             committed += 1
         return committed, evictions, evicted_bytes
 
@@ -335,7 +330,7 @@ class PageIndex:
         return self.commit(alloc_id, []) is not None
 
     def delete(self, keys: list[str]) -> int:
-        return sum(1 for key in keys if key in self._pages and self._drop(key) >= 0)
+        return sum(self._drop(key) for key in keys)
 
     # -- expiry -----------------------------------------------------------------------------
 
@@ -367,17 +362,17 @@ class PageIndex:
         return self._clock()
 
     def pages_snapshot(self) -> list[tuple[str, _Page]]:
-        """The visible pages now, for :func:`scan_pages`: one copy of the index, so the
+        """The visible pages now, for :func:`scan_pages`: one C-speed copy of the index, so the
         caller's lock is held only for that (sizes never change; use times are plain floats)."""
-        return [(key, entry.value) for key, entry in self._pages.items()]
+        return self._pages.items()
 
     def scan(self, prefix: str, after: str, limit: int) -> tuple[list[tuple[str, int, float]], bool]:
         """:func:`scan_pages` over the pages now."""
         return scan_pages(self.pages_snapshot(), prefix, after, limit, self._clock())
 
 
-def _pinned(key: str, entry: Entry[_Page]) -> bool:
-    return entry.value.extent.pins > 0
+def _unpinned(entry: Entry[_Page]) -> bool:
+    return entry.value.extent.pins == 0
 
 
 def _uncount(counter: Counter[object], owner: object) -> None:
