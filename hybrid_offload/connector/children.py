@@ -1,15 +1,16 @@
 """Foreign child connectors: other connectors' ``kv_transfer_config``s listed under
 ``kv_connector_extra_config.connectors``, run next to the native backends.
 
-One :class:`ForeignConnectors` per facade and role, built like vLLM's MultiConnector builds its
-children: through ``KVConnectorFactory``, each with a shallow copy of ``vllm_config`` whose
-``kv_transfer_config`` is the child's own. Scheduler side: every child is asked for matches,
-and one source loads a request: the best score (tokens beyond the computed ones x the child's
-``load_weight``; ties to the earlier child; the native backends win a tie with a child, see
-:func:`choose_source`). The others see the request's blocks with 0 external tokens. Worker
-side: every hook reaches every child with its own slice of the metadata; finished sets are
-unions. Our own metadata travels next to the children's in :class:`HybridMetadata` and
-:class:`HybridWorkerMetadata`.
+One :class:`ForeignConnectors` per composition
+(:class:`~hybrid_offload.connector.composite.HybridMultiConnector`) and role, built like vLLM's
+MultiConnector builds its children: through ``KVConnectorFactory``, each with a shallow copy of
+``vllm_config`` whose ``kv_transfer_config`` is the child's own. Scheduler side: every child is
+asked for matches, and one source loads a request: the best score (tokens beyond the computed
+ones x the child's ``load_weight``; ties to the earlier child; the native backends win a tie with
+a child, see :func:`choose_source`). The others see the request's blocks with 0 external
+tokens. Worker side: every hook reaches every child with its own slice of the metadata;
+finished sets are unions. Our own metadata (the composition's facade's) travels next to the
+children's in :class:`HybridMetadata` and :class:`HybridWorkerMetadata`.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ logger = logging.getLogger(__name__)
 # ---- messages -----------------------------------------------------------------------------
 @dataclass
 class HybridMetadata(KVConnectorMetadata):
-    """Scheduler -> worker when children exist: ours, then one entry per child (config order);
+    """Scheduler -> worker of a composition: ours, then one entry per child (config order);
     ``extra_async_saves``: requests that more than one child saves asynchronously."""
 
     native: KVConnectorMetadata
@@ -63,7 +64,7 @@ class HybridMetadata(KVConnectorMetadata):
 
 @dataclass
 class HybridWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler when children exist: ours and one (optional) entry per child."""
+    """Worker -> scheduler of a composition: ours and one (optional) entry per child."""
 
     native: KVConnectorWorkerMetadata | None
     children: tuple[KVConnectorWorkerMetadata | None, ...]
@@ -86,16 +87,6 @@ def _merge(
     if a is None:
         return b
     return a if b is None else a.aggregate(b)
-
-
-def native_metadata(meta: KVConnectorMetadata) -> KVConnectorMetadata:
-    """Our own part of a step's metadata (the metadata itself when there are no children)."""
-    return meta.native if isinstance(meta, HybridMetadata) else meta
-
-
-def native_worker_metadata(meta: Any) -> Any:
-    """Our own part of the worker metadata (the metadata itself when there are no children)."""
-    return meta.native if isinstance(meta, HybridWorkerMetadata) else meta
 
 
 # ---- selection ----------------------------------------------------------------------------
@@ -176,7 +167,7 @@ def _child_class_and_config(
 
 
 class ForeignConnectors:
-    """The child connectors of one facade, for one role."""
+    """The child connectors of one composition, for one role."""
 
     def __init__(
         self,

@@ -240,7 +240,8 @@ def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
     raw_backends = extra.get("backends", [])
     if not isinstance(raw_backends, list) or not (raw_backends or extra.get("connectors")):
         raise ConfigError(
-            f"{ROOT}.backends: expected a non-empty list of backends (or a non-empty {ROOT}.connectors)"
+            f"{ROOT}.backends: expected a non-empty list of backends (or, with kv_connector "
+            f"{COMPOSITE_CONNECTOR!r}, a non-empty {ROOT}.connectors)"
         )
     backends = tuple(_parse_backend(raw, i) for i, raw in enumerate(raw_backends))
     names = [b.name for b in backends]
@@ -318,6 +319,19 @@ def _seconds(
 
 
 _CHILD_OWN_KEYS = frozenset({"name", "load_weight"})
+#: the connector class (``kv_connector``) that composes ``connectors`` with our backends
+COMPOSITE_CONNECTOR = "HybridMultiConnector"
+
+
+def refuse_connectors(config: OffloadConfig, connector: str) -> None:
+    """Raise ConfigError when ``connector`` (a class that runs our backends only) is given
+    ``connectors``: composing foreign connectors is :data:`COMPOSITE_CONNECTOR`'s job."""
+    if config.connectors:
+        raise ConfigError(
+            f"{ROOT}.connectors: kv_connector {connector!r} runs only the backends; to compose "
+            f"foreign connectors with them set kv_connector {COMPOSITE_CONNECTOR!r} (same "
+            "kv_connector_module_path)"
+        )
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,9 @@
 
 A thin :class:`KVConnectorBase_V1` + :class:`SupportsHMA` that translates vLLM's config once,
 then delegates every call to :class:`OffloadScheduler` (scheduler role) or
-:class:`OffloadWorker` (worker role). Foreign child connectors (``connectors``) are composed by
-:class:`~hybrid_offload.connector.composite.MultiConnector`, not here.
+:class:`OffloadWorker` (worker role). It runs our backends only: foreign child connectors
+(``kv_connector_extra_config.connectors``) are composed with it by
+:class:`~hybrid_offload.connector.composite.HybridMultiConnector`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hybrid_offload.compat import check_versions
-from hybrid_offload.connector.config import ROOT, ConfigError, parse_offload_config
+from hybrid_offload.connector.config import (
+    ROOT,
+    ConfigError,
+    OffloadConfig,
+    parse_offload_config,
+    refuse_connectors,
+)
 from hybrid_offload.connector.metadata import OffloadMetadata
 from hybrid_offload.connector.prometheus import HybridOffloadPromMetrics, HybridOffloadStats
 from hybrid_offload.connector.scheduler import OffloadScheduler
@@ -68,28 +75,31 @@ def _log_like_vllm() -> None:
 
 _log_like_vllm()
 
-#: live connectors of this process, for in-process introspection (tests, demo, benchmarks)
-ACTIVE_CONNECTORS: weakref.WeakSet[HybridOffloadConnector] = weakref.WeakSet()
+#: live connectors of this process, facades and compositions (HybridMultiConnector), for
+#: in-process introspection (tests, demo, benchmarks)
+ACTIVE_CONNECTORS: weakref.WeakSet[KVConnectorBase_V1] = weakref.WeakSet()
 
 
 class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     """External KV cache for hybrid models: attention KV and Mamba/GDN state, many backends."""
 
     _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
-    #: whether this class composes the foreign connectors of ``connectors`` (MultiConnector)
-    composes_children = False
 
     def __init__(
-        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+        *,
+        config: OffloadConfig | None = None,
     ) -> None:
+        """``config``: already parsed (a composition passes its own, without ``connectors``),
+        or None: parsed from ``kv_connector_extra_config``. ``connectors`` is refused."""
         check_versions("vllm", what="HybridOffloadConnector")
         super().__init__(vllm_config, role, kv_cache_config)
-        config = parse_offload_config(self._kv_transfer_config.kv_connector_extra_config)
-        if config.connectors and not self.composes_children:
-            raise ConfigError(
-                f"{ROOT}.connectors: HybridOffloadConnector does not compose foreign connectors; "
-                'set kv_connector="MultiConnector" (same module path) to run them next to ours'
-            )
+        if config is None:
+            config = parse_offload_config(self._kv_transfer_config.kv_connector_extra_config)
+        refuse_connectors(config, "HybridOffloadConnector")
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         try:
             spec = model_spec_from_vllm(
@@ -140,7 +150,7 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             spec.fingerprint,
             self.planner.chunk_tokens,
             [(g.kind.value, g.block_size, g.shards) for g in spec.groups],
-            [b.name for b in config.backends] + [c.name for c in config.connectors],
+            [b.name for b in config.backends],
         )
 
     def _require_recompute_on_failure(self) -> None:
@@ -158,17 +168,13 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return False
 
     # ---- what the session harness inspects --------------------------------------------
-    def child_connectors(self) -> list[KVConnectorBase_V1]:
-        """The foreign child connectors this one composes (none: see ``MultiConnector``)."""
+    def nested_connectors(self) -> list[KVConnectorBase_V1]:
+        """The connectors this one holds (none; a composition holds its parts)."""
         return []
 
     def counters(self) -> dict[str, Any]:
         """A snapshot of this process's side's counters (plain data)."""
         return self._side.stats.snapshot()
-
-    def _offload_metadata(self) -> KVConnectorMetadata:
-        """This step's metadata for our worker."""
-        return self._get_connector_metadata()
 
     # ---- worker side ------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -176,7 +182,7 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        meta = self._offload_metadata()
+        meta = self._get_connector_metadata()
         assert self.worker is not None and isinstance(meta, OffloadMetadata)
         self.worker.start_loads(meta.loads)
 
@@ -198,7 +204,7 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return  # pages are copied out after the forward, in wait_for_save
 
     def wait_for_save(self) -> None:
-        meta = self._offload_metadata()
+        meta = self._get_connector_metadata()
         assert self.worker is not None and isinstance(meta, OffloadMetadata)
         self.worker.save(meta)
 
@@ -284,12 +290,11 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self._update_offload_output(connector_output, connector_output.kv_connector_worker_meta)
-
-    def _update_offload_output(self, connector_output: KVConnectorOutput, worker_meta: Any) -> None:
         assert self.scheduler is not None
         self.scheduler.update_connector_output(
-            worker_meta, connector_output.finished_recving, connector_output.failed_recving
+            connector_output.kv_connector_worker_meta,
+            connector_output.finished_recving,
+            connector_output.failed_recving,
         )
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

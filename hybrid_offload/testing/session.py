@@ -53,14 +53,17 @@ ENGINE_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 CONNECTOR_NAME = "HybridOffloadConnector"
+#: the connector that composes foreign ``connectors`` with our backends
+COMPOSITE_NAME = "HybridMultiConnector"
 CONNECTOR_MODULE = "hybrid_offload.connector"
 
 
 def kv_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
-    """The ``kv_transfer_config`` that loads our connector with ``extra`` as its config (the
-    composing ``MultiConnector`` when ``extra`` lists foreign ``connectors``)."""
+    """The ``kv_transfer_config`` that loads our connector with ``extra`` as its config:
+    ``HybridMultiConnector`` when ``extra`` lists foreign ``connectors``, else
+    ``HybridOffloadConnector``."""
     return {
-        "kv_connector": "MultiConnector" if extra.get("connectors") else CONNECTOR_NAME,
+        "kv_connector": COMPOSITE_NAME if extra.get("connectors") else CONNECTOR_NAME,
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
@@ -68,39 +71,41 @@ def kv_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _top_level_connectors() -> list[Any]:
-    """Live connectors that are not a child connector of another one."""
+def _top_level_connectors(role: str) -> list[Any]:
+    """Live connectors of ``role`` (``"SCHEDULER"`` / ``"WORKER"``) that no other live
+    connector holds (as a composition's own side or as a child)."""
     from hybrid_offload.connector import ACTIVE_CONNECTORS
 
     live = list(ACTIVE_CONNECTORS)
-    nested = {id(child) for conn in live for child in conn.child_connectors()}
-    return [conn for conn in live if id(conn) not in nested]
+    nested = {id(inner) for conn in live for inner in conn.nested_connectors()}
+    return [conn for conn in live if id(conn) not in nested and conn.role.name == role]
 
 
 def _scheduler_counters() -> dict[str, Any]:
     """The top-level connector's scheduler counters; child connectors' loads under "children"."""
-    for conn in _top_level_connectors():
-        if conn.scheduler is not None:
-            return conn.counters()
+    for conn in _top_level_connectors("SCHEDULER"):
+        return conn.counters()
     return {}
 
 
 def _flush_workers() -> dict[str, Any]:
-    """Wait for every connector's stores (children included); the top-level worker's counters."""
-    from hybrid_offload.connector import ACTIVE_CONNECTORS
+    """Wait for every facade's stores (children included); the top-level worker's counters."""
+    from hybrid_offload.connector import ACTIVE_CONNECTORS, HybridOffloadConnector
 
     for conn in list(ACTIVE_CONNECTORS):
-        if conn.worker is not None:
+        if isinstance(conn, HybridOffloadConnector) and conn.worker is not None:
             conn.worker.flush(timeout=60)
-    for conn in _top_level_connectors():
-        if conn.worker is not None:
-            return conn.counters()
+    for conn in _top_level_connectors("WORKER"):
+        return conn.counters()
     return {}
 
 
 def _group_pages() -> dict[str, Any]:
     """The top-level worker's chunk size and, per KV cache group, its kind, layers and page size."""
-    for conn in _top_level_connectors():
+    from hybrid_offload.connector import HybridMultiConnector
+
+    for top in _top_level_connectors("WORKER"):
+        conn = top.native if isinstance(top, HybridMultiConnector) else top
         if conn.worker is not None:
             groups = [
                 {

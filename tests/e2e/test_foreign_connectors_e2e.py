@@ -1,10 +1,10 @@
 """End to end: foreign child connectors (``kv_connector_extra_config.connectors``) in a real
 offline vLLM engine (CPU, tiny Falcon-H1, vLLM's prefix cache reset before every request).
 
-(a) native cpu backend (weight 1.0) + our own connector as a child loaded by module path with a
-    disk backend (weight 2.0) + the recording test connector: pass 2 loads from the child (both
-    hit the same tokens, the child scores twice as high), output equals a no-connector run, and
-    the recording child saw the hooks of both roles.
+(a) ``HybridMultiConnector``: native cpu backend (weight 1.0) + our own connector as a child
+    loaded by module path with a disk backend (weight 2.0) + the recording test connector: pass
+    2 loads from the child (both hit the same tokens, the child scores twice as high), output
+    equals a no-connector run, and the recording child saw the hooks of both roles.
 (b) a pure vLLM MultiConnector config (``kv_connector: "MultiConnector"``, only ``connectors``)
     switched to ours by the module path: it runs and hits.
 (c) a child without HMA support fails at startup with our error naming the child.
@@ -72,6 +72,7 @@ def test_child_with_higher_weight_loads_and_output_is_unchanged(model_dir, tmp_p
         "backends": [{"type": "cpu", "name": "cpu", "capacity_bytes": "256MiB", "load_weight": 1.0}],
         "connectors": [our_child("ours", tmp_path / "disk", 2.0), recording_child(record)],
     }
+    assert kv_transfer_config(extra)["kv_connector"] == "HybridMultiConnector"
     result = run_session_subprocess({**base, "connector": extra, "passes": 2}, env=ENV)
     assert tokens(result, 0) == expected
     assert tokens(result, 1) == expected

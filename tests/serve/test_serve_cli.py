@@ -43,6 +43,22 @@ def test_extra_config_alone_is_wrapped(tmp_path: Path) -> None:
     assert load_config_file(path) == kv_transfer_config(extra)
 
 
+def test_foreign_connectors_need_the_composing_connector(tmp_path: Path) -> None:
+    child = {"kv_connector": "Other", "kv_connector_module_path": "other"}
+    extra = {"backends": [{"type": "cpu"}], "connectors": [child]}
+    path = _write(tmp_path, "extra.json", json.dumps(extra))
+    assert load_config_file(path)["kv_connector"] == "HybridMultiConnector"
+    for name, ok in [("HybridMultiConnector", True), ("MultiConnector", True),
+                     ("HybridOffloadConnector", False)]:
+        path = _write(tmp_path, "full.json", json.dumps({**kv_transfer_config(extra), "kv_connector": name}))
+        if ok:
+            assert load_config_file(path)["kv_connector"] == name
+            continue
+        with pytest.raises(ConfigError, match=r"full\.json: kv_connector_extra_config\.connectors: ") as info:
+            load_config_file(path)
+        assert "'HybridMultiConnector'" in str(info.value)
+
+
 @pytest.mark.parametrize(
     ("text", "needle"),
     [

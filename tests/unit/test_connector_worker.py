@@ -362,7 +362,7 @@ def test_request_finished_during_its_load_is_reported_once_as_received(world) ->
     )
     w.worker.start_loads([job])
     assert w.worker.write_finished_loads() == (set(), set())  # in flight while vLLM finishes the request
-    facade = SimpleNamespace(worker=w.worker, children=None)
+    facade = SimpleNamespace(worker=w.worker)
     results = HybridOffloadConnector.get_transfer_results(facade, {"req"})  # type: ignore[arg-type]
     assert (results.finished_sending, results.finished_recving) == (set(), set())
     opened.set()

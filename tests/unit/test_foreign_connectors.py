@@ -1,4 +1,6 @@
-"""Foreign child connectors (``kv_connector_extra_config.connectors``) without an engine.
+"""Foreign child connectors (``kv_connector_extra_config.connectors``) without an engine: the
+children (:class:`ForeignConnectors`), source selection and the messages of a composition (the
+connector class itself: ``test_composite_connector.py``).
 
 Children are real connector classes loaded by module path through vLLM's factory
 (``tests/foreign_connectors.py``), built on a minimal vllm_config / kv_cache_config stand-in.
@@ -11,15 +13,20 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from foreign_connectors import (
-    NonHmaRecordingConnector,
-    RecordingConnector,
-    RecordingMetadata,
-    RecordingWorkerMetadata,
+from composition_world import (
+    REQ,
+    SCHED,
+    WORKER,
+    FakeNative,
+    build,
+    child,
+    hooks,
+    kv_cache_config,
+    recorder,
+    vllm_config,
 )
+from foreign_connectors import RecordingMetadata, RecordingWorkerMetadata
 from scheduler_world import FakeRequest, World, cpu_config, make_spec, prompt
-from vllm.config.kv_transfer import KVTransferConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from hybrid_offload.connector.children import (
     NO_MATCH,
@@ -29,73 +36,9 @@ from hybrid_offload.connector.children import (
     HybridMetadata,
     HybridWorkerMetadata,
     choose_source,
-    native_metadata,
-    native_worker_metadata,
 )
 from hybrid_offload.connector.config import ROOT, ConfigError, parse_child_connectors, parse_offload_config
 from hybrid_offload.connector.metadata import OffloadMetadata, OffloadWorkerMetadata
-
-SCHED, WORKER = KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER
-
-
-# ---- builders -----------------------------------------------------------------------------
-def child(name: str, weight: float = 1.0, hma: bool = True, **extra: Any) -> dict[str, Any]:
-    """A vLLM-style child config for a recording connector, plus our ``name``/``load_weight``."""
-    return {
-        "kv_connector": "RecordingConnector" if hma else "NonHmaRecordingConnector",
-        "kv_connector_module_path": "foreign_connectors",
-        "kv_connector_extra_config": extra,
-        "name": name,
-        "load_weight": weight,
-    }
-
-
-def vllm_config() -> SimpleNamespace:
-    parent = KVTransferConfig(
-        kv_connector="HybridOffloadConnector",
-        kv_connector_module_path="hybrid_offload.connector",
-        kv_role="kv_both",
-    )
-    return SimpleNamespace(kv_transfer_config=parent)
-
-
-def kv_cache_config(groups: int = 2) -> SimpleNamespace:
-    ids = tuple(range(groups))
-    return SimpleNamespace(kv_cache_groups=list(ids), prefix_cacheable_group_ids=ids, transfer_group_ids=ids)
-
-
-def build(*children: dict[str, Any], role: KVConnectorRole = SCHED, groups: int = 2) -> ForeignConnectors:
-    configs = parse_child_connectors(list(children), f"{ROOT}.connectors")
-    return ForeignConnectors(configs, vllm_config(), role, kv_cache_config(groups))
-
-
-def recorder(fc: ForeignConnectors, index: int) -> RecordingConnector:
-    conn = fc.connectors[index]
-    assert isinstance(conn, RecordingConnector | NonHmaRecordingConnector)
-    return conn
-
-
-def hooks(conn: Any, name: str) -> list[tuple[Any, ...]]:
-    return [args for hook, args in conn.calls if hook == name]
-
-
-class FakeNative:
-    """The native side as choose_source sees it: a fixed answer and score."""
-
-    def __init__(self, tokens: int, score: float) -> None:
-        self.tokens, self.score, self.dropped = tokens, score, False
-
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        return self.tokens, self.tokens > 0
-
-    def load_score(self, req_id: str) -> float:
-        return 0.0 if self.dropped else self.score
-
-    def drop_planned_load(self, req_id: str) -> None:
-        self.dropped = True
-
-
-REQ = FakeRequest("r1", prompt(64))
 
 
 # ---- building -----------------------------------------------------------------------------
@@ -253,9 +196,7 @@ def test_scheduler_metadata_reaches_each_child_worker() -> None:
     sched.select("r1", 0)
     sched.update_state_after_alloc(REQ, object(), 16)
     metas, extra = sched.build_meta(_empty_step())
-    meta = HybridMetadata(OffloadMetadata(), metas, extra)
-    assert native_metadata(meta) is meta.native and native_metadata(meta.native) is meta.native
-    worker.bind_metadata(meta)
+    worker.bind_metadata(HybridMetadata(OffloadMetadata(), metas, extra))
     a, b = recorder(worker, 0), recorder(worker, 1)
     assert hooks(a, "bind_connector_metadata") == [(metas[0],)] and hooks(b, "bind_connector_metadata") == [
         (metas[1],)
@@ -275,7 +216,6 @@ def test_worker_metadata_aggregates_per_child_and_is_split_back() -> None:
     assert merged.children == (RecordingWorkerMetadata(3), RecordingWorkerMetadata(1))
     assert not merged.is_empty()
     assert HybridWorkerMetadata(OffloadWorkerMetadata(), (None, None)).is_empty()
-    assert native_worker_metadata(merged) is merged.native
 
     sched = build(child("a"), child("b"))
     output = SimpleNamespace(kv_connector_worker_meta=merged)
@@ -397,18 +337,3 @@ def test_bad_connectors_config_names_the_key(extra: dict[str, Any], key: str, wo
 def test_child_match_defaults() -> None:
     assert ChildMatch(None, 0) == NO_MATCH and NO_MATCH.score == 0.0 and PENDING.tokens is None
 
-
-# ---- the plain facade does not compose ---------------------------------------------------------
-def test_the_plain_facade_refuses_connectors_naming_the_composing_class() -> None:
-    from hybrid_offload.connector import HybridOffloadConnector, MultiConnector
-
-    extra = {"backends": [{"type": "cpu"}], "connectors": [child("x")]}
-    config = SimpleNamespace(kv_transfer_config=KVTransferConfig(
-        kv_connector="HybridOffloadConnector", kv_connector_module_path="hybrid_offload.connector",
-        kv_role="kv_both", kv_connector_extra_config=extra))
-    refusal = r'connectors: HybridOffloadConnector does not compose.*"MultiConnector"'
-    with pytest.raises(ConfigError, match=refusal):
-        HybridOffloadConnector(config, SCHED, kv_cache_config())  # type: ignore[arg-type]
-    assert issubclass(MultiConnector, HybridOffloadConnector) and MultiConnector.composes_children
-    facade = Path(__file__).resolve().parents[2] / "hybrid_offload/connector/facade.py"
-    assert "children" not in facade.read_text().replace("composes_children", "")

@@ -68,3 +68,30 @@ def test_register_applies_once_on_the_tested_vllm(patch: ModuleType, monkeypatch
     assert patches.is_patched(getattr(owner, name))  # on this CPU machine every patch applies
     patch.register()
     assert owner.__dict__[name] is first
+
+
+def test_multiconnector_with_our_module_path_asks_our_class(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's own check for the name "MultiConnector" turns HMA off without children and refuses
+    our child keys; with the patch our class (HybridMultiConnector) answers for our module path."""
+    from vllm.config.kv_transfer import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    owner, name = target(multiconnector_hma)
+    vllms = owner.__dict__[name].__func__
+    while patches.is_patched(vllms):  # a plugin load earlier in this process applied it
+        vllms = vllms.__wrapped__
+    monkeypatch.setattr(owner, name, classmethod(vllms))
+    backends = {"backends": [{"type": "cpu"}]}
+    children = {**backends, "connectors": [{"kv_connector": "X", "name": "x"}]}
+
+    def config(connector: str, extra: dict[str, Any], module: str | None = "hybrid_offload.connector") -> Any:
+        return KVTransferConfig(kv_connector=connector, kv_connector_module_path=module,
+                                kv_role="kv_both", kv_connector_extra_config=extra)
+
+    assert not KVConnectorFactory.supports_hma_config(config("MultiConnector", backends))  # vLLM's own
+    multiconnector_hma.register()
+    for connector in ("MultiConnector", "HybridMultiConnector"):
+        assert KVConnectorFactory.supports_hma_config(config(connector, backends)), connector
+        assert KVConnectorFactory.supports_hma_config(config(connector, children)), connector
+    with pytest.raises(ValueError, match="name"):  # vLLM's MultiConnector still checks its configs
+        KVConnectorFactory.supports_hma_config(config("MultiConnector", children, None))

@@ -1,14 +1,16 @@
-"""Patch: vLLM asks our connector, not its own MultiConnector, whether HMA stays on.
+"""Patch: vLLM asks our composing connector, not its own MultiConnector, whether HMA stays on.
 
 vLLM decides whether the hybrid KV cache manager (HMA) stays on from
 `KVConnectorFactory.supports_hma_config`, which for `kv_connector: "MultiConnector"` asks vLLM's
-own MultiConnector about the `connectors` list, whatever the module path. Our composing connector
-answers to that name (`kv_connector_module_path: "hybrid_offload.connector"`,
-`connector/composite.py`), and there that check is wrong three ways: it turns HMA off for a config with only
-native `backends` (hybrids then fail to start), it fails on our child keys `name` /
-`load_weight`, and for a child without HMA support it gives vLLM's generic "Failed to promote"
-error instead of ours naming the child. So for our module path the answer is our class's (it
-supports HMA, and checks each child itself); every other config gets vLLM's own answer.
+own MultiConnector about the `connectors` list, whatever the module path. With our module path
+(`kv_connector_module_path: "hybrid_offload.connector"`) that name selects our
+`HybridMultiConnector` (composing our backends with foreign connectors), and there vLLM's check
+is wrong three ways: it turns HMA off for a config with only native `backends` (hybrids then
+fail to start), it fails on our child keys `name` / `load_weight`, and for a child without HMA
+support it gives vLLM's generic "Failed to promote" error instead of ours naming the child. So
+for that name with our module path the answer is our class's (it supports HMA, and checks each
+child itself); every other config, `kv_connector: "HybridMultiConnector"` included, gets vLLM's
+own answer, which is already right for it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from hybrid_offload.engine.patches import is_patched, mark, version_supported
 ENTRY_POINT = "hybrid_offload_multiconnector_hma"
 VLLM_VERSIONS = ("0.32.",)
 CONNECTOR_MODULE = "hybrid_offload.connector"
+#: the name vLLM's check treats specially; our module exports HybridMultiConnector under it
+VLLM_NAME = "MultiConnector"
 
 
 def register() -> None:
@@ -31,14 +35,16 @@ def register() -> None:
     current = KVConnectorFactory.supports_hma_config
     if not version_supported(
         ENTRY_POINT, VLLM_VERSIONS,
-        'kv_connector "MultiConnector" with our module path may start without HMA or be refused',
+        'kv_connector "MultiConnector" with our module path may start without HMA or be refused '
+        '(kv_connector "HybridMultiConnector" needs no patch)',
     ) or is_patched(current):
         return
     original = current.__func__
 
     @functools.wraps(original)
     def supports_hma_config(cls: Any, kv_transfer_config: Any) -> bool:
-        if kv_transfer_config.kv_connector_module_path == CONNECTOR_MODULE:
+        if (kv_transfer_config.kv_connector == VLLM_NAME
+                and kv_transfer_config.kv_connector_module_path == CONNECTOR_MODULE):
             return supports_hma(cls.get_connector_class(kv_transfer_config))
         return original(cls, kv_transfer_config)
 

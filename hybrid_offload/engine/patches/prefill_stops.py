@@ -7,11 +7,11 @@ multiples of the platform's default block (128 tokens on CPU), an in-process eng
 enlarged hybrid block (e.g. 640). The connector needs states at its own checkpoints (the
 prompt's tail, every `checkpoint_interval_tokens`, junctions where requests branch), so the
 wrapped split also stops at the first checkpoint the connector names strictly inside the step
-(`HybridOffloadConnector.prefill_stop`); it only ever shortens a step. Other connectors (and a
-vLLM MultiConnector wrapping ours) have no `prefill_stop` and are left alone. vLLM's own
-scheduler resumes a step that starts inside a block (it stops at the next block boundary), as it
-does for its own tail and junction stops. Applied only where the split has the signature it was
-written for.
+(`HybridOffloadConnector.prefill_stop`; `HybridMultiConnector.prefill_stop` adds its children's);
+it only ever shortens a step. Other connectors (and a vLLM MultiConnector wrapping ours) have no
+`prefill_stop` and are left alone. vLLM's own scheduler resumes a step that starts inside a
+block (it stops at the next block boundary), as it does for its own tail and junction stops.
+Applied only where the split has the signature it was written for.
 """
 
 from __future__ import annotations

@@ -59,8 +59,8 @@ def load_config_file(path: Path) -> dict[str, Any]:
 
     Raises ValueError (``ConfigError`` for the extra config) with the file and key in the message.
     """
-    from hybrid_offload.connector.config import ConfigError, parse_offload_config
-    from hybrid_offload.testing.session import kv_transfer_config
+    from hybrid_offload.connector.config import ConfigError, parse_offload_config, refuse_connectors
+    from hybrid_offload.testing.session import CONNECTOR_NAME, kv_transfer_config
 
     try:
         text = Path(path).read_text()
@@ -81,7 +81,9 @@ def load_config_file(path: Path) -> dict[str, Any]:
     if not config.get("kv_connector") or not config.get("kv_connector_module_path"):
         raise ValueError(f"{path}: kv_connector and kv_connector_module_path must be set")
     try:
-        parse_offload_config(config["kv_connector_extra_config"])
+        parsed = parse_offload_config(config["kv_connector_extra_config"])
+        if config["kv_connector"] == CONNECTOR_NAME:
+            refuse_connectors(parsed, CONNECTOR_NAME)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from exc
     return config
