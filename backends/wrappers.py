@@ -194,8 +194,9 @@ class CallRecorder(Protocol):
         """A call was not made: the backend is backing off."""
 
     def usage(self, backend: str, used_bytes: int | None, evictions: int) -> None:
-        """After a successful call: the backend's own cumulative evictions, and its
-        ``used_bytes()`` when sampled (at most every :data:`USAGE_SAMPLE_S`; else None)."""
+        """After a successful call that brings news: the backend's own cumulative evictions
+        (reported when they changed), and its ``used_bytes()`` when sampled (at most every
+        :data:`USAGE_SAMPLE_S`; else None)."""
 
 
 class InstrumentedBackend(BackendWrapper):
@@ -213,20 +214,26 @@ class InstrumentedBackend(BackendWrapper):
         self._clock = clock
         self._lock = threading.Lock()
         self._usage_at: float | None = None
+        self._name = inner.name  # fixed for the backend's life; read once (per-call cost)
+        self._storage = unwrap(inner)
+        self._evictions_seen = -1
 
     def _call(self, op: str, *args: Any) -> Any:
         started = self._clock()
         try:
-            result = super()._call(op, *args)
+            result = getattr(self.inner, op)(*args)
         except BackendSkippedError:
-            self._recorder.skipped(self.name, op)
+            self._recorder.skipped(self._name, op)
             raise
         except BackendError as exc:
-            self._recorder.failed(self.name, op, exc)
+            self._recorder.failed(self._name, op, exc)
             raise
         now = self._clock()
-        self._recorder.called(self.name, op, now - started)
-        self._recorder.usage(self.name, self._sample_used(now), unwrap(self.inner).stats.evictions)
+        self._recorder.called(self._name, op, now - started)
+        used, evictions = self._sample_used(now), self._storage.stats.evictions
+        if used is not None or evictions != self._evictions_seen:  # else nothing new to report
+            self._evictions_seen = evictions
+            self._recorder.usage(self._name, used, evictions)
         return result
 
     def _sample_used(self, now: float) -> int | None:

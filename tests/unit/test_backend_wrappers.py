@@ -24,6 +24,7 @@ from hybrid_offload.connector.tiers import SchedulerRecorder, WorkerRecorder, op
 from hybrid_offload.core.metrics import Locked, SchedulerCounters, WorkerCounters
 
 KEY = "0123abcd-" + "0" * 32
+OTHER = "0123abcd-" + "1" * 32
 
 
 class Recorder:
@@ -95,10 +96,19 @@ def test_instruments_time_count_and_sample_usage() -> None:
     assert recorder.events == [
         ("called", "put_batch", 0.25),
         ("usage", 4, 0),
-        ("called", "contains_batch", USAGE_SAMPLE_S / 2),
-        ("usage", None, 0),
+        ("called", "contains_batch", USAGE_SAMPLE_S / 2),  # no usage: not sampled, no new evictions
         ("failed", "get_into", "BackendUnavailableError"),
     ]
+
+
+def test_evictions_are_reported_between_usage_samples() -> None:
+    recorder = Recorder()
+    small = CpuBackend(BackendConfig("cpu", "pool", 4))  # room for one 4-byte page
+    backend = InstrumentedBackend(small, recorder, clock=lambda: 0.0)  # one sample, at t=0
+    backend.put_batch([(KEY, b"page")])
+    backend.put_batch([(OTHER, b"page")])  # evicts KEY: news, although not sampled
+    backend.contains_batch([OTHER])  # nothing new: no usage event
+    assert [e for e in recorder.events if e[0] == "usage"] == [("usage", 4, 0), ("usage", None, 1)]
 
 
 def test_a_skipped_call_is_counted_as_skipped_not_timed() -> None:
