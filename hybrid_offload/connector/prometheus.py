@@ -32,6 +32,7 @@ from hybrid_offload.compat import check_versions, registered_collectors
 from hybrid_offload.connector.config import parse_offload_config
 from hybrid_offload.core.metrics import (
     ERROR_KINDS,
+    LOAD_PHASES,
     LOSS_REASONS,
     clean_payload,
     merge_payloads,
@@ -72,6 +73,7 @@ CONNECTOR_COUNTERS = {
         "Store batches that failed with an unexpected error, a bug (logged with its traceback).",
     ),
     "served_tokens": ("served_tokens", "Tokens loaded for admitted requests (beyond vLLM's own hit)."),
+    "loads_written": ("loads_written", "Loads written into vLLM's KV cache (see load_phase_seconds)."),
     "reusable_tokens": (
         "reusable_tokens",
         "Tokens of admitted requests that earlier traffic shared, as far as this engine can tell.",
@@ -79,6 +81,8 @@ CONNECTOR_COUNTERS = {
 }
 #: connector-wide payload counter -> reason label of hybrid_offload_lost_tokens_total
 LOST_COUNTERS = {f"lost_{reason}_tokens": reason for reason in LOSS_REASONS}
+#: connector-wide payload counter -> phase label of hybrid_offload_load_phase_seconds_total
+PHASE_COUNTERS = {f"load_{phase}_seconds": phase for phase in LOAD_PHASES}
 #: payload gauge -> (metric name, help), label ``backend``
 GAUGE_METRICS = {
     "available": ("backend_available", "1 while the backend is usable, 0 while it backs off."),
@@ -186,6 +190,12 @@ class HybridOffloadPromMetrics(KVConnectorPromMetrics):
             documentation="Reusable tokens not served, by reason: " + ", ".join(LOSS_REASONS) + ".",
             labelnames=[*names, "reason"],
         )
+        self._phases = self._counter_cls(
+            name=PREFIX + "load_phase_seconds",
+            documentation="Seconds of written loads by phase: " + ", ".join(LOAD_PHASES)
+            + " (total: the load job reaching the worker until written).",
+            labelnames=[*names, "phase"],
+        )
         self._group_hits = self._counter_cls(
             name=PREFIX + "group_hit_tokens",
             documentation="Prompt tokens one KV-cache group alone could load, per lookup.",
@@ -220,6 +230,8 @@ class HybridOffloadPromMetrics(KVConnectorPromMetrics):
                 counter.labels(*labels)
             for reason in LOSS_REASONS:
                 self._lost.labels(*labels, reason)
+            for phase in LOAD_PHASES:
+                self._phases.labels(*labels, phase)
             for backend in backends:
                 for counter in self._backend_counters.values():
                     counter.labels(*labels, backend)
@@ -242,6 +254,8 @@ class HybridOffloadPromMetrics(KVConnectorPromMetrics):
                 self._connector_counters[key].labels(*labels).inc(value)
             elif key in LOST_COUNTERS and value > 0:
                 self._lost.labels(*labels, LOST_COUNTERS[key]).inc(value)
+            elif key in PHASE_COUNTERS and value > 0:
+                self._phases.labels(*labels, PHASE_COUNTERS[key]).inc(value)
         for name, entry in data.get("backends", {}).items():
             backend = _label(name)
             for key, value in entry.get("counters", {}).items():

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -48,6 +47,7 @@ from hybrid_offload.connector.metadata import (
     TouchJob,
 )
 from hybrid_offload.connector.page_codec import PageCodec
+from hybrid_offload.connector.switch_interval import LoadSwitchInterval
 from hybrid_offload.connector.tiers import OpenTier, WorkerRecorder, open_tier
 from hybrid_offload.core.metrics import Locked, WorkerCounters
 from hybrid_offload.core.model_card import ModelCardError, card_from_spec, card_key, encode_card
@@ -73,36 +73,21 @@ class ShardRead:
 
 #: a verified shard ready to be written into the KV cache
 Decoded = tuple[ShardRead, memoryview]
+
+
+@dataclass
+class LoadRun:
+    """What the load thread made of one job: the verified shards (None: the load failed) and
+    its timings (``timer`` seconds; read and verify summed over backends)."""
+
+    decoded: list[Decoded] | None = None
+    submitted: float = 0.0
+    started: float = 0.0
+    finished: float = 0.0
+    read_s: float = 0.0
+    verify_s: float = 0.0
 #: one shard's sealed-to-be page buffer, queued for the store thread
 QueuedShard = tuple[StoreJob, int, bytearray]
-
-
-class LoadSwitchInterval:
-    """Lowers the process's GIL switch interval while loads are in flight, restores it after.
-
-    While a request waits for its pages, vLLM's step loop runs Python without pause, and every
-    blocking call of the load thread (a read, an open) gives the GIL up and waits up to the
-    switch interval (5 ms by default) to get it back: a page load costs several of those. Only
-    the model-runner thread calls :meth:`loading`; the interval is process-wide, so another
-    change made meanwhile is kept (not restored over).
-    """
-
-    def __init__(self, interval_s: float) -> None:
-        self.interval_s = interval_s
-        self._saved: float | None = None
-
-    def loading(self, active: bool) -> None:
-        if not self.interval_s:
-            return
-        if active and self._saved is None:
-            current = sys.getswitchinterval()
-            if current > self.interval_s:
-                self._saved = current
-                sys.setswitchinterval(self.interval_s)
-        elif not active and self._saved is not None:
-            if sys.getswitchinterval() == self.interval_s:
-                sys.setswitchinterval(self._saved)
-            self._saved = None
 
 
 class OffloadWorker:
@@ -118,10 +103,12 @@ class OffloadWorker:
         load_switch_interval_s: float = 0.0,
         page_key: bytes | None = None,
         clock: Callable[[], float] = time.monotonic,
+        timer: Callable[[], float] = time.perf_counter,
     ) -> None:
         """``page_key``: pages are signed with it and must verify under it (see ``page_format``).
-        ``clock`` drives the backends' backoff."""
+        ``clock`` drives the backends' backoff; ``timer`` times the phases of loads."""
         self.spec = spec
+        self._timer = timer
         self.planner = planner
         self._page_key = page_key
         self.codecs = {g.index: PageCodec(spec, g, planner.chunk_tokens) for g in spec.groups}
@@ -374,17 +361,23 @@ class OffloadWorker:
     # ---- loads ------------------------------------------------------------------------
     def start_loads(self, loads: list[LoadJob]) -> None:
         for job in loads:
-            self._loads[job.req_id] = self._loader.submit(self._load, job)
+            self._loads[job.req_id] = self._loader.submit(self._load, job, self._timer())
             self._clears[job.req_id] = job.clears
         self._switch.loading(bool(self._loads))
 
-    def _load(self, job: LoadJob) -> list[Decoded] | None:
-        """Load thread: read and verify this rank's shards of every page of a job; None if
-        any is unusable.
+    def _load(self, job: LoadJob, submitted: float) -> LoadRun:
+        """Load thread: read and verify this rank's shards of every page of a job (decoded
+        None if any is unusable), timed.
 
         Each segment is read from its backend; shards missing or bad there (evicted since the
         lookup, corrupted, backend down) are read from the fallbacks in order.
         """
+        run = LoadRun(submitted=submitted, started=self._timer())
+        run.decoded = self._load_pages(job, run)
+        run.finished = self._timer()
+        return run
+
+    def _load_pages(self, job: LoadJob, run: LoadRun) -> list[Decoded] | None:
         reads: list[ShardRead] = []
         source: list[str] = []
         spans = []
@@ -398,11 +391,11 @@ class OffloadWorker:
             spans.append((segment.backend, range(first, len(reads))))
         decoded: list[Decoded | None] = [None] * len(reads)
         for name, indices in spans:
-            self._read(name, reads, indices, decoded)
+            self._read(name, reads, indices, decoded, run)
         for name in job.fallbacks:
             missing = [i for i, d in enumerate(decoded) if d is None and source[i] != name]
             if missing:
-                self._read(name, reads, missing, decoded)
+                self._read(name, reads, missing, decoded, run)
         lost = sum(d is None for d in decoded)
         if lost:
             with self.stats.lock:
@@ -416,19 +409,23 @@ class OffloadWorker:
         reads: list[ShardRead],
         indices: Sequence[int],
         decoded: list[Decoded | None],
+        run: LoadRun,
     ) -> None:
         """Read ``reads[indices]`` from backend ``name`` into ``decoded`` (verified); shards the
         backend lacks or that fail verification stay None. Never raises a backend error."""
         backend = self.backends[name]
         bufs = [bytearray(reads[i].codec.page_lens[reads[i].shard]) for i in indices]
-        started = time.perf_counter()
+        started = self._timer()
         try:
             sizes = backend.get_into([reads[i].key for i in indices], [memoryview(b) for b in bufs])
         except BackendSkippedError:
             return
         except BackendError:  # a failed read is what the adaptive load policy measured
-            self._sample(name, 0, time.perf_counter() - started, False)
+            self._sample(name, 0, self._timer() - started, False)
             return
+        finally:
+            read_at = self._timer()
+            run.read_s += read_at - started
         nbytes = npages = 0
         for i, buf, size in zip(indices, bufs, sizes, strict=True):
             read = reads[i]
@@ -449,7 +446,8 @@ class OffloadWorker:
             decoded[i] = (read, payload)
             nbytes += size
             npages += 1
-        self._sample(name, nbytes, time.perf_counter() - started, True)
+        run.verify_s += self._timer() - read_at
+        self._sample(name, nbytes, read_at - started, True)
         with self.stats.lock:
             self.stats.counters.pages_loaded += npages
             self.stats.counters.bytes_loaded += nbytes
@@ -496,9 +494,12 @@ class OffloadWorker:
                 failed.add(req_id)
                 continue
             try:
-                decoded = future.result()
+                run: LoadRun = future.result()
+                decoded = run.decoded
                 if decoded is not None:
+                    writing = self._timer()
                     self._write_into_kv_cache(decoded, clears)
+                    self._record_phases(run, writing)
             except Exception:
                 logger.exception("hybrid-offload load of request %s failed", req_id)
                 decoded = None
@@ -506,6 +507,21 @@ class OffloadWorker:
                 failed.add(req_id)
         self._switch.loading(bool(self._loads))
         return recving, failed
+
+    def _record_phases(self, run: LoadRun, writing: float) -> None:
+        """Count a written load and where its time went (``load_*_seconds`` counters)."""
+        written = self._timer()
+        phases = {
+            "queued": run.started - run.submitted,
+            "prepare": run.finished - run.started - run.read_s - run.verify_s,
+            "read": run.read_s,
+            "verify": run.verify_s,
+            "ready": writing - run.finished,
+            "write": written - writing,
+            "total": written - run.submitted,
+        }
+        with self.stats.lock:
+            self.stats.counters.record_load(phases)
 
     def _write_into_kv_cache(self, decoded: list[Decoded], clears: Iterable[ClearRange]) -> None:
         """Scatter a load's verified pages into vLLM's KV cache, then zero the parts of its last

@@ -144,10 +144,35 @@ class WorkerCounters:
     #: its traceback; the batch's remaining pages were not stored
     store_batch_errors: int = 0
     backend_errors: int = 0
+    #: loads written into the KV cache, and where their wall time went (seconds summed over
+    #: them, see :data:`LOAD_PHASES`): ``load_total_seconds`` is submitted -> written
+    loads_written: int = 0
+    load_queued_seconds: float = 0.0
+    load_prepare_seconds: float = 0.0
+    load_read_seconds: float = 0.0
+    load_verify_seconds: float = 0.0
+    load_ready_seconds: float = 0.0
+    load_write_seconds: float = 0.0
+    load_total_seconds: float = 0.0
     backends: dict[str, BackendCounters] = field(default_factory=dict)
 
     def backend(self, name: str) -> BackendCounters:
         return self.backends.setdefault(name, BackendCounters())
+
+    def record_load(self, phases: Mapping[str, float]) -> None:
+        """One load written into the KV cache; ``phases``: seconds per :data:`LOAD_PHASES` name."""
+        self.loads_written += 1
+        for phase, seconds in phases.items():
+            name = f"load_{phase}_seconds"
+            setattr(self, name, getattr(self, name) + seconds)
+
+
+#: the phases of one load, in order (each a ``load_<phase>_seconds`` worker counter): waiting for
+#: the load thread, the load thread's own work (shard keys, read buffers, bookkeeping), backend
+#: reads, page verification (checksums, MACs, headers), read and verified until the
+#: model-runner thread writes it, the writes into vLLM's KV cache; and the whole (the sum of
+#: the others), from the scheduler's load job reaching the worker until written
+LOAD_PHASES = ("queued", "prepare", "read", "verify", "ready", "write", "total")
 
 
 class Locked:

@@ -38,6 +38,12 @@ def test_bench_e2e_quick_writes_rows_per_scenario_and_plots(model_dir, tmp_path:
         assert summary["worker"]["bytes_loaded"] == summary["computed_bytes_loaded"] > 0
         assert summary["loaded_tokens"][scenario] == summary["external_tokens"] > 0
     assert doc["ratios"]["speedup_vs_cold"]["disk"]
+    in_engine = {r["tier"]: r for r in doc["in_engine"]}
+    assert set(in_engine) == {"cpu", "disk"}
+    for tier, row in in_engine.items():  # loads timed inside the engine, next to a same-run ceiling
+        assert row["loads"] > 0 and row["engine_gbps"] > 0 and row["ceiling_gbps"] > 0, row
+        assert row["ms_total"] >= row["ms_read"] > 0 and row["ms_write"] > 0, row
+        assert doc["scenarios"][tier]["ceiling"]["objects_per_call"] >= 1
     for suffix in ("ttft", "throughput", "speedup"):
         png = tmp_path / f"e2e-quick-{suffix}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

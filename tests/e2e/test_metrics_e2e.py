@@ -136,3 +136,12 @@ def test_connector_stats_reach_vllms_prometheus_logger(model_dir, tmp_path: Path
     assert scraped(text, "hybrid_offload_reusable_tokens_total", engine="0") == served
     for reason in ("no_state", "evicted", "backend_down"):
         assert scraped(text, "hybrid_offload_lost_tokens_total", reason=reason, engine="0") == 0
+    # where the loads' time went: the phases add up to the total
+    loads = scraped(text, "hybrid_offload_loads_written_total", engine="0")
+    assert loads == result["passes"][-1]["worker_total"]["loads_written"] > 0
+    phases = {
+        phase: scraped(text, "hybrid_offload_load_phase_seconds_total", phase=phase, engine="0")
+        for phase in ("queued", "prepare", "read", "verify", "ready", "write", "total")
+    }
+    assert phases["total"] > 0 and phases["read"] > 0 and phases["write"] > 0
+    assert sum(v for k, v in phases.items() if k != "total") == pytest.approx(phases["total"], rel=1e-6)

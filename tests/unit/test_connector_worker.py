@@ -9,6 +9,7 @@ index their blocks by the same global block ids.
 
 from __future__ import annotations
 
+import itertools
 import sys
 import threading
 from dataclasses import replace
@@ -54,7 +55,9 @@ from hybrid_offload.connector.metadata import (
     TouchJob,
 )
 from hybrid_offload.connector.page_codec import PageCodec
-from hybrid_offload.connector.worker import LoadSwitchInterval, OffloadWorker
+from hybrid_offload.connector.switch_interval import LoadSwitchInterval
+from hybrid_offload.connector.worker import OffloadWorker
+from hybrid_offload.core.metrics import LOAD_PHASES
 from hybrid_offload.core.page_format import decode_page
 from hybrid_offload.core.planner import HybridOffloadPlanner
 
@@ -208,6 +211,21 @@ def test_load_round_trip_into_other_blocks(world, chunk: int) -> None:
     assert counters["pages_loaded"] == k + 1
     assert counters["missing_pages"] == counters["bad_pages"] == 0
     assert w.worker.write_finished_loads() == (set(), set())  # reported once
+
+
+def test_a_written_load_counts_where_its_time_went(world) -> None:
+    ticks = itertools.count(1.0)  # every reading of the timer is one second later
+    w, pages, _ = stored_world(world, timer=lambda: next(ticks))
+    w.worker.start_loads([load_job(tuple(pages))])  # submitted at 1
+    w.finish("req")  # load thread: started 2, read 3 -> 4, verified 5, finished 6; written 7 -> 8
+    c = w.counters()
+    assert c["loads_written"] == 1
+    assert {p: c[f"load_{p}_seconds"] for p in LOAD_PHASES} == {
+        "queued": 1.0, "prepare": 2.0, "read": 1.0, "verify": 1.0, "ready": 1.0, "write": 1.0, "total": 7.0,
+    }
+    w.worker.start_loads([load_job((w.attn_page(5, [1, 2, 3]),), req_id="gone")])  # never stored
+    assert w.finish("gone")[1] == {"gone"}
+    assert w.counters()["loads_written"] == 1  # a failed load is not a written one
 
 
 def test_load_leaves_skipped_tokens_alone(world) -> None:

@@ -113,11 +113,14 @@ class World:
     def __init__(
         self, backends: Sequence[BackendConfig | Tier], chunk: int = BS, max_pending: int = 1 << 30,
         seed: int = 0, clock: Callable[[], float] = time.monotonic,
+        timer: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.spec = make_spec()
         self.planner = HybridOffloadPlanner(self.spec, chunk)
         self.chunk = chunk
-        self.worker = OffloadWorker(self.spec, self.planner, as_tiers(backends), max_pending, clock=clock)
+        self.worker = OffloadWorker(
+            self.spec, self.planner, as_tiers(backends), max_pending, clock=clock, timer=timer
+        )
         self.cache = KVCache(seed)
         self.worker.register_kv_caches(self.cache.tensors)
         self.tokens = [7 + 3 * i for i in range(64)]

@@ -30,6 +30,8 @@ from typing import Any
 
 from hybrid_offload.testing.services import start_peer, start_redis_server
 from hybrid_offload.tools.bench import e2e_report
+from hybrid_offload.tools.bench.e2e_ceilings import load_shape
+from hybrid_offload.tools.bench.e2e_ceilings import measure as measure_ceiling
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +175,9 @@ def run_scenarios(settings: dict[str, Any], progress: Any = None) -> dict[str, d
     """Run every engine of the plan; per scenario, the session pass and the engine's groups.
 
     Starts redis-server / the cache peer only when their scenarios are asked for; everything
-    started (services, temporary directories) is gone when this returns or raises.
+    started (services, temporary directories) is gone when this returns or raises. After the
+    engines, each tier scenario gets the ceiling of its loads (``"ceiling"``, see
+    :mod:`~hybrid_offload.tools.bench.e2e_ceilings`).
     """
     from hybrid_offload.testing.models import VOCAB_SIZE
 
@@ -204,6 +208,12 @@ def run_scenarios(settings: dict[str, Any], progress: Any = None) -> dict[str, d
                 previous = data["worker_total"]
             if progress is not None:
                 progress.update(1)
+        if progress is not None:
+            progress.set_description("ceilings")
+        for scenario, entry in out.items():  # after the engines (the raw NIXL read overwrites the pool)
+            shape = None if scenario in e2e_report.NO_TRANSFER else load_shape(e2e_report.measured(entry))
+            if shape is not None:
+                entry["ceiling"] = measure_ceiling(scenario, shape, work, urls)
     return out
 
 
@@ -216,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark, print the table, write JSON + PNGs under ``args.out``; 0 on success."""
     from tqdm import tqdm
 
-    from hybrid_offload.tools.bench.common import write_results
+    from hybrid_offload.tools.bench.common import format_table, write_results
 
     settings = _settings(args)
     began = time.perf_counter()
@@ -227,15 +237,19 @@ def run(args: argparse.Namespace) -> int:
         raw = run_scenarios(settings, bar)
     rows = e2e_report.rows(settings, raw)
     _log_summary(rows)
+    summaries = e2e_report.scenario_summaries(raw)
     payload = {
         "args": settings,
         "rows": rows,
         "ratios": e2e_report.ratios(rows),
-        "scenarios": e2e_report.scenario_summaries(raw),
+        "in_engine": e2e_report.in_engine(summaries),
+        "scenarios": summaries,
         "wall_s": round(time.perf_counter() - began, 1),
     }
     path = write_results("e2e", payload, out_dir=args.out, quick=args.quick)
     plots = e2e_report.plots(path, rows)
     print(e2e_report.table(rows))
+    print("\nloads inside the engine (GB/s) next to the ceiling of the same run; ms per load by phase")
+    print(format_table(payload["in_engine"], e2e_report.IN_ENGINE_COLUMNS))
     print(f"\nwrote {path} and {', '.join(str(p) for p in plots)} ({payload['wall_s']}s)")
     return 0

@@ -11,12 +11,16 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from hybrid_offload.core.metrics import LOAD_PHASES
 from hybrid_offload.tools.bench.common import bar_plot, format_table, line_plot
 
 #: scenarios whose hits come from vLLM itself or from nothing: no bytes move through our tiers
 NO_TRANSFER = ("cold", "vllm")
 TABLE_COLUMNS = ("scenario", "prompt_tokens", "hit_tokens", "ttft_ms", "speedup_vs_cold", "prefill_tok_s",
                  "loaded_MiB", "bytes_per_hit_token", "attn_MiB", "mamba_MiB")  # fmt: skip
+IN_ENGINE_COLUMNS = ("tier", "loads", "MiB_per_load", "engine_gbps", "read_gbps", "ceiling_gbps",
+                     "engine_vs_ceiling", "read_vs_ceiling", "ms_queued", "ms_prepare", "ms_read",
+                     "ms_verify", "ms_ready", "ms_write", "ms_total")  # fmt: skip
 MIB = float(1 << 20)
 
 
@@ -90,12 +94,17 @@ def ratios(table_rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {"speedup_vs_cold": speedup, "ttft_over_vllm_hit": over_vllm}
 
 
-def _measured(entry: dict[str, Any]) -> dict[str, Any]:
+def measured(entry: dict[str, Any]) -> dict[str, Any]:
     """Worker counters of one pass (the engine's totals minus those before the pass): pages and
-    bytes loaded / copied out, and per backend bytes loaded and stored and seconds in its calls."""
+    bytes loaded / copied out, loads written and their seconds by phase (``load_phases``), and
+    per backend bytes loaded and stored and seconds in its calls."""
     after, before = entry["pass"]["worker_total"], entry["worker_before"]
-    keys = ("pages_loaded", "bytes_loaded", "pages_copied_out", "bytes_copied_out")
+    keys = ("pages_loaded", "bytes_loaded", "pages_copied_out", "bytes_copied_out", "loads_written")
     out: dict[str, Any] = {k: int(after.get(k, 0) - before.get(k, 0)) for k in keys}
+    out["load_phases"] = {
+        p: round(after.get(f"load_{p}_seconds", 0.0) - before.get(f"load_{p}_seconds", 0.0), 6)
+        for p in LOAD_PHASES
+    }
     per_backend = {}
     for name, counters in after.get("backends", {}).items():
         old = before.get("backends", {}).get(name, {})
@@ -122,12 +131,39 @@ def scenario_summaries(raw: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "loaded_tokens": {n: c.get("loaded_tokens", 0) for n, c in sched.get("backends", {}).items()},
             "external_tokens": sched.get("external_tokens", 0),
             "aligned_prompt_tokens": sched.get("aligned_prompt_tokens", 0),
-            "worker": _measured(entry),
+            "worker": measured(entry),
+            "ceiling": entry.get("ceiling"),
             "computed_bytes_loaded": computed,
             "chunk_tokens": entry["chunk_tokens"],
             "groups": entry["groups"],
             "engine_wall_s": round(entry["engine_wall_s"], 1),
         }
+    return out
+
+
+def in_engine(summaries: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per tier scenario: its loads inside the engine next to the ceiling of the same run.
+
+    ``engine_gbps`` = bytes loaded / seconds from the load job reaching the worker until its
+    pages are in the KV cache (what a request waits for); ``read_gbps`` = the same bytes / seconds
+    in backend reads; ``ms_<phase>``: mean milliseconds per load of each phase."""
+    out = []
+    for scenario, summary in summaries.items():
+        worker, ceiling = summary["worker"], summary.get("ceiling") or {}
+        loads, nbytes, phases = worker["loads_written"], worker["bytes_loaded"], worker["load_phases"]
+        if scenario in NO_TRANSFER or not loads:
+            continue
+        engine = nbytes / phases["total"] / 1e9 if phases["total"] else None
+        read = nbytes / phases["read"] / 1e9 if phases["read"] else None
+        top = ceiling.get("gbps")
+        row: dict[str, Any] = {
+            "tier": scenario, "loads": loads, "MiB_per_load": nbytes / loads / MIB,
+            "engine_gbps": engine, "read_gbps": read, "ceiling": ceiling.get("ceiling"), "ceiling_gbps": top,
+            "engine_vs_ceiling": engine / top if engine and top else None,
+            "read_vs_ceiling": read / top if read and top else None,
+        }  # fmt: skip
+        row.update({f"ms_{p}": 1e3 * phases[p] / loads for p in LOAD_PHASES})
+        out.append(row)
     return out
 
 

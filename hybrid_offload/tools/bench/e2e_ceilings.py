@@ -1,0 +1,71 @@
+"""Ceilings of `hybrid-offload bench e2e`: per tier, the fastest read of the same bytes in the
+same calls outside the engine, measured in the same run.
+
+The shape of a tier's in-engine loads comes from the worker's counters of its pass (mean object
+size = bytes loaded / pages loaded, objects per call = pages loaded / loads written); each
+ceiling reads that many objects of that size per call, ``CALLS`` times, on the same services
+(after the engines: the raw NIXL read overwrites the peer's pool):
+
+* cpu: one ``numpy.copyto`` of the call's bytes;
+* disk: ``preadv`` of the call's objects from one preallocated file in the disk tier's
+  directory, page cache warm (as the engines read it);
+* redis: the better of pipelined redis-py (hiredis) GETs and ``redis-benchmark`` GET (4 clients,
+  ``-P 8``) on the same server;
+* nixl_peer: raw NIXL READ of the call's descriptors from the peer's pool.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from hybrid_offload.tools.bench import ceilings as ce
+
+logger = logging.getLogger(__name__)
+
+CALLS = 5
+#: tier -> the name of its ceiling in reports
+NAMES = {
+    "cpu": "numpy copy",
+    "disk": "preadv (warm)",
+    "redis": "redis GET (best of redis-py, redis-benchmark)",
+    "nixl_peer": "raw NIXL READ",
+}
+
+
+def load_shape(measured: dict[str, Any]) -> tuple[int, int] | None:
+    """(object bytes, objects per load) of a pass's in-engine loads; None without a load."""
+    pages, nbytes, loads = measured["pages_loaded"], measured["bytes_loaded"], measured["loads_written"]
+    if pages <= 0 or loads <= 0:
+        return None
+    return max(1, round(nbytes / pages)), max(1, round(pages / loads))
+
+
+def measure(tier: str, shape: tuple[int, int], work: Path, urls: dict[str, str]) -> dict[str, Any]:
+    """The ceiling of ``tier`` for loads of ``shape``: ``{"ceiling", "gbps", ...}``; on a failure
+    ``gbps`` is None and ``error`` says why (a missing tool must not lose the engines' results)."""
+    page, batch = shape
+    out: dict[str, Any] = {"ceiling": NAMES[tier], "object_bytes": page, "objects_per_call": batch}
+    try:
+        if tier == "cpu":
+            out["gbps"] = ce.numpy_copy(page, batch, CALLS)["gbps"]
+        elif tier == "disk":
+            out["gbps"] = ce.raw_file(str(work), page, batch, CALLS, batch)["preadv_warm"]["gbps"]
+        elif tier == "redis":
+            port = int(urls["redis"].rsplit(":", 1)[1].split("/")[0])
+            py = ce.redis_py(port, page, batch, CALLS, batch)["get"]["gbps"]
+            bench = ce.redis_benchmark(port, page, max(64, 4 * batch * CALLS)).get("get", 0.0)
+            out.update(gbps=max(py, bench), redis_py_gbps=py, redis_benchmark_gbps=bench)
+        elif tier == "nixl_peer":
+            raw = ce.RawNixl(urls["nixl_peer"])
+            try:
+                out["gbps"] = raw.measure(page, batch, CALLS, page * batch)["read"]["gbps"]
+            finally:
+                raw.close()
+        else:
+            raise ValueError(f"no ceiling for tier {tier!r}")
+    except Exception as exc:  # reported in the results, next to the engines' numbers
+        logger.warning("ceiling of %s failed: %r", tier, exc)
+        out.update(gbps=None, error=repr(exc))
+    return out
