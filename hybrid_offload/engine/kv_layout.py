@@ -76,9 +76,28 @@ def _flat_layout(heads: int, block: int, dim: int) -> torch.Tensor:
     return torch.arange(2 * block * heads * dim, dtype=torch.int64).view(2, block, heads, dim)
 
 
+@dataclass(frozen=True)
+class TokenIndex:
+    """Where some tokens of a request live in an attention group's cache: per token its kernel
+    block and its slot in it, and this rank's KV heads; ``elements`` (2, T, h, D): flat element
+    offsets, only for kernel layouts that are not strided (see :class:`AttentionGroupLayout`)."""
+
+    kblocks: torch.Tensor
+    slots: torch.Tensor
+    heads: slice
+    elements: torch.Tensor | None = None
+
+
 @dataclass
 class AttentionGroupLayout:
-    """Addressing for one attention group: every layer shares block table and layout."""
+    """Addressing for one attention group: every layer shares block table and layout.
+
+    Where the probed layout is strided for K and for V (offset = base + token * a + head * b
+    + dim * c inside a kernel block; vLLM's NHD layout and the CPU "vec" kernel, which keeps K
+    transposed), copies index tokens only and move each token's (heads, dim) slice through a
+    strided view (``views``): no index per element. Other layouts (AMX tiles) copy element by
+    element through ``perm``.
+    """
 
     group: GroupSpec
     layers: list[torch.Tensor]  # each flattened to 1-D over the whole cache
@@ -86,36 +105,77 @@ class AttentionGroupLayout:
     kernel_block: int
     kernel_blocks_per_block: int
     block_elems: int
+    #: per layer, K and V as (kernel blocks, kernel_block, heads, dim) views; None: not strided
+    views: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def element_index(
         self, block_ids: list[int], first_token: int, num_tokens: int, heads: slice = slice(None)
-    ) -> torch.Tensor:
-        """Flat element indices, shape (2, num_tokens, len(heads), dim), for tokens
-        ``[first_token, first_token + num_tokens)`` of a request with this block table and this
-        rank's KV heads ``heads``."""
+    ) -> TokenIndex:
+        """Tokens ``[first_token, first_token + num_tokens)`` of a request with this block table,
+        this rank's KV heads ``heads``; what :meth:`gather`, :meth:`scatter`, :meth:`zero` take."""
         pos = torch.arange(first_token, first_token + num_tokens)
         bs = self.group.block_size
         table = torch.as_tensor(block_ids, dtype=torch.int64)
         kblock = table[pos // bs] * self.kernel_blocks_per_block + (pos % bs) // self.kernel_block
-        offset = self.perm[:, :, heads][:, pos % self.kernel_block]  # (2, T, h, D)
-        return kblock.view(1, -1, 1, 1) * self.block_elems + offset
+        slots = pos % self.kernel_block
+        if self.views is not None:
+            return TokenIndex(kblock, slots, heads)
+        offset = self.perm[:, :, heads][:, slots]  # (2, T, h, D)
+        return TokenIndex(kblock, slots, heads, kblock.view(1, -1, 1, 1) * self.block_elems + offset)
 
-    def gather(self, index: torch.Tensor, out: list[torch.Tensor]) -> None:
-        """Copy K/V at ``index`` of every layer into ``out[layer]`` (shape (2, T, H, D))."""
-        flat_index = index.reshape(-1)
-        for layer, dst in zip(self.layers, out, strict=True):
-            torch.index_select(layer, 0, flat_index, out=dst.view(-1))
+    def gather(self, index: TokenIndex, out: list[torch.Tensor]) -> None:
+        """Copy K/V at ``index`` of every layer into ``out[layer]`` (shape (2, T, h, D))."""
+        if index.elements is not None:
+            flat_index = index.elements.reshape(-1)
+            for layer, dst in zip(self.layers, out, strict=True):
+                torch.index_select(layer, 0, flat_index, out=dst.view(-1))
+            return
+        assert self.views is not None
+        at = (index.kblocks, index.slots)
+        for kv_views, dst in zip(self.views, out, strict=True):
+            for kv, view in enumerate(kv_views):
+                dst[kv].copy_(view[:, :, index.heads][at])
 
-    def scatter(self, index: torch.Tensor, src: list[torch.Tensor]) -> None:
-        flat_index = index.reshape(-1)
-        for layer, data in zip(self.layers, src, strict=True):
-            layer.index_copy_(0, flat_index, data.reshape(-1))
+    def scatter(self, index: TokenIndex, src: list[torch.Tensor]) -> None:
+        """Copy ``src[layer]`` (shape (2, T, h, D)) into every layer at ``index``."""
+        if index.elements is not None:
+            flat_index = index.elements.reshape(-1)
+            for layer, data in zip(self.layers, src, strict=True):
+                layer.index_copy_(0, flat_index, data.reshape(-1))
+            return
+        assert self.views is not None
+        at = (index.kblocks, index.slots)
+        for kv_views, data in zip(self.views, src, strict=True):
+            for kv, view in enumerate(kv_views):
+                view[:, :, index.heads].index_put_(at, data[kv])
 
-    def zero(self, index: torch.Tensor) -> None:
+    def zero(self, index: TokenIndex) -> None:
         """Zero K/V at ``index`` in every layer."""
-        flat_index = index.reshape(-1)
-        for layer in self.layers:
-            layer.index_fill_(0, flat_index, 0)
+        if index.elements is not None:
+            flat_index = index.elements.reshape(-1)
+            for layer in self.layers:
+                layer.index_fill_(0, flat_index, 0)
+            return
+        assert self.views is not None
+        at = (index.kblocks, index.slots)
+        for kv_views in self.views:
+            for view in kv_views:
+                view[:, :, index.heads].index_put_(at, torch.zeros((), dtype=view.dtype))
+
+
+def _strides(perm: torch.Tensor) -> list[tuple[int, int, int, int]] | None:
+    """Per K and V, (offset, token, head, dim) strides in elements when ``perm`` (2, kblock,
+    heads, dim) is strided for both; else None."""
+    out = []
+    for part in perm:
+        base = int(part[0, 0, 0])
+        steps = [int(part.select(axis, 1).flatten()[0]) - base if n > 1 else 0
+                 for axis, n in enumerate(part.shape)]  # fmt: skip
+        grid = torch.meshgrid(*(torch.arange(n) for n in part.shape), indexing="ij")
+        if not torch.equal(part, base + sum(g * st for g, st in zip(grid, steps, strict=True))):
+            return None
+        out.append((base, *steps))
+    return out
 
 
 @dataclass
@@ -148,13 +208,25 @@ def _attention_layout(group: GroupSpec, tensors: list[torch.Tensor], num_blocks:
     for t in tensors:
         if not t.is_contiguous():
             raise LayoutError(f"group {group.index}: KV tensor is not contiguous")
+    block_elems = first[0].numel()
+    strides = _strides(perm)
+    views = None
+    if strides is not None:
+        shape = (first.shape[0], kblock, heads, dim)
+        views = [
+            tuple(t.as_strided(shape, (block_elems, st, sh, sd), t.storage_offset() + off)
+                  for off, st, sh, sd in strides)
+            for t in tensors
+        ]
+    logger.debug("group %d: attention copies %s", group.index, "by token" if views else "by element")
     return AttentionGroupLayout(
         group=group,
         layers=[t.view(-1) for t in tensors],
         perm=perm,
         kernel_block=kblock,
         kernel_blocks_per_block=first.shape[0] // num_blocks,
-        block_elems=first[0].numel(),
+        block_elems=block_elems,
+        views=views,  # type: ignore[arg-type]
     )
 
 

@@ -162,3 +162,26 @@ def test_unknown_attention_shape_is_refused() -> None:
     bad = {"l0": torch.zeros(NUM_BLOCKS, 3, BLOCK, HEAD_DIM, dtype=torch.bfloat16), "l1": torch.zeros(1)}
     with pytest.raises(kv_layout.LayoutError, match="not a known layout"):
         kv_layout.build_layouts((attention_group(),), bad, NUM_BLOCKS)
+
+
+def test_strided_layouts_copy_by_token_others_by_element(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NHD is strided (copies index tokens only); a layout that scatters a head vector's
+    elements (one not seen yet) is still copied right, element by element."""
+    flat = kv_layout._flat_layout(HEADS, BLOCK, HEAD_DIM)
+    per_kv, token = BLOCK * HEADS * HEAD_DIM, HEADS * HEAD_DIM
+    assert kv_layout._strides(flat) == [(0, token, HEAD_DIM, 1), (per_kv, token, HEAD_DIM, 1)]
+
+    scrambled = torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(3)).view(flat.shape)
+    assert kv_layout._strides(scrambled) is None
+    monkeypatch.setattr(kv_layout, "_probe_cpu_attn", lambda *args: scrambled)
+    shape = (NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM)
+    caches = {n: torch.zeros(shape, dtype=torch.bfloat16) for n in ("l0", "l1")}
+    layout = kv_layout.build_layouts((attention_group(),), caches, NUM_BLOCKS)[0]
+    assert isinstance(layout, kv_layout.AttentionGroupLayout) and layout.views is None
+    data = [torch.randn(2, BLOCK, HEADS, HEAD_DIM).to(torch.bfloat16) for _ in caches]
+    layout.scatter(layout.element_index([2], 0, BLOCK), data)
+    assert torch.equal(caches["l0"][2].reshape(-1)[scrambled.reshape(-1)], data[0].reshape(-1))
+    assert caches["l0"][[0, 1, 3, 4, 5]].abs().sum() == 0
+    out = [torch.empty_like(d) for d in data]
+    layout.gather(layout.element_index([2], 0, BLOCK), out)
+    assert all(torch.equal(o, d) for o, d in zip(out, data, strict=True))
