@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from hybrid_offload.connector.metadata import PageJob
-from hybrid_offload.core.page_format import PageHeader, header_len, page_len
+from hybrid_offload.core.page_format import CHUNK_HASH_LEN, PageHeader, PageTemplate, header_len, page_len
 from hybrid_offload.core.spec import GroupSpec, ModelSpec
 from hybrid_offload.core.tp_shards import Transfer, read_plan, shards_read, shards_written, transfers
 from hybrid_offload.engine.kv_layout import AttentionGroupLayout, MambaGroupLayout
@@ -49,6 +49,8 @@ class PageCodec:
         self.tensors = {p: group.page_tensors(chunk_tokens, p) for p in {*self.written, *self.read}}
         self.header_lens = {p: header_len(ts) for p, ts in self.tensors.items()}
         self.page_lens = {p: page_len(ts) for p, ts in self.tensors.items()}
+        #: per shard read, what its pages share (verify_page checks a page against it)
+        self.templates = {p: PageTemplate.of(self._header(bytes(CHUNK_HASH_LEN), 0, p)) for p in self.read}
         self.write_runs = {p: self._runs(p, [transfers(s, (shards, p), (t, r)) for s in splits])
                            for p in self.written}
         plans = [read_plan(s, shards, self.read, t, r) for s in splits]
@@ -66,12 +68,15 @@ class PageCodec:
         return out
 
     def header(self, page: PageJob, shard: int) -> PageHeader:
+        return self._header(page.chunk_hash, page.chunk_index, shard)
+
+    def _header(self, chunk_hash: bytes, chunk_index: int, shard: int) -> PageHeader:
         return PageHeader(
             self.spec.fingerprint_bytes,
-            page.chunk_hash,
+            chunk_hash,
             self.group.index,
             self.group.kind,
-            page.chunk_index,
+            chunk_index,
             self.chunk_tokens,
             self.tensors[shard],
             shard,

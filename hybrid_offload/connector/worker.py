@@ -51,7 +51,7 @@ from hybrid_offload.connector.switch_interval import LoadSwitchInterval
 from hybrid_offload.connector.tiers import OpenTier, WorkerRecorder, open_tier
 from hybrid_offload.core.metrics import Locked, WorkerCounters
 from hybrid_offload.core.model_card import ModelCardError, card_from_spec, card_key, encode_card
-from hybrid_offload.core.page_format import PageFormatError, decode_page, seal_page
+from hybrid_offload.core.page_format import PageFormatError, seal_page, verify_page
 from hybrid_offload.core.planner import HybridOffloadPlanner
 from hybrid_offload.core.spec import ModelSpec
 from hybrid_offload.engine.kv_layout import AttentionGroupLayout, MambaGroupLayout, build_layouts
@@ -433,8 +433,9 @@ class OffloadWorker:
                 self.stats.record_error(name, "missing_page")
                 continue
             try:
-                _, payload = decode_page(
-                    memoryview(buf)[:size], read.codec.header(read.page, read.shard), self._page_key
+                payload = verify_page(
+                    memoryview(buf)[:size], read.codec.templates[read.shard], read.page.chunk_hash,
+                    read.page.chunk_index, self._page_key,
                 )
             except PageFormatError as exc:
                 with self.stats.lock:

@@ -229,6 +229,75 @@ def decode_page(
     return header, payload
 
 
+@dataclass(frozen=True)
+class PageTemplate:
+    """What every page of one (model, group, shard, chunk size) shares, encoded once, so that
+    :func:`verify_page` checks a page with a few comparisons instead of decoding its header."""
+
+    fingerprint: bytes
+    group_index: int
+    kind: GroupKind
+    num_tokens: int
+    shard: int
+    shards: int
+    hlen: int
+    plen: int
+    n_tensors: int
+    table: bytes  # the tensor table as encoded after the fixed header
+
+    @classmethod
+    def of(cls, header: PageHeader) -> PageTemplate:
+        """The template of ``header`` (its chunk hash and index are the per-page parts)."""
+        tensors = header.tensors
+        return cls(header.fingerprint, header.group_index, header.kind, header.num_tokens, header.shard,
+                   header.shards, header_len(tensors), header.payload_len, len(tensors),
+                   _tensor_table(tensors))  # fmt: skip
+
+
+def verify_page(
+    data: bytes | bytearray | memoryview, template: PageTemplate, chunk_hash: bytes, chunk_index: int,
+    key: bytes | None = None,
+) -> memoryview:  # fmt: skip
+    """:func:`decode_page` against an expected header of ``template`` for chunk ``chunk_hash`` /
+    ``chunk_index``, without decoding the header: the same bytes are accepted and refused (with
+    the same kind of message); returns the payload (a view into ``data``)."""
+    view = memoryview(data).cast("B")
+    if len(view) != template.hlen + template.plen:
+        raise PageFormatError(
+            f"page is {len(view)} bytes, expected {template.hlen + template.plen} (truncated, or "
+            "its tensor shapes/dtypes differ from the model's)"
+        )
+    (magic, version, hlen, fingerprint, got_hash, group, kind, shard, shards,
+     got_index, num_tokens, n_tensors, plen, payload_checksum, _) = _FIXED.unpack_from(view, 0)  # fmt: skip
+    if magic != MAGIC:
+        raise PageFormatError("bad magic: not a hybrid-offload page")
+    if version != FORMAT_VERSION:
+        raise PageFormatError(f"page format version {version}, expected {FORMAT_VERSION}")
+    (stored,) = _CHECKSUM.unpack_from(view, template.hlen - _CHECKSUM.size)
+    if hlen != template.hlen or xxhash.xxh3_64_intdigest(view[: hlen - _CHECKSUM.size]) != stored:
+        raise PageFormatError("header checksum mismatch")
+    table = view[_FIXED.size : _FIXED.size + len(template.table)]
+    if plen != template.plen or n_tensors != template.n_tensors or table != template.table:
+        raise PageFormatError("page tensor shapes/dtypes differ from the model's")
+    payload = view[hlen:]
+    if xxhash.xxh3_64_intdigest(payload) != payload_checksum:
+        raise PageFormatError("payload checksum mismatch")
+    if key:
+        _check_mac(view, hlen, payload, key)
+    got = (fingerprint, got_hash, group, _CODE_KINDS.get(kind), got_index, num_tokens, shard, shards)
+    want = (template.fingerprint, chunk_hash, template.group_index, template.kind, chunk_index,
+            template.num_tokens, template.shard, template.shards)  # fmt: skip
+    if got != want:
+        for name, g, w in zip(_IDENTITY, got, want, strict=True):
+            if g != w:
+                raise PageFormatError(f"page {name} is {g!r}, expected {w!r}")
+    return payload
+
+
+_IDENTITY = ("fingerprint", "chunk_hash", "group_index", "kind", "chunk_index", "num_tokens", "shard",
+             "shards")  # fmt: skip
+
+
 def _check_mac(view: memoryview, hlen: int, payload: memoryview, key: bytes) -> None:
     mac = bytes(view[_MAC_OFFSET:_FIXED.size])
     if mac == _NO_MAC:

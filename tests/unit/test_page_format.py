@@ -22,17 +22,24 @@ from hybrid_offload.core.page_format import (
     MAGIC,
     PageFormatError,
     PageHeader,
+    PageTemplate,
     decode_header,
     decode_page,
     encode_page,
     header_len,
     page_len,
     seal_page,
+    verify_page,
 )
 from hybrid_offload.core.spec import GroupKind, GroupSpec, TensorSpec
 
 REPO = Path(__file__).resolve().parents[2]
 Mangle = Callable[[tuple[TensorSpec, ...]], tuple[TensorSpec, ...]]
+
+
+def verified(data: bytes | bytearray, expected: PageHeader, key: bytes | None = None) -> memoryview:
+    """verify_page against ``expected`` (the worker's path: a template plus the chunk's identity)."""
+    return verify_page(data, PageTemplate.of(expected), expected.chunk_hash, expected.chunk_index, key)
 
 
 def layout(tensors: tuple[TensorSpec, ...]) -> list[tuple[tuple[int, ...], str]]:
@@ -68,6 +75,7 @@ def test_round_trip(group: GroupSpec) -> None:
     got, view = decode_page(data, header)
     assert bytes(view) == payload
     assert isinstance(view, memoryview)
+    assert bytes(verified(data, header)) == payload and bytes(verified(bytearray(data), header)) == payload
     for name in ("fingerprint", "chunk_hash", "group_index", "kind", "chunk_index",
                  "num_tokens", "shard", "shards", "payload_len"):
         assert getattr(got, name) == getattr(header, name), name
@@ -159,8 +167,12 @@ def test_each_identifying_field_is_checked(field: str) -> None:
     decode_page(data)  # a valid page on its own
     with pytest.raises(PageFormatError, match=field):
         decode_page(data, expected)
+    with pytest.raises(PageFormatError, match=field):
+        verified(data, expected)
     with pytest.raises(PageFormatError, match=field):  # and the other way round
         decode_page(encode_page(expected, payload), other)
+    with pytest.raises(PageFormatError, match=field):
+        verified(encode_page(expected, payload), other)
 
 
 @pytest.mark.parametrize(
@@ -176,12 +188,15 @@ def test_tensor_layout_is_checked(change: Mangle) -> None:
     decode_page(data)
     with pytest.raises(PageFormatError, match="shapes/dtypes"):
         decode_page(data, expected)
+    with pytest.raises(PageFormatError, match="shapes/dtypes"):
+        verified(data, expected)
 
 
 def test_tensor_names_are_not_identity() -> None:
     expected = make_header(MAMBA)
     renamed = tuple(TensorSpec(f"x{i}", t.shape, t.dtype) for i, t in enumerate(expected.tensors))
     decode_page(make_page(make_header(MAMBA, tensors=renamed)), expected)
+    verified(make_page(make_header(MAMBA, tensors=renamed)), expected)
 
 
 # ---- corruption ------------------------------------------------------------------------------
@@ -190,6 +205,8 @@ def _assert_rejected(data: bytes | bytearray, expected: PageHeader) -> None:
         decode_page(data, expected)
     with pytest.raises(PageFormatError):
         decode_page(data)
+    with pytest.raises(PageFormatError):
+        verified(data, expected)
 
 
 def test_every_single_bit_flip_is_caught_mamba_page() -> None:
@@ -394,9 +411,12 @@ def test_signed_pages_verify_only_under_their_key() -> None:
     assert not decode_page(encode_page(header, payload), header)[0].signed
     forged = encode_page(header, payload_for(header, 2))  # a forger without the key
     assert bytes(decode_page(forged, header)[1]) != payload  # what an unkeyed reader would take
+    assert bytes(verified(signed, header, key)) == payload
     for bad, why in ((forged, "not signed"), (encode_page(header, payload, b"other key"), "does not verify")):
         with pytest.raises(PageFormatError, match=why):
             decode_page(bad, header, key)
+        with pytest.raises(PageFormatError, match=why):
+            verified(bad, header, key)
     # tampering with any signed byte (payload or an identifying header field), checksums redone
     tampered = bytearray(signed)
     tampered[-1] ^= 1
@@ -404,6 +424,8 @@ def test_signed_pages_verify_only_under_their_key() -> None:
     tampered = reseal(bytes(tampered), payload_checksum=xxhash.xxh3_64_intdigest(bytes(tampered[hlen:])))
     with pytest.raises(PageFormatError, match="does not verify"):
         decode_page(tampered, None, key)
+    with pytest.raises(PageFormatError, match="does not verify"):
+        verified(tampered, header, key)
     with pytest.raises(PageFormatError, match="does not verify"):
         decode_page(reseal(signed, chunk_index=8), None, key)
 
