@@ -17,7 +17,7 @@ from hybrid_offload.connector.metadata import PageJob
 from hybrid_offload.core.page_format import CHUNK_HASH_LEN, PageHeader, PageTemplate, header_len, page_len
 from hybrid_offload.core.spec import GroupSpec, ModelSpec
 from hybrid_offload.core.tp_shards import Transfer, read_plan, shards_read, shards_written, transfers
-from hybrid_offload.engine.kv_layout import AttentionGroupLayout, MambaGroupLayout
+from hybrid_offload.engine.kv_layout import AttentionGroupLayout, MambaGroupLayout, TokenIndex
 
 
 @dataclass(frozen=True)
@@ -133,6 +133,34 @@ class PageCodec:
                 parts[run.part].narrow(run.axis, run.part_start, run.length).copy_(
                     states[run.tensor].narrow(run.axis, run.rank_start, run.length)
                 )
+
+    def scatter_pages(self, layout: AttentionGroupLayout | MambaGroupLayout,
+                      pages: list[tuple[PageJob, int, torch.Tensor]]) -> None:
+        """:meth:`scatter` of many (page, shard, payload) of this group. Attention pages in a
+        strided kernel layout go in one copy per layer, K/V and head run for all of them
+        (their tokens' indices and payloads concatenated); others one by one."""
+        if not isinstance(layout, AttentionGroupLayout) or layout.views is None:
+            for page, shard, payload in pages:
+                self.scatter(layout, page, shard, payload)
+            return
+        by_shard: dict[int, list[tuple[PageJob, torch.Tensor]]] = {}
+        for page, shard, payload in pages:
+            by_shard.setdefault(shard, []).append((page, payload))
+        for shard, items in by_shard.items():
+            views = [(page, self._attention_views(shard, payload)) for page, payload in items]
+            for run in self.read_runs[shard]:
+                heads = slice(run.rank_start, run.rank_start + run.length)
+                parts = slice(run.part_start, run.part_start + run.length)
+                indices, data = [], [[] for _ in layout.layers]
+                for page, layer_views in views:
+                    skip = page.skip_tokens
+                    indices.append(layout.element_index(
+                        list(page.block_ids), page.first_token + skip, self.chunk_tokens - skip, heads))
+                    for per_layer, view in zip(data, layer_views, strict=True):
+                        per_layer.append(view[:, skip:, parts])
+                kblocks = torch.cat([i.kblocks for i in indices])
+                index = TokenIndex(kblocks, torch.cat([i.slots for i in indices]), heads)
+                layout.scatter(index, [torch.cat(d, dim=1) for d in data])
 
     def scatter(self, layout: AttentionGroupLayout | MambaGroupLayout, page: PageJob,
                 shard: int, payload: torch.Tensor) -> None:

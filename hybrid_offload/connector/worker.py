@@ -527,11 +527,13 @@ class OffloadWorker:
     def _write_into_kv_cache(self, decoded: list[Decoded], clears: Iterable[ClearRange]) -> None:
         """Scatter a load's verified pages into vLLM's KV cache, then zero the parts of its last
         attention blocks that it did not fill."""
+        by_group: dict[int, list[tuple[PageJob, int, torch.Tensor]]] = {}
         for read, payload in decoded:
-            read.codec.scatter(
-                self.layouts[read.page.group], read.page, read.shard,
-                torch.frombuffer(payload, dtype=torch.uint8),
+            by_group.setdefault(read.page.group, []).append(
+                (read.page, read.shard, torch.frombuffer(payload, dtype=torch.uint8))
             )
+        for group, pages in by_group.items():
+            self.codecs[group].scatter_pages(self.layouts[group], pages)
         self._clear(clears)
 
     def _clear(self, clears: Iterable[ClearRange]) -> None:

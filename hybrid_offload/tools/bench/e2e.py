@@ -21,6 +21,7 @@ against the worker's byte counters per pass.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import tempfile
 import time
@@ -57,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="prompt seed")
     parser.add_argument("--tp-shards", type=int, default=None,
                         help="the connector's tp_shards (default: the connector's default)")
+    parser.add_argument("--connector", action="append", default=[], metavar="KEY=VALUE",
+                        help="a kv_connector_extra_config entry for every engine (VALUE parsed as JSON "
+                             "where it is JSON), e.g. load_switch_interval_s=0.0001; repeatable")
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -81,7 +85,22 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "model_dir": str(model_dir),
         "seed": args.seed,
         "tp_shards": args.tp_shards,
+        "connector": _connector_options(args.connector),
     }
+
+
+def _connector_options(pairs: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` flags as a dict (JSON values where they parse). Raises ValueError."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--connector {pair!r}: expected KEY=VALUE")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out
 
 
 def make_prompts(lengths: list[int], repeats: int, seed: int, vocab: int) -> list[list[int]]:
@@ -159,6 +178,7 @@ def _run_engine(
         "connector": {
             "backends": [_backend(t, work, urls) for t in tiers],
             **({"tp_shards": settings["tp_shards"]} if settings.get("tp_shards") else {}),
+            **settings.get("connector", {}),
         },
         "llm_kwargs": {"max_model_len": max(settings["lengths"]) + 64},
     }
