@@ -71,10 +71,10 @@ from .base import (
     PageInfo,
 )
 from .disk_files import (
+    PageDirs,
     counted_size,
     create_temp,
     next_stamp,
-    open_page,
     read_exact,
     readinto_exact,
     stat_page,
@@ -138,6 +138,7 @@ class DiskBackend(Backend):
         self._fsync: bool = opts["fsync"]
         self._io_threads: int = opts["io_threads"]
         self._touch_on_read = touch_on_read
+        self._dirs = PageDirs(self._root)  # read-only descriptors of page directories
         self._lock = threading.RLock()
         self._index: LruIndex[None] = LruIndex(self.capacity_bytes)  # bounds the shared total
         self._empty_root: tuple[int, int] | None = None  # (dev, ino) of a root counted empty
@@ -239,7 +240,7 @@ class DiskBackend(Backend):
     def _exists(self, key: str) -> bool:
         path = self._paths(key)[1]
         try:
-            st = stat_page(self._root, key)
+            st = self._dirs.stat_page(key)
         except FileNotFoundError:
             return False
         except OSError as exc:
@@ -440,7 +441,7 @@ class DiskBackend(Backend):
         key, buf = job
         path = self._paths(key)[1]
         try:
-            fd = open_page(self._root, key)
+            fd = self._dirs.open_page(key)
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -581,3 +582,4 @@ class DiskBackend(Backend):
             self._index.clear()
         if pool is not None:
             pool.shutdown(wait=True)
+        self._dirs.close()

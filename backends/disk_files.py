@@ -14,11 +14,14 @@ import contextlib
 import os
 import threading
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 from .disk_root import open_dir_below, page_problem
 
 __all__ = [
     "OPEN_FLAGS",
+    "PageDirs",
     "counted_size",
     "create_temp",
     "next_stamp",
@@ -32,6 +35,7 @@ __all__ = [
 ]
 
 OPEN_FLAGS = getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+_T = TypeVar("_T")
 _ANY_SIZE = 1 << 62
 
 _stamp_lock = threading.Lock()
@@ -141,3 +145,72 @@ def counted_size(st: os.stat_result) -> int:
     """Bytes a page file (its ``lstat``) counts in the shared total: 0 unless it is a page this
     process trusts (a regular file of its uid, not writable by group or others)."""
     return st.st_size if page_problem(st, _ANY_SIZE) is None else 0
+
+
+class PageDirs:
+    """Descriptors of page directories (``root/<namespace>/<2 hex>``) kept open for reads, so a
+    page read or stat opens one file instead of walking three directories (a syscall each,
+    and on a busy engine each one waits for the GIL).
+
+    Read-only: never used to create files (a page written into a directory removed meanwhile
+    would be lost). A directory removed and made again since it was opened (``cache clear``)
+    makes the open fail with ``FileNotFoundError``; it is then walked afresh once. Replaced
+    descriptors stay open until :meth:`close` (another thread may still be using one: closing
+    it could hand its number to an unrelated file). At most ``limit`` directories are kept;
+    beyond that, reads walk. Thread-safe.
+    """
+
+    def __init__(self, root: str, limit: int = 4096) -> None:
+        self._root = root
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._fds: dict[tuple[str, str], int] = {}
+        self._retired: list[int] = []
+
+    def _dir(self, part: tuple[str, str], stale: int | None) -> tuple[int, bool]:
+        """(descriptor of ``part``, whether the caller must close it)."""
+        with self._lock:
+            fd = self._fds.get(part)
+            if fd is not None and fd != stale:
+                return fd, False
+        fresh = open_dir_below(self._root, part, create=False)
+        with self._lock:
+            if stale is not None and self._fds.get(part) == stale:
+                self._retired.append(self._fds.pop(part))
+            if part in self._fds or len(self._fds) >= self._limit:
+                return fresh, True
+            self._fds[part] = fresh
+            return fresh, False
+
+    def _at(self, key: str, call: Callable[[str, int], _T]) -> _T:
+        namespace, digest = key.split("-", 1)
+        part, name, stale = (namespace, digest[:2]), digest + ".page", None
+        for attempt in (0, 1):
+            fd, owned = self._dir(part, stale)
+            try:
+                return call(name, fd)
+            except FileNotFoundError:
+                if attempt or owned:
+                    raise
+                stale = fd  # maybe a directory removed since: walk afresh once
+            finally:
+                if owned:
+                    os.close(fd)
+        raise AssertionError("unreachable")
+
+    def open_page(self, key: str) -> int:
+        """As :func:`open_page`."""
+        flags = os.O_RDONLY | os.O_NONBLOCK | OPEN_FLAGS
+        return self._at(key, lambda name, fd: os.open(name, flags, dir_fd=fd))
+
+    def stat_page(self, key: str) -> os.stat_result:
+        """As :func:`stat_page`."""
+        return self._at(key, lambda name, fd: os.stat(name, dir_fd=fd, follow_symlinks=False))
+
+    def close(self) -> None:
+        """Close every descriptor (call when no read is in flight any more)."""
+        with self._lock:
+            fds, self._fds, retired, self._retired = list(self._fds.values()), {}, self._retired, []
+        for fd in fds + retired:
+            with contextlib.suppress(OSError):
+                os.close(fd)

@@ -337,3 +337,29 @@ def test_get_prefix_reads_only_the_first_bytes(tmp_path: Path, monkeypatch: pyte
             backend.get_prefix([key(0)], 0, [5000])
         with pytest.raises(ValueError):
             backend.get_prefix([key(0)], 10, [])
+
+
+def test_reads_find_pages_in_a_page_directory_made_again(tmp_path: Path) -> None:
+    """Reads keep page directories open; one removed and made again (a cleared cache, another
+    engine storing again) is walked afresh, so its new pages are found, not missed."""
+    root = tmp_path / "store"
+    with make_disk(root) as backend, make_disk(root) as other:
+        backend.put_batch([(key(1), page(1, 100))])
+        assert backend.get_batch([key(1)]) == [page(1, 100)]  # its directory is now held open
+        shutil.rmtree(page_path(root, key(1)).parent.parent)  # the namespace, from outside
+        assert other.put_batch([(key(1), page(1, 150))]) == [True]  # made again, a new page
+        assert backend.contains_batch([key(1)]) == [True]
+        assert backend.get_batch([key(1)]) == [page(1, 150)]
+
+
+def test_a_held_page_directory_swapped_for_a_link_is_not_followed(tmp_path: Path) -> None:
+    root, outside = tmp_path / "store", tmp_path / "outside"
+    with make_disk(root) as backend:
+        backend.put_batch([(key(1), page(1, 100))])
+        assert backend.get_batch([key(1)]) == [page(1, 100)]
+        directory = page_path(root, key(1)).parent
+        shutil.copytree(directory, outside)
+        shutil.rmtree(directory)
+        directory.symlink_to(outside, target_is_directory=True)  # a link into another tree
+        assert backend.get_batch([key(1)]) == [None]
+        assert backend.contains_batch([key(1)]) == [False]
