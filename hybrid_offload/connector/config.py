@@ -22,6 +22,8 @@ DEFAULT_CAPACITY_BYTES = 1 << 30
 DEFAULT_MAX_PENDING_STORE_BYTES = 256 << 20
 #: the worker process's GIL switch interval while a load is in flight (Python's default: 5 ms)
 DEFAULT_LOAD_SWITCH_INTERVAL_S = 0.0005
+#: in an engine step that schedules no token, the worker waits up to this long for a load
+DEFAULT_IDLE_LOAD_WAIT_S = 0.005
 #: each (chunk, group) page set splits into up to this many TP-portable shards (see tp_shards.py)
 DEFAULT_TP_SHARDS = 8
 MAX_TP_SHARDS = 64
@@ -40,6 +42,7 @@ _TOP_KEYS = frozenset(
         "adaptive_forget_s",
         "connectors",
         "load_switch_interval_s",
+        "idle_load_wait_s",
         "tp_shards",
         "checkpoint_interval_tokens",
         "pending_store_wait_s",
@@ -126,6 +129,7 @@ class OffloadConfig:
     adaptive_forget_s: float = DEFAULT_ADAPTIVE_FORGET_S
     connectors: tuple[ChildConnectorConfig, ...] = ()
     load_switch_interval_s: float = DEFAULT_LOAD_SWITCH_INTERVAL_S
+    idle_load_wait_s: float = DEFAULT_IDLE_LOAD_WAIT_S
     tp_shards: int = DEFAULT_TP_SHARDS
     checkpoint_interval_tokens: int = DEFAULT_CHECKPOINT_INTERVAL_TOKENS
     pending_store_wait_s: float = DEFAULT_PENDING_STORE_WAIT_S
@@ -261,6 +265,8 @@ def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
     forget = _seconds(extra, "adaptive_forget_s", DEFAULT_ADAPTIVE_FORGET_S, 86400, zero_ok=False)
     switch = _seconds(extra, "load_switch_interval_s", DEFAULT_LOAD_SWITCH_INTERVAL_S, 0.1,
                       " (0: leave Python's switch interval alone)")
+    idle_wait = _seconds(extra, "idle_load_wait_s", DEFAULT_IDLE_LOAD_WAIT_S, 0.1,
+                         " (0: an idle step never waits for loads)")
     shards = _positive_int(extra.get("tp_shards", DEFAULT_TP_SHARDS), f"{ROOT}.tp_shards")
     if shards > MAX_TP_SHARDS:
         raise ConfigError(f"{ROOT}.tp_shards: at most {MAX_TP_SHARDS}, got {shards}")
@@ -295,6 +301,7 @@ def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
         adaptive_forget_s=forget,
         connectors=connectors,
         load_switch_interval_s=switch,
+        idle_load_wait_s=idle_wait,
         tp_shards=shards,
         checkpoint_interval_tokens=interval,
         pending_store_wait_s=wait,

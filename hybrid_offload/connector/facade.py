@@ -135,6 +135,7 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 load_switch_interval_s=config.load_switch_interval_s,
                 page_key=config.page_key,
             )
+        self._idle_load_wait_s = config.idle_load_wait_s
         side = self.scheduler or self.worker
         assert side is not None
         self._side = side
@@ -211,7 +212,9 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """vLLM's per-step report; completed loads are written into the KV cache first."""
         assert self.worker is not None
-        recving, failed = self.worker.write_finished_loads()
+        meta = getattr(self, "_connector_metadata", None)  # this step's, still bound here
+        idle = isinstance(meta, OffloadMetadata) and meta.idle
+        recving, failed = self.worker.write_finished_loads(self._idle_load_wait_s if idle else 0.0)
         return KVConnectorTransferResults(set(), recving, failed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

@@ -114,6 +114,9 @@ class OffloadMetadata(KVConnectorMetadata):
     releases: list[str] = field(default_factory=list)
     touches: list[TouchJob] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    #: no token is scheduled this step (the engine only waits, e.g. for loads): the worker
+    #: may block briefly on its loads instead of returning at once (see ``idle_load_wait_s``)
+    idle: bool = False
 
 
 #: one measured load call: (bytes read, seconds, succeeded)

@@ -368,6 +368,7 @@ class OffloadScheduler:
     # ---- per-step metadata ----------------------------------------------------------
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadMetadata:
         meta, self._ended = self._ended, OffloadMetadata()
+        meta.idle = not scheduler_output.num_scheduled_tokens
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self.handle_preemption(req_id, meta)
             meta.preempted.append(req_id)

@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -470,9 +470,13 @@ class OffloadWorker:
                 self._preempted.add(req_id)
                 logger.warning("request %s preempted with a load in flight; its load is dropped", req_id)
 
-    def write_finished_loads(self) -> tuple[set[str], set[str]]:
+    def write_finished_loads(self, wait_s: float = 0.0) -> tuple[set[str], set[str]]:
         """Write the pages of every completed load into vLLM's KV cache; (finished receiving,
         failed receiving) since the last call, failed ones in both.
+
+        ``wait_s`` > 0 (an idle engine step): with loads in flight and none complete, first
+        wait up to ``wait_s`` for one, instead of returning to a step loop that would spin
+        (taking the GIL and a core from the load thread) only to ask again.
 
         Runs on the model-runner thread between forwards: the writes happen here, not on the load
         thread (torch work there competes with the forward's OpenMP threads and measured ~10x
@@ -484,6 +488,8 @@ class OffloadWorker:
         """
         recving: set[str] = set()
         failed: set[str] = set()
+        if wait_s > 0 and self._loads and not any(f.done() for f in self._loads.values()):
+            wait(self._loads.values(), timeout=wait_s, return_when=FIRST_COMPLETED)
         for req_id, future in list(self._loads.items()):
             if not future.done():
                 continue

@@ -60,6 +60,9 @@ def test_defaults() -> None:
                                 "max_pending_store_bytes": "64MiB"})
     assert cfg.chunk_tokens is None and cfg.max_pending_store_bytes == 64 << 20
     assert cfg.load_switch_interval_s == 0.0005
+    assert cfg.idle_load_wait_s == 0.005
+    no_wait = parse_offload_config({"backends": [{"type": "cpu"}], "idle_load_wait_s": 0})
+    assert no_wait.idle_load_wait_s == 0.0
     assert cfg.adaptive_forget_s == 30.0
     cfg = parse_offload_config({"backends": [{"type": "cpu"}], "adaptive_forget_s": 600})
     assert cfg.adaptive_forget_s == 600.0
@@ -194,6 +197,7 @@ BAD: dict[str, tuple[dict[str, Any] | None, str, tuple[str, ...]]] = {
     "switch-negative": (_with("load_switch_interval_s", -0.001), f"{ROOT}.load_switch_interval_s",
                         ("-0.001",)),
     "switch-string": (_with("load_switch_interval_s", "fast"), f"{ROOT}.load_switch_interval_s", ()),
+    "idle-wait-too-long": (_with("idle_load_wait_s", 1), f"{ROOT}.idle_load_wait_s", ("[0, 0.1]",)),
     "forget-zero": (_with("adaptive_forget_s", 0), f"{ROOT}.adaptive_forget_s", ("(0, 86400]",)),
     "forget-string": (_with("adaptive_forget_s", "1m"), f"{ROOT}.adaptive_forget_s", ("'1m'",)),
     "tp-shards-zero": (_with("tp_shards", 0), f"{ROOT}.tp_shards", ()),

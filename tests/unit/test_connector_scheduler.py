@@ -120,7 +120,8 @@ def test_stores_follow_chunk_completion_and_checkpoints(worlds) -> None:
 
     tables = ([10, 11, 12, 13], [0, 0, 22, 23])
     meta = w.sched.build_connector_meta(step(new=[new_req("r1", tables, 0)], scheduled={"r1": 24}))
-    assert not meta.loads
+    assert not meta.loads and not meta.idle
+    assert w.sched.build_connector_meta(step()).idle  # nothing scheduled: the worker may wait
     assert meta.stores == [
         StoreJob(attn_page(w, tokens, 0, (10,)), ("cpu",), "r1"),
         StoreJob(attn_page(w, tokens, 1, (11,)), ("cpu",), "r1"),

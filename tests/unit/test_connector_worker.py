@@ -710,3 +710,14 @@ def test_switch_interval_changed_by_someone_else_meanwhile_is_kept() -> None:
         assert sys.getswitchinterval() == 0.002
     finally:
         sys.setswitchinterval(default)
+
+
+def test_an_idle_step_waits_for_a_load_in_flight(world) -> None:
+    """A step that schedules nothing waits for a load (up to wait_s) instead of returning to a
+    spinning step loop; a load not done by then is reported by a later step."""
+    w, pages, _ = stored_world(world)
+    held = gate(w.backend("cpu"), "get_into")
+    w.worker.start_loads([load_job(tuple(pages))])
+    assert w.worker.write_finished_loads(wait_s=0.01) == (set(), set())  # not done: returns anyway
+    held.set()
+    assert w.worker.write_finished_loads(wait_s=60) == ({"req"}, set())  # returns once it is done
