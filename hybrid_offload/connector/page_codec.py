@@ -146,21 +146,26 @@ class PageCodec:
         by_shard: dict[int, list[tuple[PageJob, torch.Tensor]]] = {}
         for page, shard, payload in pages:
             by_shard.setdefault(shard, []).append((page, payload))
+        tokens: dict[str, TokenIndex] = {}  # per page: where its tokens go (every shard alike)
         for shard, items in by_shard.items():
-            views = [(page, self._attention_views(shard, payload)) for page, payload in items]
-            for run in self.read_runs[shard]:
-                heads = slice(run.rank_start, run.rank_start + run.length)
-                parts = slice(run.part_start, run.part_start + run.length)
-                indices, data = [], [[] for _ in layout.layers]
-                for page, layer_views in views:
+            views, kblocks, slots = [], [], []
+            for page, payload in items:
+                at = tokens.get(page.key)
+                if at is None:
                     skip = page.skip_tokens
-                    indices.append(layout.element_index(
-                        list(page.block_ids), page.first_token + skip, self.chunk_tokens - skip, heads))
-                    for per_layer, view in zip(data, layer_views, strict=True):
-                        per_layer.append(view[:, skip:, parts])
-                kblocks = torch.cat([i.kblocks for i in indices])
-                index = TokenIndex(kblocks, torch.cat([i.slots for i in indices]), heads)
-                layout.scatter(index, [torch.cat(d, dim=1) for d in data])
+                    at = tokens[page.key] = layout.element_index(
+                        list(page.block_ids), page.first_token + skip, self.chunk_tokens - skip)
+                views.append(self._attention_views(shard, payload))
+                kblocks.append(at.kblocks)
+                slots.append(at.slots)
+            shard_kblocks, shard_slots = torch.cat(kblocks), torch.cat(slots)
+            for run in self.read_runs[shard]:
+                parts = slice(run.part_start, run.part_start + run.length)
+                data = [torch.cat([v[:, page.skip_tokens:, parts] for (page, _), v in
+                                   zip(items, (vs[layer] for vs in views), strict=True)], dim=1)
+                        for layer in range(len(layout.layers))]  # fmt: skip
+                heads = slice(run.rank_start, run.rank_start + run.length)
+                layout.scatter(TokenIndex(shard_kblocks, shard_slots, heads), data)
 
     def scatter(self, layout: AttentionGroupLayout | MambaGroupLayout, page: PageJob,
                 shard: int, payload: torch.Tensor) -> None:

@@ -171,8 +171,11 @@ class OffloadScheduler:
         pending_wait_s: float = DEFAULT_PENDING_STORE_WAIT_S,
         accept_weights_version: bool = False,
         clock: Callable[[], float] | None = None,
+        timer: Callable[[], float] = time.perf_counter,
     ) -> None:
+        """``timer`` times lookups (``lookup_seconds``)."""
         self.planner = planner
+        self._timer = timer
         self._accept_weights_version = accept_weights_version
         self.stats = Locked(SchedulerCounters())
         self.views = [BackendView(t, self.stats, i, clock or time.monotonic) for i, t in enumerate(backends)]
@@ -224,7 +227,18 @@ class OffloadScheduler:
     ) -> tuple[int | None, bool]:
         """Tokens loadable beyond ``num_computed_tokens`` as the load policy chooses; loads are
         async. None (vLLM asks again next step) while pages of this prefix are being stored. A
-        resumed (preempted) request is looked up over its prompt and output so far."""
+        resumed (preempted) request is looked up over its prompt and output so far. Timed
+        (``lookups`` / ``lookup_seconds``: keying the request included)."""
+        started = self._timer()
+        try:
+            return self._matched_tokens(request, num_computed_tokens)
+        finally:
+            elapsed = self._timer() - started
+            with self.stats.lock:
+                self.stats.counters.lookup_calls += 1
+                self.stats.counters.lookup_seconds += elapsed
+
+    def _matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._request_state(request)
         if state is None or state.load_phase is not LoadPhase.IDLE:
             return 0, False

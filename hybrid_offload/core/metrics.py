@@ -112,6 +112,10 @@ class SchedulerCounters:
     lost_evicted_tokens: int = 0
     lost_not_stored_tokens: int = 0
     lost_backend_down_tokens: int = 0
+    #: calls of the lookup (``get_num_new_matched_tokens``) and the seconds they took, keying
+    #: new requests included (vLLM may ask about a waiting request more than once)
+    lookup_calls: int = 0
+    lookup_seconds: float = 0.0
     backends: dict[str, BackendCounters] = field(default_factory=dict)
 
     def backend(self, name: str) -> BackendCounters:

@@ -214,6 +214,8 @@ def test_scheduler_counts_lookups_hits_misses_groups_and_loads(worlds) -> None:
     start_load(w, FakeRequest("b", tokens), 0, ([1, 2, 3], [4, 5, 6]))
     w.sched.refresh_gauges()
     payload = delta.take()
+    assert payload["counters"].pop("lookup_calls") == 2
+    assert payload["counters"].pop("lookup_seconds") > 0  # timed (see test_connector_scheduler)
     assert payload["counters"] == {
         "requests": 2,
         "aligned_prompt_tokens": 48,

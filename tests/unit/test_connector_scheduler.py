@@ -689,3 +689,13 @@ def test_unavailable_shared_backend_is_skipped_while_down_then_used_again(worlds
         assert not view.health.is_down and view.health.recoveries == 1
     finally:
         FlakyDiskBackend.error = None
+
+
+def test_lookups_are_counted_and_timed(worlds) -> None:
+    ticks = iter([10.0, 10.25, 20.0, 20.5])  # each lookup reads the timer twice
+    w = worlds(make_spec(8, 8), 8, timer=lambda: next(ticks))
+    req = FakeRequest("r1", prompt(28))
+    assert w.sched.get_num_new_matched_tokens(req, 0) == (0, False)  # keys the request, misses
+    assert w.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    counters = w.sched.stats.snapshot()
+    assert counters["lookup_calls"] == 2 and counters["lookup_seconds"] == 0.75

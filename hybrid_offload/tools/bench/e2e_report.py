@@ -20,7 +20,7 @@ TABLE_COLUMNS = ("scenario", "prompt_tokens", "hit_tokens", "ttft_ms", "speedup_
                  "loaded_MiB", "bytes_per_hit_token", "attn_MiB", "mamba_MiB")  # fmt: skip
 IN_ENGINE_COLUMNS = ("tier", "loads", "MiB_per_load", "engine_gbps", "read_gbps", "ceiling_gbps",
                      "engine_vs_ceiling", "read_vs_ceiling", "ms_queued", "ms_prepare", "ms_read",
-                     "ms_verify", "ms_ready", "ms_write", "ms_total")  # fmt: skip
+                     "ms_verify", "ms_ready", "ms_write", "ms_total", "ms_lookup")  # fmt: skip
 MIB = float(1 << 20)
 
 
@@ -130,6 +130,8 @@ def scenario_summaries(raw: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "tiers": entry["tiers"],
             "loaded_tokens": {n: c.get("loaded_tokens", 0) for n, c in sched.get("backends", {}).items()},
             "external_tokens": sched.get("external_tokens", 0),
+            "lookup_calls": sched.get("lookup_calls", 0),
+            "lookup_seconds": sched.get("lookup_seconds", 0.0),
             "aligned_prompt_tokens": sched.get("aligned_prompt_tokens", 0),
             "worker": measured(entry),
             "ceiling": entry.get("ceiling"),
@@ -146,7 +148,8 @@ def in_engine(summaries: dict[str, Any]) -> list[dict[str, Any]]:
 
     ``engine_gbps`` = bytes loaded / seconds from the load job reaching the worker until its
     pages are in the KV cache (what a request waits for); ``read_gbps`` = the same bytes / seconds
-    in backend reads; ``ms_<phase>``: mean milliseconds per load of each phase."""
+    in backend reads; ``ms_<phase>``: mean milliseconds per load of each phase; ``ms_lookup``:
+    mean milliseconds per lookup call on the scheduler (not part of the load's phases)."""
     out = []
     for scenario, summary in summaries.items():
         worker, ceiling = summary["worker"], summary.get("ceiling") or {}
@@ -163,6 +166,8 @@ def in_engine(summaries: dict[str, Any]) -> list[dict[str, Any]]:
             "read_vs_ceiling": read / top if read and top else None,
         }  # fmt: skip
         row.update({f"ms_{p}": 1e3 * phases[p] / loads for p in LOAD_PHASES})
+        calls = summary.get("lookup_calls", 0)
+        row["ms_lookup"] = 1e3 * summary.get("lookup_seconds", 0.0) / calls if calls else None
         out.append(row)
     return out
 
