@@ -123,7 +123,7 @@ class PageCodec:
         if isinstance(layout, AttentionGroupLayout):
             (run,) = runs  # a written shard's heads are one run of this rank's heads
             heads = slice(run.rank_start, run.rank_start + run.length)
-            index = layout.element_index(list(page.block_ids), page.first_token, self.chunk_tokens, heads)
+            index = layout.token_index(list(page.block_ids), page.first_token, self.chunk_tokens, heads)
             layout.gather(index, self._attention_views(shard, payload))
             return
         block = page.block_ids[0]
@@ -153,7 +153,7 @@ class PageCodec:
                 at = tokens.get(page.key)
                 if at is None:
                     skip = page.skip_tokens
-                    at = tokens[page.key] = layout.element_index(
+                    at = tokens[page.key] = layout.token_index(
                         list(page.block_ids), page.first_token + skip, self.chunk_tokens - skip)
                 views.append(self._attention_views(shard, payload))
                 kblocks.append(at.kblocks)
@@ -175,7 +175,7 @@ class PageCodec:
             skip = page.skip_tokens
             views = self._attention_views(shard, payload)
             for run in runs:
-                index = layout.element_index(
+                index = layout.token_index(
                     list(page.block_ids), page.first_token + skip, self.chunk_tokens - skip,
                     slice(run.rank_start, run.rank_start + run.length),
                 )

@@ -547,7 +547,7 @@ class OffloadWorker:
         for clear in clears:
             layout = self.layouts[clear.group]
             assert isinstance(layout, AttentionGroupLayout)
-            layout.zero(layout.element_index([clear.block_id], clear.first_token, clear.num_tokens))
+            layout.zero(layout.token_index([clear.block_id], clear.first_token, clear.num_tokens))
 
     def worker_meta(self) -> OffloadWorkerMetadata | None:
         with self._lock:

@@ -108,7 +108,7 @@ class AttentionGroupLayout:
     #: per layer, K and V as (kernel blocks, kernel_block, heads, dim) views; None: not strided
     views: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
-    def element_index(
+    def token_index(
         self, block_ids: list[int], first_token: int, num_tokens: int, heads: slice = slice(None)
     ) -> TokenIndex:
         """Tokens ``[first_token, first_token + num_tokens)`` of a request with this block table,

@@ -99,7 +99,7 @@ def read_tokens(w: World, table: list[int], first: int, n: int) -> list[torch.Te
     """K/V of tokens [first, first + n) per layer as (2, T, H, D), read through the layout."""
     layout = w.worker.layouts[ATTN]
     out = [torch.empty(2, n, HEADS, DIM, dtype=torch.bfloat16) for _ in ATTN_LAYERS]
-    layout.gather(layout.element_index(table, first, n), out)  # type: ignore[union-attr]
+    layout.gather(layout.token_index(table, first, n), out)  # type: ignore[union-attr]
     return out
 
 

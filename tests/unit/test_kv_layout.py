@@ -60,7 +60,7 @@ def test_gather_returns_tokens_in_canonical_order(isa: str) -> None:
     layout = kv_layout.build_layouts((attention_group(),), caches, NUM_BLOCKS)[0]
     assert isinstance(layout, kv_layout.AttentionGroupLayout)
     first, count = 100, 200  # crosses a block boundary, starts mid-block
-    index = layout.element_index(table, first, count)
+    index = layout.token_index(table, first, count)
     out = [torch.empty(2, count, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in caches]
     layout.gather(index, out)
     for n, got in zip(caches, out, strict=True):
@@ -74,7 +74,7 @@ def test_scatter_then_gather_round_trips_and_touches_nothing_else(isa: str) -> N
     before = {n: c.clone() for n, c in caches.items()}
     layout = kv_layout.build_layouts((attention_group(),), caches, NUM_BLOCKS)[0]
     table = [2, 3]
-    index = layout.element_index(table, 0, 2 * BLOCK)
+    index = layout.token_index(table, 0, 2 * BLOCK)
     data = [torch.randn(2, 2 * BLOCK, HEADS, HEAD_DIM).to(torch.bfloat16) for _ in caches]
     layout.scatter(index, data)
     out = [torch.empty_like(d) for d in data]
@@ -112,7 +112,7 @@ def test_pages_identical_across_kernel_layouts(monkeypatch: pytest.MonkeyPatch) 
         )
         layout = kv_layout.build_layouts((group,), {"l0": cache}, NUM_BLOCKS)[0]
         out = torch.empty(2, BLOCK, HEADS, HEAD_DIM, dtype=torch.bfloat16)
-        layout.gather(layout.element_index([3], 0, BLOCK), [out])
+        layout.gather(layout.token_index([3], 0, BLOCK), [out])
         gathered.append(out)
         raw.append(cache[3].clone())
     assert not torch.equal(raw[0], raw[1]), "kernels should lay the block out differently"
@@ -128,7 +128,7 @@ def test_manager_block_spanning_several_kernel_blocks() -> None:
     assert isinstance(layout, kv_layout.AttentionGroupLayout)
     assert layout.kernel_blocks_per_block == 2
     data = [torch.randn(2, 2 * BLOCK, HEADS, HEAD_DIM).to(torch.bfloat16) for _ in caches]
-    layout.scatter(layout.element_index([1], 0, 2 * BLOCK), data)
+    layout.scatter(layout.token_index([1], 0, 2 * BLOCK), data)
     assert caches["l0"][[2, 3]].abs().sum() > 0
     assert caches["l0"][[0, 1, 4, 5]].abs().sum() == 0
 
@@ -179,9 +179,9 @@ def test_strided_layouts_copy_by_token_others_by_element(monkeypatch: pytest.Mon
     layout = kv_layout.build_layouts((attention_group(),), caches, NUM_BLOCKS)[0]
     assert isinstance(layout, kv_layout.AttentionGroupLayout) and layout.views is None
     data = [torch.randn(2, BLOCK, HEADS, HEAD_DIM).to(torch.bfloat16) for _ in caches]
-    layout.scatter(layout.element_index([2], 0, BLOCK), data)
+    layout.scatter(layout.token_index([2], 0, BLOCK), data)
     assert torch.equal(caches["l0"][2].reshape(-1)[scrambled.reshape(-1)], data[0].reshape(-1))
     assert caches["l0"][[0, 1, 3, 4, 5]].abs().sum() == 0
     out = [torch.empty_like(d) for d in data]
-    layout.gather(layout.element_index([2], 0, BLOCK), out)
+    layout.gather(layout.token_index([2], 0, BLOCK), out)
     assert all(torch.equal(o, d) for o, d in zip(out, data, strict=True))
