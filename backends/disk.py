@@ -238,13 +238,12 @@ class DiskBackend(Backend):
             )
 
     def _exists(self, key: str) -> bool:
-        path = self._paths(key)[1]
         try:
             st = self._dirs.stat_page(key)
         except FileNotFoundError:
             return False
         except OSError as exc:
-            self._note_error("stat", path, exc)
+            self._note_error("stat", self._paths(key)[1], exc)
             return False
         return page_problem(st, self.capacity_bytes) is None
 

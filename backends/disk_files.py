@@ -154,7 +154,8 @@ class PageDirs:
 
     Read-only: never used to create files (a page written into a directory removed meanwhile
     would be lost). A directory removed and made again since it was opened (``cache clear``)
-    makes the open fail with ``FileNotFoundError``; it is then walked afresh once. Replaced
+    makes the open fail with ``FileNotFoundError``; if the kept directory is unlinked (a page
+    merely absent leaves it linked: one ``fstat``), it is walked afresh once. Replaced
     descriptors stay open until :meth:`close` (another thread may still be using one: closing
     it could hand its number to an unrelated file). At most ``limit`` directories are kept;
     beyond that, reads walk. Thread-safe.
@@ -190,9 +191,9 @@ class PageDirs:
             try:
                 return call(name, fd)
             except FileNotFoundError:
-                if attempt or owned:
+                if attempt or owned or os.fstat(fd).st_nlink > 0:
                     raise
-                stale = fd  # maybe a directory removed since: walk afresh once
+                stale = fd  # the directory was removed since: walk afresh once
             finally:
                 if owned:
                     os.close(fd)

@@ -9,6 +9,7 @@ set written at any TP size loads at any other.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -166,6 +167,33 @@ class PageCodec:
                         for layer in range(len(layout.layers))]  # fmt: skip
                 heads = slice(run.rank_start, run.rank_start + run.length)
                 layout.scatter(TokenIndex(shard_kblocks, shard_slots, heads), data)
+
+    def scatter_rows(self, layout: AttentionGroupLayout | MambaGroupLayout, shard: int,
+                     rows: torch.Tensor, pages: Sequence[PageJob]) -> bool:
+        """Write ``pages`` (none skipping tokens), whose verified ``shard`` pages are the rows of
+        ``rows`` ((len(pages), page length) uint8), with one copy per layer, K/V and head run
+        reading the rows in place. False, writing nothing, where the layout or the page's
+        alignment does not allow it (then :meth:`scatter_pages`)."""
+        tensors, hlen = self.tensors[shard], self.header_lens[shard]
+        if not isinstance(layout, AttentionGroupLayout) or layout.views is None or not pages:
+            return False
+        assert not any(p.skip_tokens for p in pages)
+        itemsize = _dtype(tensors[0].dtype).itemsize
+        if rows.stride(0) % itemsize or (rows.storage_offset() + hlen) % itemsize:
+            return False
+        assert rows.shape == (len(pages), self.page_lens[shard])
+        n, offset, per_layer = len(pages), hlen, []
+        for k in tensors[::2]:
+            size = 2 * k.nbytes  # the layer's K then V, each (tokens, heads, head_size)
+            layer = rows[:, offset : offset + size].view(_dtype(k.dtype)).view(n, 2, *k.shape)
+            per_layer.append(layer.transpose(0, 1))  # (2, pages, tokens, heads, head_size)
+            offset += size
+        at = layout.token_rows([(p.block_ids, p.first_token) for p in pages], self.chunk_tokens)
+        for run in self.read_runs[shard]:
+            parts = slice(run.part_start, run.part_start + run.length)
+            heads = slice(run.rank_start, run.rank_start + run.length)
+            layout.scatter(TokenIndex(at.kblocks, at.slots, heads), [v[:, :, :, parts] for v in per_layer])
+        return True
 
     def scatter(self, layout: AttentionGroupLayout | MambaGroupLayout, page: PageJob,
                 shard: int, payload: torch.Tensor) -> None:

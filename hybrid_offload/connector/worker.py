@@ -47,6 +47,7 @@ from hybrid_offload.connector.metadata import (
     TouchJob,
 )
 from hybrid_offload.connector.page_codec import PageCodec
+from hybrid_offload.connector.staging import Decoded, ShardRead, stage_reads, write_pages
 from hybrid_offload.connector.switch_interval import LoadSwitchInterval
 from hybrid_offload.connector.tiers import OpenTier, WorkerRecorder, open_tier
 from hybrid_offload.core.metrics import Locked, WorkerCounters
@@ -59,20 +60,6 @@ from hybrid_offload.engine.kv_layout import AttentionGroupLayout, MambaGroupLayo
 logger = logging.getLogger(__name__)
 
 _STOP = object()
-
-
-@dataclass(frozen=True)
-class ShardRead:
-    """One shard of a page to load: its backend key and this rank's codec for its group."""
-
-    page: PageJob
-    shard: int
-    key: str
-    codec: PageCodec
-
-
-#: a verified shard ready to be written into the KV cache
-Decoded = tuple[ShardRead, memoryview]
 
 
 @dataclass
@@ -378,24 +365,25 @@ class OffloadWorker:
         return run
 
     def _load_pages(self, job: LoadJob, run: LoadRun) -> list[Decoded] | None:
-        reads: list[ShardRead] = []
+        wanted: list[tuple[PageJob, int, str, PageCodec]] = []
         source: list[str] = []
         spans = []
         for segment in job.segments:
-            first = len(reads)
+            first = len(wanted)
             for page in reversed(segment.pages):  # deepest first, as stores (LRU recency)
                 codec = self.codecs[page.group]
                 keys = self.planner.shard_keys(page.key, page.group)
-                reads.extend(ShardRead(page, p, keys[p], codec) for p in codec.read)
-            source.extend([segment.backend] * (len(reads) - first))
-            spans.append((segment.backend, range(first, len(reads))))
+                wanted.extend((page, p, keys[p], codec) for p in codec.read)
+            source.extend([segment.backend] * (len(wanted) - first))
+            spans.append((segment.backend, range(first, len(wanted))))
+        reads = stage_reads(wanted)
         decoded: list[Decoded | None] = [None] * len(reads)
         for name, indices in spans:
-            self._read(name, reads, indices, decoded, run)
+            self._read(name, reads, indices, decoded, run, staged=True)
         for name in job.fallbacks:
             missing = [i for i, d in enumerate(decoded) if d is None and source[i] != name]
             if missing:
-                self._read(name, reads, missing, decoded, run)
+                self._read(name, reads, missing, decoded, run, staged=False)
         lost = sum(d is None for d in decoded)
         if lost:
             with self.stats.lock:
@@ -410,14 +398,19 @@ class OffloadWorker:
         indices: Sequence[int],
         decoded: list[Decoded | None],
         run: LoadRun,
+        staged: bool,
     ) -> None:
-        """Read ``reads[indices]`` from backend ``name`` into ``decoded`` (verified); shards the
+        """Read ``reads[indices]`` from backend ``name`` into ``decoded`` (verified), into their
+        staging rows if ``staged`` (the first read of each) else into fresh buffers; shards the
         backend lacks or that fail verification stay None. Never raises a backend error."""
         backend = self.backends[name]
-        bufs = [bytearray(reads[i].codec.page_lens[reads[i].shard]) for i in indices]
+        bufs: list[memoryview] = [
+            reads[i].staging() if staged else memoryview(bytearray(reads[i].codec.page_lens[reads[i].shard]))
+            for i in indices
+        ]
         started = self._timer()
         try:
-            sizes = backend.get_into([reads[i].key for i in indices], [memoryview(b) for b in bufs])
+            sizes = backend.get_into([reads[i].key for i in indices], bufs)
         except BackendSkippedError:
             return
         except BackendError:  # a failed read is what the adaptive load policy measured
@@ -434,7 +427,7 @@ class OffloadWorker:
                 continue
             try:
                 payload = verify_page(
-                    memoryview(buf)[:size], read.codec.templates[read.shard], read.page.chunk_hash,
+                    buf[:size], read.codec.templates[read.shard], read.page.chunk_hash,
                     read.page.chunk_index, self._page_key,
                 )
             except PageFormatError as exc:
@@ -444,7 +437,7 @@ class OffloadWorker:
                 self._log_bad_page(name, read.key, exc)
                 self._delete_quietly(backend, read.key)
                 continue
-            decoded[i] = (read, payload)
+            decoded[i] = Decoded(read, payload, staged)
             nbytes += size
             npages += 1
         run.verify_s += self._timer() - read_at
@@ -533,13 +526,7 @@ class OffloadWorker:
     def _write_into_kv_cache(self, decoded: list[Decoded], clears: Iterable[ClearRange]) -> None:
         """Scatter a load's verified pages into vLLM's KV cache, then zero the parts of its last
         attention blocks that it did not fill."""
-        by_group: dict[int, list[tuple[PageJob, int, torch.Tensor]]] = {}
-        for read, payload in decoded:
-            by_group.setdefault(read.page.group, []).append(
-                (read.page, read.shard, torch.frombuffer(payload, dtype=torch.uint8))
-            )
-        for group, pages in by_group.items():
-            self.codecs[group].scatter_pages(self.layouts[group], pages)
+        write_pages(decoded, self.layouts)
         self._clear(clears)
 
     def _clear(self, clears: Iterable[ClearRange]) -> None:

@@ -171,6 +171,10 @@ def key_digest(chunk_hash: bytes, group_index: int, shard: int = 0, shards: int 
     return digest if shards == 1 else _shard_digest(digest, shard, shards)
 
 
+#: page-set keys whose shard keys a planner remembers (~250 bytes each with 4 shards)
+MAX_MEMO_KEYS = 1 << 16
+
+
 class HybridOffloadPlanner:
     """Maps token prefixes to page keys and decides the longest loadable prefix."""
 
@@ -185,6 +189,8 @@ class HybridOffloadPlanner:
         self.plans = tuple(_plan_group(g, self.chunk_tokens, spec.max_model_len) for g in spec.groups)
         self.namespace = spec.fingerprint
         self._key = key
+        #: shard keys by page-set key: lookups ask every tier, and again each step a request waits
+        self._shard_keys: dict[str, list[str]] = {}
 
     # ---- keys -------------------------------------------------------------------------
     def scope_seed(self, scope: bytes = b"") -> bytes:
@@ -213,8 +219,14 @@ class HybridOffloadPlanner:
         shards = self.plans[group_index].group.shards
         if shards == 1:
             return [page_key]
-        namespace, _, digest = page_key.partition("-")
-        return [f"{namespace}-{_shard_digest(digest, p, shards)}" for p in range(shards)]
+        known = self._shard_keys.get(page_key)
+        if known is None:
+            namespace, _, digest = page_key.partition("-")
+            known = [f"{namespace}-{_shard_digest(digest, p, shards)}" for p in range(shards)]
+            if len(self._shard_keys) >= MAX_MEMO_KEYS:
+                self._shard_keys.clear()  # a bound, not an LRU: single dict ops are thread-safe
+            self._shard_keys[page_key] = known
+        return list(known)
 
     def sets_contain(
         self, keys: Sequence[Sequence[str]], contains: Callable[[list[str]], list[bool]]

@@ -14,6 +14,7 @@ tensors are packed in the spec's order at the start of each block, padding after
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -123,6 +124,22 @@ class AttentionGroupLayout:
         offset = self.perm[:, :, heads][:, slots]  # (2, T, h, D)
         return TokenIndex(kblock, slots, heads, kblock.view(1, -1, 1, 1) * self.block_elems + offset)
 
+    def token_rows(
+        self, pages: Sequence[tuple[Sequence[int], int]], num_tokens: int, heads: slice = slice(None)
+    ) -> TokenIndex:
+        """As :meth:`token_index` for several (block table, first token) at once, ``num_tokens``
+        each: ``kblocks`` and ``slots`` are (pages, num_tokens). Strided layouts only."""
+        assert self.views is not None
+        bs = self.group.block_size
+        firsts = torch.tensor([first for _, first in pages], dtype=torch.int64)
+        pos = firsts[:, None] + torch.arange(num_tokens)
+        width = (int(firsts.max()) + num_tokens - 1) // bs + 1
+        table = torch.tensor(
+            [(*ids[:width], *(0,) * (width - len(ids[:width]))) for ids, _ in pages], dtype=torch.int64
+        )
+        kblock = table.gather(1, pos // bs) * self.kernel_blocks_per_block + (pos % bs) // self.kernel_block
+        return TokenIndex(kblock, pos % self.kernel_block, heads)
+
     def gather(self, index: TokenIndex, out: list[torch.Tensor]) -> None:
         """Copy K/V at ``index`` of every layer into ``out[layer]`` (shape (2, T, h, D))."""
         if index.elements is not None:
@@ -137,7 +154,7 @@ class AttentionGroupLayout:
                 dst[kv].copy_(view[:, :, index.heads][at])
 
     def scatter(self, index: TokenIndex, src: list[torch.Tensor]) -> None:
-        """Copy ``src[layer]`` (shape (2, T, h, D)) into every layer at ``index``."""
+        """Copy ``src[layer]`` (shape (2, *index shape, h, D)) into every layer at ``index``."""
         if index.elements is not None:
             flat_index = index.elements.reshape(-1)
             for layer, data in zip(self.layers, src, strict=True):

@@ -352,6 +352,20 @@ def test_reads_find_pages_in_a_page_directory_made_again(tmp_path: Path) -> None
         assert backend.get_batch([key(1)]) == [page(1, 150)]
 
 
+def test_lookups_of_absent_pages_keep_no_descriptor_open(tmp_path: Path) -> None:
+    """A page absent from a held directory is a miss, not a reason to open the directory
+    again (which kept one descriptor per miss open until close)."""
+    with make_disk(tmp_path / "store") as backend:
+        backend.put_batch([(key(i), page(i, 10)) for i in range(64)])
+        missing = [key(i) for i in range(64, 576)]
+        backend.contains_batch(missing)
+        held = len(os.listdir("/proc/self/fd"))
+        for _ in range(3):
+            assert backend.contains_batch(missing) == [False] * len(missing)
+            assert backend.get_batch(missing[:64]) == [None] * 64
+        assert len(os.listdir("/proc/self/fd")) <= held
+
+
 def test_a_held_page_directory_swapped_for_a_link_is_not_followed(tmp_path: Path) -> None:
     root, outside = tmp_path / "store", tmp_path / "outside"
     with make_disk(root) as backend:

@@ -1,0 +1,100 @@
+"""Where a load's shards land before they are written into vLLM's KV cache.
+
+Worker side. Every (group, shard) of a load gets one ``(pages, page length)`` uint8 buffer,
+allocated once (not zeroed), and each shard read its row: backends read into the rows in
+place, and :func:`write_pages` hands each attention group's rows to
+:meth:`~.page_codec.PageCodec.scatter_rows`, which moves all of them with one copy per layer,
+K/V and head run. Pages that skip tokens take the last rows so that the others stay one block.
+
+A shard read again from a fallback backend lands in a fresh buffer, never in its row: a
+backend that failed may still be writing into the buffers it was given.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hybrid_offload.connector.metadata import PageJob
+from hybrid_offload.connector.page_codec import PageCodec
+from hybrid_offload.engine.kv_layout import AttentionGroupLayout, MambaGroupLayout
+
+
+@dataclass(frozen=True)
+class ShardRead:
+    """One shard of a page to load: its backend key, this rank's codec for its group and the
+    row of the load's staging buffer its first read lands in."""
+
+    page: PageJob
+    shard: int
+    key: str
+    codec: PageCodec
+    rows: torch.Tensor
+    row: int
+
+    def staging(self) -> memoryview:
+        """The staging row, writable (a backend reads into it)."""
+        return memoryview(self.rows[self.row].numpy()).cast("B")
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """A verified shard: its payload (a view of the page) and whether the page is its row."""
+
+    read: ShardRead
+    payload: memoryview
+    staged: bool
+
+
+def stage_reads(wanted: Sequence[tuple[PageJob, int, str, PageCodec]]) -> list[ShardRead]:
+    """The reads of (page, shard, key, codec), in order, each with its own staging row."""
+    counts = Counter((page.group, shard) for page, shard, _, _ in wanted)
+    buffers = {
+        at: torch.empty((counts[at], codec.page_lens[at[1]]), dtype=torch.uint8)
+        for at, codec in {(page.group, shard): codec for page, shard, _, codec in wanted}.items()
+    }
+    skipping = Counter((page.group, shard) for page, shard, _, _ in wanted if page.skip_tokens)
+    whole = {gs: 0 for gs in counts}
+    last = {gs: counts[gs] - skipping[gs] for gs in counts}
+    reads = []
+    for page, shard, key, codec in wanted:
+        at = (page.group, shard)
+        if page.skip_tokens:
+            row, last[at] = last[at], last[at] + 1
+        else:
+            row, whole[at] = whole[at], whole[at] + 1
+        reads.append(ShardRead(page, shard, key, codec, buffers[at], row))
+    return reads
+
+
+def write_pages(
+    decoded: Iterable[Decoded], layouts: Mapping[int, AttentionGroupLayout | MambaGroupLayout]
+) -> None:
+    """Write verified shards into vLLM's KV cache (model-runner thread): per (group, shard),
+    the staged rows from the first on in one batch, the others page by page."""
+    batches: dict[tuple[int, int], list[ShardRead]] = {}
+    loose: dict[int, list[tuple[PageJob, int, torch.Tensor]]] = {}
+    codecs: dict[int, PageCodec] = {}
+    for d in decoded:
+        read = d.read
+        codecs[read.page.group] = read.codec
+        if d.staged and not read.page.skip_tokens:
+            batches.setdefault((read.page.group, read.shard), []).append(read)
+        else:
+            loose.setdefault(read.page.group, []).append(
+                (read.page, read.shard, torch.frombuffer(d.payload, dtype=torch.uint8))
+            )
+    for (group, shard), reads in batches.items():
+        reads.sort(key=lambda r: r.row)
+        codec, rows = reads[0].codec, reads[0].rows
+        if not (
+            all(r.row == i for i, r in enumerate(reads))
+            and codec.scatter_rows(layouts[group], shard, rows[: len(reads)], [r.page for r in reads])
+        ):
+            hlen = codec.header_lens[shard]
+            loose.setdefault(group, []).extend((r.page, shard, rows[r.row, hlen:]) for r in reads)
+    for group, pages in loose.items():
+        codecs[group].scatter_pages(layouts[group], pages)
