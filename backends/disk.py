@@ -438,13 +438,12 @@ class DiskBackend(Backend):
         """Read one page: its bytes, or (given a buffer) the length read into it, or (given a
         length) its first bytes, without a stamp; None: miss."""
         key, buf = job
-        path = self._paths(key)[1]
         try:
             fd = self._dirs.open_page(key)
         except FileNotFoundError:
             return None
         except OSError as exc:
-            self._note_error("get", path, exc)
+            self._note_error("get", self._paths(key)[1], exc)
             return exc
         try:
             st = os.fstat(fd)
@@ -463,7 +462,7 @@ class DiskBackend(Backend):
                 touch(fd)
             return got
         except OSError as exc:
-            self._note_error("get", path, exc)
+            self._note_error("get", self._paths(key)[1], exc)
             return exc
         finally:
             os.close(fd)

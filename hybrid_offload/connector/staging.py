@@ -7,11 +7,13 @@ place, and :func:`write_pages` hands each attention group's rows to
 K/V and head run. Pages that skip tokens take the last rows so that the others stay one block.
 
 A shard read again from a fallback backend lands in a fresh buffer, never in its row: a
-backend that failed may still be writing into the buffers it was given.
+backend that failed may still be writing into the buffers it was given. For the same reason a
+load's staging memory goes back to the :class:`StagingPool` only if no read into it failed.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -49,12 +51,59 @@ class Decoded:
     staged: bool
 
 
-def stage_reads(wanted: Sequence[tuple[PageJob, int, str, PageCodec]]) -> list[ShardRead]:
-    """The reads of (page, shard, key, codec), in order, each with its own staging row."""
+#: staging buffers start at multiples of this many bytes (any dtype's view is aligned)
+ALIGN = 64
+#: free staging memory a worker keeps for its next loads
+POOL_BYTES = 512 << 20
+
+
+class StagingPool:
+    """Staging memory reused across loads: a fresh allocation of many MiB page-faults on its
+    first touch, inside the backend read; a block used before does not. Keeps free blocks up
+    to ``max_bytes`` in all (larger ones are dropped). Thread-safe."""
+
+    def __init__(self, max_bytes: int = POOL_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A uint8 block of at least ``nbytes`` (the smallest free one that fits, else new)."""
+        with self._lock:
+            fits = [b for b in self._free if b.numel() >= nbytes]
+            if fits:
+                block = min(fits, key=lambda b: b.numel())
+                self._free = [b for b in self._free if b is not block]
+                return block
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def give(self, block: torch.Tensor) -> None:
+        """Return a block nothing writes into any more; the oldest go beyond ``max_bytes``."""
+        with self._lock:
+            self._free.append(block)
+            while self._free and sum(b.numel() for b in self._free) > self.max_bytes:
+                self._free.pop(0)
+
+    @property
+    def free_bytes(self) -> int:
+        with self._lock:
+            return sum(b.numel() for b in self._free)
+
+
+def stage_reads(
+    wanted: Sequence[tuple[PageJob, int, str, PageCodec]], pool: StagingPool
+) -> tuple[list[ShardRead], torch.Tensor]:
+    """The reads of (page, shard, key, codec), in order, each with its own staging row, and
+    the pool block the rows are carved from (give it back once nothing writes into it)."""
     counts = Counter((page.group, shard) for page, shard, _, _ in wanted)
+    lens = {(page.group, shard): codec.page_lens[shard] for page, shard, _, codec in wanted}
+    offsets, total = {}, 0
+    for at, n in counts.items():
+        offsets[at] = total
+        total += -(-n * lens[at] // ALIGN) * ALIGN
+    block = pool.take(total)
     buffers = {
-        at: torch.empty((counts[at], codec.page_lens[at[1]]), dtype=torch.uint8)
-        for at, codec in {(page.group, shard): codec for page, shard, _, codec in wanted}.items()
+        at: block[offsets[at] : offsets[at] + n * lens[at]].view(n, lens[at]) for at, n in counts.items()
     }
     skipping = Counter((page.group, shard) for page, shard, _, _ in wanted if page.skip_tokens)
     whole = {gs: 0 for gs in counts}
@@ -67,7 +116,7 @@ def stage_reads(wanted: Sequence[tuple[PageJob, int, str, PageCodec]]) -> list[S
         else:
             row, whole[at] = whole[at], whole[at] + 1
         reads.append(ShardRead(page, shard, key, codec, buffers[at], row))
-    return reads
+    return reads, block
 
 
 def write_pages(

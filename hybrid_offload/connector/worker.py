@@ -47,7 +47,7 @@ from hybrid_offload.connector.metadata import (
     TouchJob,
 )
 from hybrid_offload.connector.page_codec import PageCodec
-from hybrid_offload.connector.staging import Decoded, ShardRead, stage_reads, write_pages
+from hybrid_offload.connector.staging import Decoded, ShardRead, StagingPool, stage_reads, write_pages
 from hybrid_offload.connector.switch_interval import LoadSwitchInterval
 from hybrid_offload.connector.tiers import OpenTier, WorkerRecorder, open_tier
 from hybrid_offload.core.metrics import Locked, WorkerCounters
@@ -73,6 +73,9 @@ class LoadRun:
     finished: float = 0.0
     read_s: float = 0.0
     verify_s: float = 0.0
+    #: the staging memory of the load, and whether a failed read may still write into it
+    staging: torch.Tensor | None = None
+    tainted: bool = False
 #: one shard's sealed-to-be page buffer, queued for the store thread
 QueuedShard = tuple[StoreJob, int, bytearray]
 
@@ -123,6 +126,7 @@ class OffloadWorker:
         self._store_thread.start()
         threading.Thread(target=self._prepare_data_paths, name="hybrid-offload-prepare", daemon=True).start()
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="hybrid-offload-load")
+        self._staging = StagingPool()
         self._loads: dict[str, Future] = {}
         self._clears: dict[str, tuple[ClearRange, ...]] = {}
         self._preempted: set[str] = set()
@@ -376,7 +380,7 @@ class OffloadWorker:
                 wanted.extend((page, p, keys[p], codec) for p in codec.read)
             source.extend([segment.backend] * (len(wanted) - first))
             spans.append((segment.backend, range(first, len(wanted))))
-        reads = stage_reads(wanted)
+        reads, run.staging = stage_reads(wanted, self._staging)
         decoded: list[Decoded | None] = [None] * len(reads)
         for name, indices in spans:
             self._read(name, reads, indices, decoded, run, staged=True)
@@ -414,6 +418,7 @@ class OffloadWorker:
         except BackendSkippedError:
             return
         except BackendError:  # a failed read is what the adaptive load policy measured
+            run.tainted = run.tainted or staged
             self._sample(name, 0, self._timer() - started, False)
             return
         finally:
@@ -500,6 +505,8 @@ class OffloadWorker:
                     writing = self._timer()
                     self._write_into_kv_cache(decoded, clears)
                     self._record_phases(run, writing)
+                if run.staging is not None and not run.tainted:
+                    self._staging.give(run.staging)
             except Exception:
                 logger.exception("hybrid-offload load of request %s failed", req_id)
                 decoded = None

@@ -600,6 +600,28 @@ def test_unavailable_backend_never_raises_into_the_caller(world) -> None:
     assert w.counters()["backends"]["cpu"]["stored_pages"] == len(pages) + 2
 
 
+def test_staging_memory_a_failed_read_was_given_is_never_reused(world) -> None:
+    """A backend that raised may still write into the rows it was given: that load's staging
+    memory stays out of the pool (the fallback read it into buffers of its own); a clean
+    load's goes back and the next load reads into it."""
+    flaky = BackendConfig("test_unavailable", "flaky", 1 << 30)
+    w, _, _ = stored_world(world, flaky, cpu())
+    w.backend("flaky").error = BackendUnavailableError("medium gone")
+    dst = [11, 6, 13]
+    pages_dst = (*(w.attn_page(c, dst) for c in range(3)), w.mamba_page(2, (12,)))
+    job = load_job(pages_dst, "flaky", "fell-back")
+    w.worker.start_loads([LoadJob(job.req_id, job.segments, ("cpu",))])
+    assert w.finish("fell-back") == ({"fell-back"}, set())
+    assert w.worker._staging.free_bytes == 0
+    w.worker.start_loads([load_job(pages_dst, "cpu", "clean")])
+    assert w.finish("clean") == ({"clean"}, set())
+    kept = w.worker._staging.free_bytes
+    assert kept > 0
+    w.worker.start_loads([load_job(pages_dst, "cpu", "again")])
+    assert w.finish("again") == ({"again"}, set())
+    assert w.worker._staging.free_bytes == kept
+
+
 def test_unavailable_backend_while_deleting_a_corrupt_page(world) -> None:
     flaky = BackendConfig("test_unavailable", "flaky", 1 << 30)
     w, pages, _ = stored_world(world, flaky)

@@ -10,7 +10,7 @@ import torch
 
 from hybrid_offload.connector.metadata import PageJob
 from hybrid_offload.connector.page_codec import PageCodec
-from hybrid_offload.connector.staging import Decoded, ShardRead, stage_reads, write_pages
+from hybrid_offload.connector.staging import Decoded, ShardRead, StagingPool, stage_reads, write_pages
 from hybrid_offload.core.spec import GroupKind, GroupSpec, ModelSpec, make_model_spec
 from hybrid_offload.engine.kv_layout import AttentionGroupLayout, build_layouts
 
@@ -44,7 +44,7 @@ def page(c: int, skip: int = 0) -> PageJob:
 def staged(spec: ModelSpec, pages: list[PageJob], seed: int = 0) -> list[ShardRead]:
     """Reads of every page's shards this rank reads, their rows filled with random pages."""
     codec = PageCodec(spec, spec.groups[0], CHUNK)
-    reads = stage_reads([(p, s, f"{p.key}/{s}", codec) for p in pages for s in codec.read])
+    reads, _ = stage_reads([(p, s, f"{p.key}/{s}", codec) for p in pages for s in codec.read], StagingPool())
     gen = torch.Generator().manual_seed(seed)
     for r in reads:
         r.rows[r.row] = torch.randn(r.rows.shape[1] // 2, generator=gen).to(torch.bfloat16).view(torch.uint8)
@@ -130,3 +130,28 @@ def test_element_layouts_write_page_by_page(monkeypatch: pytest.MonkeyPatch) -> 
     write_pages([decoded(r) for r in reads], {0: element})
     want = page_by_page(spec, reads)
     assert all(torch.equal(kv[n], want[n]) for n in LAYERS)
+
+
+def test_a_load_reuses_the_staging_memory_given_back() -> None:
+    spec = spec_at(1, 0, 2)
+    codec = PageCodec(spec, spec.groups[0], CHUNK)
+    wanted = [(page(c), s, f"p{c}/{s}", codec) for c in range(4) for s in codec.read]
+    pool = StagingPool(max_bytes=1 << 30)
+    reads, block = stage_reads(wanted, pool)
+    assert {r.rows.data_ptr() % 64 for r in reads} == {0}
+    assert all(r.rows.untyped_storage().data_ptr() == block.untyped_storage().data_ptr() for r in reads)
+    pool.give(block)
+    again, second = stage_reads(wanted[:2], pool)
+    assert second is block and pool.free_bytes == 0
+    assert again[0].rows.data_ptr() == block.data_ptr()
+
+
+def test_the_pool_keeps_at_most_its_bytes_oldest_dropped() -> None:
+    pool = StagingPool(max_bytes=1000)
+    small, large = pool.take(400), pool.take(700)
+    pool.give(small)
+    pool.give(large)  # 1100 > 1000: the oldest (small) goes
+    assert pool.free_bytes == 700
+    assert pool.take(100) is large
+    pool.give(pool.take(5000))  # larger than the pool: not kept
+    assert pool.free_bytes == 0
