@@ -76,6 +76,8 @@ class LoadRun:
     #: the staging memory of the load, and whether a failed read may still write into it
     staging: torch.Tensor | None = None
     tainted: bool = False
+
+
 #: one shard's sealed-to-be page buffer, queued for the store thread
 QueuedShard = tuple[StoreJob, int, bytearray]
 
