@@ -79,6 +79,9 @@ class LoadPolicy(ABC):
     """Chooses where a request's pages come from, given every backend's match."""
 
     name: ClassVar[str]
+    #: whether :meth:`choose` reads ``BackendMatch.presence`` beyond each match's own prefix
+    #: (then lookups ask every page: see ``HybridOffloadPlanner.lookup``)
+    uses_presence: ClassVar[bool] = False
 
     def __init__(self, planner: HybridOffloadPlanner) -> None:
         self.planner = planner
@@ -129,6 +132,7 @@ class RangedPolicy(LoadPolicy):
     """The longest prefix all backends hold together; each page from its heaviest holder."""
 
     name = "ranged"
+    uses_presence = True
 
     def choose(
         self, matches: Sequence[BackendMatch], start_tokens: int, num_tokens: int

@@ -58,6 +58,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: boundaries whose state pages a lookup asks first (then the rest, if none restores)
+STATE_PROBES = 4
+
 #: chunks whose sightings ``store_threshold`` remembers (LRU; ~100 bytes each)
 MAX_TRACKED_CHUNKS = 1 << 18
 
@@ -182,6 +185,7 @@ class OffloadScheduler:
         self._by_name = {v.name: v for v in self.views}
         self._fallback_order = tuple(v.name for v in sorted(self.views, key=lambda v: -v.policy.load_weight))
         self.policy = make_policy(load_policy, planner, adaptive_forget_s)
+        self._state_probes = 0 if self.policy.uses_presence else STATE_PROBES
         self._sightings = ChunkSightings()
         self.pending = PendingStores(pending_wait_s, clock) if clock else PendingStores(pending_wait_s)
         self.stores = StorePlanner(planner, self.views, self._sightings, self.pending, checkpoint_interval)
@@ -291,7 +295,7 @@ class OffloadScheduler:
         k_max = min(self.planner.max_boundary_chunks(num_tokens), len(state.chunk_hashes))
         start = computed // self.planner.chunk_tokens
         try:
-            result = self.planner.lookup(state.keys, contains, num_tokens, computed)
+            result = self.planner.lookup(state.keys, contains, num_tokens, computed, self._state_probes)
         except BackendError:  # counted, and backed off, by the tier's wrappers
             return BackendMatch(view.name, view.policy.load_weight, 0, ()), None
         state.known_present.setdefault(view.name, set()).update(present)

@@ -308,16 +308,45 @@ class HybridOffloadPlanner:
         contains: Callable[[list[str]], list[bool]],
         num_prompt_tokens: int,
         start_tokens: int = 0,
+        state_probes: int = 0,
     ) -> LoadablePrefix:
-        """Ask ``contains`` once for every candidate page and compute the loadable prefix."""
+        """Ask ``contains`` about the candidate pages and compute the loadable prefix.
+
+        ``state_probes`` 0: every candidate page in one call. Otherwise the other groups' pages
+        first, then the state groups' pages (one per boundary) only at boundaries the others
+        allow: the ``state_probes`` highest, then, if none of those restores, the rest. Same
+        ``tokens`` and ``attention_tokens`` with far fewer keys (a state group has a page per
+        chunk to ask, but one is loaded); ``per_group_tokens`` of a state group and the pages
+        known present then stop at the boundaries asked."""
         k_max = min(self.max_boundary_chunks(num_prompt_tokens), *(len(k) for k in keys))
         start = start_tokens // self.chunk_tokens
         if k_max <= start:
             return LoadablePrefix(0, tuple(0 for _ in self.plans))
-        wanted = [key for plan in self.plans for key in keys[plan.index][start:k_max]]
-        answers = dict(zip(wanted, contains(wanted), strict=True))
-        presence = [[answers.get(k, False) for k in group_keys[:k_max]] for group_keys in keys]
-        return self.loadable_prefix(presence, num_prompt_tokens, start_tokens)
+        states = [p for p in self.plans if p.kind is GroupKind.MAMBA] if state_probes > 0 else []
+        others = [p for p in self.plans if p not in states]
+        answers: dict[str, bool] = {}
+
+        def ask(wanted: list[str]) -> None:
+            if wanted:
+                answers.update(zip(wanted, contains(wanted), strict=True))
+
+        def presence() -> list[list[bool]]:
+            return [[answers.get(k, False) for k in group_keys[:k_max]] for group_keys in keys]
+
+        ask([key for plan in others for key in keys[plan.index][start:k_max]])
+        if states:
+            present, bound = presence(), k_max
+            for plan in others:
+                if plan.kind is GroupKind.FULL_ATTENTION:
+                    bound = min(bound, _longest_present_run(present[plan.index], start, bound))
+            allowed = [all(self.group_allows(p, k, present[p.index], start) for p in others)
+                       for k in range(bound, start, -1)]  # fmt: skip
+            candidates = [k for k, ok in zip(range(bound, start, -1), allowed, strict=True) if ok]
+            for batch in (candidates[:state_probes], candidates[state_probes:]):
+                ask([keys[p.index][k - 1] for k in batch for p in states])
+                if any(all(answers[keys[p.index][k - 1]] for p in states) for k in batch):
+                    break
+        return self.loadable_prefix(presence(), num_prompt_tokens, start_tokens)
 
     # ---- worker-side positions --------------------------------------------------------
     def mamba_state_block_index(self, plan: GroupPlan, boundary_tokens: int) -> int:

@@ -644,3 +644,50 @@ def test_lookup_matches_loadable_prefix(scenario: tuple, scope: bytes) -> None:
     assert got == p.loadable_prefix(presence, prompt_len, start_tokens)
     k_max = min(p.max_boundary_chunks(prompt_len), *(len(g) for g in presence))
     assert len(calls) == (1 if k_max > start_tokens // chunk else 0)
+
+
+@PROPERTY_SETTINGS
+@given(scenarios(), st.sampled_from([1, 2, 4]))
+def test_probed_lookup_loads_what_asking_everything_loads(scenario: tuple, probes: int) -> None:
+    """Asking state groups only at boundaries the other groups allow, highest first, changes
+    the keys asked, never the prefix loaded."""
+    chunk, groups, presence, prompt_len, start_tokens = scenario
+    p = planner(*groups, chunk=chunk)
+    n_chunks = max((len(g) for g in presence), default=0)
+    all_keys = p.group_keys(p.chunk_hashes(tokens(n_chunks * chunk + 3)))
+    keys = [all_keys[g][: len(presence[g])] for g in range(len(groups))]
+    stored = {key: bit for gk, gp in zip(keys, presence, strict=True)
+              for key, bit in zip(gk, gp, strict=True)}
+    asked: list[str] = []
+    calls = 0
+
+    def contains(batch: list[str]) -> list[bool]:
+        nonlocal calls
+        calls += 1
+        asked.extend(batch)
+        return [stored[key] for key in batch]
+
+    got = p.lookup(keys, contains, prompt_len, start_tokens, state_probes=probes)
+    want = p.loadable_prefix(presence, prompt_len, start_tokens)
+    assert (got.tokens, got.attention_tokens) == (want.tokens, want.attention_tokens)
+    for plan in p.plans:
+        if plan.kind is not GroupKind.MAMBA:
+            assert got.per_group_tokens[plan.index] == want.per_group_tokens[plan.index]
+    assert len(asked) == len(set(asked)) and calls <= 3
+
+
+def test_probed_lookup_of_a_full_hit_asks_one_state_page_per_group() -> None:
+    p = hybrid()
+    keys = p.group_keys(p.chunk_hashes(tokens(40 * C)))
+    asked: list[str] = []
+
+    def contains(batch: list[str]) -> list[bool]:
+        asked.extend(batch)
+        return [True] * len(batch)
+
+    full = p.lookup(keys, contains, 40 * C + 1)
+    everything, asked[:] = len(asked), []
+    probed = p.lookup(keys, contains, 40 * C + 1, state_probes=4)
+    assert probed.tokens == full.tokens == 40 * C
+    states = [pl.index for pl in p.plans if pl.kind is GroupKind.MAMBA]
+    assert states and len(asked) == everything - len(states) * (40 - 4)
