@@ -208,6 +208,10 @@ class PageDirs:
         """As :func:`stat_page`."""
         return self._at(key, lambda name, fd: os.stat(name, dir_fd=fd, follow_symlinks=False))
 
+    def stamp_page(self, key: str, ns: int) -> None:
+        """Set the page file's atime and mtime to ``ns`` (no link followed)."""
+        self._at(key, lambda name, fd: os.utime(name, ns=(ns, ns), dir_fd=fd, follow_symlinks=False))
+
     def close(self) -> None:
         """Close every descriptor (call when no read is in flight any more)."""
         with self._lock:

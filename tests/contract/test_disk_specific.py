@@ -10,6 +10,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -364,6 +365,34 @@ def test_lookups_of_absent_pages_keep_no_descriptor_open(tmp_path: Path) -> None
             assert backend.contains_batch(missing) == [False] * len(missing)
             assert backend.get_batch(missing[:64]) == [None] * 64
         assert len(os.listdir("/proc/self/fd")) <= held
+
+
+def test_reads_stamp_pages_in_order_off_the_readers_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read page's mtime (its LRU position for other processes) is stamped by the stamping
+    thread, in read order; close() waits for it; prefix reads stamp nothing."""
+    from hybrid_offload.backends.disk_files import PageDirs
+
+    stamped: list[tuple[str, str]] = []
+    real = PageDirs.stamp_page
+
+    def stamp_page(self: PageDirs, k: str, ns: int) -> None:
+        stamped.append((k, threading.current_thread().name))
+        real(self, k, ns)
+
+    monkeypatch.setattr(PageDirs, "stamp_page", stamp_page)
+    root = tmp_path / "store"
+    with make_disk(root) as backend:
+        backend.put_batch([(key(i), page(i, 100)) for i in range(6)])
+        before = page_path(root, key(4)).stat().st_mtime_ns
+        backend.get_prefix([key(0)], 10, [100])
+        bufs = [memoryview(bytearray(100)) for _ in range(3)]
+        assert backend.get_into([key(4), key(9), key(2)], bufs) == [100, None, 100]
+        assert backend.get_batch([key(1)]) == [page(1, 100)]
+    assert [k for k, _ in stamped] == [key(4), key(2), key(1)]
+    assert all(name.startswith("disk-stamp-") for _, name in stamped)
+    assert page_path(root, key(4)).stat().st_mtime_ns > before
 
 
 def test_a_held_page_directory_swapped_for_a_link_is_not_followed(tmp_path: Path) -> None:
