@@ -72,6 +72,7 @@ from .base import (
 )
 from .disk_files import (
     PageDirs,
+    PageStamper,
     counted_size,
     create_temp,
     next_stamp,
@@ -143,7 +144,7 @@ class DiskBackend(Backend):
         self._index: LruIndex[None] = LruIndex(self.capacity_bytes)  # bounds the shared total
         self._empty_root: tuple[int, int] | None = None  # (dev, ino) of a root counted empty
         self._pool: ThreadPoolExecutor | None = None
-        self._stamper: ThreadPoolExecutor | None = None  # stamps read pages (see _stamp_later)
+        self._stamper = PageStamper(self._dirs, self.name)  # read pages' mtimes, off the read path
         self._logged: set[tuple[str, int | None]] = set()
         check_writable_root(self._root, self.name)
         try:
@@ -482,7 +483,7 @@ class DiskBackend(Backend):
             self._forget_missing([k for k, got in zip(keys, outcomes, strict=True) if got is None])
             hits = [k for k, got in zip(keys, outcomes, strict=True) if isinstance(got, bytes | int)]
             if self._touch_on_read and hits and isinstance(buffers[0], memoryview | None):
-                self._stamp_later(hits)
+                self._stamper.later(hits)
         self._fail_if_medium_gone(outcomes, os.R_OK | os.X_OK)
         return [None if isinstance(got, OSError) else got for got in outcomes]
 
@@ -514,21 +515,6 @@ class DiskBackend(Backend):
         found = [self._exists(key) for key in keys]
         self._forget_missing([k for k, f in zip(keys, found, strict=True) if not f])
         return found
-
-    def _stamp_later(self, keys: list[str]) -> None:
-        """Stamp read pages' mtimes (their LRU position for other processes and after a
-        restart) on the stamping thread, in order, off the reader's path (a ``utime`` per page
-        costs as much as reading it). Call with ``_lock`` held."""
-        if self._closed:  # close() has begun: its shutdown of the stamper may be past
-            return
-        if self._stamper is None:
-            self._stamper = ThreadPoolExecutor(1, f"disk-stamp-{self.name}")
-        self._stamper.submit(self._stamp, keys)
-
-    def _stamp(self, keys: list[str]) -> None:
-        for key in keys:
-            with contextlib.suppress(OSError):
-                self._dirs.stamp_page(key, next_stamp())
 
     def _touch_batch(self, keys: Sequence[str]) -> None:
         """Stamp each page file's mtime, in order (its LRU position, also after a restart).
@@ -594,9 +580,8 @@ class DiskBackend(Backend):
         """Stop the I/O pool (waits for in-flight page I/O); pages stay on disk."""
         with self._lock:
             pool, self._pool = self._pool, None
-            stamper, self._stamper = self._stamper, None
             self._index.clear()
-        for executor in (pool, stamper):
-            if executor is not None:
-                executor.shutdown(wait=True)
+        if pool is not None:
+            pool.shutdown(wait=True)
+        self._stamper.close()
         self._dirs.close()

@@ -15,6 +15,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from .disk_root import open_dir_below, page_problem
@@ -219,3 +220,36 @@ class PageDirs:
         for fd in fds + retired:
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+class PageStamper:
+    """Stamps read pages' mtimes (their LRU position for other processes and after a restart)
+    on its own thread, in the order given, through :class:`PageDirs`: off the reader's path,
+    where a ``utime`` per page costs about as much as reading the page. Best effort (a page
+    gone meanwhile is skipped). :meth:`close` waits for the stamps queued; later ones are
+    dropped. Thread-safe."""
+
+    def __init__(self, dirs: PageDirs, name: str) -> None:
+        self._dirs, self._name = dirs, name
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
+
+    def later(self, keys: list[str]) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, f"disk-stamp-{self._name}")
+            self._pool.submit(self._stamp, keys)
+
+    def _stamp(self, keys: list[str]) -> None:
+        for key in keys:
+            with contextlib.suppress(OSError):
+                self._dirs.stamp_page(key, next_stamp())
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed, pool, self._pool = True, self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
