@@ -96,6 +96,15 @@ class LoadPolicy(ABC):
         """A measured load from ``name``; policies that do not learn ignore it."""
         return
 
+    def settled(
+        self, matches: Sequence[BackendMatch], rest: Sequence[tuple[str, float]], full_tokens: int
+    ) -> bool:
+        """Whether :meth:`choose` answers the same whatever the backends not asked yet hold:
+        ``matches`` are those asked so far, in order, ``rest`` the (name, load weight) of the
+        others, in order, ``full_tokens`` the most any backend can match. A lookup stops asking
+        once this is True. The default asks every backend."""
+        return False
+
     def _single(self, match: BackendMatch, start_tokens: int, weight: float) -> LoadChoice:
         k_start = start_tokens // self.planner.chunk_tokens
         k = match.tokens // self.planner.chunk_tokens
@@ -126,6 +135,16 @@ class WeightedPolicy(LoadPolicy):
             if match.tokens > start_tokens and score > best_score:
                 best, best_score = (match, weight), score
         return None if best is None else self._single(best[0], start_tokens, best[1])
+
+    def settled(
+        self, matches: Sequence[BackendMatch], rest: Sequence[tuple[str, float]], full_tokens: int
+    ) -> bool:
+        """True once an asked backend holds ``full_tokens`` with a weight no later backend
+        exceeds (an equal score keeps the earlier backend)."""
+        best = max((self.weight(m) for m in matches if m.tokens >= full_tokens), default=None)
+        return best is not None and all(
+            self.weight(BackendMatch(name, weight, full_tokens, ())) <= best for name, weight in rest
+        )
 
 
 class RangedPolicy(LoadPolicy):
@@ -231,6 +250,14 @@ class AdaptivePolicy(WeightedPolicy):
             return self._single(best, start_tokens, best.weight)
         return super().choose(matches, start_tokens, num_tokens)
 
+    def settled(
+        self, matches: Sequence[BackendMatch], rest: Sequence[tuple[str, float]], full_tokens: int
+    ) -> bool:
+        """As weighted, and only when every backend not asked has been measured (one that has
+        not may be chosen to measure it)."""
+        measured = all(self.costs.measured(name) for name, _ in rest)
+        return measured and super().settled(matches, rest, full_tokens)
+
     def observe(self, name: str, nbytes: int, seconds: float, ok: bool) -> None:
         self.costs.observe(name, nbytes, seconds, ok)
 
@@ -258,7 +285,4 @@ def presence_matrix(
 ) -> tuple[tuple[bool, ...], ...]:
     """``presence[group][chunk]`` for chunks ``[0, k_max)``: chunks before ``start`` count as
     present (vLLM holds them), later ones as ``present`` says."""
-    return tuple(
-        tuple(c < start or group_keys[c] in present for c in range(k_max)) for group_keys in keys
-    )
-
+    return tuple(tuple(c < start or group_keys[c] in present for c in range(k_max)) for group_keys in keys)

@@ -253,7 +253,7 @@ class OffloadScheduler:
         if self.pending.should_wait(state.req_id, (k for keys in state.keys for k in keys[start:])):
             return None, False
         self.pending.done_waiting(state.req_id)
-        lookups = [self._match(view, state, num_tokens, num_computed_tokens) for view in self.views]
+        lookups = self._lookups(state, num_tokens, num_computed_tokens)
         matches = [m for m, _ in lookups]
         choice = self.policy.choose(matches, num_computed_tokens, num_tokens)
         state.choice, state.load_start = choice, num_computed_tokens
@@ -264,7 +264,10 @@ class OffloadScheduler:
         return choice.end_tokens - num_computed_tokens, True
 
     def _plan_checkpoints(
-        self, state: RequestState, computed: int, choice: LoadChoice | None,
+        self,
+        state: RequestState,
+        computed: int,
+        choice: LoadChoice | None,
         results: list[LoadablePrefix | None],
     ) -> None:
         """Where the prefill stops to store states, and this lookup's coverage estimate."""
@@ -280,6 +283,22 @@ class OffloadScheduler:
         stored = gap < len(state.chunk_hashes) and self._sightings.was_stored(state.chunk_hashes[gap])
         down = any(r is None for r in results)
         state.coverage = coverage(computed, served, attention, shared, down, stored)
+
+    def _lookups(
+        self, state: RequestState, num_tokens: int, computed: int
+    ) -> list[tuple[BackendMatch, LoadablePrefix | None]]:
+        """Ask the tiers in order until the policy is settled: once a tier holds the whole
+        prompt, later tiers that could not win are not asked (their lookups, hits and
+        presence are then not counted for this request)."""
+        chunks = min(self.planner.max_boundary_chunks(num_tokens), len(state.chunk_hashes))
+        full = chunks * self.planner.chunk_tokens
+        lookups: list[tuple[BackendMatch, LoadablePrefix | None]] = []
+        for i, view in enumerate(self.views):
+            rest = [(v.name, v.policy.load_weight) for v in self.views[i:]]
+            if lookups and full > computed and self.policy.settled([m for m, _ in lookups], rest, full):
+                break
+            lookups.append(self._match(view, state, num_tokens, computed))
+        return lookups
 
     def _match(
         self, view: BackendView, state: RequestState, num_tokens: int, computed: int

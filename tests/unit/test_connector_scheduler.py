@@ -664,7 +664,7 @@ def test_disk_lookup_sees_pages_written_by_another_process(worlds, tmp_path: Pat
 
 def test_unavailable_shared_backend_is_skipped_while_down_then_used_again(worlds, tmp_path: Path) -> None:
     flaky = tier(BackendConfig("test_flaky_disk", "redis", 1 << 30, options={"path": str(tmp_path / "r")}),
-                 retry_after_s=1.0, retry_after_max_s=8.0)
+                 retry_after_s=1.0, retry_after_max_s=8.0, load_weight=2.0)  # asked even when cpu holds all
     w = worlds(make_spec(8, 8), 8, backends=(cpu_config(), flaky))
     clock = w.clock  # the scheduler's clock drives the backoff
     view = w.sched.views[1]

@@ -30,6 +30,7 @@ from hybrid_offload.connector.policy import (
     WeightedPolicy,
     make_policy,
 )
+from hybrid_offload.core.planner import HybridOffloadPlanner
 
 TOKENS = prompt(44)
 TABLES = ([1, 2, 3, 4, 5, 6], [0, 0, 0, 0, 9, 0])
@@ -89,6 +90,52 @@ def test_ranged_with_a_local_hit_starts_after_it(worlds) -> None:
     w = two_tier(worlds, "ranged")
     job = start_load(w, FakeRequest("r", TOKENS), 16, TABLES)
     assert segments(job) == [("disk", [(ATTN, 2), (ATTN, 3), (ATTN, 4), (MAMBA, 4)])]
+
+
+def lookups(w: World) -> dict[str, int]:
+    return {name: c["lookups"] for name, c in w.sched.stats.snapshot()["backends"].items() if c["lookups"]}
+
+
+@pytest.mark.parametrize(
+    ("policy", "weights", "first_holds", "asked"),
+    [
+        ("weighted", (1.0, 1.0), range(5), {"a": 1}),  # a holds everything: b cannot win a tie
+        ("weighted", (1.0, 0.3), range(5), {"a": 1}),
+        ("weighted", (1.0, 2.0), range(5), {"a": 1, "b": 1}),  # b could score more
+        ("weighted", (1.0, 1.0), range(4), {"a": 1, "b": 1}),  # a holds less than the prompt allows
+        ("ranged", (1.0, 0.3), range(5), {"a": 1, "b": 1}),  # ranged reads every tier's presence
+        ("adaptive", (1.0, 1.0), range(5), {"a": 1, "b": 1}),  # b not measured yet: it may be probed
+    ],
+)
+def test_a_lookup_stops_asking_once_no_later_tier_can_change_the_choice(
+    worlds, policy: str, weights: tuple[float, float], first_holds: range, asked: dict[str, int]
+) -> None:
+    w = worlds(make_spec(8, 8), 8, (cpu_config("a", weights[0]), cpu_config("b", weights[1])), policy)
+    hold_prefix(w, "a", first_holds, first_holds[-1])
+    hold_prefix(w, "b", range(5), 4)
+    job = start_load(w, FakeRequest("r", TOKENS), 0, TABLES)
+    assert lookups(w) == asked
+    alone = worlds(make_spec(8, 8), 8, (cpu_config("a", weights[0]), cpu_config("b", weights[1])), policy)
+    alone.sched.policy.settled = lambda *_: False  # type: ignore[method-assign]  # ask every tier
+    hold_prefix(alone, "a", first_holds, first_holds[-1])
+    hold_prefix(alone, "b", range(5), 4)
+    assert segments(start_load(alone, FakeRequest("r", TOKENS), 0, TABLES)) == segments(job)
+
+
+def test_settled_weighted_and_adaptive() -> None:
+    planner = HybridOffloadPlanner(make_spec(8, 8), 8)
+    full = BackendMatch("a", 1.0, 40, ())
+    weighted = WeightedPolicy(planner)
+    assert weighted.settled([full], [("b", 1.0)], 40)
+    assert not weighted.settled([full], [("b", 1.5)], 40)
+    assert not weighted.settled([BackendMatch("a", 1.0, 32, ())], [("b", 0.1)], 40)
+    assert weighted.settled([BackendMatch("a", 0.5, 32, ()), full], [("c", 1.0)], 40)
+    assert not RangedPolicy(planner).settled([full], [("b", 0.1)], 40)
+    adaptive = make_policy("adaptive", planner)
+    assert not adaptive.settled([full], [("b", 0.1)], 40)  # b never measured
+    adaptive.observe("b", 1 << 20, 0.01, True)
+    adaptive.observe("a", 1 << 20, 0.01, True)
+    assert adaptive.settled([full], [("b", 1.0)], 40)
 
 
 def test_adaptive_moves_traffic_away_from_a_slow_tier_and_probes_it_later(worlds) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 
 from hybrid_offload.testing.services import start_peer, start_redis_server
 from hybrid_offload.tools.bench import e2e_report
-from hybrid_offload.tools.bench.e2e_ceilings import load_shape
+from hybrid_offload.tools.bench.e2e_ceilings import load_shape, store_shape
 from hybrid_offload.tools.bench.e2e_ceilings import measure as measure_ceiling
 
 logger = logging.getLogger(__name__)
@@ -56,11 +56,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--model-dir", type=Path, default=None, help="model directory (built if missing)")
     parser.add_argument("--seed", type=int, default=0, help="prompt seed")
-    parser.add_argument("--tp-shards", type=int, default=None,
-                        help="the connector's tp_shards (default: the connector's default)")
-    parser.add_argument("--connector", action="append", default=[], metavar="KEY=VALUE",
-                        help="a kv_connector_extra_config entry for every engine (VALUE parsed as JSON "
-                             "where it is JSON), e.g. load_switch_interval_s=0.0001; repeatable")
+    parser.add_argument(
+        "--tp-shards",
+        type=int,
+        default=None,
+        help="the connector's tp_shards (default: the connector's default)",
+    )
+    parser.add_argument(
+        "--connector",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a kv_connector_extra_config entry for every engine (VALUE parsed as JSON "
+        "where it is JSON), e.g. load_switch_interval_s=0.0001; repeatable",
+    )
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -196,7 +205,8 @@ def run_scenarios(settings: dict[str, Any], progress: Any = None) -> dict[str, d
 
     Starts redis-server / the cache peer only when their scenarios are asked for; everything
     started (services, temporary directories) is gone when this returns or raises. After the
-    engines, each tier scenario gets the ceiling of its loads (``"ceiling"``, see
+    engines, each tier scenario gets the ceiling of its loads (``"ceiling"``) and the cold pass
+    the ceiling of each tier's stores (``"store_ceilings"``, see
     :mod:`~hybrid_offload.tools.bench.e2e_ceilings`).
     """
     from hybrid_offload.testing.models import VOCAB_SIZE
@@ -234,6 +244,14 @@ def run_scenarios(settings: dict[str, Any], progress: Any = None) -> dict[str, d
             shape = None if scenario in e2e_report.NO_TRANSFER else load_shape(e2e_report.measured(entry))
             if shape is not None:
                 entry["ceiling"] = measure_ceiling(scenario, shape, work, urls)
+        if "cold" in out:  # the cold pass stores into every tier of its engine
+            stores = e2e_report.measured(out["cold"])["backends"]
+            shapes = {tier: store_shape(stores[tier]) for tier in out["cold"]["tiers"] if tier in stores}
+            out["cold"]["store_ceilings"] = {
+                tier: measure_ceiling(tier, shape, work, urls, op="store")
+                for tier, shape in shapes.items()
+                if shape is not None
+            }
     return out
 
 
@@ -263,6 +281,7 @@ def run(args: argparse.Namespace) -> int:
         "rows": rows,
         "ratios": e2e_report.ratios(rows),
         "in_engine": e2e_report.in_engine(summaries),
+        "in_engine_stores": e2e_report.in_engine_stores(raw),
         "scenarios": summaries,
         "wall_s": round(time.perf_counter() - began, 1),
     }
@@ -271,5 +290,7 @@ def run(args: argparse.Namespace) -> int:
     print(e2e_report.table(rows))
     print("\nloads inside the engine (GB/s) next to the ceiling of the same run; ms per load by phase")
     print(format_table(payload["in_engine"], e2e_report.IN_ENGINE_COLUMNS))
+    print("\nstores inside the engine (the cold pass: vLLM's step loop busy) next to the same run's ceiling")
+    print(format_table(payload["in_engine_stores"], e2e_report.STORE_COLUMNS))
     print(f"\nwrote {path} and {', '.join(str(p) for p in plots)} ({payload['wall_s']}s)")
     return 0

@@ -1,17 +1,18 @@
-"""Ceilings of `hybrid-offload bench e2e`: per tier, the fastest read of the same bytes in the
-same calls outside the engine, measured in the same run.
+"""Ceilings of `hybrid-offload bench e2e`: per tier, the fastest read (load) or write (store) of
+the same bytes in the same calls outside the engine, measured in the same run.
 
 The shape of a tier's in-engine loads comes from the worker's counters of its pass (mean object
-size = bytes loaded / pages loaded, objects per call = pages loaded / loads written); each
-ceiling reads that many objects of that size per call, ``CALLS`` times, on the same services
-(after the engines: the raw NIXL read overwrites the peer's pool):
+size = bytes loaded / pages loaded, objects per call = pages loaded / loads written), that of its
+stores from the backend's counters of the cold pass (bytes / pages stored, pages per
+``put_batch`` call); each ceiling moves that many objects of that size per call, ``CALLS``
+times, on the same services (after the engines: the raw NIXL transfers overwrite the peer's pool):
 
 * cpu: one ``numpy.copyto`` of the call's bytes;
-* disk: ``preadv`` of the call's objects from one preallocated file in the disk tier's
-  directory, page cache warm (as the engines read it);
-* redis: the better of pipelined redis-py (hiredis) GETs and ``redis-benchmark`` GET (4 clients,
-  ``-P 8``) on the same server;
-* nixl_peer: raw NIXL READ of the call's descriptors from the peer's pool.
+* disk: ``preadv`` / ``pwritev`` of the call's objects from / into one preallocated file in the
+  disk tier's directory, page cache warm (as the engines read it);
+* redis: the better of pipelined redis-py (hiredis) GETs / SETs and ``redis-benchmark`` GET /
+  SET (4 clients, ``-P 8``) on the same server;
+* nixl_peer: raw NIXL READ / WRITE of the call's descriptors from / into the peer's pool.
 """
 
 from __future__ import annotations
@@ -27,10 +28,18 @@ logger = logging.getLogger(__name__)
 CALLS = 5
 #: tier -> the name of its ceiling in reports
 NAMES = {
-    "cpu": "numpy copy",
-    "disk": "preadv (warm)",
-    "redis": "redis GET (best of redis-py, redis-benchmark)",
-    "nixl_peer": "raw NIXL READ",
+    "load": {
+        "cpu": "numpy copy",
+        "disk": "preadv (warm)",
+        "redis": "redis GET (best of redis-py, redis-benchmark)",
+        "nixl_peer": "raw NIXL READ",
+    },
+    "store": {
+        "cpu": "numpy copy",
+        "disk": "pwritev",
+        "redis": "redis SET (best of redis-py, redis-benchmark)",
+        "nixl_peer": "raw NIXL WRITE",
+    },
 }
 
 
@@ -42,25 +51,42 @@ def load_shape(measured: dict[str, Any]) -> tuple[int, int] | None:
     return max(1, round(nbytes / pages)), max(1, round(pages / loads))
 
 
-def measure(tier: str, shape: tuple[int, int], work: Path, urls: dict[str, str]) -> dict[str, Any]:
-    """The ceiling of ``tier`` for loads of ``shape``: ``{"ceiling", "gbps", ...}``; on a failure
-    ``gbps`` is None and ``error`` says why (a missing tool must not lose the engines' results)."""
+def store_shape(backend: dict[str, Any]) -> tuple[int, int] | None:
+    """(object bytes, objects per call) of one backend's in-engine stores (its counters of a
+    pass, see ``e2e_report.measured``); None without a store."""
+    pages, nbytes = backend.get("stored_pages", 0), backend.get("stored_bytes", 0)
+    calls = backend.get("store_calls", 0)
+    if pages <= 0 or calls <= 0:
+        return None
+    return max(1, round(nbytes / pages)), max(1, round(pages / calls))
+
+
+def measure(
+    tier: str, shape: tuple[int, int], work: Path, urls: dict[str, str], op: str = "load"
+) -> dict[str, Any]:
+    """The ceiling of ``tier`` for ``op`` ("load" or "store") calls of ``shape``: ``{"ceiling",
+    "gbps", ...}``; on a failure ``gbps`` is None and ``error`` says why (a missing tool must not
+    lose the engines' results)."""
     page, batch = shape
-    out: dict[str, Any] = {"ceiling": NAMES[tier], "object_bytes": page, "objects_per_call": batch}
+    load = op == "load"
+    out: dict[str, Any] = {"ceiling": NAMES[op][tier], "object_bytes": page, "objects_per_call": batch}
     try:
         if tier == "cpu":
             out["gbps"] = ce.numpy_copy(page, batch, CALLS)["gbps"]
         elif tier == "disk":
-            out["gbps"] = ce.raw_file(str(work), page, batch, CALLS, batch)["preadv_warm"]["gbps"]
+            raw_file = ce.raw_file(str(work), page, batch, CALLS, batch)
+            out["gbps"] = raw_file["preadv_warm" if load else "pwritev"]["gbps"]
         elif tier == "redis":
             port = int(urls["redis"].rsplit(":", 1)[1].split("/")[0])
-            py = ce.redis_py(port, page, batch, CALLS, batch)["get"]["gbps"]
-            bench = ce.redis_benchmark(port, page, max(64, 4 * batch * CALLS)).get("get", 0.0)
+            verb = "get" if load else "set"
+            py = ce.redis_py(port, page, batch, CALLS, batch)[verb]["gbps"]
+            bench = ce.redis_benchmark(port, page, max(64, 4 * batch * CALLS)).get(verb, 0.0)
             out.update(gbps=max(py, bench), redis_py_gbps=py, redis_benchmark_gbps=bench)
         elif tier == "nixl_peer":
             raw = ce.RawNixl(urls["nixl_peer"])
             try:
-                out["gbps"] = raw.measure(page, batch, CALLS, page * batch)["read"]["gbps"]
+                moved = raw.measure(page, batch, CALLS, page * batch)
+                out["gbps"] = moved["read" if load else "write"]["gbps"]
             finally:
                 raw.close()
         else:

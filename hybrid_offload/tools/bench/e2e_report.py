@@ -21,6 +21,8 @@ TABLE_COLUMNS = ("scenario", "prompt_tokens", "hit_tokens", "ttft_ms", "speedup_
 IN_ENGINE_COLUMNS = ("tier", "loads", "MiB_per_load", "engine_gbps", "read_gbps", "ceiling_gbps",
                      "engine_vs_ceiling", "read_vs_ceiling", "ms_queued", "ms_prepare", "ms_read",
                      "ms_verify", "ms_ready", "ms_write", "ms_total", "ms_lookup")  # fmt: skip
+STORE_COLUMNS = ("tier", "store_calls", "pages_per_call", "KiB_per_page", "store_gbps", "ceiling_gbps",
+                 "store_vs_ceiling", "ms_per_call")  # fmt: skip
 MIB = float(1 << 20)
 
 
@@ -108,7 +110,8 @@ def measured(entry: dict[str, Any]) -> dict[str, Any]:
     per_backend = {}
     for name, counters in after.get("backends", {}).items():
         old = before.get("backends", {}).get(name, {})
-        fields = ("loaded_bytes", "load_seconds", "load_calls", "stored_bytes", "store_seconds")
+        fields = ("loaded_bytes", "load_seconds", "load_calls", "stored_pages", "stored_bytes", "store_calls",
+                  "store_seconds")  # fmt: skip
         per_backend[name] = {f: round(counters.get(f, 0) - old.get(f, 0), 4) for f in fields}
     out["backends"] = per_backend
     return out
@@ -169,6 +172,33 @@ def in_engine(summaries: dict[str, Any]) -> list[dict[str, Any]]:
         calls = summary.get("lookup_calls", 0)
         row["ms_lookup"] = 1e3 * summary.get("lookup_seconds", 0.0) / calls if calls else None
         out.append(row)
+    return out
+
+
+def in_engine_stores(raw: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per tier of the cold pass's engine: its ``put_batch`` calls on the worker's store thread
+    while vLLM prefilled (``store_gbps`` = bytes stored / seconds in those calls) next to the
+    ceiling of calls of the same shape (``store_ceilings`` of the cold entry)."""
+    entry = raw.get("cold")
+    if entry is None:
+        return []
+    backends = measured(entry)["backends"]
+    ceilings = entry.get("store_ceilings") or {}
+    out = []
+    for tier in entry["tiers"]:
+        counters, ceiling = backends.get(tier) or {}, ceilings.get(tier) or {}
+        calls, seconds = counters.get("store_calls", 0), counters.get("store_seconds", 0.0)
+        pages, nbytes = counters.get("stored_pages", 0), counters.get("stored_bytes", 0)
+        if not calls or not pages:
+            continue
+        gbps = nbytes / seconds / 1e9 if seconds else None
+        top = ceiling.get("gbps")
+        out.append({
+            "tier": tier, "store_calls": calls, "pages_per_call": pages / calls,
+            "KiB_per_page": nbytes / pages / 1024,
+            "store_gbps": gbps, "ceiling": ceiling.get("ceiling"), "ceiling_gbps": top,
+            "store_vs_ceiling": gbps / top if gbps and top else None, "ms_per_call": 1e3 * seconds / calls,
+        })  # fmt: skip
     return out
 
 
