@@ -39,8 +39,9 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
 * **Batches.** Every call pipelines its commands (in a cluster: one pipeline per node,
   redis-py's ``ClusterPipeline``) in chunks of at most ``max_batch_bytes`` of values. A get is
   three round trips (index snapshot, GETRANGEs, refresh; one more when a page is absent or
-  empty), a put three (SETs, accounting, DEL of victims with lifting of expiries), contains
-  one, delete two.
+  empty; ``get_into`` from a ``redis://`` server receives the values into the caller's
+  buffers on connections of its own, :mod:`.redis_raw`), a put three (SETs, accounting, DEL
+  of victims with lifting of expiries), contains one, delete two.
 * **Failures.** Construction never connects (the cluster client is built on first use).
   Connection errors, timeouts, cluster-down, loading, authentication (a wrong password is
   only seen on first use, so it is reported as unavailable, the message says
@@ -63,8 +64,7 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
   OBJECT IDLETIME: the server's last read or write of the page, 1 s resolution, None under an
   LFU ``maxmemory-policy``. Neither refreshes a page's LRU position or idle time (the STRLEN
   of a page the index does not know counts as a read of it).
-* ``close()`` disconnects the pools (bounded, idempotent); later calls raise
-  :class:`BackendClosedError`.
+* ``close()`` disconnects the pools (bounded, idempotent); later calls raise BackendClosedError.
 """
 
 from __future__ import annotations
@@ -106,19 +106,19 @@ from .redis_options import (
     redact_url,
     redis_password,
 )
+from .redis_raw import raw_reader_for
 
 __all__ = ["RedisBackend", "RedisClusterBackend"]
 
 logger = logging.getLogger(__name__)
 
-MiB = 1 << 20
 _MAX_KEYS_PER_PIPELINE = 4096
 _SCAN_COUNT = 1000  # keys per SCAN round trip and per round of size/idle-time queries
 #: bytes per socket read of a reply. Inside an engine the load thread competes for the GIL with
 #: vLLM's busy step loop, and every read gives the GIL up for up to the switch interval (5 ms):
 #: redis-py's 64 KiB default read 2 MiB pages at ~20 MB/s there, 4 MiB reads at ~280 MB/s.
 #: The parser keeps one buffer of this size per connection.
-SOCKET_READ_BYTES = 4 * MiB
+SOCKET_READ_BYTES = 4 << 20
 #: GETRANGE that answers nil for an absent key (EVAL, not EVALSHA: cluster pipelines refuse it)
 _GETRANGE_IF_EXISTS = """#!lua flags=no-writes,allow-oom
 if redis.call('EXISTS', KEYS[1]) == 0 then return false end
@@ -162,6 +162,8 @@ class RedisBackend(Backend):
         self._stats_lock = threading.Lock()
         self._failing = False
         self._client: Any = None if self._cluster else self._make_standalone()
+        password = None if self._password is None else self._password.text()
+        self._raw = None if self._cluster or self._url is None else raw_reader_for(self._url, password, opts)
 
     # -- clients ---------------------------------------------------------------------------
 
@@ -354,18 +356,38 @@ class RedisBackend(Backend):
             "adopted, %d evicted)", self.name, adopted, len(victims),
         )  # fmt: skip
 
-    def _getrange(
-        self, client: Any, keys: Sequence[str], ends: Sequence[int], weights: Sequence[int]
-    ) -> list[bytes | None]:
+    def _getrange(self, client: Any, keys: Sequence[str], ends: Sequence[int],
+                  weights: Sequence[int]) -> list[bytes | None]:  # fmt: skip
         """``GETRANGE key 0 end`` per key, in pipelines of about ``max_batch_bytes`` (by
-        ``weights``); None for an absent key. GETRANGE answers an absent key with an empty
-        string, so empty replies (misses, empty pages) are asked again, in one more round trip,
-        with a script that tells them apart atomically."""
+        ``weights``); None for an absent key (GETRANGE answers it with an empty string, so
+        empty replies are asked again, in one more round trip)."""
         found: list[bytes | None] = []
         for chunk in self._chunks(weights):
             commands = [("getrange", self._page_key(keys[j]), 0, ends[j]) for j in chunk]
             found += self._pipeline(client, commands)
-        empty = [j for j, data in enumerate(found) if data == b""]
+        return self._ask_empty_again(client, keys, ends, weights, found)
+
+    def _getrange_into(
+        self, client: Any, keys: Sequence[str], views: Sequence[memoryview], weights: Sequence[int]
+    ) -> list[Buffer | None]:
+        """:meth:`_getrange` up to each view's end, values received into the views: per key
+        the filled part of its view, None, or for a longer value ``bytes`` of its length."""
+        assert self._raw is not None
+        found: list[Buffer | None] = []
+        for chunk in self._chunks(weights):
+            ends = [views[j].nbytes for j in chunk]
+            got = self._raw.read_into(
+                [self._page_key(keys[j]) for j in chunk], ends, [views[j] for j in chunk]
+            )
+            for j, n in zip(chunk, got, strict=True):
+                found.append(views[j][:n] if n <= views[j].nbytes else bytes(n))
+        ends = [v.nbytes for v in views]
+        return self._ask_empty_again(client, keys, ends, weights, found)
+
+    def _ask_empty_again(self, client: Any, keys: Sequence[str], ends: Sequence[int],
+                         weights: Sequence[int], found: list[Any]) -> list[Any]:  # fmt: skip
+        """Empty replies (absent key or empty value) asked again with a script telling them apart."""
+        empty = [j for j, data in enumerate(found) if data is not None and len(data) == 0]
         for chunk in self._chunks([weights[j] for j in empty]):
             again = [empty[i] for i in chunk]
             commands = [
@@ -376,8 +398,11 @@ class RedisBackend(Backend):
                 found[j] = data
         return found
 
-    def _get(self, keys: Sequence[str], limits: Sequence[int], *, unknown_weight: bool) -> list[bytes | None]:
+    def _get(self, keys: Sequence[str], limits: Sequence[int], *, unknown_weight: bool,
+             into: Sequence[memoryview] | None = None) -> list[Any]:  # fmt: skip
         """Pages of at most ``limits`` bytes; hits refresh recency, stale index entries heal.
+        With ``into`` (views of ``limits`` bytes) and the raw reader, hits are received
+        straight into the views and returned as views of them.
 
         A value longer than its limit is a miss, neither healed nor adopted, and the server
         sends at most ``limit + 1`` bytes of it (GETRANGE), so a huge value under a page key
@@ -391,7 +416,10 @@ class RedisBackend(Backend):
                 min(limit, size) if size is not None else limit if unknown_weight else 0
                 for limit, size in zip(limits, sizes, strict=True)
             ]
-            read = self._getrange(client, keys, limits, weights)
+            if into is not None and self._raw is not None:
+                read = self._getrange_into(client, keys, into, weights)
+            else:
+                read = self._getrange(client, keys, limits, weights)
             found = [
                 None if data is None or len(data) > limit else data
                 for data, limit in zip(read, limits, strict=True)
@@ -426,9 +454,9 @@ class RedisBackend(Backend):
             return []
         views = [memoryview(buf).cast("B") for buf in buffers]
         sizes: list[int | None] = []
-        found = self._get(keys, [v.nbytes for v in views], unknown_weight=True)
+        found = self._get(keys, [v.nbytes for v in views], unknown_weight=True, into=views)
         for data, view in zip(found, views, strict=True):
-            if data is not None:
+            if isinstance(data, bytes):  # redis-py's path (the raw reader wrote into the view)
                 view[: len(data)] = data
             sizes.append(None if data is None else len(data))
         return sizes
@@ -541,6 +569,8 @@ class RedisBackend(Backend):
         """Disconnect the pools; bounded (no network round trip)."""
         with self._client_lock:
             client, self._client = self._client, None
+        if self._raw is not None:
+            self._raw.close()
         if client is not None:
             with contextlib.suppress(Exception):
                 client.close()

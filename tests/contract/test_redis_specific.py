@@ -191,6 +191,8 @@ def test_password_from_file_or_env(
     with make_redis(srv.url, password_file=secret_file(tmp_path, "s3cret")) as backend:
         assert backend.put_batch([(key(1), b"abc")]) == [True]
         assert backend.get_batch([key(1)]) == [b"abc"]
+        buf = bytearray(8)  # get_into reads on connections of its own: they authenticate too
+        assert backend.get_into([key(1)], [memoryview(buf)]) == [3] and buf[:3] == b"abc"
     monkeypatch.setenv("HOP_TEST_REDIS_PW", "s3cret")
     with make_redis(srv.url, password_env="HOP_TEST_REDIS_PW") as backend:
         assert backend.put_batch([(key(2), b"def")]) == [True]
@@ -230,6 +232,8 @@ def test_acl_user_in_url_password_from_file(own_server: Callable[..., RedisServe
     with make_redis(alice, password_file=secret_file(tmp_path, "pw1")) as backend:
         assert backend.put_batch([(key(1), b"abc")]) == [True]
         assert backend.get_batch([key(1)]) == [b"abc"]
+        buf = bytearray(8)
+        assert backend.get_into([key(1)], [memoryview(buf)]) == [3] and buf[:3] == b"abc"
         assert backend.used_bytes() == 3
     with make_redis(alice, password_file=secret_file(tmp_path, "nope")) as backend:
         with pytest.raises(BackendUnavailableError, match=r"authentication failed.*") as info:
@@ -448,6 +452,26 @@ def test_a_value_longer_than_the_buffer_is_a_miss_never_read_whole(server: Redis
         assert backend.put_batch([(key(3), b"")]) == [True]  # empty: GETRANGE reads it as ""
         assert backend.get_batch([key(3), key(4)]) == [b"", None]
         assert backend.get_into([key(3), key(4)], [memoryview(b) for b in bufs]) == [0, None]
+        admin.close()
+
+
+def test_get_into_an_error_reply_is_unavailable_and_the_next_read_is_clean(server: RedisServer) -> None:
+    """A value of the wrong type under a page key makes the server answer an error mid-pipeline:
+    the read raises (as any server error), and the next one is not confused by what was left of
+    the stream (the connection that saw the error is closed)."""
+    with make_redis(server.url) as backend:
+        prefix = backend.config.options["prefix"]
+        admin = redis.Redis.from_url(server.url)
+        admin.rpush(f"{prefix}:p:{key(1)}", b"not a page")
+        pages = [page(2, 70_000), page(3, 5)]
+        assert backend.put_batch([(key(2), pages[0]), (key(3), pages[1])]) == [True, True]
+        bufs = [bytearray(80_000) for _ in range(3)]
+        with pytest.raises(BackendUnavailableError, match="WRONGTYPE"):
+            backend.get_into([key(2), key(1), key(3)], [memoryview(b) for b in bufs])
+        for _ in range(3):
+            got = backend.get_into([key(3), key(2), key(4)], [memoryview(b) for b in bufs])
+            assert got == [5, 70_000, None]
+            assert bytes(bufs[0][:5]) == pages[1] and bytes(bufs[1][:70_000]) == pages[0]
         admin.close()
 
 
