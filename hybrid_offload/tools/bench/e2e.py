@@ -13,9 +13,12 @@ pass of :mod:`hybrid_offload.testing.session` (one process per engine):
 
 Prompts are random token ids, independent per length and repeat, of exactly the target
 length: only whole chunks load, the tail after the last chunk boundary is recomputed in every
-scenario. Bytes moved per request are computed from the page sizes of the connector's groups
-(one page per chunk per attention group, one state page per Mamba/GDN group) and checked
-against the worker's byte counters per pass.
+scenario. Every engine runs one warm-up prompt per length first (stored by the cold pass), and
+an engine that loads loads them again in a pass of its own before its measured pass (``warm``,
+not reported): a server's first load of each size pays one-time costs (page faults of fresh
+staging memory, first calls) that its steady state does not. Bytes moved per request are
+computed from the page sizes of the connector's groups (one page per chunk per attention group,
+one state page per Mamba/GDN group) and checked against the worker's byte counters per pass.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from hybrid_offload.tools.bench.e2e_ceilings import measure as measure_ceiling
 logger = logging.getLogger(__name__)
 
 SCENARIOS = ("cold", "vllm", "cpu", "disk", "redis", "nixl_peer")
+#: the unreported pass in which an engine loads the warm-up prompts before its measured pass
+WARM = "warm"
 FULL = {"layers": 8, "hidden": 256, "lengths": "1024,2048,4096,8192,16384", "repeats": 3,
         "scenarios": ",".join(SCENARIOS)}  # fmt: skip
 QUICK = {"layers": 4, "hidden": 256, "lengths": "1024,2048", "repeats": 1, "scenarios": "cold,vllm,cpu,disk"}
@@ -145,19 +150,21 @@ def _backend(kind: str, work: Path, urls: dict[str, str]) -> dict[str, Any]:
 def _engine_runs(settings: dict[str, Any]) -> list[tuple[list[str], list[str]]]:
     """(scenario per pass, tiers) of every engine process, in order."""
     tiers = [t for t in ("cpu", "disk", "redis", "nixl_peer") if t in settings["scenarios"]]
-    first = [s for s in ("cold", "vllm", "cpu") if s in settings["scenarios"]]
+    first = [s for s in ("cold", "vllm") if s in settings["scenarios"]]
+    first += [WARM, "cpu"] if "cpu" in settings["scenarios"] else []
     runs = [(first, tiers or ["cpu"])]
-    runs += [([t], [t]) for t in tiers if t != "cpu"]
+    runs += [([WARM, t], [t]) for t in tiers if t != "cpu"]
     return runs
 
 
 def _resets(passes: list[str]) -> list[str]:
     """Per pass: keep vLLM's cache after the cold pass only when the next pass is ``vllm``."""
     modes = []
+    restarted = "cold" not in passes
     for i, scenario in enumerate(passes):
         nxt = passes[i + 1] if i + 1 < len(passes) else None
         modes.append("never" if nxt == "vllm" else "pass")
-        if scenario != "cold" and i == 0:
+        if restarted and scenario != WARM:
             modes[-1] = "request"  # a restarted engine: every hit must be the connector's
     return modes
 
@@ -168,19 +175,21 @@ def _run_engine(
 ) -> dict[str, Any]:  # fmt: skip
     """One engine process: ``passes`` over ``prompts`` with the connector on ``tiers``.
 
-    Its first request is a warm-up prompt of the shortest length (the same in every engine, so a
-    restarted engine loads it: one-time costs of prefill and of the load path are paid there),
-    dropped from the result; the session's own 64-token warm-up is too short for that.
+    The cold pass starts with one warm-up prompt per length (the same in every engine), dropped
+    from its result; a ``warm`` pass runs only them (the engine loads them: one-time costs of
+    prefill and of the load path are paid there). The session's own 64-token warm-up is too
+    short for that.
     """
     from hybrid_offload.testing.models import VOCAB_SIZE
     from hybrid_offload.testing.session import run_session_subprocess
 
-    warmup = make_prompts(settings["lengths"][:1], 1, settings["seed"] + 1000, VOCAB_SIZE)[0]
+    warmups = make_prompts(settings["lengths"], 1, settings["seed"] + 1000, VOCAB_SIZE)
+    pass_prompts = {"cold": [*warmups, *prompts], WARM: warmups}
 
     spec = {
         "model": settings["model_dir"],
         "prompts": prompts,
-        "pass_prompts": [[warmup, *prompts]] + [prompts] * (len(passes) - 1),
+        "pass_prompts": [pass_prompts.get(p, prompts) for p in passes],
         "max_tokens": 1,
         "passes": len(passes),
         "reset_prefix_cache": _resets(passes),
@@ -194,8 +203,10 @@ def _run_engine(
     started = time.perf_counter()
     result = run_session_subprocess(spec, timeout=1800)
     result["engine_wall_s"] = time.perf_counter() - started
-    first = result["passes"][0]
-    first["warmup"] = first["requests"].pop(0)
+    for scenario, data in zip(passes, result["passes"], strict=True):
+        if scenario == "cold":
+            rows = data["requests"]
+            data["warmups"], data["requests"] = rows[: len(warmups)], rows[len(warmups) :]
     result.pop("log", None)
     return result
 
@@ -227,6 +238,9 @@ def run_scenarios(settings: dict[str, Any], progress: Any = None) -> dict[str, d
             result = _run_engine(settings, prompts, passes, tiers, work, urls)
             previous: dict[str, Any] = {}
             for scenario, data in zip(passes, result["passes"], strict=True):
+                if scenario == WARM:  # not reported: the next pass's counters start after it
+                    previous = data["worker_total"]
+                    continue
                 out[scenario] = {
                     "pass": data,
                     "worker_before": previous,

@@ -120,14 +120,13 @@ def measured(entry: dict[str, Any]) -> dict[str, Any]:
 def scenario_summaries(raw: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Per scenario: tiers, tokens loaded per backend (scheduler), bytes moved (worker, measured)
     next to bytes computed from page sizes, groups and the engine's wall time. Counters cover the
-    whole pass, the warm-up request of an engine's first pass included."""
+    whole pass (the cold pass's warm-up prompts included; loading passes have none)."""
     out = {}
     for scenario, entry in raw.items():
         sched = entry["pass"]["scheduler"]
         computed = 0
-        if scenario not in NO_TRANSFER:  # the counters include an engine's warm-up request
-            warmup = [entry["pass"]["warmup"]] if "warmup" in entry["pass"] else []
-            for r in entry["pass"]["requests"] + warmup:
+        if scenario not in NO_TRANSFER:
+            for r in entry["pass"]["requests"]:
                 computed += sum(page_bytes(entry["groups"], r["cached_tokens"], entry["chunk_tokens"]))
         out[scenario] = {
             "tiers": entry["tiers"],
