@@ -74,6 +74,10 @@ CONNECTOR_COUNTERS = {
     ),
     "served_tokens": ("served_tokens", "Tokens loaded for admitted requests (beyond vLLM's own hit)."),
     "loads_written": ("loads_written", "Loads written into vLLM's KV cache (see load_phase_seconds)."),
+    "copy_out_seconds": (
+        "copy_out_seconds",
+        "Seconds the model-runner thread spent copying pages to store out of vLLM's KV cache.",
+    ),
     "reusable_tokens": (
         "reusable_tokens",
         "Tokens of admitted requests that earlier traffic shared, as far as this engine can tell.",

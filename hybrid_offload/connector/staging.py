@@ -8,18 +8,19 @@ K/V and head run. Pages that skip tokens take the last rows so that the others s
 
 A shard read again from a fallback backend lands in a fresh buffer, never in its row: a
 backend that failed may still be writing into the buffers it was given. For the same reason a
-load's staging memory goes back to the :class:`StagingPool` only if no read into it failed.
+load's staging memory goes back to its :class:`~.memory_pool.MemoryPool` only if no read into it
+failed.
 """
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from hybrid_offload.connector.memory_pool import MemoryPool
 from hybrid_offload.connector.metadata import PageJob
 from hybrid_offload.connector.page_codec import PageCodec
 from hybrid_offload.engine.kv_layout import AttentionGroupLayout, MambaGroupLayout
@@ -53,45 +54,10 @@ class Decoded:
 
 #: staging buffers start at multiples of this many bytes (any dtype's view is aligned)
 ALIGN = 64
-#: free staging memory a worker keeps for its next loads
-POOL_BYTES = 512 << 20
-
-
-class StagingPool:
-    """Staging memory reused across loads: a fresh allocation of many MiB page-faults on its
-    first touch, inside the backend read; a block used before does not. Keeps free blocks up
-    to ``max_bytes`` in all (larger ones are dropped). Thread-safe."""
-
-    def __init__(self, max_bytes: int = POOL_BYTES) -> None:
-        self.max_bytes = max_bytes
-        self._free: list[torch.Tensor] = []
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        """A uint8 block of at least ``nbytes`` (the smallest free one that fits, else new)."""
-        with self._lock:
-            fits = [b for b in self._free if b.numel() >= nbytes]
-            if fits:
-                block = min(fits, key=lambda b: b.numel())
-                self._free = [b for b in self._free if b is not block]
-                return block
-        return torch.empty(nbytes, dtype=torch.uint8)
-
-    def give(self, block: torch.Tensor) -> None:
-        """Return a block nothing writes into any more; the oldest go beyond ``max_bytes``."""
-        with self._lock:
-            self._free.append(block)
-            while self._free and sum(b.numel() for b in self._free) > self.max_bytes:
-                self._free.pop(0)
-
-    @property
-    def free_bytes(self) -> int:
-        with self._lock:
-            return sum(b.numel() for b in self._free)
 
 
 def stage_reads(
-    wanted: Sequence[tuple[PageJob, int, str, PageCodec]], pool: StagingPool
+    wanted: Sequence[tuple[PageJob, int, str, PageCodec]], pool: MemoryPool[torch.Tensor]
 ) -> tuple[list[ShardRead], torch.Tensor]:
     """The reads of (page, shard, key, codec), in order, each with its own staging row, and
     the pool block the rows are carved from (give it back once nothing writes into it)."""

@@ -35,6 +35,7 @@ from hybrid_offload.backends.base import Backend, BackendError
 from hybrid_offload.backends.wrappers import BackendSkippedError
 from hybrid_offload.connector.config import Tier
 from hybrid_offload.connector.held import HeldCopies
+from hybrid_offload.connector.memory_pool import page_buffers, staging_blocks
 from hybrid_offload.connector.metadata import (
     ClearRange,
     CommitJob,
@@ -47,7 +48,7 @@ from hybrid_offload.connector.metadata import (
     TouchJob,
 )
 from hybrid_offload.connector.page_codec import PageCodec
-from hybrid_offload.connector.staging import Decoded, ShardRead, StagingPool, stage_reads, write_pages
+from hybrid_offload.connector.staging import Decoded, ShardRead, stage_reads, write_pages
 from hybrid_offload.connector.switch_interval import LoadSwitchInterval
 from hybrid_offload.connector.tiers import OpenTier, WorkerRecorder, open_tier
 from hybrid_offload.core.metrics import Locked, WorkerCounters
@@ -128,7 +129,8 @@ class OffloadWorker:
         self._store_thread.start()
         threading.Thread(target=self._prepare_data_paths, name="hybrid-offload-prepare", daemon=True).start()
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="hybrid-offload-load")
-        self._staging = StagingPool()
+        self._staging = staging_blocks()
+        self._page_buffers = page_buffers()
         self._loads: dict[str, Future] = {}
         self._clears: dict[str, tuple[ClearRange, ...]] = {}
         self._preempted: set[str] = set()
@@ -190,10 +192,11 @@ class OffloadWorker:
 
     def copy_out(self, stores: list[StoreJob]) -> None:
         """Copy this step's pages (this rank's shards of them) out of the KV cache: stores are
-        queued for the store thread, holds kept until committed."""
+        queued for the store thread, holds kept until committed (timed: ``copy_out_seconds``)."""
         if not stores or not self.layouts:
             self._settle([job.page.key for job in stores if not job.hold])
             return
+        started = self._timer()
         batch: list[QueuedShard] = []
         nbytes = 0
         for job in stores:
@@ -210,6 +213,9 @@ class OffloadWorker:
                 batch.extend((job, shard, buf) for shard, buf in shards)
                 nbytes += size
         self._queue(batch, nbytes)
+        elapsed = self._timer() - started
+        with self.stats.lock:
+            self.stats.counters.copy_out_seconds += elapsed
 
     def _admit(self, job: StoreJob, size: int, queued: int) -> bool:
         """Whether the pending-bytes budget takes ``size`` more bytes (holds have a budget of
@@ -226,7 +232,7 @@ class OffloadWorker:
 
     def _gather(self, page: PageJob, shard: int) -> bytearray:
         codec = self.codecs[page.group]
-        buf = bytearray(codec.page_lens[shard])
+        buf = self._page_buffers.take(codec.page_lens[shard])  # given back once stored
         payload = torch.frombuffer(buf, dtype=torch.uint8)[codec.header_lens[shard] :]
         codec.gather(self.layouts[page.group], page, shard, payload)
         return buf
@@ -278,6 +284,8 @@ class OffloadWorker:
             batch, nbytes = item
             try:
                 self._store_batch(batch)
+                for buf in {id(buf): buf for _, _, buf in batch}.values():
+                    self._page_buffers.give(buf)  # put_batch copied what it keeps
             except Exception:  # the store thread must survive anything a backend does
                 logger.exception("hybrid-offload store batch failed")
                 with self.stats.lock:
@@ -434,8 +442,11 @@ class OffloadWorker:
                 continue
             try:
                 payload = verify_page(
-                    buf[:size], read.codec.templates[read.shard], read.page.chunk_hash,
-                    read.page.chunk_index, self._page_key,
+                    buf[:size],
+                    read.codec.templates[read.shard],
+                    read.page.chunk_hash,
+                    read.page.chunk_index,
+                    self._page_key,
                 )
             except PageFormatError as exc:
                 with self.stats.lock:

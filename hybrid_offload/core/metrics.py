@@ -139,6 +139,8 @@ class WorkerCounters:
 
     pages_copied_out: int = 0
     bytes_copied_out: int = 0
+    #: seconds the model-runner thread spent copying pages out of the KV cache (``save``)
+    copy_out_seconds: float = 0.0
     pages_loaded: int = 0
     bytes_loaded: int = 0
     bad_pages: int = 0

@@ -45,7 +45,8 @@ def test_bench_e2e_quick_writes_rows_per_scenario_and_plots(model_dir, tmp_path:
         assert row["ms_total"] >= row["ms_read"] > 0 and row["ms_write"] > 0, row
         assert doc["scenarios"][tier]["ceiling"]["objects_per_call"] >= 1
     stores = {r["tier"]: r for r in doc["in_engine_stores"]}  # the cold pass stored into both tiers
-    assert set(stores) == {"cpu", "disk"}
+    assert set(stores) == {"copy_out", "cpu", "disk"}
+    assert stores.pop("copy_out")["store_gbps"] > 0
     for row in stores.values():
         assert row["store_calls"] > 0 and row["pages_per_call"] >= 1 and row["KiB_per_page"] > 0, row
         assert row["store_gbps"] > 0 and row["ceiling_gbps"] > 0 and row["store_vs_ceiling"] > 0, row

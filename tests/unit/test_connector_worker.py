@@ -119,9 +119,17 @@ def assert_only_blocks_changed(before: dict[str, torch.Tensor], w: World, allowe
 
 
 # ---- stores -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("recycled", [False, True], ids=["fresh", "recycled"])
 @pytest.mark.parametrize("chunk", [BS, BS // 2], ids=["chunk=block", "chunk=block/2"])
-def test_stored_pages_decode_to_the_blocks_contents_in_canonical_order(world, chunk: int) -> None:
+def test_stored_pages_decode_to_the_blocks_contents_in_canonical_order(
+    world, chunk: int, recycled: bool
+) -> None:
     w = world(chunk=chunk)
+    if recycled:  # page buffers given back by earlier stores hold other pages' bytes: all overwritten
+        for codec in w.worker.codecs.values():
+            for length in codec.page_lens.values():
+                for _ in range(4):
+                    w.worker._page_buffers.give(bytearray(b"\xa5" * length))
     table, mamba_table = [3, 7, 5], [4, 9, 2]
     written = w.cache.write_tokens(table, 0, 24)
     w.cache.fill_states(mamba_table)
@@ -157,6 +165,9 @@ def test_stored_pages_decode_to_the_blocks_contents_in_canonical_order(world, ch
     assert counters["pages_copied_out"] == len(pages)
     assert counters["backends"]["cpu"]["stored_pages"] == len(pages)
     assert counters["stores_dropped"] == 0
+    assert counters["copy_out_seconds"] > 0
+    lengths = sum(w.worker.codecs[p.group].page_lens[0] for p in pages)
+    assert w.worker._page_buffers.free_bytes >= lengths  # given back once stored, for the next stores
 
 
 def test_copy_out_before_kv_caches_are_registered_is_a_no_op() -> None:

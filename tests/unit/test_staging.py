@@ -8,9 +8,10 @@ import dataclasses
 import pytest
 import torch
 
+from hybrid_offload.connector.memory_pool import MemoryPool, page_buffers, staging_blocks
 from hybrid_offload.connector.metadata import PageJob
 from hybrid_offload.connector.page_codec import PageCodec
-from hybrid_offload.connector.staging import Decoded, ShardRead, StagingPool, stage_reads, write_pages
+from hybrid_offload.connector.staging import Decoded, ShardRead, stage_reads, write_pages
 from hybrid_offload.core.spec import GroupKind, GroupSpec, ModelSpec, make_model_spec
 from hybrid_offload.engine.kv_layout import AttentionGroupLayout, build_layouts
 
@@ -44,7 +45,9 @@ def page(c: int, skip: int = 0) -> PageJob:
 def staged(spec: ModelSpec, pages: list[PageJob], seed: int = 0) -> list[ShardRead]:
     """Reads of every page's shards this rank reads, their rows filled with random pages."""
     codec = PageCodec(spec, spec.groups[0], CHUNK)
-    reads, _ = stage_reads([(p, s, f"{p.key}/{s}", codec) for p in pages for s in codec.read], StagingPool())
+    reads, _ = stage_reads(
+        [(p, s, f"{p.key}/{s}", codec) for p in pages for s in codec.read], staging_blocks()
+    )
     gen = torch.Generator().manual_seed(seed)
     for r in reads:
         r.rows[r.row] = torch.randn(r.rows.shape[1] // 2, generator=gen).to(torch.bfloat16).view(torch.uint8)
@@ -136,7 +139,7 @@ def test_a_load_reuses_the_staging_memory_given_back() -> None:
     spec = spec_at(1, 0, 2)
     codec = PageCodec(spec, spec.groups[0], CHUNK)
     wanted = [(page(c), s, f"p{c}/{s}", codec) for c in range(4) for s in codec.read]
-    pool = StagingPool(max_bytes=1 << 30)
+    pool = staging_blocks(max_bytes=1 << 30)
     reads, block = stage_reads(wanted, pool)
     assert {r.rows.data_ptr() % 64 for r in reads} == {0}
     assert all(r.rows.untyped_storage().data_ptr() == block.untyped_storage().data_ptr() for r in reads)
@@ -147,7 +150,7 @@ def test_a_load_reuses_the_staging_memory_given_back() -> None:
 
 
 def test_the_pool_keeps_at_most_its_bytes_oldest_dropped() -> None:
-    pool = StagingPool(max_bytes=1000)
+    pool = staging_blocks(max_bytes=1000)
     small, large = pool.take(400), pool.take(700)
     pool.give(small)
     pool.give(large)  # 1100 > 1000: the oldest (small) goes
@@ -155,3 +158,16 @@ def test_the_pool_keeps_at_most_its_bytes_oldest_dropped() -> None:
     assert pool.take(100) is large
     pool.give(pool.take(5000))  # larger than the pool: not kept
     assert pool.free_bytes == 0
+
+
+def test_page_buffers_come_back_by_exact_size_oldest_dropped_first() -> None:
+    pool: MemoryPool[bytearray] = page_buffers(max_bytes=1000)
+    a, b = pool.take(300), pool.take(300)
+    assert len(a) == 300 and a is not b
+    pool.give(a)
+    assert pool.take(200) is not a and pool.free_bytes == 300  # exact sizes only
+    pool.give(b)
+    c = pool.take(500)
+    pool.give(c)  # 1100 > 1000: the oldest (a) goes
+    assert pool.free_bytes == 800
+    assert pool.take(300) is b and pool.take(300) is not a

@@ -103,6 +103,8 @@ def measured(entry: dict[str, Any]) -> dict[str, Any]:
     after, before = entry["pass"]["worker_total"], entry["worker_before"]
     keys = ("pages_loaded", "bytes_loaded", "pages_copied_out", "bytes_copied_out", "loads_written")
     out: dict[str, Any] = {k: int(after.get(k, 0) - before.get(k, 0)) for k in keys}
+    copy_out = after.get("copy_out_seconds", 0.0) - before.get("copy_out_seconds", 0.0)
+    out["copy_out_seconds"] = round(copy_out, 6)
     out["load_phases"] = {
         p: round(after.get(f"load_{p}_seconds", 0.0) - before.get(f"load_{p}_seconds", 0.0), 6)
         for p in LOAD_PHASES
@@ -177,13 +179,21 @@ def in_engine(summaries: dict[str, Any]) -> list[dict[str, Any]]:
 def in_engine_stores(raw: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """Per tier of the cold pass's engine: its ``put_batch`` calls on the worker's store thread
     while vLLM prefilled (``store_gbps`` = bytes stored / seconds in those calls) next to the
-    ceiling of calls of the same shape (``store_ceilings`` of the cold entry)."""
+    ceiling of calls of the same shape (``store_ceilings`` of the cold entry); first, as tier
+    ``copy_out``, the copy of those pages out of the KV cache on the model-runner thread."""
     entry = raw.get("cold")
     if entry is None:
         return []
-    backends = measured(entry)["backends"]
+    worker = measured(entry)
+    backends = worker["backends"]
     ceilings = entry.get("store_ceilings") or {}
     out = []
+    copied, seconds = worker["bytes_copied_out"], worker["copy_out_seconds"]
+    if copied and seconds:  # the gather into page buffers on the model-runner thread, in the step
+        top, gbps = (ceilings.get("cpu") or {}).get("gbps"), copied / seconds / 1e9
+        out.append({"tier": "copy_out", "KiB_per_page": copied / worker["pages_copied_out"] / 1024,
+                    "store_gbps": gbps, "ceiling": "numpy copy", "ceiling_gbps": top,
+                    "store_vs_ceiling": gbps / top if top else None})  # fmt: skip
     for tier in entry["tiers"]:
         counters, ceiling = backends.get(tier) or {}, ceilings.get(tier) or {}
         calls, seconds = counters.get("store_calls", 0), counters.get("store_seconds", 0.0)
