@@ -168,19 +168,18 @@ class PageCodec:
                 heads = slice(run.rank_start, run.rank_start + run.length)
                 layout.scatter(TokenIndex(shard_kblocks, shard_slots, heads), data)
 
-    def scatter_rows(self, layout: AttentionGroupLayout | MambaGroupLayout, shard: int,
-                     rows: torch.Tensor, pages: Sequence[PageJob]) -> bool:
-        """Write ``pages`` (none skipping tokens), whose verified ``shard`` pages are the rows of
-        ``rows`` ((len(pages), page length) uint8), with one copy per layer, K/V and head run
-        reading the rows in place. False, writing nothing, where the layout or the page's
-        alignment does not allow it (then :meth:`scatter_pages`)."""
+    def _row_layers(self, layout: AttentionGroupLayout | MambaGroupLayout, shard: int,
+                    rows: torch.Tensor, pages: Sequence[PageJob]) -> list[torch.Tensor] | None:
+        """Per layer, the K/V of ``shard`` pages that are the rows of ``rows`` ((len(pages),
+        page length) uint8) as one ``(2, pages, tokens, heads, head_size)`` view; None where the
+        layout or the rows' alignment does not allow copying them in one go."""
         tensors, hlen = self.tensors[shard], self.header_lens[shard]
         if not isinstance(layout, AttentionGroupLayout) or layout.views is None or not pages:
-            return False
+            return None
         assert not any(p.skip_tokens for p in pages)
         itemsize = _dtype(tensors[0].dtype).itemsize
         if rows.stride(0) % itemsize or (rows.storage_offset() + hlen) % itemsize:
-            return False
+            return None
         assert rows.shape == (len(pages), self.page_lens[shard])
         n, offset, per_layer = len(pages), hlen, []
         for k in tensors[::2]:
@@ -188,6 +187,34 @@ class PageCodec:
             layer = rows[:, offset : offset + size].view(_dtype(k.dtype)).view(n, 2, *k.shape)
             per_layer.append(layer.transpose(0, 1))  # (2, pages, tokens, heads, head_size)
             offset += size
+        return per_layer
+
+    def gather_rows(self, layout: AttentionGroupLayout | MambaGroupLayout, shard: int,
+                    rows: torch.Tensor, pages: Sequence[PageJob]) -> bool:
+        """Copy the payloads of ``pages``' ``shard`` (one this rank writes) into the rows of
+        ``rows`` ((len(pages), page length) uint8; headers left to ``seal_page``) with one copy
+        per layer and K/V. False, copying nothing, where the layout or the rows' alignment does
+        not allow it (then :meth:`gather` page by page)."""
+        per_layer = self._row_layers(layout, shard, rows, pages)
+        if per_layer is None:
+            return False
+        assert isinstance(layout, AttentionGroupLayout)
+        at = layout.token_rows([(p.block_ids, p.first_token) for p in pages], self.chunk_tokens)
+        (run,) = self.write_runs[shard]  # a written shard's heads are one run of this rank's heads
+        layout.gather(TokenIndex(at.kblocks, at.slots, slice(run.rank_start, run.rank_start + run.length)),
+                      per_layer)  # fmt: skip
+        return True
+
+    def scatter_rows(self, layout: AttentionGroupLayout | MambaGroupLayout, shard: int,
+                     rows: torch.Tensor, pages: Sequence[PageJob]) -> bool:
+        """Write ``pages`` (none skipping tokens), whose verified ``shard`` pages are the rows of
+        ``rows`` ((len(pages), page length) uint8), with one copy per layer, K/V and head run
+        reading the rows in place. False, writing nothing, where the layout or the page's
+        alignment does not allow it (then :meth:`scatter_pages`)."""
+        per_layer = self._row_layers(layout, shard, rows, pages)
+        if per_layer is None:
+            return False
+        assert isinstance(layout, AttentionGroupLayout)
         at = layout.token_rows([(p.block_ids, p.first_token) for p in pages], self.chunk_tokens)
         for run in self.read_runs[shard]:
             parts = slice(run.part_start, run.part_start + run.length)

@@ -1,4 +1,5 @@
-"""Where a load's shards land before they are written into vLLM's KV cache.
+"""Where a load's shards land before they are written into vLLM's KV cache, and where a step's
+stores are copied out of it.
 
 Worker side. Every (group, shard) of a load gets one ``(pages, page length)`` uint8 buffer,
 allocated once (not zeroed), and each shard read its row: backends read into the rows in
@@ -10,6 +11,10 @@ A shard read again from a fallback backend lands in a fresh buffer, never in its
 backend that failed may still be writing into the buffers it was given. For the same reason a
 load's staging memory goes back to its :class:`~.memory_pool.MemoryPool` only if no read into it
 failed.
+
+Stores mirror loads (:func:`gather_rows`): a step's pages of each (group, shard) are copied out
+into the rows of one block, attention pages with one copy per layer and K/V, and each row is the
+page buffer the backends are given.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from hybrid_offload.connector.memory_pool import MemoryPool
-from hybrid_offload.connector.metadata import PageJob
+from hybrid_offload.connector.metadata import PageJob, StoreJob
 from hybrid_offload.connector.page_codec import PageCodec
 from hybrid_offload.engine.kv_layout import AttentionGroupLayout, MambaGroupLayout
 
@@ -113,3 +118,34 @@ def write_pages(
             loose.setdefault(group, []).extend((r.page, shard, rows[r.row, hlen:]) for r in reads)
     for group, pages in loose.items():
         codecs[group].scatter_pages(layouts[group], pages)
+
+
+def gather_rows(
+    jobs: Sequence[StoreJob], codecs: Mapping[int, PageCodec],
+    layouts: Mapping[int, AttentionGroupLayout | MambaGroupLayout], pool: MemoryPool,
+) -> tuple[list[tuple[StoreJob, int, memoryview]], list[torch.Tensor]]:  # fmt: skip
+    """Copy the shards this rank writes of ``jobs``' pages out of vLLM's KV cache (model-runner
+    thread), per (group, shard) into the rows of one block from ``pool``. Returns (job, shard,
+    page buffer: a row, header not yet sealed) in job order and shard order, and the blocks:
+    give them back once no backend reads the buffers."""
+    by_group: dict[int, list[int]] = {}
+    for i, job in enumerate(jobs):
+        by_group.setdefault(job.page.group, []).append(i)
+    buffers: dict[tuple[int, int], memoryview] = {}
+    blocks = []
+    for group, idxs in by_group.items():
+        codec, layout, pages = codecs[group], layouts[group], [jobs[i].page for i in idxs]
+        for shard in codec.written:
+            plen, hlen = codec.page_lens[shard], codec.header_lens[shard]
+            width = -(-plen // ALIGN) * ALIGN
+            block = pool.take(len(idxs) * width)
+            blocks.append(block)
+            rows = block[: len(idxs) * width].view(len(idxs), width)[:, :plen]
+            if not codec.gather_rows(layout, shard, rows, pages):
+                for row, page in zip(rows, pages, strict=True):
+                    codec.gather(layout, page, shard, row[hlen:])
+            for i, row in zip(idxs, rows, strict=True):
+                buffers[(i, shard)] = memoryview(row.numpy()).cast("B")
+    entries = [(job, shard, buffers[(i, shard)]) for i, job in enumerate(jobs)
+               for shard in codecs[job.page.group].written]  # fmt: skip
+    return entries, blocks

@@ -35,7 +35,7 @@ from hybrid_offload.backends.base import Backend, BackendError
 from hybrid_offload.backends.wrappers import BackendSkippedError
 from hybrid_offload.connector.config import Tier
 from hybrid_offload.connector.held import HeldCopies
-from hybrid_offload.connector.memory_pool import page_buffers, staging_blocks
+from hybrid_offload.connector.memory_pool import LOAD_POOL_BYTES, STORE_POOL_BYTES, MemoryPool
 from hybrid_offload.connector.metadata import (
     ClearRange,
     CommitJob,
@@ -48,7 +48,7 @@ from hybrid_offload.connector.metadata import (
     TouchJob,
 )
 from hybrid_offload.connector.page_codec import PageCodec
-from hybrid_offload.connector.staging import Decoded, ShardRead, stage_reads, write_pages
+from hybrid_offload.connector.staging import Decoded, ShardRead, gather_rows, stage_reads, write_pages
 from hybrid_offload.connector.switch_interval import LoadSwitchInterval
 from hybrid_offload.connector.tiers import OpenTier, WorkerRecorder, open_tier
 from hybrid_offload.core.metrics import Locked, WorkerCounters
@@ -80,7 +80,7 @@ class LoadRun:
 
 
 #: one shard's sealed-to-be page buffer, queued for the store thread
-QueuedShard = tuple[StoreJob, int, bytearray]
+QueuedShard = tuple[StoreJob, int, bytearray | memoryview]
 
 
 class OffloadWorker:
@@ -129,8 +129,8 @@ class OffloadWorker:
         self._store_thread.start()
         threading.Thread(target=self._prepare_data_paths, name="hybrid-offload-prepare", daemon=True).start()
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="hybrid-offload-load")
-        self._staging = staging_blocks()
-        self._page_buffers = page_buffers()
+        self._staging = MemoryPool(LOAD_POOL_BYTES)
+        self._store_rows = MemoryPool(STORE_POOL_BYTES)
         self._loads: dict[str, Future] = {}
         self._clears: dict[str, tuple[ClearRange, ...]] = {}
         self._preempted: set[str] = set()
@@ -197,22 +197,24 @@ class OffloadWorker:
             self._settle([job.page.key for job in stores if not job.hold])
             return
         started = self._timer()
-        batch: list[QueuedShard] = []
+        queued: list[StoreJob] = []
         nbytes = 0
         for job in stores:
             codec = self.codecs[job.page.group]
             size = sum(codec.page_lens[p] for p in codec.written)
             if not self._admit(job, size, nbytes):
                 continue
-            shards = [(shard, self._gather(job.page, shard)) for shard in codec.written]
-            if job.hold:
+            if job.hold:  # kept for steps: a buffer of its own, not a row of this step's block
                 page = job.page
+                shards = [(shard, self._gather(page, shard)) for shard in codec.written]
                 newest_only = not codec.group.is_attention  # the newest state replaces older ones
                 self._held.hold((job.req_id, page.group, page.chunk_index), shards, newest_only=newest_only)
             else:
-                batch.extend((job, shard, buf) for shard, buf in shards)
+                queued.append(job)
                 nbytes += size
-        self._queue(batch, nbytes)
+        if queued:
+            batch, blocks = gather_rows(queued, self.codecs, self.layouts, self._store_rows)
+            self._queue(batch, nbytes, blocks)
         elapsed = self._timer() - started
         with self.stats.lock:
             self.stats.counters.copy_out_seconds += elapsed
@@ -232,7 +234,7 @@ class OffloadWorker:
 
     def _gather(self, page: PageJob, shard: int) -> bytearray:
         codec = self.codecs[page.group]
-        buf = self._page_buffers.take(codec.page_lens[shard])  # given back once stored
+        buf = bytearray(codec.page_lens[shard])
         payload = torch.frombuffer(buf, dtype=torch.uint8)[codec.header_lens[shard] :]
         codec.gather(self.layouts[page.group], page, shard, payload)
         return buf
@@ -252,12 +254,14 @@ class OffloadWorker:
             nbytes += sum(len(buf) for _, buf in shards)
         self._queue(batch, nbytes)
 
-    def _queue(self, batch: list[QueuedShard], nbytes: int) -> None:
+    def _queue(self, batch: list[QueuedShard], nbytes: int, blocks: Sequence[torch.Tensor] = ()) -> None:
+        """Queue ``batch`` for the store thread; ``blocks`` (the memory of its buffers) go back
+        to the pool once it is stored."""
         if not batch:
             return
         with self._lock:
             self._pending_bytes += nbytes
-        self._store_queue.put((batch, nbytes))
+        self._store_queue.put((batch, nbytes, blocks))
         with self.stats.lock:
             self.stats.counters.pages_copied_out += len(batch)
             self.stats.counters.bytes_copied_out += nbytes
@@ -281,11 +285,11 @@ class OffloadWorker:
                 finally:
                     self._store_queue.task_done()
                 continue
-            batch, nbytes = item
+            batch, nbytes, blocks = item
             try:
                 self._store_batch(batch)
-                for buf in {id(buf): buf for _, _, buf in batch}.values():
-                    self._page_buffers.give(buf)  # put_batch copied what it keeps
+                for block in blocks:
+                    self._store_rows.give(block)  # put_batch copied what it keeps
             except Exception:  # the store thread must survive anything a backend does
                 logger.exception("hybrid-offload store batch failed")
                 with self.stats.lock:

@@ -125,11 +125,9 @@ def test_stored_pages_decode_to_the_blocks_contents_in_canonical_order(
     world, chunk: int, recycled: bool
 ) -> None:
     w = world(chunk=chunk)
-    if recycled:  # page buffers given back by earlier stores hold other pages' bytes: all overwritten
-        for codec in w.worker.codecs.values():
-            for length in codec.page_lens.values():
-                for _ in range(4):
-                    w.worker._page_buffers.give(bytearray(b"\xa5" * length))
+    if recycled:  # store rows given back by earlier steps hold other pages' bytes: all overwritten
+        for size in (1 << 10, 1 << 14, 1 << 16, 1 << 20):
+            w.worker._store_rows.give(torch.full((size,), 0xA5, dtype=torch.uint8))
     table, mamba_table = [3, 7, 5], [4, 9, 2]
     written = w.cache.write_tokens(table, 0, 24)
     w.cache.fill_states(mamba_table)
@@ -167,7 +165,7 @@ def test_stored_pages_decode_to_the_blocks_contents_in_canonical_order(
     assert counters["stores_dropped"] == 0
     assert counters["copy_out_seconds"] > 0
     lengths = sum(w.worker.codecs[p.group].page_lens[0] for p in pages)
-    assert w.worker._page_buffers.free_bytes >= lengths  # given back once stored, for the next stores
+    assert w.worker._store_rows.free_bytes >= lengths  # given back once stored, for the next steps
 
 
 def test_copy_out_before_kv_caches_are_registered_is_a_no_op() -> None:

@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 import torch
 
-from hybrid_offload.connector.memory_pool import MemoryPool, page_buffers, staging_blocks
-from hybrid_offload.connector.metadata import PageJob
+from hybrid_offload.connector.memory_pool import MemoryPool
+from hybrid_offload.connector.metadata import PageJob, StoreJob
 from hybrid_offload.connector.page_codec import PageCodec
-from hybrid_offload.connector.staging import Decoded, ShardRead, stage_reads, write_pages
+from hybrid_offload.connector.staging import Decoded, ShardRead, gather_rows, stage_reads, write_pages
 from hybrid_offload.core.spec import GroupKind, GroupSpec, ModelSpec, make_model_spec
 from hybrid_offload.engine.kv_layout import AttentionGroupLayout, build_layouts
 
@@ -46,7 +46,7 @@ def staged(spec: ModelSpec, pages: list[PageJob], seed: int = 0) -> list[ShardRe
     """Reads of every page's shards this rank reads, their rows filled with random pages."""
     codec = PageCodec(spec, spec.groups[0], CHUNK)
     reads, _ = stage_reads(
-        [(p, s, f"{p.key}/{s}", codec) for p in pages for s in codec.read], staging_blocks()
+        [(p, s, f"{p.key}/{s}", codec) for p in pages for s in codec.read], MemoryPool(1 << 30)
     )
     gen = torch.Generator().manual_seed(seed)
     for r in reads:
@@ -139,7 +139,7 @@ def test_a_load_reuses_the_staging_memory_given_back() -> None:
     spec = spec_at(1, 0, 2)
     codec = PageCodec(spec, spec.groups[0], CHUNK)
     wanted = [(page(c), s, f"p{c}/{s}", codec) for c in range(4) for s in codec.read]
-    pool = staging_blocks(max_bytes=1 << 30)
+    pool = MemoryPool(1 << 30)
     reads, block = stage_reads(wanted, pool)
     assert {r.rows.data_ptr() % 64 for r in reads} == {0}
     assert all(r.rows.untyped_storage().data_ptr() == block.untyped_storage().data_ptr() for r in reads)
@@ -150,7 +150,7 @@ def test_a_load_reuses_the_staging_memory_given_back() -> None:
 
 
 def test_the_pool_keeps_at_most_its_bytes_oldest_dropped() -> None:
-    pool = staging_blocks(max_bytes=1000)
+    pool = MemoryPool(1000)
     small, large = pool.take(400), pool.take(700)
     pool.give(small)
     pool.give(large)  # 1100 > 1000: the oldest (small) goes
@@ -160,14 +160,32 @@ def test_the_pool_keeps_at_most_its_bytes_oldest_dropped() -> None:
     assert pool.free_bytes == 0
 
 
-def test_page_buffers_come_back_by_exact_size_oldest_dropped_first() -> None:
-    pool: MemoryPool[bytearray] = page_buffers(max_bytes=1000)
-    a, b = pool.take(300), pool.take(300)
-    assert len(a) == 300 and a is not b
-    pool.give(a)
-    assert pool.take(200) is not a and pool.free_bytes == 300  # exact sizes only
-    pool.give(b)
-    c = pool.take(500)
-    pool.give(c)  # 1100 > 1000: the oldest (a) goes
-    assert pool.free_bytes == 800
-    assert pool.take(300) is b and pool.take(300) is not a
+
+@pytest.mark.parametrize("strided", [True, False], ids=["strided", "element"])
+@pytest.mark.parametrize(("tp_size", "tp_rank", "max_shards"), [(1, 0, 1), (1, 0, 4), (2, 1, 2), (2, 0, 4)])
+def test_store_rows_hold_what_page_by_page_gathers(
+    tp_size: int, tp_rank: int, max_shards: int, strided: bool
+) -> None:
+    """A step's stores copied out into one block's rows (one copy per layer and K/V) are the
+    bytes gathered page by page, in recycled memory holding other bytes before."""
+    spec = spec_at(tp_size, tp_rank, max_shards)
+    kv = caches(spec)
+    gen = torch.Generator().manual_seed(3)
+    for t in kv.values():
+        t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+    layout = build_layouts(spec.groups, kv, NUM_BLOCKS)[0]
+    assert isinstance(layout, AttentionGroupLayout)
+    layout = layout if strided else dataclasses.replace(layout, views=None)
+    codec = PageCodec(spec, spec.groups[0], CHUNK)
+    jobs = [StoreJob(page(c), ("cpu",)) for c in (4, 1, 2)]  # any order: entries follow it
+    pool = MemoryPool(1 << 30)
+    pool.give(torch.full((1 << 20,), 0xA5, dtype=torch.uint8))
+    entries, blocks = gather_rows(jobs, {0: codec}, {0: layout}, pool)
+    assert [(e[0], e[1]) for e in entries] == [(j, s) for j in jobs for s in codec.written]
+    assert len(blocks) == len(codec.written) and pool.free_bytes == 0
+    for job, shard, buf in entries:
+        hlen = codec.header_lens[shard]
+        want = torch.zeros(codec.page_lens[shard], dtype=torch.uint8)
+        codec.gather(layout, job.page, shard, want[hlen:])
+        assert len(buf) == codec.page_lens[shard]
+        assert bytes(buf[hlen:]) == bytes(want[hlen:].numpy())
