@@ -34,7 +34,7 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
   vLLM's scheduler process) show at once.
 * **Threading / blocking.** One lock guards the index and counters. Page data moves outside
   it, through a small thread pool (``io_threads``) for batches of more than a few pages,
-  synchronously otherwise. Renames and evicting unlinks run under the lock (and the shared
+  synchronously otherwise (and ``get_into`` while pages are in the page cache). Renames and evicting unlinks run under the lock (and the shared
   ``flock``, taken first), so this process's index always matches its files. ``get_into``
   reads straight into the caller's buffers.
 * **Listing.** ``scan`` walks the directory tree (no lock held; one directory listed at a
@@ -77,6 +77,7 @@ from .disk_files import (
     create_temp,
     next_stamp,
     read_exact,
+    read_while_cached,
     readinto_exact,
     stat_page,
     touch,
@@ -436,9 +437,12 @@ class DiskBackend(Backend):
 
     # -- get -------------------------------------------------------------------------------
 
-    def _read(self, job: tuple[str, memoryview | int | None]) -> bytes | int | OSError | None:
+    def _read(
+        self, job: tuple[str, memoryview | int | None], cached_only: bool = False
+    ) -> bytes | int | OSError | None:
         """Read one page: its bytes, or (given a buffer) the length read into it, or (given a
-        length) its first bytes, without a stamp; None: miss."""
+        length) its first bytes, without a stamp; None: miss. ``cached_only`` (given a buffer):
+        raise ``NotCachedError`` rather than wait for the medium."""
         key, buf = job
         try:
             fd = self._dirs.open_page(key)
@@ -458,7 +462,7 @@ class DiskBackend(Backend):
                 return os.pread(fd, min(buf, size), 0)
             if buf is None:
                 got = read_exact(fd, size)
-            elif size <= buf.nbytes and readinto_exact(fd, buf[:size]):
+            elif size <= buf.nbytes and readinto_exact(fd, buf[:size], cached_only=cached_only):
                 got = size
             return got
         except OSError as exc:
@@ -470,9 +474,14 @@ class DiskBackend(Backend):
     def _read_batch(
         self, keys: Sequence[str], buffers: Sequence[memoryview | None]
     ) -> list[bytes | int | None]:
-        """Read pages, count them, refresh hits' recency, forget pages deleted elsewhere."""
+        """Read pages, count them, refresh hits' recency, forget pages deleted elsewhere. Into
+        buffers, pages in the page cache are read on this thread until one is not; the rest in
+        the pool (a pool round trip costs more than a read of cached bytes)."""
         self._check_root()
-        outcomes = self._map(self._read, list(zip(keys, buffers, strict=True)))
+        jobs = list(zip(keys, buffers, strict=True))
+        into = bool(buffers) and isinstance(buffers[0], memoryview)
+        cached = read_while_cached(jobs, lambda j: self._read(j, True)) if into else []
+        outcomes = cached + self._map(self._read, jobs[len(cached) :])
         with self._lock:
             self.stats.gets += len(keys)
             for key, got in zip(keys, outcomes, strict=True):

@@ -22,12 +22,14 @@ from .disk_root import open_dir_below, page_problem
 
 __all__ = [
     "OPEN_FLAGS",
+    "NotCachedError",
     "PageDirs",
     "counted_size",
     "create_temp",
     "next_stamp",
     "open_page",
     "read_exact",
+    "read_while_cached",
     "readinto_exact",
     "stat_page",
     "touch",
@@ -37,6 +39,7 @@ __all__ = [
 
 OPEN_FLAGS = getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
 _T = TypeVar("_T")
+_R = TypeVar("_R")
 _ANY_SIZE = 1 << 62
 
 _stamp_lock = threading.Lock()
@@ -71,15 +74,46 @@ def read_exact(fd: int, size: int) -> bytes | None:
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-def readinto_exact(fd: int, view: memoryview) -> bool:
-    """readinto ``view`` until full (no intermediate copy); False if the file ends early."""
+class NotCachedError(Exception):
+    """Some of a page's bytes are not in the page cache: reading them would wait for the medium."""
+
+
+#: preadv2 flag: fail with EAGAIN instead of waiting for the medium (Linux; None elsewhere)
+_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
+
+
+def readinto_exact(fd: int, view: memoryview, *, cached_only: bool = False) -> bool:
+    """readinto ``view`` from the file's start until full (no intermediate copy); False if the
+    file ends early. ``cached_only``: raise :class:`NotCachedError` instead of waiting for the
+    medium (also where the OS or file system cannot tell)."""
     got = 0
     while got < len(view):
-        n = os.readv(fd, [view[got:]])
+        if not cached_only:
+            n = os.preadv(fd, [view[got:]], got)
+        elif _NOWAIT is None:
+            raise NotCachedError
+        else:
+            try:
+                n = os.preadv(fd, [view[got:]], got, _NOWAIT)
+            except (BlockingIOError, OSError) as exc:
+                raise NotCachedError from exc  # EAGAIN: not cached; EOPNOTSUPP: cannot tell
         if n == 0:
             return False
         got += n
     return True
+
+
+def read_while_cached(jobs: list[_T], read: Callable[[_T], _R]) -> list[_R]:
+    """``read(job)`` of the first jobs, in order, on this thread, up to the first that raises
+    :class:`NotCachedError`: pages in the page cache are read faster here than through a thread
+    pool round trip; the rest are the caller's (their results are not in the list)."""
+    out = []
+    for job in jobs:
+        try:
+            out.append(read(job))
+        except NotCachedError:
+            break
+    return out
 
 
 def unlink_quietly(*paths: str) -> None:

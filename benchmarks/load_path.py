@@ -4,8 +4,10 @@ Each input is one run's ``e2e.json``, named ``<variant>-<anything>.json`` (e.g. 
 ``after-2.json``); runs of a variant are pooled. Prints, per variant: the TTFT of each tier and
 vLLM's own prefix-cache hit (median of every sample of the variant's runs) with the ratio to
 vLLM's hit of the same run (median over runs), and the mean milliseconds per load of each load
-phase with the in-engine GB/s next to the same-run ceiling. Writes a grouped bar chart of the
-mean load time per tier and variant, and the summary as JSON, next to the inputs.
+phase with the in-engine GB/s next to the same-run ceiling, and the in-engine stores (GB/s of
+the copy out of the KV cache and of each tier's ``put_batch``, next to the ceiling). Writes a
+grouped bar chart of the mean load time per tier and variant, and the summary as JSON, next to
+the inputs.
 
 Usage: ``.venv/bin/python benchmarks/load_path.py benchmarks/results/e2e_load_path/*.json``
 """
@@ -28,6 +30,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     samples: dict[str, list[float]] = {}
     ratios: dict[str, list[float]] = {}
     phases: dict[str, list[dict[str, Any]]] = {}
+    stores: dict[str, list[dict[str, Any]]] = {}
     for doc in runs:
         vllm = {r["length"]: r["ttft_s"] for r in doc["rows"] if r["scenario"] == "vllm"}
         for row in doc["rows"]:
@@ -37,12 +40,15 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 ratios.setdefault(key, []).append(row["ttft_s"] / vllm[row["length"]])
         for row in doc.get("in_engine", []):
             phases.setdefault(row["tier"], []).append(row)
+        for row in doc.get("in_engine_stores", []):
+            stores.setdefault(row["tier"], []).append(row)
     return {
         "runs": len(runs),
         "load_average_1m": [doc["machine"]["load_average_1m"] for doc in runs],
         "ttft_ms": {k: 1e3 * statistics.median(v) for k, v in samples.items()},
         "ttft_over_vllm_hit": {k: statistics.median(v) for k, v in ratios.items()},
         "per_load": {tier: _means(rows) for tier, rows in phases.items()},
+        "stores": {tier: _means(rows) for tier, rows in stores.items()},
     }
 
 
@@ -70,6 +76,9 @@ def main() -> None:
             ms = " ".join(f"{k[3:]} {v:.1f}" for k, v in row.items() if k.startswith("ms_"))
             print(f"   {tier:10s} ms per load: {ms}; in-engine {row['engine_gbps']:.3f} GB/s, read "
                   f"{row['read_gbps']:.3f}, ceiling {row['ceiling_gbps']:.2f}")
+        for tier, row in s["stores"].items():
+            print(f"   {tier:10s} stores in the engine {row['store_gbps']:.2f} GB/s, ceiling "
+                  f"{row.get('ceiling_gbps', float('nan')):.2f}")
     out = args.runs[0].parent
     (out / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
     tiers = sorted({t for s in summary.values() for t in s["per_load"]})

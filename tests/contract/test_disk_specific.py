@@ -251,6 +251,7 @@ def test_read_error_is_a_miss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         with monkeypatch.context() as patch:
             patch.setattr(os, "read", io_error)
             patch.setattr(os, "readv", io_error)
+            patch.setattr(os, "preadv", io_error)
             assert backend.get_batch([key(1)]) == [None]
             assert backend.get_into([key(1)], [memoryview(bytearray(100))]) == [None]
         assert backend.stats.errors == 2
@@ -406,3 +407,64 @@ def test_a_held_page_directory_swapped_for_a_link_is_not_followed(tmp_path: Path
         directory.symlink_to(outside, target_is_directory=True)  # a link into another tree
         assert backend.get_batch([key(1)]) == [None]
         assert backend.contains_batch([key(1)]) == [False]
+
+
+def _drop_from_page_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_reads_into_buffers_take_cached_pages_on_the_callers_thread_and_the_rest_in_the_pool(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pages in the page cache are read on the calling thread (RWF_NOWAIT) until one is not;
+    from there on the pool reads, and every page lands whole in its buffer either way."""
+    from hybrid_offload.backends import disk_files
+
+    with make_disk(tmp_path / "store", io_threads=4) as backend:
+        pages = {key(i): page(i, 70_000 + i) for i in range(12)}
+        assert all(backend.put_batch(list(pages.items())))
+        cold = sorted(pages)[5]
+        _drop_from_page_cache(page_path(tmp_path / "store", cold))
+        fd = os.open(page_path(tmp_path / "store", cold), os.O_RDONLY)
+        try:
+            disk_files.readinto_exact(fd, memoryview(bytearray(16)), cached_only=True)
+            pytest.skip("this file system reads without waiting for the medium or cannot drop a page")
+        except disk_files.NotCachedError:
+            pass
+        finally:
+            os.close(fd)
+        on_pool: list[str] = []
+        read = DiskBackend._read
+
+        def spy(self: DiskBackend, job: Any, cached_only: bool = False) -> Any:
+            if not cached_only:
+                on_pool.append(job[0])
+            return read(self, job, cached_only)
+
+        monkeypatch.setattr(DiskBackend, "_read", spy)
+        keys = sorted(pages)
+        bufs = [bytearray(80_000) for _ in keys]
+        sizes = backend.get_into(keys, [memoryview(b) for b in bufs])
+        assert sizes == [len(pages[k]) for k in keys]
+        assert all(bytes(b[: len(pages[k])]) == pages[k] for k, b in zip(keys, bufs, strict=True))
+        assert sorted(on_pool) == keys[5:]  # the first page not cached and every one after it
+        on_pool.clear()
+        assert backend.get_into(keys, [memoryview(b) for b in bufs]) == sizes
+        assert on_pool == []  # all cached now
+
+
+def test_cached_only_reads_stop_at_the_first_page_not_cached() -> None:
+    from hybrid_offload.backends.disk_files import NotCachedError, read_while_cached
+
+    def read(job: int) -> int:
+        if job == 3:
+            raise NotCachedError
+        return job * 10
+
+    assert read_while_cached([1, 2, 3, 4], read) == [10, 20]
+    assert read_while_cached([], read) == []
