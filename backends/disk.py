@@ -34,9 +34,9 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
   vLLM's scheduler process) show at once.
 * **Threading / blocking.** One lock guards the index and counters. Page data moves outside
   it, through a small thread pool (``io_threads``) for batches of more than a few pages,
-  synchronously otherwise (and ``get_into`` while pages are in the page cache). Renames and evicting unlinks run under the lock (and the shared
-  ``flock``, taken first), so this process's index always matches its files. ``get_into``
-  reads straight into the caller's buffers.
+  synchronously otherwise (and ``get_into`` while pages are in the page cache). Renames and
+  evicting unlinks run under the lock (and the shared ``flock``, taken first), so this
+  process's index always matches its files. ``get_into`` reads into the caller's buffers.
 * **Listing.** ``scan`` walks the directory tree (no lock held; one directory listed at a
   time) and reports each page file's size and mtime (its last put or get); temp files,
   foreign files, links and directories are skipped.
