@@ -409,27 +409,19 @@ def test_a_held_page_directory_swapped_for_a_link_is_not_followed(tmp_path: Path
         assert backend.contains_batch([key(1)]) == [False]
 
 
-def _drop_from_page_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def test_reads_into_buffers_take_cached_pages_on_the_callers_thread_and_the_rest_in_the_pool(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Pages in the page cache are read on the calling thread (RWF_NOWAIT) until one is not;
     from there on the pool reads, and every page lands whole in its buffer either way."""
     from hybrid_offload.backends import disk_files
+    from hybrid_offload.tools.bench.ceilings import drop_cache
 
     with make_disk(tmp_path / "store", io_threads=4) as backend:
         pages = {key(i): page(i, 70_000 + i) for i in range(12)}
         assert all(backend.put_batch(list(pages.items())))
         cold = sorted(pages)[5]
-        _drop_from_page_cache(page_path(tmp_path / "store", cold))
+        drop_cache(str(page_path(tmp_path / "store", cold)))
         fd = os.open(page_path(tmp_path / "store", cold), os.O_RDONLY)
         try:
             disk_files.readinto_exact(fd, memoryview(bytearray(16)), cached_only=True)

@@ -66,7 +66,7 @@ def numpy_copy(page: int, batch: int, calls: int) -> dict[str, float]:
     return time_calls([lambda: np.copyto(dst, src)] * calls, page * batch)
 
 
-def _drop_cache(path: str) -> None:
+def drop_cache(path: str) -> None:
     """Write back, then drop ``path`` from the page cache."""
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -82,7 +82,7 @@ def drop_tree_cache(root: str) -> None:
     for directory, _, files in os.walk(root):
         for name in files:
             with contextlib.suppress(OSError):
-                _drop_cache(os.path.join(directory, name))
+                drop_cache(os.path.join(directory, name))
 
 
 def raw_file(directory: str, page: int, batch: int, calls: int, pool: int) -> dict[str, dict[str, float]]:
@@ -103,7 +103,7 @@ def raw_file(directory: str, page: int, batch: int, calls: int, pool: int) -> di
 
         out = {"pwritev": time_calls([write(r) for r in plan], page * batch)}
         out["preadv_warm"] = time_calls([read(r) for r in plan], page * batch)
-        _drop_cache(path)
+        drop_cache(path)
         one_pass = slots(pool, batch, max(1, pool // batch))
         out["preadv_cold"] = time_calls([read(r) for r in one_pass], page * batch)
         return out
