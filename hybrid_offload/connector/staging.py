@@ -122,12 +122,12 @@ def write_pages(
 
 def gather_rows(
     jobs: Sequence[StoreJob], codecs: Mapping[int, PageCodec],
-    layouts: Mapping[int, AttentionGroupLayout | MambaGroupLayout], pool: MemoryPool,
+    layouts: Mapping[int, AttentionGroupLayout | MambaGroupLayout], pool: MemoryPool | None,
 ) -> tuple[list[tuple[StoreJob, int, memoryview]], list[torch.Tensor]]:  # fmt: skip
     """Copy the shards this rank writes of ``jobs``' pages out of vLLM's KV cache (model-runner
-    thread), per (group, shard) into the rows of one block from ``pool``. Returns (job, shard,
-    page buffer: a row, header not yet sealed) in job order and shard order, and the blocks:
-    give them back once no backend reads the buffers."""
+    thread), per (group, shard) into the rows of one block from ``pool`` (None: new blocks).
+    Returns (job, shard, page buffer: a row, header not yet sealed) in job order and shard
+    order, and the blocks: give them back once no backend reads the buffers."""
     by_group: dict[int, list[int]] = {}
     for i, job in enumerate(jobs):
         by_group.setdefault(job.page.group, []).append(i)
@@ -138,7 +138,8 @@ def gather_rows(
         for shard in codec.written:
             plen, hlen = codec.page_lens[shard], codec.header_lens[shard]
             width = -(-plen // ALIGN) * ALIGN
-            block = pool.take(len(idxs) * width)
+            n = len(idxs) * width
+            block = pool.take(n) if pool is not None else torch.empty(n, dtype=torch.uint8)
             blocks.append(block)
             rows = block[: len(idxs) * width].view(len(idxs), width)[:, :plen]
             if not codec.gather_rows(layout, shard, rows, pages):

@@ -204,9 +204,9 @@ class OffloadWorker:
             size = sum(codec.page_lens[p] for p in codec.written)
             if not self._admit(job, size, nbytes):
                 continue
-            if job.hold:  # kept for steps: a buffer of its own, not a row of this step's block
-                page = job.page
-                shards = [(shard, self._gather(page, shard)) for shard in codec.written]
+            if job.hold:  # kept for steps: rows of a block of its own, not from the pool
+                page, (entries, _) = job.page, gather_rows([job], self.codecs, self.layouts, None)
+                shards = [(shard, buf) for _, shard, buf in entries]
                 newest_only = not codec.group.is_attention  # the newest state replaces older ones
                 self._held.hold((job.req_id, page.group, page.chunk_index), shards, newest_only=newest_only)
             else:
@@ -232,13 +232,6 @@ class OffloadWorker:
             self._settle([job.page.key])
         return False
 
-    def _gather(self, page: PageJob, shard: int) -> bytearray:
-        codec = self.codecs[page.group]
-        buf = bytearray(codec.page_lens[shard])
-        payload = torch.frombuffer(buf, dtype=torch.uint8)[codec.header_lens[shard] :]
-        codec.gather(self.layouts[page.group], page, shard, payload)
-        return buf
-
     def commit(self, commits: list[CommitJob]) -> None:
         """Queue held pages under the keys the scheduler knows now (a page no longer held,
         e.g. dropped for the budget, is settled as it is)."""
@@ -255,8 +248,7 @@ class OffloadWorker:
         self._queue(batch, nbytes)
 
     def _queue(self, batch: list[QueuedShard], nbytes: int, blocks: Sequence[torch.Tensor] = ()) -> None:
-        """Queue ``batch`` for the store thread; ``blocks`` (the memory of its buffers) go back
-        to the pool once it is stored."""
+        """Queue ``batch``; ``blocks`` (its buffers' memory) go back to the pool once stored."""
         if not batch:
             return
         with self._lock:
