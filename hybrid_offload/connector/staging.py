@@ -62,7 +62,7 @@ ALIGN = 64
 
 
 def stage_reads(
-    wanted: Sequence[tuple[PageJob, int, str, PageCodec]], pool: MemoryPool[torch.Tensor]
+    wanted: Sequence[tuple[PageJob, int, str, PageCodec]], pool: MemoryPool
 ) -> tuple[list[ShardRead], torch.Tensor]:
     """The reads of (page, shard, key, codec), in order, each with its own staging row, and
     the pool block the rows are carved from (give it back once nothing writes into it)."""
@@ -141,7 +141,7 @@ def gather_rows(
             n = len(idxs) * width
             block = pool.take(n) if pool is not None else torch.empty(n, dtype=torch.uint8)
             blocks.append(block)
-            rows = block[: len(idxs) * width].view(len(idxs), width)[:, :plen]
+            rows = block[:n].view(len(idxs), width)[:, :plen]
             if not codec.gather_rows(layout, shard, rows, pages):
                 for row, page in zip(rows, pages, strict=True):
                     codec.gather(layout, page, shard, row[hlen:])
