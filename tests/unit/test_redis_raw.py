@@ -110,19 +110,18 @@ def test_an_error_reply_raises_and_the_connection_is_dropped(server: Scripted) -
     reader.close()
 
 
-def test_a_stream_closed_mid_value_is_a_connection_error(server: Scripted) -> None:
-    server.script(1, b"$100\r\n" + b"z" * 40, close=True)
+@pytest.mark.parametrize(
+    ("reply", "close", "match"),
+    [(b"$100\r\n" + b"z" * 40, True, "closed"), (b"+OK\r\n", False, "unexpected reply")],
+    ids=["stream closed mid value", "garbage"],
+)
+def test_a_broken_stream_is_a_connection_error(
+    server: Scripted, reply: bytes, close: bool, match: str
+) -> None:
+    server.script(1, reply, close=close)
     reader = RawReader("127.0.0.1", server.port)
-    with pytest.raises(RedisConnectionError, match="closed"):
+    with pytest.raises(RedisConnectionError, match=match):
         reader.read_into(["a"], [100], [memoryview(bytearray(100))])
-    reader.close()
-
-
-def test_garbage_is_a_connection_error(server: Scripted) -> None:
-    server.script(1, b"+OK\r\n")
-    reader = RawReader("127.0.0.1", server.port)
-    with pytest.raises(RedisConnectionError, match="unexpected reply"):
-        reader.read_into(["a"], [4], [memoryview(bytearray(4))])
     reader.close()
 
 
