@@ -178,6 +178,12 @@ class Backend(ABC):
             )
         return {**cls.option_defaults, **options}
 
+    @classmethod
+    def implementation(cls, options: dict[str, Any]) -> type[Backend]:
+        """The class serving these validated options: ``cls``, unless the type offers several
+        layouts (disk: ``layout: segments``)."""
+        return cls
+
     @property
     def name(self) -> str:
         return self.config.name

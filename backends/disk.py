@@ -106,7 +106,22 @@ class DiskBackend(Backend):
     shared_index: ClassVar[bool] = True
     hit_source: ClassVar[str] = "disk"
     touch_refreshes: ClassVar[bool] = True
-    option_defaults: ClassVar[dict[str, Any]] = {"path": None, "fsync": False, "io_threads": 4}
+    option_defaults: ClassVar[dict[str, Any]] = {
+        "path": None,
+        "fsync": False,
+        "io_threads": 4,
+        "layout": "files",
+        "segment_mb": 64,
+    }
+
+    @classmethod
+    def implementation(cls, options: dict[str, Any]) -> type[Backend]:
+        """``layout: segments`` is served by :class:`.disk_segments.SegmentDiskBackend`."""
+        if options.get("layout") == "segments":
+            from .disk_segments import SegmentDiskBackend
+
+            return SegmentDiskBackend
+        return cls
 
     @classmethod
     def validate_options(cls, options: dict[str, Any]) -> dict[str, Any]:
@@ -125,6 +140,15 @@ class DiskBackend(Backend):
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise BackendConfigError(
                 f"backend type 'disk': option 'io_threads' must be an integer >= 1, got {threads!r}"
+            )
+        if opts["layout"] not in ("files", "segments"):
+            raise BackendConfigError(
+                f"backend type 'disk': option 'layout' must be 'files' or 'segments', got {opts['layout']!r}"
+            )
+        seg = opts["segment_mb"]
+        if isinstance(seg, bool) or not isinstance(seg, int) or seg < 1:
+            raise BackendConfigError(
+                f"backend type 'disk': option 'segment_mb' must be an integer >= 1, got {seg!r}"
             )
         return {**opts, "path": expand_path(path)}
 

@@ -14,7 +14,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -24,13 +24,16 @@ __all__ = [
     "OPEN_FLAGS",
     "NotCachedError",
     "PageDirs",
+    "after",
     "counted_size",
     "create_temp",
     "next_stamp",
     "open_page",
+    "preadv_at",
     "read_exact",
     "read_while_cached",
     "readinto_exact",
+    "readv_full",
     "stat_page",
     "touch",
     "unlink_page",
@@ -82,25 +85,51 @@ class NotCachedError(Exception):
 _NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
 
 
-def readinto_exact(fd: int, view: memoryview, *, cached_only: bool = False) -> bool:
-    """readinto ``view`` from the file's start until full (no intermediate copy); False if the
-    file ends early. ``cached_only``: raise :class:`NotCachedError` instead of waiting for the
-    medium (also where the OS or file system cannot tell)."""
-    got = 0
-    while got < len(view):
-        if not cached_only:
-            n = os.preadv(fd, [view[got:]], got)
-        elif _NOWAIT is None:
-            raise NotCachedError
-        else:
-            try:
-                n = os.preadv(fd, [view[got:]], got, _NOWAIT)
-            except (BlockingIOError, OSError) as exc:
-                raise NotCachedError from exc  # EAGAIN: not cached; EOPNOTSUPP: cannot tell
+def preadv_at(fd: int, views: list[memoryview], offset: int, *, cached_only: bool = False) -> int:
+    """One ``preadv`` of ``views`` at ``offset``; the bytes read (0 at the file's end).
+    ``cached_only``: raise :class:`NotCachedError` instead of waiting for the medium (also
+    where the OS or file system cannot tell)."""
+    if not cached_only:
+        return os.preadv(fd, views, offset)
+    if _NOWAIT is None:
+        raise NotCachedError
+    try:
+        return os.preadv(fd, views, offset, _NOWAIT)
+    except (BlockingIOError, OSError) as exc:
+        raise NotCachedError from exc  # EAGAIN: not cached; EOPNOTSUPP: cannot tell
+
+
+def after(views: Sequence[memoryview], done: int, limit: int = 1024) -> list[memoryview]:
+    """What is left of ``views`` (read or written back to back) once ``done`` bytes moved; at
+    most ``limit`` of them (IOV_MAX)."""
+    rest: list[memoryview] = []
+    for view in views:
+        if done >= view.nbytes:
+            done -= view.nbytes
+            continue
+        rest.append(view[done:] if done else view)
+        done = 0
+        if len(rest) == limit:
+            break
+    return rest
+
+
+def readv_full(fd: int, views: Sequence[memoryview], offset: int, *, cached_only: bool = False) -> int:
+    """Read ``views`` back to back from ``offset`` until full or the file ends (no intermediate
+    copy); the bytes read. ``cached_only`` as in :func:`preadv_at`."""
+    got, total = 0, sum(v.nbytes for v in views)
+    while got < total:
+        n = preadv_at(fd, after(views, got), offset + got, cached_only=cached_only)
         if n == 0:
-            return False
+            break
         got += n
-    return True
+    return got
+
+
+def readinto_exact(fd: int, view: memoryview, *, offset: int = 0, cached_only: bool = False) -> bool:
+    """readinto ``view`` from ``offset`` (the file's start) until full; False if the file ends
+    early. ``cached_only`` as in :func:`preadv_at`."""
+    return readv_full(fd, [view], offset, cached_only=cached_only) == view.nbytes
 
 
 def read_while_cached(jobs: list[_T], read: Callable[[_T], _R]) -> list[_R]:

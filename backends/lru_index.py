@@ -145,6 +145,16 @@ class LruIndex(Generic[V]):
         self._policy.added(key)
         return replaced
 
+    def relocate(self, key: str, size: int, value: V) -> None:
+        """Give the held ``key`` a new size and value, keeping its place in the eviction order."""
+        self._used += size - self._sizes[key]
+        self._sizes[key] = size
+        self._values[key] = value
+
+    def ordered(self) -> list[str]:
+        """The held keys, the first to evict first (a snapshot)."""
+        return list(self._policy.order())
+
     def remove(self, key: str) -> Entry[V] | None:
         """Drop ``key``; its entry, or None if not held."""
         size = self._sizes.pop(key, None)

@@ -122,4 +122,4 @@ def create_backend(config: BackendConfig) -> Backend:
         options = cls.validate_options(dict(config.options))
     except BackendConfigError as exc:
         raise BackendConfigError(f"backend {config.name!r}: {exc}") from exc
-    return cls(dataclasses.replace(config, options=options))
+    return cls.implementation(options)(dataclasses.replace(config, options=options))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from hybrid_offload.tools.cli.main import main
 
-OURS = {"cpu", "disk[io_threads=1]", "disk[io_threads=4]", "redis", "nixl_peer"}
+OURS = {"cpu", "disk[io_threads=1]", "disk[io_threads=4]", "disk[segments]", "redis", "nixl_peer"}
 CEILINGS = {"numpy copy", "pwritev/preadv", "redis-py pipeline", "redis-benchmark", "raw NIXL"}
 LMCACHE = {"LMCache cpu", "LMCache disk", "LMCache redis"}
 
@@ -26,7 +26,7 @@ def test_bench_backends_quick(tmp_path: Path) -> None:
     assert all(r["gbps"] and r["gbps"] > 0 for r in measured)
     restart = {r["system"]: r["fraction"] for r in doc["cross_restart"]}
     assert restart["cpu"] == 0 and restart["disk[io_threads=4]"] == 1 and restart["redis"] == 1
-    assert restart["nixl_peer"] == 1
+    assert restart["disk[segments]"] == 1 and restart["nixl_peer"] == 1
     assert doc["ratios"] and doc["summary"]
     pngs = sorted(p.name for p in tmp_path.glob("backends-quick-*.png"))
     assert any("gbps" in n for n in pngs) and any("latency" in n for n in pngs), pngs

@@ -167,6 +167,20 @@ def _disk_cache(tmp_path: Path) -> Cache:
     return Cache("disk", ["--disk", str(root)], backend, corrupt, make_old, {"root": root})
 
 
+def _segments_cache(tmp_path: Path) -> Cache:
+    root = tmp_path / "cache"
+    options = {"path": str(root), "layout": "segments"}
+    backend = create_backend(BackendConfig("disk", "w", 1 << 30, options=options))
+
+    def corrupt(key: str, data: bytes) -> None:
+        assert backend.put_batch([(key, flipped(data))]) == [True]
+
+    def make_old(keys: list[str]) -> str:
+        pytest.skip("segment layout: a page's age is its put in the log, which tests cannot backdate")
+
+    return Cache("disk_seg", ["--disk", str(root)], backend, corrupt, make_old, {"root": root})
+
+
 def _redis_cache(server: RedisServer) -> Cache:
     prefix = f"cli{uuid.uuid4().hex[:10]}"
     options = {"url": server.url, "prefix": prefix}
@@ -205,6 +219,7 @@ def _peer_cache(peer: InProcessPeer) -> Cache:
 @pytest.fixture(
     params=[
         "disk",
+        "disk_seg",
         pytest.param("redis", marks=pytest.mark.xdist_group("cache-cli-redis")),
         pytest.param("nixl_peer", marks=pytest.mark.xdist_group("cache-cli-peer")),
     ]
@@ -212,6 +227,8 @@ def _peer_cache(peer: InProcessPeer) -> Cache:
 def cache(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cache]:
     if request.param == "disk":
         made = _disk_cache(tmp_path)
+    elif request.param == "disk_seg":
+        made = _segments_cache(tmp_path)
     elif request.param == "redis":
         made = _redis_cache(request.getfixturevalue("redis_server"))
     else:

@@ -301,7 +301,9 @@ def test_bad_options_name_the_key(options: dict[str, Any], named: str) -> None:
 
 def test_defaults_filled_in(tmp_path: Path) -> None:
     options = DiskBackend.validate_options({"path": tmp_path})
-    assert options == {"path": str(tmp_path), "fsync": False, "io_threads": 4}
+    assert options == {
+        "path": str(tmp_path), "fsync": False, "io_threads": 4, "layout": "files", "segment_mb": 64
+    }
 
 
 def test_get_prefix_reads_only_the_first_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

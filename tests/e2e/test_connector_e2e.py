@@ -3,9 +3,10 @@
 For each arch: a baseline engine without the connector; engine A (cpu + disk) runs the prompts
 twice (the second pass must load >= 99 % of the chunk-aligned prefix from the cpu tier); then
 engine B, a new process with only the disk tier on the same directory (a restart), must load
->= 99 % from disk. Every pass must give the baseline's greedy tokens. vLLM's own prefix cache
-is reset before every request, so hits can only come from the connector. Async scheduling is
-on in engine A and off in engine B (and the other way round for qwen3_next).
+>= 99 % from disk (one case with the disk's segment layout). Every pass must give the baseline's greedy
+tokens. vLLM's own prefix cache is reset before every request, so hits can only come from the
+connector. Async scheduling is on in engine A and off in engine B (and the other way round for
+qwen3_next).
 """
 
 from __future__ import annotations
@@ -24,20 +25,28 @@ from hybrid_offload.testing.session import ENGINE_ENV, run_session_subprocess
 
 pytestmark = pytest.mark.e2e
 
-def connector(disk: Path, with_cpu: bool) -> dict[str, Any]:
+def connector(disk: Path, with_cpu: bool, layout: str = "files") -> dict[str, Any]:
     backends: list[dict[str, Any]] = [
-        {"type": "disk", "name": "disk", "path": str(disk), "capacity_bytes": "1GiB", "load_weight": 0.5}
-    ]
+        {"type": "disk", "name": "disk", "path": str(disk), "capacity_bytes": "1GiB", "load_weight": 0.5,
+         "layout": layout}
+    ]  # fmt: skip
     if with_cpu:
         backends.insert(0, {"type": "cpu", "name": "cpu", "capacity_bytes": "256MiB"})
     return {"backends": backends}
 
 
 @pytest.mark.parametrize(
-    ("arch", "async_a"),
-    [("qwen3_next", True), ("qwen3_next", False), ("falcon_h1", True), ("llama", False)],
+    ("arch", "async_a", "layout"),
+    [
+        ("qwen3_next", True, "files"),
+        ("qwen3_next", False, "segments"),
+        ("falcon_h1", True, "files"),
+        ("llama", False, "files"),
+    ],
 )
-def test_cpu_then_disk_after_restart(arch: str, async_a: bool, model_dir, tmp_path: Path) -> None:
+def test_cpu_then_disk_after_restart(
+    arch: str, async_a: bool, layout: str, model_dir, tmp_path: Path
+) -> None:
     model = model_dir(arch)
     prompts = shared_prefix_prompts(CHUNK_TOKENS[arch])
     base = {"model": str(model), "prompts": prompts, "max_tokens": 12, "reset_prefix_cache": "request"}
@@ -46,7 +55,12 @@ def test_cpu_then_disk_after_restart(arch: str, async_a: bool, model_dir, tmp_pa
 
     disk = tmp_path / "disk"
     engine_a = run_session_subprocess(
-        {**base, "connector": connector(disk, True), "passes": 2, "llm_kwargs": {"async_scheduling": async_a}}
+        {
+            **base,
+            "connector": connector(disk, True, layout),
+            "passes": 2,
+            "llm_kwargs": {"async_scheduling": async_a},
+        }
     )
     assert f"chunk_tokens={CHUNK_TOKENS[arch]}" in engine_a["log"]
     assert tokens(engine_a, 0) == expected
@@ -56,7 +70,7 @@ def test_cpu_then_disk_after_restart(arch: str, async_a: bool, model_dir, tmp_pa
     engine_b = run_session_subprocess(
         {
             **base,
-            "connector": connector(disk, False),
+            "connector": connector(disk, False, layout),
             "passes": 1,
             "llm_kwargs": {"async_scheduling": not async_a},
         }

@@ -44,7 +44,9 @@ def test_happy_path() -> None:
     assert disk.type == "disk" and disk.name == "ssd"
     assert disk.capacity_bytes == 10 << 30
     assert disk_policy.load_weight == 0.5 and isinstance(disk_policy.load_weight, float)
-    assert disk.options == {"path": "/var/cache/kv", "fsync": False, "io_threads": 8}
+    assert disk.options == {
+        "path": "/var/cache/kv", "fsync": False, "io_threads": 8, "layout": "files", "segment_mb": 64
+    }
 
 
 def test_defaults() -> None:
@@ -55,7 +57,9 @@ def test_defaults() -> None:
     assert all(t.policy.load_weight == 1.0 for t in cfg.backends)
     assert cfg.max_pending_store_bytes == DEFAULT_MAX_PENDING_STORE_BYTES
     disk = parse_offload_config({"backends": [{"type": "disk", "path": "/x"}]}).backends[0].backend
-    assert disk.name == "disk0" and disk.options == {"path": "/x", "fsync": False, "io_threads": 4}
+    assert disk.name == "disk0"
+    want = {"path": "/x", "fsync": False, "io_threads": 4, "layout": "files", "segment_mb": 64}
+    assert disk.options == want
     cfg = parse_offload_config({"backends": [{"type": "cpu"}], "chunk_tokens": None,
                                 "max_pending_store_bytes": "64MiB"})
     assert cfg.chunk_tokens is None and cfg.max_pending_store_bytes == 64 << 20

@@ -66,7 +66,9 @@ def test_bad_capacity_named(capacity: object) -> None:
 def test_create_fills_option_defaults(tmp_path: Path) -> None:
     with create_backend(BackendConfig("disk", "d", 1000, options={"path": str(tmp_path)})) as b:
         assert isinstance(b, DiskBackend)
-        assert b.config.options == {"path": str(tmp_path), "fsync": False, "io_threads": 4}
+        assert b.config.options == {
+            "path": str(tmp_path), "fsync": False, "io_threads": 4, "layout": "files", "segment_mb": 64
+        }
     with create_backend(BackendConfig("cpu", "c", 1000)) as b:
         assert isinstance(b, CpuBackend) and b.config.options == {}
 

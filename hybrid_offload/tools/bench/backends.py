@@ -7,10 +7,11 @@ Qwen3-Next-like model (full-attention group + GDN state group) and a Falcon-H1-l
 kind and batch size, each system stores then loads ``calls`` batches cycling through a pool of
 keys (see :func:`hybrid_offload.tools.bench.ceilings.slots`):
 
-* ours: ``cpu``, ``disk`` (every I/O engine it offers: batched threads, ``io_threads`` 1 and 4;
-  aiofiles and NIXL POSIX are not offered), ``redis`` (a loopback redis-server started here),
-  ``nixl_peer`` (a ``hybrid-offload peer`` process started here); store is ``put_batch``, load
-  ``get_into`` (disk also cold, after dropping its files from the page cache);
+* ours: ``cpu``, ``disk`` (both layouts: files with ``io_threads`` 1 and 4, segments; its one
+  I/O engine is batched threads: aiofiles and NIXL POSIX are not offered), ``redis`` (a
+  loopback redis-server started here), ``nixl_peer`` (a ``hybrid-offload peer`` process started
+  here); store is ``put_batch``, load ``get_into`` (disk also cold, after dropping its files
+  from the page cache);
 * ceilings (``ceilings.py``): numpy copy, pwritev/preadv warm/cold, redis-py pipeline,
   redis-benchmark, raw NIXL WRITE/READ;
 * LMCache (``lmcache_tiers.py``): StorageManager local CPU, local disk, Redis.
@@ -148,6 +149,8 @@ def backend_configs(tmp: Path, redis_port: int, peer: str) -> dict[str, dict[str
                                "options": {"path": str(tmp / "disk1"), "io_threads": 1}},
         "disk[io_threads=4]": {"type": "disk", "capacity_bytes": big,
                                "options": {"path": str(tmp / "disk4"), "io_threads": 4}},
+        "disk[segments]": {"type": "disk", "capacity_bytes": big,
+                           "options": {"path": str(tmp / "diskseg"), "layout": "segments"}},
         "redis": {"type": "redis", "capacity_bytes": big,
                   "options": {"url": f"redis://127.0.0.1:{redis_port}/0", "prefix": "bench"}},
         "nixl_peer": {"type": "nixl_peer", "capacity_bytes": big, "options": {"peers": [peer]}},
@@ -434,8 +437,9 @@ def finish(args: argparse.Namespace, sizes: Sizes, bench: Run, restart: list[dic
 
 
 NOTES = {
-    "disk_io_engines": "the disk backend offers one I/O engine, batched threads (io_threads); "
-                       "aiofiles and NIXL POSIX are not offered by the backend, so not measured",
+    "disk_io_engines": "the disk backend offers one I/O engine, batched threads (io_threads), and two "
+                       "layouts (files, segments); aiofiles and NIXL POSIX are not offered by the "
+                       "backend, so not measured",
     "ratios": "at the largest batch; ceilings: cpu numpy copy, disk pwritev / preadv warm / preadv "
               "cold, redis redis-benchmark (C client, 4 clients, -P 8), nixl_peer raw NIXL WRITE/READ",
     "lmcache_nixl_peer": "no LMCache counterpart of nixl_peer is measured (ours_vs_lmcache empty)",

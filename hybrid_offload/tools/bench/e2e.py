@@ -8,6 +8,7 @@ pass of :mod:`hybrid_offload.testing.session` (one process per engine):
 * ``vllm``: the same prompts again with vLLM's own prefix cache kept (engine A, pass 2);
 * ``cpu``: vLLM's cache reset, our cpu tier loads (engine A, pass 3);
 * ``disk``: a new engine process on the same disk directory (a restart), disk tier only;
+* ``disk_seg``: the same with the disk backend's segment layout (``layout: segments``);
 * ``redis``: a new engine whose only tier is a real loopback redis-server;
 * ``nixl_peer``: a new engine whose only tier is a real ``hybrid-offload peer`` process.
 
@@ -34,12 +35,13 @@ from typing import Any
 
 from hybrid_offload.testing.services import start_peer, start_redis_server
 from hybrid_offload.tools.bench import e2e_report
+from hybrid_offload.tools.bench.e2e_ceilings import KIND as TIER_KIND
 from hybrid_offload.tools.bench.e2e_ceilings import load_shape, store_shape
 from hybrid_offload.tools.bench.e2e_ceilings import measure as measure_ceiling
 
 logger = logging.getLogger(__name__)
 
-SCENARIOS = ("cold", "vllm", "cpu", "disk", "redis", "nixl_peer")
+SCENARIOS = ("cold", "vllm", "cpu", "disk", "disk_seg", "redis", "nixl_peer")
 #: the unreported pass in which an engine loads the warm-up prompts before its measured pass
 WARM = "warm"
 FULL = {"layers": 8, "hidden": 256, "lengths": "1024,2048,4096,8192,16384", "repeats": 3,
@@ -137,9 +139,10 @@ def _ensure_model(settings: dict[str, Any]) -> Path:
 
 def _backend(kind: str, work: Path, urls: dict[str, str]) -> dict[str, Any]:
     """The connector backend entry of tier ``kind`` (named after the scenario)."""
-    entry: dict[str, Any] = {"type": kind, "name": kind, "capacity_bytes": TIER_CAPACITY}
-    if kind == "disk":
-        entry["path"] = str(work / "disk")
+    entry: dict[str, Any] = {"type": TIER_KIND.get(kind, kind), "name": kind, "capacity_bytes": TIER_CAPACITY}
+    if kind in ("disk", "disk_seg"):
+        entry["path"] = str(work / kind)
+        entry["layout"] = "segments" if kind == "disk_seg" else "files"
     elif kind == "redis":
         entry.update(url=urls["redis"], prefix="bench-e2e")
     elif kind == "nixl_peer":
@@ -149,7 +152,7 @@ def _backend(kind: str, work: Path, urls: dict[str, str]) -> dict[str, Any]:
 
 def _engine_runs(settings: dict[str, Any]) -> list[tuple[list[str], list[str]]]:
     """(scenario per pass, tiers) of every engine process, in order."""
-    tiers = [t for t in ("cpu", "disk", "redis", "nixl_peer") if t in settings["scenarios"]]
+    tiers = [t for t in ("cpu", "disk", "disk_seg", "redis", "nixl_peer") if t in settings["scenarios"]]
     first = [s for s in ("cold", "vllm") if s in settings["scenarios"]]
     first += [WARM, "cpu"] if "cpu" in settings["scenarios"] else []
     runs = [(first, tiers or ["cpu"])]

@@ -43,6 +43,10 @@ NAMES = {
 }
 
 
+#: tier -> backend type, where they differ (``disk_seg``: the disk backend's segment layout)
+KIND = {"disk_seg": "disk"}
+
+
 def load_shape(measured: dict[str, Any]) -> tuple[int, int] | None:
     """(object bytes, objects per load) of a pass's in-engine loads; None without a load."""
     pages, nbytes, loads = measured["pages_loaded"], measured["bytes_loaded"], measured["loads_written"]
@@ -69,6 +73,7 @@ def measure(
     lose the engines' results)."""
     page, batch = shape
     load = op == "load"
+    tier = KIND.get(tier, tier)
     out: dict[str, Any] = {"ceiling": NAMES[op][tier], "object_bytes": page, "objects_per_call": batch}
     try:
         if tier == "cpu":

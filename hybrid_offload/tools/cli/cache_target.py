@@ -1,12 +1,13 @@
 """Which cache ``hybrid-offload cache`` works on, and opening it for maintenance.
 
-Target (exactly one): ``--disk PATH``, ``--redis URL`` (with ``--redis-prefix`` and, for a
-server with AUTH, ``--redis-password-file`` or ``--redis-password-env``), ``--peer HOST:PORT``
-(repeatable, with ``--peer-token-file`` or ``--peer-token-env``; a literal token or password is
-refused: command lines are visible to every local user), ``--backend-config FILE`` (one backend entry,
-YAML or JSON, shaped like an element of ``kv_connector_extra_config.backends``) or ``--config
-FILE --name NAME`` (a backend of a serve config such as ``configs/redis.yaml``). Every entry is
-validated by the connector's own config parser, so errors name the offending key.
+Target (exactly one): ``--disk PATH`` (with ``--disk-layout``), ``--redis URL`` (with
+``--redis-prefix`` and, for a server with AUTH, ``--redis-password-file`` or
+``--redis-password-env``), ``--peer HOST:PORT`` (repeatable, with ``--peer-token-file`` or
+``--peer-token-env``; a literal token or password is refused: command lines are visible to every
+local user), ``--backend-config FILE`` (one backend entry, YAML or JSON, shaped like an element of
+``kv_connector_extra_config.backends``) or ``--config FILE --name NAME`` (a backend of a serve
+config such as ``configs/redis.yaml``). Every entry is validated by the connector's own config
+parser, so errors name the offending key.
 
 :func:`open_for_maintenance` opens the backend with the largest capacity, so opening never
 evicts (the disk backend evicts down to its capacity at start), and a disk cache with
@@ -67,6 +68,11 @@ def target_arguments() -> argparse.ArgumentParser:
     )
     target.add_argument("--name", metavar="BACKEND_NAME", help="which backend of --config")
     target.add_argument("--redis-prefix", metavar="PREFIX", help="with --redis: key prefix (default: hop)")
+    target.add_argument(
+        "--disk-layout",
+        choices=("files", "segments"),
+        help="with --disk: the directory's layout (default: segments if PATH/segments exists, else files)",
+    )
     token = target.add_mutually_exclusive_group()
     token.add_argument("--peer-token-file", metavar="PATH", help="with --peer: file holding the peers' token")
     token.add_argument(
@@ -136,6 +142,8 @@ def target_config(args: argparse.Namespace) -> BackendConfig:
         raise CacheCliError("--name picks a backend of --config FILE; give --config too")
     if args.redis_prefix is not None and args.redis is None:
         raise CacheCliError("--redis-prefix only goes with --redis")
+    if args.disk_layout is not None and args.disk is None:
+        raise CacheCliError("--disk-layout only goes with --disk")
     if args.peer_token is not None:
         raise CacheCliError(
             "--peer-token: a literal token is refused (it would be visible to every local user in ps); "
@@ -151,7 +159,8 @@ def target_config(args: argparse.Namespace) -> BackendConfig:
     if args.backend_config is not None:
         return _entry_config(_load_mapping(args.backend_config), str(args.backend_config))
     if args.disk is not None:
-        entry: dict[str, Any] = {"type": "disk", "name": "disk", "path": str(args.disk)}
+        layout = args.disk_layout or ("segments" if (args.disk / "segments").is_dir() else "files")
+        entry: dict[str, Any] = {"type": "disk", "name": "disk", "path": str(args.disk), "layout": layout}
         return _entry_config(entry, "--disk")
     if args.redis is not None:
         entry = {"type": "redis", "name": "redis", "url": args.redis}
@@ -212,10 +221,10 @@ def open_for_maintenance(config: BackendConfig) -> Backend:
             "another process cannot see its pages"
         )
     if issubclass(cls, DiskBackend):
-        path = cls.validate_options(dict(config.options))["path"]
-        if not os.path.isdir(path):
-            raise CacheCliError(f"disk backend {config.name!r}: {path!r} is not a directory")
-        return cls(config, touch_on_read=False)
+        options = cls.validate_options(dict(config.options))
+        if not os.path.isdir(options["path"]):
+            raise CacheCliError(f"disk backend {config.name!r}: {options['path']!r} is not a directory")
+        return cls.implementation(options)(config, touch_on_read=False)  # type: ignore[call-arg]
     return create_backend(config)
 
 

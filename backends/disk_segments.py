@@ -1,0 +1,589 @@
+"""Local-disk page store, segment layout (``layout: segments``): pages appended to large files.
+
+The ``files`` layout (:mod:`.disk`) makes each page a file: right for shared file systems,
+but every put is a create, a write and a rename. This layout turns a put batch into one
+``pwritev`` and a load into one ``preadv`` per run of pages stored side by side. Same options
+as ``disk`` plus ``segment_mb``; contract beyond :mod:`hybrid_offload.backends.base`:
+
+* **Files.** Under ``<path>/segments/``: each writing process appends page bytes to segment
+  files ``<writer>-<n>.seg`` (a new one when ``segment_mb`` is reached) and one record per
+  put, touch or delete to its log ``<writer>.log`` (:mod:`.segment_log`), holding an ``flock``
+  of its log while it lives. A process becomes a writer at its first put, delete, touch or
+  get (gets record touches); one that only asks ``contains_batch`` (vLLM's scheduler) never
+  writes. Files are ``0o600``, the directory ``0o700``; links and other users' files are not
+  read. The root is checked as for ``disk``.
+* **Index.** Every process reads every log (only what was appended since its last call, after
+  one ``fstat`` per log) into the same view, so pages put or deleted by other processes show
+  at once (``shared_index = True``). Last writer wins; see :mod:`.segment_log`.
+* **Atomic pages.** Page bytes are written (and with ``fsync``, synced) before the record that
+  makes them visible; a crash leaves bytes no record points at, or one incomplete record at a
+  log's end, which readers skip.
+* **Capacity and LRU.** Changes to the index (puts, deletes, evictions) are made under an
+  ``flock`` of the directory after reading every log, so the pages of all processes together
+  stay within ``capacity_bytes`` (each process bounds the total it sees) and least recently
+  used pages go first, whichever process put them. ``used_bytes`` is that total.
+* **Space.** Replaced, deleted and evicted pages leave garbage in segments. A writer removes
+  its segments that hold no page and, when its garbage passes ``max(segment_mb, capacity/4)``,
+  copies the pages of its emptiest segment forward (one segment per call) and removes it; so
+  segment files stay within about ``1.25 x capacity + 2 segments`` per writer. A writer whose
+  process died leaves its log unlocked: the next process to become a writer adopts its pages
+  and segments and removes its log.
+* **Listing.** ``scan`` lists the view; ``mtime`` is the page's last put.
+* **Errors.** An ``OSError`` on a segment or log write refuses that call's pages (counted in
+  ``stats.errors``, logged once per errno); a page whose segment is gone or short is a miss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, ClassVar
+
+from .base import Backend, BackendConfig, BackendUnavailableError, Buffer, PageInfo
+from .disk_files import NotCachedError, read_while_cached, readinto_exact, readv_full
+from .disk_root import check_writable_root, open_dir_below, page_problem
+from .segment_log import (
+    DELETE,
+    PUT,
+    TOUCH,
+    Location,
+    LogTail,
+    Record,
+    SegmentView,
+)
+from .segment_writer import SegmentWriter
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SegmentDiskBackend"]
+
+SEGMENTS_DIR = "segments"
+_CREATE = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+_MAX_READ_FDS = 256
+_ANY_SIZE = 1 << 62
+_RECENT_NS = 2_000_000_000
+_LOG_ROTATE_BYTES = 8 << 20  # a log is rewritten once past this and 4x what its pages need
+_RECORD_BYTES = 100  # about one record
+_TOUCH_BATCH = 4096  # pending touches written without waiting for a change
+
+
+class SegmentDiskBackend(Backend):
+    """Segment-layout disk store (see the module docstring)."""
+
+    type_name: ClassVar[str] = "disk"
+    shared_index: ClassVar[bool] = True
+    hit_source: ClassVar[str] = "disk"
+    touch_refreshes: ClassVar[bool] = True
+
+    @classmethod
+    def validate_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        from .disk import DiskBackend
+
+        return DiskBackend.validate_options(options)
+
+    def __init__(self, config: BackendConfig, *, touch_on_read: bool = True) -> None:
+        """Open ``<path>/segments`` (created if missing) and read every log; blocks for it.
+        ``touch_on_read=False`` (maintenance tools): gets record no touches."""
+        super().__init__(config)
+        opts = self.validate_options(dict(config.options))
+        self._root = os.path.abspath(opts["path"])
+        self._fsync: bool = opts["fsync"]
+        self._io_threads: int = opts["io_threads"]
+        self._segment_bytes = max(4096, min(opts["segment_mb"] << 20, self.capacity_bytes // 4))
+        self._touch_on_read = touch_on_read
+        self._lock = threading.RLock()  # the view, the logs read, the writer's records
+        self._append_lock = threading.Lock()  # the writer's segment appends
+        self._view = SegmentView(self.capacity_bytes)
+        self._tails: dict[str, LogTail] = {}
+        self._dir_stamp: tuple[int, int] | None = None
+        self._read_fds: dict[str, int] = {}
+        self._writer: SegmentWriter | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._logged: set[tuple[str, int | None]] = set()
+        self._touched: list[str] = []  # keys read or touched whose TOUCH records are not written yet
+        check_writable_root(self._root, self.name)
+        try:
+            self._dir_fd = open_dir_below(self._root, (SEGMENTS_DIR,), create=True)
+            with self._lock:
+                self._refresh()
+                if self._view.index.used > self.capacity_bytes:  # a smaller capacity than last run's
+                    self._change(lambda w: self._evict_records(w, 0, set()))
+        except OSError as exc:
+            raise BackendUnavailableError(
+                f"disk backend {self.name!r}: cannot open {self._root!r}: {exc}"
+            ) from exc
+        logger.info(
+            "disk backend %r (segments): %d pages in %s", self.name, len(self._view.index), self._root
+        )
+
+    # -- the view ---------------------------------------------------------------------------
+
+    def _refresh(self) -> None:
+        """Read what every log gained since the last call (under ``_lock``)."""
+        st = os.fstat(self._dir_fd)
+        stamp = (st.st_mtime_ns, st.st_ino)
+        # a change within the file system's timestamp granularity keeps the stamp: list again
+        # while the last change is recent
+        if stamp != self._dir_stamp or time.time_ns() - st.st_mtime_ns < _RECENT_NS:
+            self._dir_stamp = stamp
+            names = {n for n in os.listdir(self._dir_fd) if n.endswith(".log")}
+            for gone in set(self._tails) - names:
+                self._tails.pop(gone).close()
+            for name in sorted(names - set(self._tails)):
+                try:
+                    self._tails[name] = LogTail(self._dir_fd, name)
+                except OSError as exc:
+                    self._note_error("open log", exc)
+        own = None if self._writer is None else self._writer.log
+        for name, tail in self._tails.items():
+            if name == own:
+                continue
+            for record in tail.read_new():
+                self._view.apply(record, name)
+            if tail.problem is not None or tail.damaged:
+                self._log_once(f"log {name}", tail.problem or "damaged record: read up to it")
+
+    @contextlib.contextmanager
+    def _locked_dir(self) -> Iterator[None]:
+        with self._lock:
+            fcntl.flock(self._dir_fd, fcntl.LOCK_EX)
+            try:
+                self._refresh()
+                yield
+            finally:
+                fcntl.flock(self._dir_fd, fcntl.LOCK_UN)
+
+    def _claim(self) -> SegmentWriter:
+        """This process's writer, made (and dead writers adopted) on first use; under ``_lock``."""
+        if self._writer is None:
+            writer = SegmentWriter(self._dir_fd)
+            self._tails[writer.log] = LogTail(self._dir_fd, writer.log)
+            self._writer = writer
+            with self._locked_dir():
+                self._adopt_dead(writer)
+        return self._writer
+
+    def _adopt_dead(self, writer: SegmentWriter) -> None:
+        """Take over the pages and segments of writers whose process is gone (their log's flock
+        is free): re-record their pages in this log, then remove their logs."""
+        for name in [n for n in self._tails if n != writer.log]:
+            try:
+                fd = os.open(name, _READ, dir_fd=self._dir_fd)
+            except OSError:
+                continue
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # alive
+                records = [
+                    Record(PUT, key, loc.ts, loc.writer, loc.segment, loc.offset, size)
+                    for key, size, loc in self._view.owned_by(name)
+                ]
+                dead_id = name.removesuffix(".log")
+                others = [t.first_ts for n, t in self._tails.items() if n not in (name, writer.log)]
+                oldest = min((ts for ts in others if ts is not None), default=None)
+                self._view.prune_tombstones(oldest)
+                records += [Record(DELETE, key, ts) for key, ts in self._view.tombstones.items()]
+                self._write_records(writer, records)
+                for seg in os.listdir(self._dir_fd):
+                    if seg.startswith(dead_id + "-") and seg.endswith(".seg"):
+                        with contextlib.suppress(OSError):
+                            writer.sizes[seg] = os.stat(
+                                seg, dir_fd=self._dir_fd, follow_symlinks=False
+                            ).st_size
+                os.unlink(name, dir_fd=self._dir_fd)
+                self._tails.pop(name).close()
+                logger.info(
+                    "disk backend %r: adopted %d pages of a writer gone (%s)", self.name, len(records), name
+                )
+            finally:
+                os.close(fd)
+        self._drop_empty_segments(writer)
+
+    def _write_records(self, writer: SegmentWriter, records: list[Record]) -> None:
+        """Apply ``records`` to the view and append them to this writer's log (under ``_lock``)."""
+        for record in records:
+            self._view.apply(record, writer.log)
+        self._commit(writer, records)
+
+    def _commit(self, writer: SegmentWriter, records: list[Record]) -> None:
+        """Append ``records``, already applied to the view, to this writer's log; if that fails
+        the view is read again from every log (this one included) and the error raised."""
+        if not records:
+            return
+        try:
+            writer.append_records(records, self._fsync)
+        except OSError:
+            self._reload()
+            raise
+        tail = self._tails[writer.log]
+        tail.position = writer.log_end
+        tail.saw(records)
+
+    def _reload(self) -> None:
+        self._view = SegmentView(self.capacity_bytes)
+        for tail in self._tails.values():
+            tail.close()
+        self._tails.clear()
+        self._dir_stamp = None
+        self._refresh()
+        if self._writer is not None:
+            for record in self._tails[self._writer.log].read_new():
+                self._view.apply(record, self._writer.log)
+
+    def _change(self, build: Callable[[SegmentWriter], list[Record]]) -> None:
+        """Under the directory lock, after reading every log: append ``build(writer)``'s records
+        (``build`` applies them to the view itself)."""
+        with self._lock:
+            writer = self._claim()
+            with self._locked_dir():
+                self._commit(writer, self._touch_records(writer) + build(writer))
+
+    def _evict_records(self, writer: SegmentWriter, nbytes: int, keep: set[str]) -> list[Record]:
+        victims = self._view.evict_for(nbytes, keep)
+        self.stats.evictions += len(victims)
+        self.stats.evicted_bytes += sum(size for _, size in victims)
+        return [Record(DELETE, key, writer.ts(self._view.max_ts)) for key, _ in victims]
+
+    # -- errors ---------------------------------------------------------------------------
+
+    def _log_once(self, what: str, why: str) -> None:
+        if (what, None) not in self._logged:
+            self._logged.add((what, None))
+            logger.warning("disk backend %r: %s: %s", self.name, what, why)
+
+    def _note_error(self, op: str, exc: OSError) -> None:
+        self.stats.errors += 1
+        if (op, exc.errno) not in self._logged:
+            self._logged.add((op, exc.errno))
+            logger.warning("disk backend %r: %s in %s failed: %s", self.name, op, self._root, exc)
+
+    # -- puts ---------------------------------------------------------------------------------
+
+    def _put_batch(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
+        out = [False] * len(items)
+        todo: list[tuple[int, str, memoryview]] = []
+        for i, (key, buf) in enumerate(items):
+            view = memoryview(buf).cast("B")
+            if view.nbytes > self.capacity_bytes:
+                self.stats.put_refused += 1
+            else:
+                todo.append((i, key, view))
+        if not todo:
+            return out
+        with self._append_lock:
+            try:
+                with self._lock:
+                    writer = self._claim()
+                places = writer.append_pages([v for _, _, v in todo], self._segment_bytes)
+                if self._fsync:
+                    os.fdatasync(writer.segment_fd)
+                with self._lock, self._locked_dir():
+                    self._commit(writer, self._put_records(writer, todo, places))
+            except OSError as exc:
+                self._note_error("put", exc)
+                self.stats.put_refused += len(todo)
+                return out
+            for i, _, view in todo:
+                out[i] = True
+                self.stats.puts += 1
+                self.stats.put_bytes += view.nbytes
+            self._tidy(writer)
+        return out
+
+    def _put_records(
+        self, writer: SegmentWriter, todo: list[tuple[int, str, memoryview]], places: list[tuple[int, int]]
+    ) -> list[Record]:
+        records = self._touch_records(writer)
+        for (_, key, view), (number, offset) in zip(todo, places, strict=True):
+            held = self._view.index.get(key)
+            records += self._evict_records(writer, view.nbytes - (held.size if held else 0), {key})
+            record = Record(PUT, key, writer.ts(self._view.max_ts), writer.id, number, offset, view.nbytes)
+            self._view.apply(record, writer.log)
+            records.append(record)
+        return records
+
+    # -- space ----------------------------------------------------------------------------
+
+    def _tidy(self, writer: SegmentWriter) -> None:
+        """Remove this writer's segments that hold no page, compact one if garbage passed the
+        bound, rewrite the log if it grew far past its pages (under ``_append_lock``)."""
+        self._drop_empty_segments(writer)
+        try:
+            self._compact_some(writer)
+            self._rotate_if_long(writer)
+        except OSError as exc:
+            self._note_error("compaction", exc)
+
+    def _rotate_if_long(self, writer: SegmentWriter) -> None:
+        if writer.log_end > max(_LOG_ROTATE_BYTES, 4 * _RECORD_BYTES * len(self._view.index)):
+            self._rotate(writer)
+
+    def _rotate(self, old: SegmentWriter) -> None:
+        """Go on in a new log and adopt the old one as a dead writer's: its pages re-recorded
+        (only the live ones), its segments taken over."""
+        with self._lock, self._locked_dir():
+            new = SegmentWriter(self._dir_fd)
+            self._tails[new.log] = LogTail(self._dir_fd, new.log)
+            self._writer = new
+            old.close()
+            self._adopt_dead(new)
+
+    def _compact_some(self, writer: SegmentWriter) -> None:
+        with self._lock:
+            live = {name: self._view.live.get(name, 0) for name in writer.sizes}
+        garbage = sum(writer.sizes.values()) - sum(live.values())
+        sealed = [name for name in writer.sizes if name != writer.active]
+        if garbage <= max(self._segment_bytes, self.capacity_bytes // 4) or not sealed:
+            return
+        victim = min(sealed, key=lambda name: live[name] / max(1, writer.sizes[name]))
+        self._compact(writer, victim)
+        self._drop_empty_segments(writer)
+
+    def _compact(self, writer: SegmentWriter, victim: str) -> None:
+        with self._lock:
+            held = [(key, self._view.index.get(key)) for key in self._view.keys_in.get(victim, ())]
+        pages = [(key, entry) for key, entry in held if entry is not None]
+        if pages:
+            fd = os.open(victim, _READ, dir_fd=self._dir_fd)
+            try:
+                views = [memoryview(bytearray(entry.size)) for _, entry in pages]
+                for view, (_, entry) in zip(views, pages, strict=True):
+                    if not readinto_exact(fd, view, offset=entry.value.offset):
+                        raise OSError(errno.EIO, f"segment {victim} is shorter than its log says")
+            finally:
+                os.close(fd)
+            places = writer.append_pages(views, self._segment_bytes)
+            if self._fsync:
+                os.fdatasync(writer.segment_fd)
+
+            def moves(w: SegmentWriter) -> list[Record]:
+                records = []
+                for (key, entry), (number, offset) in zip(pages, places, strict=True):
+                    now = self._view.index.get(key)
+                    if now is not None and now.value == entry.value:  # not replaced meanwhile
+                        record = Record(PUT, key, entry.value.ts, w.id, number, offset, entry.size)
+                        self._view.apply(record, w.log)
+                        records.append(record)
+                return records
+
+            self._change(moves)
+        logger.debug("disk backend %r: compacted %s (%d pages moved)", self.name, victim, len(pages))
+
+    def _drop_empty_segments(self, writer: SegmentWriter) -> None:
+        with self._lock:
+            empty = [n for n in writer.sizes if n != writer.active and n not in self._view.live]
+        for name in empty:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=self._dir_fd)
+            del writer.sizes[name]
+
+    # -- gets -----------------------------------------------------------------------------
+
+    def _get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+        with self._lock:
+            self._refresh()
+            entries = [self._view.index.get(key) for key in keys]
+        out: list[int | None] = [None] * len(keys)
+        jobs: list[tuple[int, Location, memoryview]] = []
+        for i, (entry, buf) in enumerate(zip(entries, buffers, strict=True)):
+            view = memoryview(buf).cast("B")
+            if entry is not None and entry.size <= view.nbytes:
+                jobs.append((i, entry.value, view[: entry.size]))
+        runs = _runs(jobs)
+        fds = self._open_segments({run[0][1].segment_file for run in runs})
+        try:
+            runs = [run for run in runs if fds.get(run[0][1].segment_file) is not None]
+            done = read_while_cached(runs, lambda run: self._read_run(fds, run, cached_only=True))
+            rest = runs[len(done) :]
+            if len(rest) > 1:
+                done += list(self._executor().map(lambda run: self._read_run(fds, run), rest))
+            elif rest:
+                done.append(self._read_run(fds, rest[0]))
+        finally:
+            for fd in fds.values():
+                if fd is not None:
+                    os.close(fd)
+        for hits in done:
+            for i, size in hits:
+                out[i] = size
+        hit_keys = [keys[i] for i in range(len(keys)) if out[i] is not None]
+        self.stats.gets += len(keys)
+        self.stats.hits += len(hit_keys)
+        self.stats.get_bytes += sum(n for n in out if n is not None)
+        if hit_keys and self._touch_on_read:
+            self._touch(hit_keys)
+        return out
+
+    def _open_segments(self, names: set[str]) -> dict[str, int | None]:
+        """A read descriptor per segment file; None for one gone since the lookup (compacted or
+        removed: its pages are misses) or not to be trusted."""
+        fds: dict[str, int | None] = {}
+        for name in names:
+            fds[name] = None
+            try:
+                fd = os.open(name, _READ, dir_fd=self._dir_fd)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                self._note_error("open segment", exc)
+                continue
+            problem = page_problem(os.fstat(fd), _ANY_SIZE)
+            if problem is not None:
+                os.close(fd)
+                self._log_once(f"segment {name}", problem)
+                continue
+            fds[name] = fd
+        return fds
+
+    def _read_run(
+        self,
+        fds: dict[str, int | None],
+        run: list[tuple[int, Location, memoryview]],
+        cached_only: bool = False,
+    ) -> list[tuple[int, int]]:
+        """Read one run of pages stored side by side; (index, size) of each page read whole.
+        ``cached_only``: raise NotCachedError rather than wait for the medium."""
+        fd = fds[run[0][1].segment_file]
+        assert fd is not None
+        try:
+            got = readv_full(fd, [view for _, _, view in run], run[0][1].offset, cached_only=cached_only)
+        except NotCachedError:
+            raise
+        except OSError as exc:
+            self._note_error("read", exc)
+            return []
+        out, end = [], 0
+        for i, _, view in run:
+            end += view.nbytes
+            if end > got:
+                break
+            out.append((i, view.nbytes))
+        return out
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._io_threads, thread_name_prefix=f"disk-seg-{self.name}")
+            return self._pool
+
+    def _get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
+        with self._lock:
+            self._refresh()
+            sizes = [self._view.index.get(key) for key in keys]
+        buffers = [memoryview(bytearray(0 if e is None else e.size)) for e in sizes]
+        got = self._get_into(keys, buffers)
+        return [None if n is None else bytes(buf[:n]) for n, buf in zip(got, buffers, strict=True)]
+
+    # -- the rest of the contract ---------------------------------------------------------------
+
+    def _touch(self, keys: Sequence[str]) -> None:
+        """Make held ``keys`` most recent here at once; their records wait for this process's
+        next change (loads never write the log) or until ``_TOUCH_BATCH`` are pending."""
+        with self._lock:
+            self._touched += [key for key in keys if self._view.index.touch(key) is not None]
+            if len(self._touched) < _TOUCH_BATCH:
+                return
+        try:
+            with self._lock:
+                writer = self._claim()
+                self._commit(writer, self._touch_records(writer))
+            if self._append_lock.acquire(blocking=False):  # else the put holding it rotates
+                try:
+                    self._rotate_if_long(writer)
+                finally:
+                    self._append_lock.release()
+        except OSError as exc:
+            self._note_error("touch", exc)
+
+    def _touch_records(self, writer: SegmentWriter) -> list[Record]:
+        """The pending touches as records (under ``_lock``; already applied to the view)."""
+        keys, self._touched = self._touched, []
+        return [Record(TOUCH, key, writer.ts(self._view.max_ts)) for key in keys if key in self._view.index]
+
+    def _touch_batch(self, keys: Sequence[str]) -> None:
+        with self._lock:
+            self._refresh()
+            self._touch(keys)
+
+    def _contains_batch(self, keys: Sequence[str]) -> list[bool]:
+        with self._lock:
+            self._refresh()
+            return [key in self._view.index for key in keys]
+
+    def _delete_batch(self, keys: Sequence[str]) -> int:
+        count = 0
+
+        def deletes(writer: SegmentWriter) -> list[Record]:
+            nonlocal count
+            records = []
+            for key in dict.fromkeys(keys):
+                if key in self._view.index:
+                    record = Record(DELETE, key, writer.ts(self._view.max_ts))
+                    self._view.apply(record, writer.log)
+                    records.append(record)
+            count = len(records)
+            return records
+
+        try:
+            self._change(deletes)
+        except OSError as exc:
+            self._note_error("delete", exc)
+            raise BackendUnavailableError(f"disk backend {self.name!r}: delete failed: {exc}") from exc
+        if self._writer is not None:
+            with self._append_lock:
+                self._drop_empty_segments(self._writer)
+        return count
+
+    def _used_bytes(self) -> int:
+        with self._lock:
+            self._refresh()
+            return self._view.index.used
+
+    def _scan(self, prefix: str) -> Iterator[PageInfo]:
+        with self._lock:
+            self._refresh()
+            items = [(key, self._view.index.get(key)) for key in self._view.index if key.startswith(prefix)]
+        for key, entry in items:
+            if entry is not None:
+                yield PageInfo(key, entry.size, entry.value.ts / 1e9)
+
+    def _close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        with self._append_lock, self._lock:
+            if self._touched and self._writer is not None:
+                with contextlib.suppress(OSError):
+                    self._commit(self._writer, self._touch_records(self._writer))
+            if self._writer is not None:
+                self._writer.close()
+            for tail in self._tails.values():
+                tail.close()
+            self._tails.clear()
+            with contextlib.suppress(OSError):
+                os.close(self._dir_fd)
+
+
+def _runs(jobs: list[tuple[int, Location, memoryview]]) -> list[list[tuple[int, Location, memoryview]]]:
+    """Jobs grouped into runs of pages stored back to back in one segment, in file order."""
+    runs: list[list[tuple[int, Location, memoryview]]] = []
+    for job in sorted(jobs, key=lambda j: (j[1].segment_file, j[1].offset)):
+        last = runs[-1][-1] if runs else None
+        if (
+            last is not None
+            and last[1].segment_file == job[1].segment_file
+            and last[1].offset + last[2].nbytes == job[1].offset
+        ):
+            runs[-1].append(job)
+        else:
+            runs.append([job])
+    return runs

@@ -1,0 +1,94 @@
+"""One writing process's files in the segment layout: its log and its active segment.
+
+A writer appends page bytes to its segments (``<writer>-<n>.seg``, a new one past the size
+limit) and records to its log (``<writer>.log``), holding an ``flock`` of the log while it
+lives: a log whose lock is free belongs to a writer that is gone. Not thread-safe: the backend
+(:mod:`.disk_segments`) calls it under its locks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import secrets
+import time
+
+from .disk_files import after
+from .segment_log import Record, encode, log_name, segment_name
+
+__all__ = ["SegmentWriter"]
+
+_CREATE = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class SegmentWriter:
+    """This process's log and active segment (used under the backend's locks)."""
+
+    def __init__(self, dir_fd: int) -> None:
+        self.id = secrets.randbits(63) | 1
+        self.log = log_name(self.id)
+        self._dir_fd = dir_fd
+        self.log_fd = os.open(self.log, _CREATE | os.O_APPEND, 0o600, dir_fd=dir_fd)
+        fcntl.flock(self.log_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self.log_end = 0
+        self.number = 0
+        self.segment_fd = -1
+        self.segment_end = 0
+        self.sizes: dict[str, int] = {}  # segment files this writer owns -> bytes written
+        self._last_ts = 0
+
+    def ts(self, after: int) -> int:
+        """A timestamp later than this writer's last one and than ``after``."""
+        self._last_ts = max(time.time_ns(), self._last_ts + 1, after + 1)
+        return self._last_ts
+
+    def append_pages(self, views: list[memoryview], limit: int) -> list[tuple[int, int]]:
+        """Write ``views`` contiguously into the active segment (a new one past ``limit``); the
+        (segment number, offset) of each."""
+        total = sum(v.nbytes for v in views)
+        if self.segment_fd < 0 or (self.segment_end and self.segment_end + total > limit):
+            self._new_segment()
+        offset = self.segment_end
+        done = 0
+        while done < total:  # pwritev may stop short
+            done += os.pwritev(self.segment_fd, after(views, done), offset + done)
+        self.segment_end += total
+        self.sizes[segment_name(self.id, self.number)] = self.segment_end
+        out, at = [], offset
+        for v in views:
+            out.append((self.number, at))
+            at += v.nbytes
+        return out
+
+    def _new_segment(self) -> None:
+        if self.segment_fd >= 0:
+            os.close(self.segment_fd)
+        self.number += 1
+        self.segment_fd = os.open(segment_name(self.id, self.number), _CREATE, 0o600, dir_fd=self._dir_fd)
+        self.segment_end = 0
+
+    @property
+    def active(self) -> str:
+        return segment_name(self.id, self.number)
+
+    def append_records(self, records: list[Record], sync: bool) -> None:
+        data = encode(records)
+        try:
+            written = os.write(self.log_fd, data)
+            if written != len(data):
+                raise OSError(errno.ENOSPC, "short write to the segment log")
+            if sync:
+                os.fdatasync(self.log_fd)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self.log_fd, self.log_end)  # readers must not meet a torn record
+            raise
+        self.log_end += len(data)
+
+    def close(self) -> None:
+        for fd in (self.segment_fd, self.log_fd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)  # releases the log's flock: the next writer adopts it
