@@ -304,9 +304,11 @@ class SegmentDiskBackend(Backend):
         self, writer: SegmentWriter, todo: list[tuple[int, str, memoryview]], places: list[tuple[int, int]]
     ) -> list[Record]:
         records = self._touch_records(writer)
+        index = self._view.index
         for (_, key, view), (number, offset) in zip(todo, places, strict=True):
-            held = self._view.index.get(key)
-            records += self._evict_records(writer, view.nbytes - (held.size if held else 0), {key})
+            if index.used + view.nbytes > index.capacity:
+                held = index.get(key)
+                records += self._evict_records(writer, view.nbytes - (held.size if held else 0), {key})
             record = Record(PUT, key, writer.ts(self._view.max_ts), writer.id, number, offset, view.nbytes)
             self._view.apply(record, writer.log)
             records.append(record)
