@@ -6,15 +6,17 @@ but every put is a create, a write and a rename. This layout turns a put batch i
 as ``disk`` plus ``segment_mb``; contract beyond :mod:`hybrid_offload.backends.base`:
 
 * **Files.** Under ``<path>/segments/``: each writing process appends page bytes to segment
-  files ``<writer>-<n>.seg`` (a new one when ``segment_mb`` is reached) and one record per
-  put, touch or delete to its log ``<writer>.log`` (:mod:`.segment_log`), holding an ``flock``
-  of its log while it lives. A process becomes a writer at its first put, delete, touch or
-  get (gets record touches); one that only asks ``contains_batch`` (vLLM's scheduler) never
-  writes. Files are ``0o600``, the directory ``0o700``; links and other users' files are not
-  read. The root is checked as for ``disk``.
+  files ``<writer>-<n>.seg`` (a new one when ``segment_mb`` is reached) and one record per put,
+  touch or delete to its log ``<writer>.log`` (:mod:`.segment_log`, :mod:`.segment_writer`),
+  holding an ``flock`` of its log while it lives. A process becomes a writer at its first put or
+  delete (or after 4096 touches); one that only asks ``contains_batch`` (vLLM's scheduler) or
+  reads never writes. Reads make pages most recent at once in this process; their touch records
+  go out with its next change. Files are ``0o600``, the directory ``0o700``; links and other
+  users' files are not read. The root is checked as for ``disk``.
 * **Index.** Every process reads every log (only what was appended since its last call, after
-  one ``fstat`` per log) into the same view, so pages put or deleted by other processes show
-  at once (``shared_index = True``). Last writer wins; see :mod:`.segment_log`.
+  one ``fstat`` per log) into the same view (:mod:`.segment_index`), so pages put or deleted
+  by other processes show at once (``shared_index = True``). Last writer wins; see
+  :mod:`.segment_log`.
 * **Atomic pages.** Page bytes are written (and with ``fsync``, synced) before the record that
   makes them visible; a crash leaves bytes no record points at, or one incomplete record at a
   log's end, which readers skip.
@@ -30,18 +32,19 @@ as ``disk`` plus ``segment_mb``; contract beyond :mod:`hybrid_offload.backends.b
   and segments and removes its log.
 * **Listing.** ``scan`` lists the view; ``mtime`` is the page's last put.
 * **Errors.** An ``OSError`` on a segment or log write refuses that call's pages (counted in
-  ``stats.errors``, logged once per errno); a page whose segment is gone or short is a miss.
+  ``stats.errors``, logged once per errno); after a failed log write the process stops using
+  that log (it may end torn, or hold records other processes applied: they stand) and its next
+  change starts a new writer, which adopts it. A page whose segment is gone or short is a miss.
+  Only an unusable ``<path>/segments`` raises :class:`BackendUnavailableError`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
@@ -49,15 +52,8 @@ from typing import Any, ClassVar
 from .base import Backend, BackendConfig, BackendUnavailableError, Buffer, PageInfo
 from .disk_files import NotCachedError, read_while_cached, readinto_exact, readv_full
 from .disk_root import check_writable_root, open_dir_below, page_problem
-from .segment_log import (
-    DELETE,
-    PUT,
-    TOUCH,
-    Location,
-    LogTail,
-    Record,
-    SegmentView,
-)
+from .segment_index import SegmentIndex
+from .segment_log import DELETE, PUT, TOUCH, Location, Record, SegmentView
 from .segment_writer import SegmentWriter
 
 logger = logging.getLogger(__name__)
@@ -65,18 +61,21 @@ logger = logging.getLogger(__name__)
 __all__ = ["SegmentDiskBackend"]
 
 SEGMENTS_DIR = "segments"
-_CREATE = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-_MAX_READ_FDS = 256
 _ANY_SIZE = 1 << 62
-_RECENT_NS = 2_000_000_000
 _LOG_ROTATE_BYTES = 8 << 20  # a log is rewritten once past this and 4x what its pages need
 _RECORD_BYTES = 100  # about one record
 _TOUCH_BATCH = 4096  # pending touches written without waiting for a change
 
+Job = tuple[int, Location, memoryview]  # (index in the call, where the page is, its buffer)
+
 
 class SegmentDiskBackend(Backend):
-    """Segment-layout disk store (see the module docstring)."""
+    """Segment-layout disk store (see the module docstring).
+
+    Locks, always taken in this order: ``_append_lock`` (the writer's segment appends and
+    whatever replaces the writer), ``_lock`` (the view and the logs), the directory's ``flock``.
+    """
 
     type_name: ClassVar[str] = "disk"
     shared_index: ClassVar[bool] = True
@@ -91,7 +90,7 @@ class SegmentDiskBackend(Backend):
 
     def __init__(self, config: BackendConfig, *, touch_on_read: bool = True) -> None:
         """Open ``<path>/segments`` (created if missing) and read every log; blocks for it.
-        ``touch_on_read=False`` (maintenance tools): gets record no touches."""
+        ``touch_on_read=False`` (maintenance tools): gets make nothing recent."""
         super().__init__(config)
         opts = self.validate_options(dict(config.options))
         self._root = os.path.abspath(opts["path"])
@@ -99,160 +98,96 @@ class SegmentDiskBackend(Backend):
         self._io_threads: int = opts["io_threads"]
         self._segment_bytes = max(4096, min(opts["segment_mb"] << 20, self.capacity_bytes // 4))
         self._touch_on_read = touch_on_read
-        self._lock = threading.RLock()  # the view, the logs read, the writer's records
-        self._append_lock = threading.Lock()  # the writer's segment appends
-        self._view = SegmentView(self.capacity_bytes)
-        self._tails: dict[str, LogTail] = {}
-        self._dir_stamp: tuple[int, int] | None = None
-        self._read_fds: dict[str, int] = {}
+        self._lock = threading.RLock()
+        self._append_lock = threading.Lock()
         self._writer: SegmentWriter | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._logged: set[tuple[str, int | None]] = set()
-        self._touched: list[str] = []  # keys read or touched whose TOUCH records are not written yet
+        self._touched: list[str] = []  # keys made recent whose TOUCH records are not written yet
         check_writable_root(self._root, self.name)
         try:
-            self._dir_fd = open_dir_below(self._root, (SEGMENTS_DIR,), create=True)
-            with self._lock:
-                self._refresh()
-                if self._view.index.used > self.capacity_bytes:  # a smaller capacity than last run's
-                    self._change(lambda w: self._evict_records(w, 0, set()))
+            dir_fd = open_dir_below(self._root, (SEGMENTS_DIR,), create=True)
         except OSError as exc:
             raise BackendUnavailableError(
                 f"disk backend {self.name!r}: cannot open {self._root!r}: {exc}"
             ) from exc
+        self._index = SegmentIndex(dir_fd, self.capacity_bytes, self.name)
+        with self._lock:
+            self._index.refresh()
+            if self._view.index.used > self.capacity_bytes:  # a smaller capacity than last run's
+                with contextlib.suppress(OSError):
+                    self._change(lambda w: self._evict_records(w, 0, set()))
         logger.info(
             "disk backend %r (segments): %d pages in %s", self.name, len(self._view.index), self._root
         )
 
-    # -- the view ---------------------------------------------------------------------------
+    @property
+    def _view(self) -> SegmentView:
+        return self._index.view
 
     def _refresh(self) -> None:
-        """Read what every log gained since the last call (under ``_lock``)."""
-        st = os.fstat(self._dir_fd)
-        stamp = (st.st_mtime_ns, st.st_ino)
-        # a change within the file system's timestamp granularity keeps the stamp: list again
-        # while the last change is recent
-        if stamp != self._dir_stamp or time.time_ns() - st.st_mtime_ns < _RECENT_NS:
-            self._dir_stamp = stamp
-            names = {n for n in os.listdir(self._dir_fd) if n.endswith(".log")}
-            for gone in set(self._tails) - names:
-                self._tails.pop(gone).close()
-            for name in sorted(names - set(self._tails)):
-                try:
-                    self._tails[name] = LogTail(self._dir_fd, name)
-                except OSError as exc:
-                    self._note_error("open log", exc)
-        own = None if self._writer is None else self._writer.log
-        for name, tail in self._tails.items():
-            if name == own:
-                continue
-            for record in tail.read_new():
-                self._view.apply(record, name)
-            if tail.problem is not None or tail.damaged:
-                self._log_once(f"log {name}", tail.problem or "damaged record: read up to it")
+        """Read what every log gained (under ``_lock``); BackendClosedError once closed."""
+        self._check_open()
+        self._index.refresh()
 
-    @contextlib.contextmanager
-    def _locked_dir(self) -> Iterator[None]:
-        with self._lock:
-            fcntl.flock(self._dir_fd, fcntl.LOCK_EX)
-            try:
-                self._refresh()
-                yield
-            finally:
-                fcntl.flock(self._dir_fd, fcntl.LOCK_UN)
+    # -- the writer and its records (under ``_lock``) -----------------------------------------
 
     def _claim(self) -> SegmentWriter:
-        """This process's writer, made (and dead writers adopted) on first use; under ``_lock``."""
+        """This process's writer, made (and dead writers adopted) on first use."""
+        self._check_open()
         if self._writer is None:
-            writer = SegmentWriter(self._dir_fd)
-            self._tails[writer.log] = LogTail(self._dir_fd, writer.log)
+            writer = SegmentWriter(self._index.dir_fd)
+            try:
+                self._index.add_own(writer)
+                with self._index.locked():
+                    self._index.adopt_dead(writer, lambda records: self._write_records(writer, records))
+            except BaseException:
+                writer.close()
+                raise
             self._writer = writer
-            with self._locked_dir():
-                self._adopt_dead(writer)
         return self._writer
 
-    def _adopt_dead(self, writer: SegmentWriter) -> None:
-        """Take over the pages and segments of writers whose process is gone (their log's flock
-        is free): re-record their pages in this log, then remove their logs."""
-        for name in [n for n in self._tails if n != writer.log]:
-            try:
-                fd = os.open(name, _READ, dir_fd=self._dir_fd)
-            except OSError:
-                continue
-            try:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue  # alive
-                records = [
-                    Record(PUT, key, loc.ts, loc.writer, loc.segment, loc.offset, size)
-                    for key, size, loc in self._view.owned_by(name)
-                ]
-                dead_id = name.removesuffix(".log")
-                others = [t.first_ts for n, t in self._tails.items() if n not in (name, writer.log)]
-                oldest = min((ts for ts in others if ts is not None), default=None)
-                self._view.prune_tombstones(oldest)
-                records += [Record(DELETE, key, ts) for key, ts in self._view.tombstones.items()]
-                self._write_records(writer, records)
-                for seg in os.listdir(self._dir_fd):
-                    if seg.startswith(dead_id + "-") and seg.endswith(".seg"):
-                        with contextlib.suppress(OSError):
-                            writer.sizes[seg] = os.stat(
-                                seg, dir_fd=self._dir_fd, follow_symlinks=False
-                            ).st_size
-                os.unlink(name, dir_fd=self._dir_fd)
-                self._tails.pop(name).close()
-                logger.info(
-                    "disk backend %r: adopted %d pages of a writer gone (%s)", self.name, len(records), name
-                )
-            finally:
-                os.close(fd)
-        self._drop_empty_segments(writer)
-
     def _write_records(self, writer: SegmentWriter, records: list[Record]) -> None:
-        """Apply ``records`` to the view and append them to this writer's log (under ``_lock``)."""
+        """Apply ``records`` to the view, then append them to ``writer``'s log."""
         for record in records:
             self._view.apply(record, writer.log)
         self._commit(writer, records)
 
     def _commit(self, writer: SegmentWriter, records: list[Record]) -> None:
-        """Append ``records``, already applied to the view, to this writer's log; if that fails
-        the view is read again from every log (this one included) and the error raised."""
+        """Append ``records``, already applied to the view, to ``writer``'s log. If that fails
+        the writer is given up and the view read again from every log, then the error raised."""
         if not records:
             return
         try:
             writer.append_records(records, self._fsync)
         except OSError:
-            self._reload()
+            writer.close()
+            if self._writer is writer:
+                self._writer = None
+            self._index.reload()
             raise
-        tail = self._tails[writer.log]
-        tail.position = writer.log_end
-        tail.saw(records)
-
-    def _reload(self) -> None:
-        self._view = SegmentView(self.capacity_bytes)
-        for tail in self._tails.values():
-            tail.close()
-        self._tails.clear()
-        self._dir_stamp = None
-        self._refresh()
-        if self._writer is not None:
-            for record in self._tails[self._writer.log].read_new():
-                self._view.apply(record, self._writer.log)
+        self._index.wrote(writer)
 
     def _change(self, build: Callable[[SegmentWriter], list[Record]]) -> None:
-        """Under the directory lock, after reading every log: append ``build(writer)``'s records
-        (``build`` applies them to the view itself)."""
+        """Under the directory lock, after reading every log: append the pending touches and
+        ``build(writer)``'s records (``build`` applies them to the view itself)."""
         with self._lock:
             writer = self._claim()
-            with self._locked_dir():
+            with self._index.locked():
                 self._commit(writer, self._touch_records(writer) + build(writer))
 
     def _evict_records(self, writer: SegmentWriter, nbytes: int, keep: set[str]) -> list[Record]:
-        victims = self._view.evict_for(nbytes, keep)
+        victims = self._view.evict_for(
+            nbytes, keep, lambda key: Record(DELETE, key, writer.ts(self._view.max_ts)), writer.log
+        )
         self.stats.evictions += len(victims)
         self.stats.evicted_bytes += sum(size for _, size in victims)
-        return [Record(DELETE, key, writer.ts(self._view.max_ts)) for key, _ in victims]
+        return [record for record, _ in victims]
+
+    def _touch_records(self, writer: SegmentWriter) -> list[Record]:
+        """The pending touches as records (already applied to the view)."""
+        keys, self._touched = self._touched, []
+        return [Record(TOUCH, key, writer.ts(self._view.max_ts)) for key in keys if key in self._view.index]
 
     # -- errors ---------------------------------------------------------------------------
 
@@ -287,8 +222,10 @@ class SegmentDiskBackend(Backend):
                 places = writer.append_pages([v for _, _, v in todo], self._segment_bytes)
                 if self._fsync:
                     os.fdatasync(writer.segment_fd)
-                with self._lock, self._locked_dir():
-                    self._commit(writer, self._put_records(writer, todo, places))
+                with self._lock:
+                    self._check_open()
+                    with self._index.locked():
+                        self._commit(writer, self._put_records(writer, todo, places))
             except OSError as exc:
                 self._note_error("put", exc)
                 self.stats.put_refused += len(todo)
@@ -297,7 +234,7 @@ class SegmentDiskBackend(Backend):
                 out[i] = True
                 self.stats.puts += 1
                 self.stats.put_bytes += view.nbytes
-            self._tidy(writer)
+            self._tidy()
         return out
 
     def _put_records(
@@ -314,31 +251,34 @@ class SegmentDiskBackend(Backend):
             records.append(record)
         return records
 
-    # -- space ----------------------------------------------------------------------------
+    # -- space (under ``_append_lock``) ----------------------------------------------------------
 
-    def _tidy(self, writer: SegmentWriter) -> None:
+    def _tidy(self) -> None:
         """Remove this writer's segments that hold no page, compact one if garbage passed the
-        bound, rewrite the log if it grew far past its pages (under ``_append_lock``)."""
-        self._drop_empty_segments(writer)
+        bound, rewrite the log if it grew far past its pages. Failures are counted, not raised."""
         try:
+            writer = self._writer
+            if writer is None:
+                return
+            self._drop_empty_segments(writer)
             self._compact_some(writer)
-            self._rotate_if_long(writer)
+            self._rotate_if_long()
         except OSError as exc:
             self._note_error("compaction", exc)
 
-    def _rotate_if_long(self, writer: SegmentWriter) -> None:
-        if writer.log_end > max(_LOG_ROTATE_BYTES, 4 * _RECORD_BYTES * len(self._view.index)):
-            self._rotate(writer)
-
-    def _rotate(self, old: SegmentWriter) -> None:
-        """Go on in a new log and adopt the old one as a dead writer's: its pages re-recorded
-        (only the live ones), its segments taken over."""
-        with self._lock, self._locked_dir():
-            new = SegmentWriter(self._dir_fd)
-            self._tails[new.log] = LogTail(self._dir_fd, new.log)
-            self._writer = new
-            old.close()
-            self._adopt_dead(new)
+    def _rotate_if_long(self) -> None:
+        """Go on in a new log if this one is long, adopting the old one as a dead writer's: only
+        its live pages and needed deletes are recorded again, its segments taken over."""
+        with self._lock:
+            old = self._writer
+            if old is None or old.log_end <= max(
+                _LOG_ROTATE_BYTES, 4 * _RECORD_BYTES * len(self._view.index)
+            ):
+                return
+            self._check_open()
+            old.close()  # its flock released: adopted below, like a dead writer's
+            self._writer = None
+            self._claim()
 
     def _compact_some(self, writer: SegmentWriter) -> None:
         with self._lock:
@@ -355,60 +295,70 @@ class SegmentDiskBackend(Backend):
         with self._lock:
             held = [(key, self._view.index.get(key)) for key in self._view.keys_in.get(victim, ())]
         pages = [(key, entry) for key, entry in held if entry is not None]
-        if pages:
-            fd = os.open(victim, _READ, dir_fd=self._dir_fd)
-            try:
-                views = [memoryview(bytearray(entry.size)) for _, entry in pages]
-                for view, (_, entry) in zip(views, pages, strict=True):
-                    if not readinto_exact(fd, view, offset=entry.value.offset):
-                        raise OSError(errno.EIO, f"segment {victim} is shorter than its log says")
-            finally:
-                os.close(fd)
-            places = writer.append_pages(views, self._segment_bytes)
-            if self._fsync:
-                os.fdatasync(writer.segment_fd)
+        if not pages:
+            return
+        fd = os.open(victim, _READ, dir_fd=self._index.dir_fd)
+        try:
+            views = [memoryview(bytearray(entry.size)) for _, entry in pages]
+            for view, (_, entry) in zip(views, pages, strict=True):
+                if not readinto_exact(fd, view, offset=entry.value.offset):
+                    raise OSError(errno.EIO, f"segment {victim} is shorter than its log says")
+        finally:
+            os.close(fd)
+        places = writer.append_pages(views, self._segment_bytes)
+        if self._fsync:
+            os.fdatasync(writer.segment_fd)
 
-            def moves(w: SegmentWriter) -> list[Record]:
-                records = []
-                for (key, entry), (number, offset) in zip(pages, places, strict=True):
-                    now = self._view.index.get(key)
-                    if now is not None and now.value == entry.value:  # not replaced meanwhile
-                        record = Record(PUT, key, entry.value.ts, w.id, number, offset, entry.size)
-                        self._view.apply(record, w.log)
-                        records.append(record)
-                return records
+        def moves(w: SegmentWriter) -> list[Record]:
+            records = []
+            for (key, entry), (number, offset) in zip(pages, places, strict=True):
+                now = self._view.index.get(key)
+                if now is not None and now.value[:3] == entry.value[:3]:  # not replaced meanwhile
+                    record = Record(PUT, key, entry.value.ts, w.id, number, offset, entry.size)
+                    self._view.apply(record, w.log)
+                    records.append(record)
+            return records
 
-            self._change(moves)
+        self._change(moves)
         logger.debug("disk backend %r: compacted %s (%d pages moved)", self.name, victim, len(pages))
 
     def _drop_empty_segments(self, writer: SegmentWriter) -> None:
         with self._lock:
             empty = [n for n in writer.sizes if n != writer.active and n not in self._view.live]
         for name in empty:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(name, dir_fd=self._dir_fd)
+            try:
+                os.unlink(name, dir_fd=self._index.dir_fd)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                self._note_error("remove segment", exc)
+                continue
             del writer.sizes[name]
 
     # -- gets -----------------------------------------------------------------------------
 
     def _get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+        out: list[int | None] = [None] * len(keys)
+        jobs: list[Job] = []
         with self._lock:
             self._refresh()
-            entries = [self._view.index.get(key) for key in keys]
-        out: list[int | None] = [None] * len(keys)
-        jobs: list[tuple[int, Location, memoryview]] = []
-        for i, (entry, buf) in enumerate(zip(entries, buffers, strict=True)):
-            view = memoryview(buf).cast("B")
-            if entry is not None and entry.size <= view.nbytes:
-                jobs.append((i, entry.value, view[: entry.size]))
-        runs = _runs(jobs)
-        fds = self._open_segments({run[0][1].segment_file for run in runs})
+            for i, (key, buf) in enumerate(zip(keys, buffers, strict=True)):
+                entry = self._view.index.get(key)
+                view = memoryview(buf).cast("B")
+                if entry is not None and entry.size <= view.nbytes:
+                    jobs.append((i, entry.value, view[: entry.size]))
+            runs = _runs(jobs)
+            fds = self._open_segments({run[0][1].segment_file for run in runs})
         try:
             runs = [run for run in runs if fds.get(run[0][1].segment_file) is not None]
             done = read_while_cached(runs, lambda run: self._read_run(fds, run, cached_only=True))
             rest = runs[len(done) :]
             if len(rest) > 1:
-                done += list(self._executor().map(lambda run: self._read_run(fds, run), rest))
+                try:
+                    done += list(self._executor().map(lambda run: self._read_run(fds, run), rest))
+                except RuntimeError:  # the pool was shut down: close() won the race
+                    self._check_open()
+                    raise
             elif rest:
                 done.append(self._read_run(fds, rest[0]))
         finally:
@@ -427,13 +377,13 @@ class SegmentDiskBackend(Backend):
         return out
 
     def _open_segments(self, names: set[str]) -> dict[str, int | None]:
-        """A read descriptor per segment file; None for one gone since the lookup (compacted or
-        removed: its pages are misses) or not to be trusted."""
+        """A read descriptor per segment file (under ``_lock``); None for one gone since the lookup
+        (compacted or removed: its pages are misses) or not to be trusted."""
         fds: dict[str, int | None] = {}
         for name in names:
             fds[name] = None
             try:
-                fd = os.open(name, _READ, dir_fd=self._dir_fd)
+                fd = os.open(name, _READ, dir_fd=self._index.dir_fd)
             except FileNotFoundError:
                 continue
             except OSError as exc:
@@ -448,10 +398,7 @@ class SegmentDiskBackend(Backend):
         return fds
 
     def _read_run(
-        self,
-        fds: dict[str, int | None],
-        run: list[tuple[int, Location, memoryview]],
-        cached_only: bool = False,
+        self, fds: dict[str, int | None], run: list[Job], cached_only: bool = False
     ) -> list[tuple[int, int]]:
         """Read one run of pages stored side by side; (index, size) of each page read whole.
         ``cached_only``: raise NotCachedError rather than wait for the medium."""
@@ -474,6 +421,7 @@ class SegmentDiskBackend(Backend):
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:
+            self._check_open()
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self._io_threads, thread_name_prefix=f"disk-seg-{self.name}")
             return self._pool
@@ -492,25 +440,23 @@ class SegmentDiskBackend(Backend):
         """Make held ``keys`` most recent here at once; their records wait for this process's
         next change (loads never write the log) or until ``_TOUCH_BATCH`` are pending."""
         with self._lock:
+            self._check_open()
             self._touched += [key for key in keys if self._view.index.touch(key) is not None]
             if len(self._touched) < _TOUCH_BATCH:
                 return
-        try:
-            with self._lock:
+            try:
                 writer = self._claim()
                 self._commit(writer, self._touch_records(writer))
-            if self._append_lock.acquire(blocking=False):  # else the put holding it rotates
-                try:
-                    self._rotate_if_long(writer)
-                finally:
-                    self._append_lock.release()
-        except OSError as exc:
-            self._note_error("touch", exc)
-
-    def _touch_records(self, writer: SegmentWriter) -> list[Record]:
-        """The pending touches as records (under ``_lock``; already applied to the view)."""
-        keys, self._touched = self._touched, []
-        return [Record(TOUCH, key, writer.ts(self._view.max_ts)) for key in keys if key in self._view.index]
+            except OSError as exc:
+                self._note_error("touch", exc)
+                return
+        if self._append_lock.acquire(blocking=False):  # else a put holds it and rotates
+            try:
+                self._rotate_if_long()
+            except OSError as exc:
+                self._note_error("touch", exc)
+            finally:
+                self._append_lock.release()
 
     def _touch_batch(self, keys: Sequence[str]) -> None:
         with self._lock:
@@ -541,8 +487,8 @@ class SegmentDiskBackend(Backend):
         except OSError as exc:
             self._note_error("delete", exc)
             raise BackendUnavailableError(f"disk backend {self.name!r}: delete failed: {exc}") from exc
-        if self._writer is not None:
-            with self._append_lock:
+        with self._append_lock:
+            if self._writer is not None:
                 self._drop_empty_segments(self._writer)
         return count
 
@@ -560,24 +506,24 @@ class SegmentDiskBackend(Backend):
                 yield PageInfo(key, entry.size, entry.value.ts / 1e9)
 
     def _close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
         with self._append_lock, self._lock:
-            if self._touched and self._writer is not None:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)  # reads in flight hold no lock
+            writer = self._writer
+            if writer is not None and self._touched:
                 with contextlib.suppress(OSError):
-                    self._commit(self._writer, self._touch_records(self._writer))
-            if self._writer is not None:
-                self._writer.close()
-            for tail in self._tails.values():
-                tail.close()
-            self._tails.clear()
+                    self._commit(writer, self._touch_records(writer))
+            if writer is not None:
+                writer.close()
+            for name in list(self._index.tails):
+                self._index.tails.pop(name).close()
             with contextlib.suppress(OSError):
-                os.close(self._dir_fd)
+                os.close(self._index.dir_fd)
 
 
-def _runs(jobs: list[tuple[int, Location, memoryview]]) -> list[list[tuple[int, Location, memoryview]]]:
+def _runs(jobs: list[Job]) -> list[list[Job]]:
     """Jobs grouped into runs of pages stored back to back in one segment, in file order."""
-    runs: list[list[tuple[int, Location, memoryview]]] = []
+    runs: list[list[Job]] = []
     for job in sorted(jobs, key=lambda j: (j[1].segment_file, j[1].offset)):
         last = runs[-1][-1] if runs else None
         if (

@@ -24,12 +24,13 @@ import os
 import stat
 import struct
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from .lru_index import LruIndex
 
-__all__ = ["DELETE", "PUT", "TOUCH", "Location", "LogTail", "Record", "SegmentView", "encode"]
+__all__ = ["DELETE", "PUT", "TOUCH", "Location", "LogTail", "Record", "SegmentView", "Tombstone", "encode"]
 
 PUT, TOUCH, DELETE = 1, 2, 3
 _HEAD = struct.Struct("<BBxxIQQQQ")  # kind, key length, segment number, writer, ts, offset, length
@@ -93,7 +94,6 @@ class LogTail:
         self.position = 0
         self.damaged = False
         self.problem: str | None = None
-        self.first_ts: int | None = None  # its oldest record's ts: no put it holds is older
         self._fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
         st = os.fstat(self._fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
@@ -110,14 +110,7 @@ class LogTail:
         buf = os.pread(self._fd, size - self.position, self.position)
         records, used, self.damaged = decode(buf)
         self.position += used
-        self.saw(records)
         return records
-
-    def saw(self, records: list[Record]) -> None:
-        """Note ``records`` as part of this log (its writer's own appends go through here)."""
-        if records:
-            oldest = min(r.ts for r in records)
-            self.first_ts = oldest if self.first_ts is None else min(self.first_ts, oldest)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -131,18 +124,32 @@ class Location(NamedTuple):
     log: str  # the log the put was read from (its writer adopts it)
     writer: int  # the segment's writer id and number, as recorded
     segment: int
+    older: frozenset[str] = frozenset()  # other logs holding older puts of the key
+
+
+@dataclass
+class Tombstone:
+    """A key's newest delete: ``ts``, the log holding it (``source``), and the logs holding puts
+    it hides (while one of them exists, a process reading them afresh needs the delete)."""
+
+    ts: int
+    source: str
+    hides: set[str] = field(default_factory=set)
+    seen_in_pass: int = 0
 
 
 class SegmentView:
     """The pages every log together describes: key -> :class:`Location`, in LRU order, with the
-    live bytes per segment file (what compaction reclaims)."""
+    live bytes per segment file (what compaction reclaims) and the deletes still needed."""
 
     def __init__(self, capacity: int) -> None:
         self.index: LruIndex[Location] = LruIndex(capacity)
-        self.tombstones: dict[str, int] = {}  # key -> newest delete ts
+        self.tombstones: dict[str, Tombstone] = {}
         self.live: dict[str, int] = {}  # segment file -> bytes of the pages held there
         self.keys_in: dict[str, set[str]] = {}  # segment file -> keys held there
         self.max_ts = 0  # the newest record applied: a writer's next ts is later (a Lamport clock)
+        self.passes = 0  # complete reads of every log (see :meth:`prune`)
+        self.logs: set[str] = set()  # the logs being read
 
     def _hold(self, key: str, size: int, loc: Location, *, keep_recency: bool) -> None:
         old = self.index.get(key)
@@ -172,19 +179,37 @@ class SegmentView:
             self.index.touch(key)
             return False
         held = self.index.get(key)
+        tomb = self.tombstones.get(key)
         if record.kind == DELETE:
-            if record.ts > self.tombstones.get(key, -1):
-                self.tombstones[key] = record.ts
             if held is not None and held.value.ts < record.ts:
+                self._bury(key, record.ts, log, held.value)
                 self.remove(key)
                 return True
+            self._bury(key, record.ts, log, None)
             return False
-        if record.ts <= self.tombstones.get(key, -1) or (held is not None and held.value.ts > record.ts):
+        if tomb is not None and record.ts <= tomb.ts:
+            tomb.hides.add(log)
             return False
+        if held is not None and held.value.ts > record.ts:
+            if log != held.value.log and log not in held.value.older:  # an older put elsewhere
+                self.index.relocate(key, held.size, held.value._replace(older=held.value.older | {log}))
+            return False
+        older: frozenset[str] = frozenset()
+        if held is not None:
+            older = held.value.older if held.value.log == log else held.value.older | {held.value.log}
         name = segment_name(record.writer, record.segment)
-        loc = Location(record.ts, name, record.offset, log, record.writer, record.segment)
+        loc = Location(record.ts, name, record.offset, log, record.writer, record.segment, older - {log})
         self._hold(key, record.length, loc, keep_recency=held is not None and held.value.ts == record.ts)
         return True
+
+    def _bury(self, key: str, ts: int, source: str, hidden: Location | None) -> None:
+        """Note a delete of ``key`` at ``ts`` recorded in ``source``, hiding the put ``hidden``."""
+        tomb = self.tombstones.get(key)
+        if tomb is None or ts >= tomb.ts:  # the same ts: the delete recorded again (adoption)
+            hides = set() if tomb is None else tomb.hides  # what the older delete hid, this hides
+            tomb = self.tombstones[key] = Tombstone(ts, source, hides, self.passes)
+        if hidden is not None:
+            tomb.hides |= (hidden.older | {hidden.log}) & self.logs
 
     def remove(self, key: str) -> Location | None:
         entry = self.index.remove(key)
@@ -193,25 +218,50 @@ class SegmentView:
         self._forget(key, entry.size, entry.value)
         return entry.value
 
-    def evict_for(self, nbytes: int, keep: set[str]) -> list[tuple[str, int]]:
-        """Remove least recently used pages (none in ``keep``) until ``nbytes`` more fit; their
-        (key, size)."""
+    def evict_for(
+        self, nbytes: int, keep: set[str], delete: Callable[[str], Record], log: str
+    ) -> list[tuple[Record, int]]:
+        """Remove least recently used pages (none in ``keep``) until ``nbytes`` more fit, each with
+        the delete record ``delete(key)`` makes, to be appended to ``log`` (its tombstone noted
+        here); (record, size) of each."""
         out = []
         for entry in self.index.make_room(nbytes, lambda e: e.key not in keep):
             self._forget(entry.key, entry.size, entry.value)
-            out.append((entry.key, entry.size))
+            record = delete(entry.key)
+            self.max_ts = max(self.max_ts, record.ts)
+            self._bury(entry.key, record.ts, log, entry.value)
+            out.append((record, entry.size))
         return out
 
-    def owned_by(self, log: str) -> Iterator[tuple[str, int, Location]]:
+    def owned_by(self, log: str) -> list[tuple[str, int, Location]]:
         """(key, size, location) of the pages whose put was read from ``log``, least recent first."""
+        out = []
         for key in self.index.ordered():
             entry = self.index.get(key)
             if entry is not None and entry.value.log == log:
-                yield key, entry.size, entry.value
+                out.append((key, entry.size, entry.value))
+        return out
 
-    def prune_tombstones(self, oldest_other_ts: int | None) -> None:
-        """Forget deletes older than every record of the other logs: no put they could hide."""
-        if oldest_other_ts is None:
-            self.tombstones.clear()
-            return
-        self.tombstones = {k: ts for k, ts in self.tombstones.items() if ts >= oldest_other_ts}
+    def deletes_to_keep(self, log: str) -> list[tuple[str, int]]:
+        """(key, ts) of the deletes recorded in ``log`` that hide puts of other logs: what an
+        adopter of ``log`` records again."""
+        return [
+            (key, tomb.ts)
+            for key, tomb in self.tombstones.items()
+            if tomb.source == log and tomb.hides - {log}
+        ]
+
+    def log_gone(self, log: str) -> None:
+        """``log`` was removed (read to its end first): the puts it held need no delete now."""
+        self.logs.discard(log)
+        for tomb in self.tombstones.values():
+            tomb.hides.discard(log)
+
+    def prune(self) -> None:
+        """Forget deletes that hide nothing, once every log was read twice after them (a put
+        older than a delete can be read one pass after it, from a log read earlier in a pass)."""
+        self.tombstones = {
+            key: tomb
+            for key, tomb in self.tombstones.items()
+            if tomb.hides or tomb.seen_in_pass + 2 > self.passes
+        }

@@ -27,11 +27,21 @@ class SegmentWriter:
     """This process's log and active segment (used under the backend's locks)."""
 
     def __init__(self, dir_fd: int) -> None:
+        """Create this writer's log, already locked when it appears under its name (created as
+        ``<writer>.new``, locked, then renamed), so no other process can take it for a dead one."""
         self.id = secrets.randbits(63) | 1
         self.log = log_name(self.id)
         self._dir_fd = dir_fd
-        self.log_fd = os.open(self.log, _CREATE | os.O_APPEND, 0o600, dir_fd=dir_fd)
-        fcntl.flock(self.log_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        temp = f"{self.id:016x}.new"
+        self.log_fd = os.open(temp, _CREATE | os.O_APPEND, 0o600, dir_fd=dir_fd)
+        try:
+            fcntl.flock(self.log_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(temp, self.log, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            os.close(self.log_fd)
+            with contextlib.suppress(OSError):
+                os.unlink(temp, dir_fd=dir_fd)
+            raise
         self.log_end = 0
         self.number = 0
         self.segment_fd = -1
@@ -74,21 +84,21 @@ class SegmentWriter:
         return segment_name(self.id, self.number)
 
     def append_records(self, records: list[Record], sync: bool) -> None:
+        """Append ``records`` with one write. On ``OSError`` the log may end in a torn record, or
+        hold records that readers already applied although the sync failed: nothing is taken
+        back, and the caller stops writing to this log (:meth:`close`; the next writer adopts it)."""
         data = encode(records)
-        try:
-            written = os.write(self.log_fd, data)
-            if written != len(data):
-                raise OSError(errno.ENOSPC, "short write to the segment log")
-            if sync:
-                os.fdatasync(self.log_fd)
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.ftruncate(self.log_fd, self.log_end)  # readers must not meet a torn record
-            raise
+        written = os.write(self.log_fd, data)
+        if written != len(data):
+            raise OSError(errno.ENOSPC, "short write to the segment log")
+        if sync:
+            os.fdatasync(self.log_fd)
         self.log_end += len(data)
 
     def close(self) -> None:
+        """Close the files (idempotent); releases the log's flock: the next writer adopts it."""
         for fd in (self.segment_fd, self.log_fd):
             if fd >= 0:
                 with contextlib.suppress(OSError):
-                    os.close(fd)  # releases the log's flock: the next writer adopts it
+                    os.close(fd)
+        self.segment_fd = self.log_fd = -1

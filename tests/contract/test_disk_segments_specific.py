@@ -7,6 +7,7 @@ import errno
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 from backend_contract import key, page
 
 from hybrid_offload.backends import (
+    BackendClosedError,
     BackendConfig,
     BackendConfigError,
     create_backend,
@@ -254,3 +256,114 @@ def test_reads_in_one_process_keep_pages_from_another_processes_eviction(tmp_pat
         b.put_batch([(k[4], page(4, 1000))])  # evicts k1, the least recently used
         a.put_batch([(k[5], page(5, 1000))])  # a has read b's touch of k0: evicts k2
         assert a.contains_batch(k) == [True, False, False, True, True, True]
+
+
+def rotate(backend: SegmentDiskBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make ``backend`` go on in a new log now (adopting its old one)."""
+    with monkeypatch.context() as patch:
+        patch.setattr(disk_segments, "_LOG_ROTATE_BYTES", 0)
+        patch.setattr(disk_segments, "_RECORD_BYTES", 0)
+        with backend._append_lock:
+            backend._rotate_if_long()
+
+
+def test_deletes_survive_rotations_for_readers_that_missed_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "store"
+    with make(root, 1000) as other, make(root, 1000) as w, make(root, 1000) as reader:
+        other.put_batch([(key(1), page(1, 1000))])
+        assert reader.get_batch([key(1)]) == [page(1, 1000)]
+        w.put_batch([(key(2), page(2, 1000))])  # evicts other's page: a delete in w's log
+        for _ in range(3):  # the logs holding the delete come and go before the reader looks
+            rotate(w, monkeypatch)
+        assert reader.get_batch([key(1), key(2)]) == [None, page(2, 1000)]
+        with make(root, 1000) as fresh:
+            assert fresh.contains_batch([key(1), key(2)]) == [False, True]
+            assert fresh.used_bytes() == 1000
+
+
+def test_a_log_that_vanished_is_read_to_its_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "store"
+    with make(root) as w, make(root) as reader:
+        w.put_batch([(key(1), page(1, 100)), (key(2), page(2, 100))])
+        assert reader.contains_batch([key(1)]) == [True]
+        w.delete_batch([key(1)])  # the reader has not read this record when the log goes
+        rotate(w, monkeypatch)
+        assert reader.get_batch([key(1), key(2)]) == [None, page(2, 100)]
+
+
+def test_records_a_reader_applied_stand_when_their_sync_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "store"
+    with make(root, fsync=True) as w, make(root) as reader:
+        w.put_batch([(key(1), page(1, 100))])
+        real = os.fdatasync
+        armed = [True]
+
+        def flaky(fd: int) -> None:
+            if armed[0] and w._writer is not None and fd == w._writer.log_fd:
+                armed[0] = False
+                reader.contains_batch([key(1)])  # another process reads the appended records now
+                raise OSError(errno.EIO, "Input/output error")
+            real(fd)
+
+        monkeypatch.setattr(segment_writer.os, "fdatasync", flaky)
+        assert w.put_batch([(key(1), page(2, 100))]) == [False]
+        assert w.get_batch([key(1)]) == reader.get_batch([key(1)])  # the same view, whichever it is
+        w.put_batch([(key(1), page(3, 100))])
+        assert reader.get_batch([key(1)]) == [page(3, 100)]
+        w.delete_batch([key(1)])
+        assert reader.get_batch([key(1)]) == [None]
+        assert len(files(root, ".log")) == 1  # the given-up log was adopted
+
+
+def test_segments_taken_over_twice_are_still_removed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "store"
+    with make(root) as backend:
+        backend.put_batch([(key(1), page(1, 1000))])
+        rotate(backend, monkeypatch)
+        backend.put_batch([(key(2), page(2, 1000))])
+        rotate(backend, monkeypatch)  # the first log's segment, taken over once, is taken over again
+        backend.delete_batch([key(1), key(2)])
+        backend.put_batch([(key(3), page(3, 10))])
+        assert len(files(root, ".seg")) == 1  # only the active segment
+
+
+def test_calls_racing_close_raise_closed_and_write_nowhere(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    backend = make(root)
+    backend.put_batch([(key(1), page(1, 100))])
+    entered, release = threading.Event(), threading.Event()
+    outcome: list[object] = []
+    real_append = SegmentWriter.append_pages
+
+    def slow_append(self: SegmentWriter, views: list[memoryview], limit: int) -> list[tuple[int, int]]:
+        entered.set()
+        release.wait(10)
+        return real_append(self, views, limit)
+
+    def put() -> None:
+        try:
+            outcome.append(backend.put_batch([(key(2), page(2, 100))]))
+        except BackendClosedError as exc:
+            outcome.append(exc)
+
+    SegmentWriter.append_pages = slow_append  # type: ignore[method-assign]
+    try:
+        thread = threading.Thread(target=put)
+        thread.start()
+        assert entered.wait(10)
+        closer = threading.Thread(target=backend.close)
+        closer.start()  # waits for the put's append lock
+        release.set()
+        thread.join(10)
+        closer.join(10)
+    finally:
+        SegmentWriter.append_pages = real_append  # type: ignore[method-assign]
+    assert outcome and (outcome[0] == [True] or isinstance(outcome[0], BackendClosedError))
+    with pytest.raises(BackendClosedError):
+        backend.get_batch([key(1)])
+    with make(root) as reopened:
+        assert reopened.get_batch([key(1)]) == [page(1, 100)]
