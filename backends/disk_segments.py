@@ -24,12 +24,13 @@ as ``disk`` plus ``segment_mb``; contract beyond :mod:`hybrid_offload.backends.b
   ``flock`` of the directory after reading every log, so the pages of all processes together
   stay within ``capacity_bytes`` (each process bounds the total it sees) and least recently
   used pages go first, whichever process put them. ``used_bytes`` is that total.
-* **Space.** Replaced, deleted and evicted pages leave garbage in segments. A writer removes
-  its segments that hold no page and, when its garbage passes ``max(segment_mb, capacity/4)``,
+* **Space.** Replaced, deleted and evicted pages leave garbage in segments. A writer removes its
+  segments that hold no page and, when its garbage passes ``max(segment_mb, capacity/4)``,
   copies the pages of its emptiest segment forward (one segment per call) and removes it; so
-  segment files stay within about ``1.25 x capacity + 2 segments`` per writer. A writer whose
-  process died leaves its log unlocked: the next process to become a writer adopts its pages
-  and segments and removes its log.
+  segment files stay within about ``1.25 x capacity + 2 segments`` per writer. A new segment's
+  blocks are reserved when it is opened (``fallocate``, its size unchanged): appends into them
+  are faster. A writer whose process died leaves its log unlocked: the next process to become a
+  writer adopts its pages and segments and removes its log.
 * **Listing.** ``scan`` lists the view; ``mtime`` is the page's last put.
 * **Errors.** An ``OSError`` on a segment or log write refuses that call's pages (counted in
   ``stats.errors``, logged once per errno); after a failed log write the process stops using
