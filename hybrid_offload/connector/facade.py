@@ -80,6 +80,18 @@ _log_like_vllm()
 ACTIVE_CONNECTORS: weakref.WeakSet[KVConnectorBase_V1] = weakref.WeakSet()
 
 
+def refuse_pipeline_parallel(pp_size: int) -> None:
+    """ConfigError for ``pipeline_parallel_size > 1``: a stage holds only some layers of each KV
+    cache group, and per-stage page sets are not built yet (a stage's partial pages under the
+    whole model's keys would only ever fail to load)."""
+    if pp_size > 1:
+        raise ConfigError(
+            f"pipeline_parallel_size={pp_size}: hybrid-offload does not serve pipeline-parallel "
+            "engines yet (each stage holds only some layers of a KV cache group); use "
+            "pipeline_parallel_size=1 (tensor_parallel_size may be more than 1)"
+        )
+
+
 class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     """External KV cache for hybrid models: attention KV and Mamba/GDN state, many backends."""
 
@@ -100,6 +112,7 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         if config is None:
             config = parse_offload_config(self._kv_transfer_config.kv_connector_extra_config)
         refuse_connectors(config, "HybridOffloadConnector")
+        refuse_pipeline_parallel(vllm_config.parallel_config.pipeline_parallel_size)
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         try:
             spec = model_spec_from_vllm(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import tomllib
 from pathlib import Path
@@ -13,9 +14,14 @@ import pytest
 
 from hybrid_offload import compat
 from hybrid_offload.engine import patches
-from hybrid_offload.engine.patches import mamba2_cpu_checkpoint, multiconnector_hma, prefill_stops
+from hybrid_offload.engine.patches import (
+    cpu_pp_eager,
+    mamba2_cpu_checkpoint,
+    multiconnector_hma,
+    prefill_stops,
+)
 
-PATCHES = (mamba2_cpu_checkpoint, multiconnector_hma, prefill_stops)
+PATCHES = (mamba2_cpu_checkpoint, multiconnector_hma, prefill_stops, cpu_pp_eager)
 
 
 def target(patch: ModuleType) -> tuple[Any, str]:
@@ -26,6 +32,9 @@ def target(patch: ModuleType) -> tuple[Any, str]:
     if patch is multiconnector_hma:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         return KVConnectorFactory, "supports_hma_config"
+    if patch is cpu_pp_eager:
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+        return CPUModelRunner, "sync_and_gather_intermediate_tensors"
     from vllm.v1.core.sched.scheduler import Scheduler
     return Scheduler, "_mamba_block_aligned_split"
 
@@ -50,24 +59,24 @@ def test_an_untested_vllm_is_left_alone_with_a_warning(
     patch: ModuleType, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     owner, name = target(patch)
-    original = owner.__dict__[name]
+    original = inspect.getattr_static(owner, name)
     monkeypatch.setattr(owner, name, original)  # restored after the test, patched or not
     monkeypatch.setattr(compat, "installed_version", lambda package: "0.99.0")
     with caplog.at_level(logging.WARNING, logger=patches.logger.name):
         patch.register()
-    assert owner.__dict__[name] is original
+    assert inspect.getattr_static(owner, name) is original
     assert f"patch {patch.ENTRY_POINT} not applied: vLLM 0.99.0" in caplog.text
 
 
 @pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.ENTRY_POINT)
 def test_register_applies_once_on_the_tested_vllm(patch: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
     owner, name = target(patch)
-    monkeypatch.setattr(owner, name, owner.__dict__[name])
+    monkeypatch.setattr(owner, name, inspect.getattr_static(owner, name))
     patch.register()
-    first = owner.__dict__[name]
+    first = inspect.getattr_static(owner, name)
     assert patches.is_patched(getattr(owner, name))  # on this CPU machine every patch applies
     patch.register()
-    assert owner.__dict__[name] is first
+    assert inspect.getattr_static(owner, name) is first
 
 
 def test_multiconnector_with_our_module_path_asks_our_class(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -77,7 +86,7 @@ def test_multiconnector_with_our_module_path_asks_our_class(monkeypatch: pytest.
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     owner, name = target(multiconnector_hma)
-    vllms = owner.__dict__[name].__func__
+    vllms = inspect.getattr_static(owner, name).__func__
     while patches.is_patched(vllms):  # a plugin load earlier in this process applied it
         vllms = vllms.__wrapped__
     monkeypatch.setattr(owner, name, classmethod(vllms))

