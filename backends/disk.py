@@ -136,19 +136,15 @@ class DiskBackend(Backend):
             raise BackendConfigError(
                 f"backend type 'disk': option 'fsync' must be true or false, got {opts['fsync']!r}"
             )
-        threads = opts["io_threads"]
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise BackendConfigError(
-                f"backend type 'disk': option 'io_threads' must be an integer >= 1, got {threads!r}"
-            )
+        for name in ("io_threads", "segment_mb"):
+            value = opts[name]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise BackendConfigError(
+                    f"backend type 'disk': option {name!r} must be an integer >= 1, got {value!r}"
+                )
         if opts["layout"] not in ("files", "segments"):
             raise BackendConfigError(
                 f"backend type 'disk': option 'layout' must be 'files' or 'segments', got {opts['layout']!r}"
-            )
-        seg = opts["segment_mb"]
-        if isinstance(seg, bool) or not isinstance(seg, int) or seg < 1:
-            raise BackendConfigError(
-                f"backend type 'disk': option 'segment_mb' must be an integer >= 1, got {seg!r}"
             )
         return {**opts, "path": expand_path(path)}
 

@@ -5,6 +5,7 @@ Prompts share chunk-aligned prefixes; results come from :mod:`hybrid_offload.tes
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from concurrent.futures import Future
@@ -58,3 +59,14 @@ def wait_for_pass(barrier: Path, index: int, session: Future, timeout: float = 6
 def release_pass(barrier: Path, index: int) -> None:
     """Let a session waiting after pass ``index`` go on."""
     (barrier / f"pass-{index}.go").touch()
+
+
+def two_core_env(what: str) -> dict[str, str]:
+    """The environment for an engine of two ranks or stages (``what``) on vLLM's CPU build: one
+    core each (``VLLM_CPU_OMP_THREADS_BIND``); skips the test on a one-core machine."""
+    import pytest
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip(f"vLLM CPU binds each of {what} to its own core; this machine has one")
+    return {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"}

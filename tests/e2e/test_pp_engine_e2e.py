@@ -11,12 +11,11 @@ naming the setting.
 
 from __future__ import annotations
 
-import os
 import random
 from typing import Any
 
 import pytest
-from engine_runs import tokens
+from engine_runs import tokens, two_core_env
 
 from hybrid_offload.testing.session import run_session_subprocess
 
@@ -27,10 +26,7 @@ PP1 = {"dtype": "float32"}
 
 
 def pp2_env() -> dict[str, str]:
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        pytest.skip("vLLM CPU at PP=2 binds each stage to its own core; this machine has one")
-    return {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"}
+    return two_core_env("the PP=2 stages")
 
 
 def prompts() -> list[list[int]]:

@@ -10,14 +10,13 @@ round. float32: in bf16, vLLM's own TP=1 and TP=2 outputs already differ at near
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_runs import CHUNK_TOKENS, hit_rate, shared_prefix_prompts, tokens
+from engine_runs import CHUNK_TOKENS, hit_rate, shared_prefix_prompts, tokens, two_core_env
 
 from hybrid_offload.testing.session import run_session_subprocess
 
@@ -28,10 +27,7 @@ TP1 = {"dtype": "float32"}
 
 
 def tp2_env() -> dict[str, str]:
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        pytest.skip("vLLM CPU at TP=2 binds each rank to its own core; this machine has one")
-    return {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"}
+    return two_core_env("the TP=2 ranks")
 
 
 def disk(path: Path) -> dict[str, Any]:
