@@ -84,7 +84,8 @@ from .disk_files import (
     unlink_page,
     unlink_quietly,
 )
-from .disk_root import check_writable_root, expand_path, page_problem, root_problem
+from .disk_options import DISK_OPTION_DEFAULTS, check_disk_options
+from .disk_root import check_writable_root, page_problem, root_problem
 from .disk_tree import TMP_SUFFIX, page_paths, scan_pages, walk
 from .disk_usage import UnsafeUsageFileError, UsageRecord, locked_usage
 from .lru_index import LruIndex
@@ -106,13 +107,7 @@ class DiskBackend(Backend):
     shared_index: ClassVar[bool] = True
     hit_source: ClassVar[str] = "disk"
     touch_refreshes: ClassVar[bool] = True
-    option_defaults: ClassVar[dict[str, Any]] = {
-        "path": None,
-        "fsync": False,
-        "io_threads": 4,
-        "layout": "files",
-        "segment_mb": 64,
-    }
+    option_defaults: ClassVar[dict[str, Any]] = DISK_OPTION_DEFAULTS
 
     @classmethod
     def implementation(cls, options: dict[str, Any]) -> type[Backend]:
@@ -125,28 +120,7 @@ class DiskBackend(Backend):
 
     @classmethod
     def validate_options(cls, options: dict[str, Any]) -> dict[str, Any]:
-        opts = super().validate_options(options)
-        path = opts["path"]
-        path = os.fspath(path) if isinstance(path, os.PathLike) else path
-        if not isinstance(path, str) or not path:
-            raise BackendConfigError(
-                f"backend type 'disk': option 'path' is required (a directory), got {path!r}"
-            )
-        if not isinstance(opts["fsync"], bool):
-            raise BackendConfigError(
-                f"backend type 'disk': option 'fsync' must be true or false, got {opts['fsync']!r}"
-            )
-        for name in ("io_threads", "segment_mb"):
-            value = opts[name]
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise BackendConfigError(
-                    f"backend type 'disk': option {name!r} must be an integer >= 1, got {value!r}"
-                )
-        if opts["layout"] not in ("files", "segments"):
-            raise BackendConfigError(
-                f"backend type 'disk': option 'layout' must be 'files' or 'segments', got {opts['layout']!r}"
-            )
-        return {**opts, "path": expand_path(path)}
+        return check_disk_options(super().validate_options(options))
 
     def __init__(self, config: BackendConfig, *, touch_on_read: bool = True) -> None:
         """Open ``path`` (created if missing) and index it; blocks for the scan.

@@ -52,6 +52,7 @@ from typing import Any, ClassVar
 
 from .base import Backend, BackendConfig, BackendUnavailableError, Buffer, PageInfo
 from .disk_files import NotCachedError, read_while_cached, readinto_exact, readv_full
+from .disk_options import DISK_OPTION_DEFAULTS, check_disk_options
 from .disk_root import check_writable_root, open_dir_below, page_problem
 from .segment_index import SegmentIndex
 from .segment_log import DELETE, PUT, TOUCH, Location, Record, SegmentView
@@ -83,11 +84,11 @@ class SegmentDiskBackend(Backend):
     hit_source: ClassVar[str] = "disk"
     touch_refreshes: ClassVar[bool] = True
 
+    option_defaults: ClassVar[dict[str, Any]] = DISK_OPTION_DEFAULTS
+
     @classmethod
     def validate_options(cls, options: dict[str, Any]) -> dict[str, Any]:
-        from .disk import DiskBackend
-
-        return DiskBackend.validate_options(options)
+        return check_disk_options(super().validate_options(options))
 
     def __init__(self, config: BackendConfig, *, touch_on_read: bool = True) -> None:
         """Open ``<path>/segments`` (created if missing) and read every log; blocks for it.

@@ -1,0 +1,52 @@
+"""Options of the disk backend, both layouts: defaults and validation (errors name the key).
+
+Options (defaults): ``path`` (required: a directory; ``~`` and ``$XDG_CACHE_HOME`` expanded,
+see :mod:`.disk_root`), ``fsync`` (false), ``io_threads`` (4), ``layout`` (``files``: one file
+per page, :mod:`.disk`; ``segments``: pages appended to segment files, :mod:`.disk_segments`),
+``segment_mb`` (64; segments only).
+
+Pure: checks, never touches the file system.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .base import BackendConfigError
+from .disk_root import expand_path
+
+__all__ = ["DISK_OPTION_DEFAULTS", "check_disk_options"]
+
+DISK_OPTION_DEFAULTS: dict[str, Any] = {
+    "path": None,
+    "fsync": False,
+    "io_threads": 4,
+    "layout": "files",
+    "segment_mb": 64,
+}
+
+
+def check_disk_options(opts: dict[str, Any]) -> dict[str, Any]:
+    """``opts`` (defaults filled in, no unknown key) checked, ``path`` expanded."""
+    path = opts["path"]
+    path = os.fspath(path) if isinstance(path, os.PathLike) else path
+    if not isinstance(path, str) or not path:
+        raise BackendConfigError(
+            f"backend type 'disk': option 'path' is required (a directory), got {path!r}"
+        )
+    if not isinstance(opts["fsync"], bool):
+        raise BackendConfigError(
+            f"backend type 'disk': option 'fsync' must be true or false, got {opts['fsync']!r}"
+        )
+    for name in ("io_threads", "segment_mb"):
+        value = opts[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise BackendConfigError(
+                f"backend type 'disk': option {name!r} must be an integer >= 1, got {value!r}"
+            )
+    if opts["layout"] not in ("files", "segments"):
+        raise BackendConfigError(
+            f"backend type 'disk': option 'layout' must be 'files' or 'segments', got {opts['layout']!r}"
+        )
+    return {**opts, "path": expand_path(path)}
