@@ -354,7 +354,7 @@ class SegmentDiskBackend(Backend):
         try:
             runs = [run for run in runs if fds.get(run[0][1].segment_file) is not None]
             done = read_while_cached(runs, lambda run: self._read_run(fds, run, cached_only=True))
-            rest = runs[len(done) :]
+            rest = _split(runs[len(done) :], self._io_threads)  # reads from the medium: in parallel
             if len(rest) > 1:
                 try:
                     done += list(self._executor().map(lambda run: self._read_run(fds, run), rest))
@@ -537,3 +537,17 @@ def _runs(jobs: list[Job]) -> list[list[Job]]:
         else:
             runs.append([job])
     return runs
+
+
+def _split(runs: list[list[Job]], parts: int) -> list[list[Job]]:
+    """``runs`` cut (the longest in halves, repeatedly) into at least ``parts`` pieces where they
+    hold enough pages: a device serves several reads in flight faster than one long one."""
+    pieces = list(runs)
+    while 0 < len(pieces) < parts:
+        longest = max(range(len(pieces)), key=lambda i: len(pieces[i]))
+        run = pieces[longest]
+        if len(run) < 2:
+            break
+        half = len(run) // 2
+        pieces[longest : longest + 1] = [run[:half], run[half:]]
+    return pieces

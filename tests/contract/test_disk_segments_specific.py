@@ -367,3 +367,14 @@ def test_calls_racing_close_raise_closed_and_write_nowhere(tmp_path: Path) -> No
         backend.get_batch([key(1)])
     with make(root) as reopened:
         assert reopened.get_batch([key(1)]) == [page(1, 100)]
+
+
+def test_reads_from_the_medium_are_cut_into_pieces_for_the_pool() -> None:
+    from hybrid_offload.backends.disk_segments import _split
+
+    run = [(i, None, None) for i in range(5)]  # (index, location, view): only the order matters
+    pieces = _split([run], 4)  # type: ignore[list-item]
+    assert sorted(len(p) for p in pieces) == [1, 1, 1, 2]
+    assert [job for piece in pieces for job in piece] == run  # file order kept
+    assert _split([run[:1], run[1:2]], 4) == [run[:1], run[1:2]]  # single pages stay whole
+    assert _split([run], 1) == [run]
