@@ -312,6 +312,8 @@ class SegmentDiskBackend(Backend):
             os.fdatasync(writer.segment_fd)
 
         def moves(w: SegmentWriter) -> list[Record]:
+            if w is not writer:  # replaced since the copies were appended: they stay garbage
+                return []
             records = []
             for (key, entry), (number, offset) in zip(pages, places, strict=True):
                 now = self._view.index.get(key)

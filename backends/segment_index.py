@@ -5,15 +5,17 @@ under which changes are decided, and the adoption of writers that are gone.
   (one ``fstat`` per log). The directory is listed again when its ``(mtime, inode)`` changed, or
   while the last listing was less than 2 s after the directory's mtime: two changes within one
   tick of a coarse file-system clock leave the same mtime, and a listing made 2 s later sees
-  both. A log that vanished (adopted, rotated) is read to its end through the descriptor still
-  held, then dropped: the view sees its last records before the records that replace it.
+  both. When the set of logs changed (a writer came, a log was rotated or adopted) the view is
+  read afresh from the current logs: a log that came and went between two listings was never
+  read here, and what replaced it holds only what is still live.
 * **Deciding.** :meth:`SegmentIndex.locked` holds an ``flock`` of the directory, after a
   refresh: puts, deletes, evictions and adoptions are made there, so every process decides on
   the same view.
 * **Adoption.** A log whose ``flock`` is free belongs to a writer that is gone; an adopter
   records again its live pages (same timestamps: recency and versions kept) and the deletes it
-  holds that still hide puts of other logs, takes over its segments (its own, those its pages
-  point into, and every segment no log's writer owns), then removes it.
+  holds that still hide puts of other logs, takes over its segments (its own and those its
+  pages point into), then removes it; segments holding no page whose writer has no log are
+  removed.
 """
 
 from __future__ import annotations
@@ -66,16 +68,8 @@ class SegmentIndex:
                 names = None
         except OSError as exc:
             raise BackendUnavailableError(f"disk backend {self._name!r}: segments directory: {exc}") from exc
-        if names is not None:
-            for gone in set(self.tails) - names:
-                self._read(gone, self.tails[gone])
-                self.drop(gone)
-            for name in sorted(names - set(self.tails)):
-                try:
-                    self.tails[name] = LogTail(self.dir_fd, name)
-                    self.view.logs.add(name)
-                except OSError:
-                    self.errors += 1
+        if names is not None and names != set(self.tails):
+            self._start_over(names)
         for name, tail in self.tails.items():
             self._read(name, tail)
         self.view.passes += 1
@@ -83,17 +77,20 @@ class SegmentIndex:
             self.view.prune()
 
     def _read(self, name: str, tail: LogTail) -> None:
+        for record in self._new_records(name, tail):
+            self.view.apply(record, name)
+
+    def _new_records(self, name: str, tail: LogTail) -> list[Record]:
         try:
             records = tail.read_new()
         except OSError:
             self.errors += 1
-            return
-        for record in records:
-            self.view.apply(record, name)
+            return []
         if (tail.problem is not None or tail.damaged) and name not in self._warned:
             self._warned.add(name)
             why = tail.problem or "a damaged record: read up to it"
             logger.warning("disk backend %r: log %s: %s", self._name, name, why)
+        return records
 
     def drop(self, name: str) -> None:
         tail = self.tails.pop(name, None)
@@ -101,11 +98,31 @@ class SegmentIndex:
             tail.close()
         self.view.log_gone(name)
 
-    def reload(self) -> None:
-        """Forget everything read and read every log again from its start."""
+    def _start_over(self, names: set[str]) -> None:
+        """Forget everything read and read the logs ``names`` from their start.
+
+        Done whenever the set of logs changed: a log that came and went between two listings
+        (a rotation, an adoption) was never read here, and the logs that replace it hold only
+        what is still live, so only a view read afresh from the current logs is right."""
         for name in list(self.tails):
             self.tails.pop(name).close()
         self.view = SegmentView(self._capacity)
+        for name in sorted(names):
+            try:
+                self.tails[name] = LogTail(self.dir_fd, name)
+                self.view.logs.add(name)
+            except OSError:
+                self.errors += 1
+        # every record in timestamp order (stable: a log's records with one timestamp, a put
+        # and its moves, keep their order), so recency across writers is the order of events
+        records = [(r, name) for name, tail in self.tails.items() for r in self._new_records(name, tail)]
+        records.sort(key=lambda item: item[0].ts)
+        for record, name in records:
+            self.view.apply(record, name)
+
+    def reload(self) -> None:
+        """Forget everything read and read every log again from its start."""
+        self._start_over(set())
         self._stamp = None
         self.refresh()
 
@@ -169,12 +186,18 @@ class SegmentIndex:
         return len(pages)
 
     def _adopt_orphans(self, writer: SegmentWriter) -> None:
-        """Own every segment whose writer has no log (left by an adopter that is gone too), and
-        remove ``.new`` logs of writers that died while being made (a minute old, unlocked)."""
+        """Remove segments that hold no page and whose writer has no log (left by an adopter that
+        is gone too; a segment holding pages belongs to the writer that recorded them), and
+        ``.new`` logs of writers that died while being made (a minute old, unlocked)."""
         with_logs = {n.removesuffix(".log") for n in self.tails}
         for seg in self._segment_files():
-            if seg.split("-", 1)[0] not in with_logs:
-                self._own(writer, seg)
+            if (
+                seg.split("-", 1)[0] not in with_logs
+                and seg not in self.view.live
+                and seg not in writer.sizes
+            ):
+                with contextlib.suppress(OSError):
+                    os.unlink(seg, dir_fd=self.dir_fd)
         with contextlib.suppress(OSError):
             for name in os.listdir(self.dir_fd):
                 if name.endswith(".new") and name.removesuffix(".new") not in with_logs:

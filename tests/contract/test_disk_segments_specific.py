@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -378,3 +379,68 @@ def test_reads_from_the_medium_are_cut_into_pieces_for_the_pool() -> None:
     assert [job for piece in pieces for job in piece] == run  # file order kept
     assert _split([run[:1], run[1:2]], 4) == [run[:1], run[1:2]]  # single pages stay whole
     assert _split([run], 1) == [run]
+
+
+SEEDS = [int(s) for s in os.environ.get("SEGMENT_FUZZ_SEEDS", "1,2,3,4").split(",")]
+
+
+def versioned(i: int, version: int, size: int) -> bytes:
+    head = f"{i:06d}:{version:06d}:".encode()
+    return head + bytes([version % 251]) * (size - len(head))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_writers_readers_and_a_fresh_process_agree_through_churn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int
+) -> None:
+    """Two writers and a reader in one process (separate instances, as separate processes would
+    be) put, delete, rotate, restart and read at random; every instance and a process opened
+    afresh must agree on every key, return only its latest bytes, and stay within capacity."""
+    rnd, root, capacity, nkeys = random.Random(seed), tmp_path / "store", 64_000, 120
+    opened = {"w1": make(root, capacity), "w2": make(root, capacity), "r": make(root, capacity)}
+    latest: dict[int, bytes] = {}
+    version = 0
+
+    def check() -> None:
+        keys = [key(i) for i in range(nkeys)]
+        with make(root, capacity) as fresh:
+            want = fresh.contains_batch(keys)
+            views = {**opened, "fresh": fresh}
+            for name, backend in views.items():
+                got = backend.get_batch(keys)
+                assert backend.contains_batch(keys) == want, name
+                for i, data in enumerate(got):
+                    assert data is None or data == latest.get(i), (name, i)
+                    assert (data is not None) == want[i], (name, i)
+                assert backend.used_bytes() == fresh.used_bytes() <= capacity, name
+
+    try:
+        for step in range(900):
+            op, name = rnd.random(), rnd.choice(["w1", "w2"])
+            backend = opened[name]
+            if op < 0.6:
+                items = []
+                for _ in range(rnd.choice([1, 1, 3])):
+                    i, version = rnd.randrange(nkeys), version + 1
+                    items.append((i, versioned(i, version, rnd.choice([1000, 1000, 3000]))))
+                stored = backend.put_batch([(key(i), data) for i, data in items])
+                latest.update((i, data) for (i, data), ok in zip(items, stored, strict=True) if ok)
+            elif op < 0.7:
+                gone = rnd.sample(range(nkeys), 3)
+                backend.delete_batch([key(i) for i in gone])
+                for i in gone:
+                    latest.pop(i, None)
+            elif op < 0.75:
+                rotate(backend, monkeypatch)
+            elif op < 0.78:
+                backend.close()
+                opened[name] = make(root, capacity)  # a restart: adopted at its first put
+            elif op < 0.9:
+                opened["r"].contains_batch([key(rnd.randrange(nkeys))])
+            else:
+                opened[rnd.choice(["w1", "w2", "r"])].get_batch([key(rnd.randrange(nkeys))])
+            if step % 300 == 299:
+                check()
+    finally:
+        for backend in opened.values():
+            backend.close()
