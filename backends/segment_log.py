@@ -9,12 +9,12 @@ the view; :mod:`.disk_segments` holds the backend that writes them.
   record its writer has read, so a change made after reading a record wins over it whatever
   the clocks say), the segment (``writer`` id, number), ``offset``, ``length`` and the
   key, then a CRC-32 of all of it. A log is read up to its first incomplete or damaged record
-  (a crash mid-append leaves at most one; its writer truncates a failed append).
+  (a crash mid-append leaves at most one; a writer whose append fails stops using the log).
 * **Resolution** (last writer wins, whatever order the logs are read in): a key's page is its
   put with the largest ``ts`` not older than the key's newest delete; a put with the same
   ``ts`` as the held one moves it (compaction, adoption) without changing its recency. A touch
   makes a held key most recent. The LRU order is the order this process learned of puts and
-  touches: exact for one writer, approximate across writers.
+  touches (after a fresh read: timestamp order): exact for one writer, close across writers.
 """
 
 from __future__ import annotations
