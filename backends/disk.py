@@ -59,7 +59,7 @@ import stat
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, ClassVar, TypeVar
+from typing import Any, TypeVar
 
 from .base import (
     Backend,
@@ -84,7 +84,7 @@ from .disk_files import (
     unlink_page,
     unlink_quietly,
 )
-from .disk_options import DISK_OPTION_DEFAULTS, check_disk_options
+from .disk_options import DiskType
 from .disk_root import check_writable_root, page_problem, root_problem
 from .disk_tree import TMP_SUFFIX, page_paths, scan_pages, walk
 from .disk_usage import UnsafeUsageFileError, UsageRecord, locked_usage
@@ -100,14 +100,8 @@ _R = TypeVar("_R")
 _POOL_MIN_BATCH = 4  # batches with more pages than this go through the thread pool
 
 
-class DiskBackend(Backend):
+class DiskBackend(DiskType, Backend):
     """LRU page store on a local file system (see the module docstring)."""
-
-    type_name: ClassVar[str] = "disk"
-    shared_index: ClassVar[bool] = True
-    hit_source: ClassVar[str] = "disk"
-    touch_refreshes: ClassVar[bool] = True
-    option_defaults: ClassVar[dict[str, Any]] = DISK_OPTION_DEFAULTS
 
     @classmethod
     def implementation(cls, options: dict[str, Any]) -> type[Backend]:
@@ -117,10 +111,6 @@ class DiskBackend(Backend):
 
             return SegmentDiskBackend
         return cls
-
-    @classmethod
-    def validate_options(cls, options: dict[str, Any]) -> dict[str, Any]:
-        return check_disk_options(super().validate_options(options))
 
     def __init__(self, config: BackendConfig, *, touch_on_read: bool = True) -> None:
         """Open ``path`` (created if missing) and index it; blocks for the scan.

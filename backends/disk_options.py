@@ -11,12 +11,12 @@ Pure: checks, never touches the file system.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, ClassVar
 
 from .base import BackendConfigError
 from .disk_root import expand_path
 
-__all__ = ["DISK_OPTION_DEFAULTS", "check_disk_options"]
+__all__ = ["DISK_OPTION_DEFAULTS", "DiskType", "check_disk_options"]
 
 DISK_OPTION_DEFAULTS: dict[str, Any] = {
     "path": None,
@@ -50,3 +50,18 @@ def check_disk_options(opts: dict[str, Any]) -> dict[str, Any]:
             f"backend type 'disk': option 'layout' must be 'files' or 'segments', got {opts['layout']!r}"
         )
     return {**opts, "path": expand_path(path)}
+
+
+class DiskType:
+    """What both disk layouts' classes share as backend type ``disk`` (a mixin before
+    :class:`.base.Backend`): the type's class attributes and its options."""
+
+    type_name: ClassVar[str] = "disk"
+    shared_index: ClassVar[bool] = True
+    hit_source: ClassVar[str] = "disk"
+    touch_refreshes: ClassVar[bool] = True
+    option_defaults: ClassVar[dict[str, Any]] = DISK_OPTION_DEFAULTS
+
+    @classmethod
+    def validate_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        return check_disk_options(super().validate_options(options))  # type: ignore[misc]

@@ -48,11 +48,10 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, ClassVar
 
 from .base import Backend, BackendConfig, BackendUnavailableError, Buffer, PageInfo
 from .disk_files import NotCachedError, read_while_cached, readinto_exact, readv_full
-from .disk_options import DISK_OPTION_DEFAULTS, check_disk_options
+from .disk_options import DiskType
 from .disk_root import check_writable_root, open_dir_below, page_problem
 from .segment_index import SegmentIndex
 from .segment_log import DELETE, PUT, TOUCH, Location, Record, SegmentView
@@ -72,23 +71,12 @@ _TOUCH_BATCH = 4096  # pending touches written without waiting for a change
 Job = tuple[int, Location, memoryview]  # (index in the call, where the page is, its buffer)
 
 
-class SegmentDiskBackend(Backend):
+class SegmentDiskBackend(DiskType, Backend):
     """Segment-layout disk store (see the module docstring).
 
     Locks, always taken in this order: ``_append_lock`` (the writer's segment appends and
     whatever replaces the writer), ``_lock`` (the view and the logs), the directory's ``flock``.
     """
-
-    type_name: ClassVar[str] = "disk"
-    shared_index: ClassVar[bool] = True
-    hit_source: ClassVar[str] = "disk"
-    touch_refreshes: ClassVar[bool] = True
-
-    option_defaults: ClassVar[dict[str, Any]] = DISK_OPTION_DEFAULTS
-
-    @classmethod
-    def validate_options(cls, options: dict[str, Any]) -> dict[str, Any]:
-        return check_disk_options(super().validate_options(options))
 
     def __init__(self, config: BackendConfig, *, touch_on_read: bool = True) -> None:
         """Open ``<path>/segments`` (created if missing) and read every log; blocks for it.
