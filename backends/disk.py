@@ -202,14 +202,6 @@ class DiskBackend(DiskType, Backend):
             self._check_open()
             raise
 
-    def _note_error(self, op: str, path: str, exc: OSError) -> None:
-        with self._lock:
-            self.stats.errors += 1
-            first = (op, exc.errno) not in self._logged
-            self._logged.add((op, exc.errno))
-        log = logger.warning if first else logger.debug
-        log("disk backend %r: %s of %s failed: %s", self.name, op, path, exc)
-
     def _fail_if_medium_gone(self, outcomes: Sequence[object], access: int) -> None:
         """Raise BackendUnavailableError if an item failed and ``path`` itself is unusable."""
         errors = [o for o in outcomes if isinstance(o, OSError)]

@@ -10,13 +10,17 @@ Pure: checks, never touches the file system.
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from typing import Any, ClassVar
 
 from .base import BackendConfigError
 from .disk_root import expand_path
 
 __all__ = ["DISK_OPTION_DEFAULTS", "DiskType", "check_disk_options"]
+
+logger = logging.getLogger("hybrid_offload.backends.disk")
 
 DISK_OPTION_DEFAULTS: dict[str, Any] = {
     "path": None,
@@ -54,7 +58,11 @@ def check_disk_options(opts: dict[str, Any]) -> dict[str, Any]:
 
 class DiskType:
     """What both disk layouts' classes share as backend type ``disk`` (a mixin before
-    :class:`.base.Backend`): the type's class attributes and its options."""
+    :class:`.base.Backend`): the type's class attributes, its options and how an ``OSError``
+    is counted and logged (the subclass sets ``_logged = set()``)."""
+
+    _errors_lock: ClassVar[threading.Lock] = threading.Lock()
+    _logged: set[tuple[str, int | None]]
 
     type_name: ClassVar[str] = "disk"
     shared_index: ClassVar[bool] = True
@@ -65,3 +73,13 @@ class DiskType:
     @classmethod
     def validate_options(cls, options: dict[str, Any]) -> dict[str, Any]:
         return check_disk_options(super().validate_options(options))  # type: ignore[misc]
+
+    def _note_error(self, op: str, where: str, exc: OSError) -> None:
+        """Count an ``OSError`` in ``stats.errors``; log it at warning level once per
+        (operation, errno), then at debug level."""
+        with self._errors_lock:
+            self.stats.errors += 1  # type: ignore[attr-defined]
+            first = (op, exc.errno) not in self._logged
+            self._logged.add((op, exc.errno))
+        log = logger.warning if first else logger.debug
+        log("disk backend %r: %s of %s failed: %s", self.name, op, where, exc)  # type: ignore[attr-defined]

@@ -101,7 +101,9 @@ class SegmentDiskBackend(DiskType, Backend):
             raise BackendUnavailableError(
                 f"disk backend {self.name!r}: cannot open {self._root!r}: {exc}"
             ) from exc
-        self._index = SegmentIndex(dir_fd, self.capacity_bytes, self.name)
+        self._index = SegmentIndex(
+            dir_fd, self.capacity_bytes, self.name, lambda op, exc: self._note_error(op, self._root, exc)
+        )
         with self._lock:
             self._index.refresh()
             if self._view.index.used > self.capacity_bytes:  # a smaller capacity than last run's
@@ -186,12 +188,6 @@ class SegmentDiskBackend(DiskType, Backend):
             self._logged.add((what, None))
             logger.warning("disk backend %r: %s: %s", self.name, what, why)
 
-    def _note_error(self, op: str, exc: OSError) -> None:
-        self.stats.errors += 1
-        if (op, exc.errno) not in self._logged:
-            self._logged.add((op, exc.errno))
-            logger.warning("disk backend %r: %s in %s failed: %s", self.name, op, self._root, exc)
-
     # -- puts ---------------------------------------------------------------------------------
 
     def _put_batch(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
@@ -217,7 +213,7 @@ class SegmentDiskBackend(DiskType, Backend):
                     with self._index.locked():
                         self._commit(writer, self._put_records(writer, todo, places))
             except OSError as exc:
-                self._note_error("put", exc)
+                self._note_error("put", self._root, exc)
                 self.stats.put_refused += len(todo)
                 return out
             for i, _, view in todo:
@@ -254,7 +250,7 @@ class SegmentDiskBackend(DiskType, Backend):
             self._compact_some(writer)
             self._rotate_if_long()
         except OSError as exc:
-            self._note_error("compaction", exc)
+            self._note_error("compaction", self._root, exc)
 
     def _rotate_if_long(self) -> None:
         """Go on in a new log if this one is long, adopting the old one as a dead writer's: only
@@ -323,7 +319,7 @@ class SegmentDiskBackend(DiskType, Backend):
             except FileNotFoundError:
                 pass
             except OSError as exc:
-                self._note_error("remove segment", exc)
+                self._note_error("remove segment", self._root, exc)
                 continue
             del writer.sizes[name]
 
@@ -379,7 +375,7 @@ class SegmentDiskBackend(DiskType, Backend):
             except FileNotFoundError:
                 continue
             except OSError as exc:
-                self._note_error("open segment", exc)
+                self._note_error("open segment", self._root, exc)
                 continue
             problem = page_problem(os.fstat(fd), _ANY_SIZE)
             if problem is not None:
@@ -401,7 +397,7 @@ class SegmentDiskBackend(DiskType, Backend):
         except NotCachedError:
             raise
         except OSError as exc:
-            self._note_error("read", exc)
+            self._note_error("read", self._root, exc)
             return []
         out, end = [], 0
         for i, _, view in run:
@@ -440,13 +436,13 @@ class SegmentDiskBackend(DiskType, Backend):
                 writer = self._claim()
                 self._commit(writer, self._touch_records(writer))
             except OSError as exc:
-                self._note_error("touch", exc)
+                self._note_error("touch", self._root, exc)
                 return
         if self._append_lock.acquire(blocking=False):  # else a put holds it and rotates
             try:
                 self._rotate_if_long()
             except OSError as exc:
-                self._note_error("touch", exc)
+                self._note_error("touch", self._root, exc)
             finally:
                 self._append_lock.release()
 
@@ -477,7 +473,7 @@ class SegmentDiskBackend(DiskType, Backend):
         try:
             self._change(deletes)
         except OSError as exc:
-            self._note_error("delete", exc)
+            self._note_error("delete", self._root, exc)
             raise BackendUnavailableError(f"disk backend {self.name!r}: delete failed: {exc}") from exc
         with self._append_lock:
             if self._writer is not None:

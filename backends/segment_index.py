@@ -43,13 +43,16 @@ _PRUNE_EVERY = 64  # passes between prunes of deletes that hide nothing
 
 class SegmentIndex:
     """The view of every log of one segments directory (not thread-safe: the backend calls it
-    under its lock). ``errors`` counts ``OSError``s met while reading logs."""
+    under its lock). ``OSError``s met while reading logs go to ``on_error(operation, error)``
+    (they read as an empty log)."""
 
-    def __init__(self, dir_fd: int, capacity: int, name: str) -> None:
+    def __init__(
+        self, dir_fd: int, capacity: int, name: str, on_error: Callable[[str, OSError], None]
+    ) -> None:
         self.dir_fd = dir_fd
         self.view = SegmentView(capacity)
         self.tails: dict[str, LogTail] = {}
-        self.errors = 0
+        self._on_error = on_error
         self._capacity = capacity
         self._name = name
         self._stamp: tuple[int, int] | None = None
@@ -83,8 +86,8 @@ class SegmentIndex:
     def _new_records(self, name: str, tail: LogTail) -> list[Record]:
         try:
             records = tail.read_new()
-        except OSError:
-            self.errors += 1
+        except OSError as exc:
+            self._on_error("read log", exc)
             return []
         if (tail.problem is not None or tail.damaged) and name not in self._warned:
             self._warned.add(name)
@@ -111,8 +114,8 @@ class SegmentIndex:
             try:
                 self.tails[name] = LogTail(self.dir_fd, name)
                 self.view.logs.add(name)
-            except OSError:
-                self.errors += 1
+            except OSError as exc:
+                self._on_error("open log", exc)
         # every record in timestamp order (stable: a log's records with one timestamp, a put
         # and its moves, keep their order), so recency across writers is the order of events
         records = [(r, name) for name, tail in self.tails.items() for r in self._new_records(name, tail)]
@@ -221,8 +224,8 @@ class SegmentIndex:
     def _segment_files(self) -> list[str]:
         try:
             return [n for n in os.listdir(self.dir_fd) if n.endswith(".seg")]
-        except OSError:
-            self.errors += 1
+        except OSError as exc:
+            self._on_error("list segments", exc)
             return []
 
     def _own(self, writer: SegmentWriter, seg: str) -> None:
