@@ -3,8 +3,9 @@
 Starts one ``hybrid-offload peer`` process, then in this process measures, for pages of
 ``--page-kib`` KiB in calls of ``--batch`` pages:
 
-* ``put_batch`` and ``get_into`` through :class:`NixlPeerBackend` (control round trips,
-  staging copies, one batched NIXL transfer per call);
+* ``put_batch`` and ``get_into`` through :class:`NixlPeerBackend` (control round trips, one
+  batched NIXL transfer per call), from and into rows of one block as the connector's are,
+  with ``zero_copy`` (the block registered per call) and without (through staging);
 * a raw NIXL READ / WRITE of the same bytes between a registered buffer of this process and the
   same peer's pool (same descriptors per call, no control channel, no staging copy);
 * a numpy memory copy of the same bytes (the ceiling on this machine).
@@ -19,6 +20,7 @@ import argparse
 import socket
 import time
 import uuid
+from typing import Any
 
 import numpy as np
 
@@ -85,29 +87,37 @@ def main() -> None:
     peer = start_peer(2 * total, extra_args=["--progress-delay-us", str(args.progress_delay_us)])
     address = peer.address
     try:
-        config = BackendConfig("nixl_peer", "bench", 2 * total, options={"peers": [address]})
-        backend = create_backend(config)
         rng = np.random.default_rng(0)
         data = [rng.integers(0, 256, page, dtype=np.uint8).tobytes() for _ in range(args.pages)]
         keys = [f"be0c0001-{i:032x}" for i in range(args.pages)]
-        bufs = [memoryview(bytearray(page)) for _ in range(args.pages)]
+        block = memoryview(bytearray(total))
+        rows = [block[i * page : (i + 1) * page] for i in range(args.pages)]
+        for row, datum in zip(rows, data, strict=True):
+            row[:] = datum
         chunks = range(0, args.pages, args.batch)
+        results = {}
+        for zero_copy in (True, False):
+            options = {"peers": [address], "zero_copy": zero_copy}
+            backend = create_backend(BackendConfig("nixl_peer", "bench", 2 * total, options=options))
 
-        def put() -> None:
-            for s in chunks:
-                assert all(backend.put_batch(list(zip(keys[s : s + args.batch], data[s : s + args.batch],
-                                                      strict=True))))  # fmt: skip
+            def put(backend: Any = backend) -> None:
+                for s in chunks:
+                    assert all(backend.put_batch(list(zip(keys[s : s + args.batch], rows[s : s + args.batch],
+                                                          strict=True))))  # fmt: skip
 
-        def get() -> None:
-            for s in chunks:
-                sizes = backend.get_into(keys[s : s + args.batch], bufs[s : s + args.batch])
-                assert sizes == [page] * len(sizes)
+            def get(backend: Any = backend) -> None:
+                for s in chunks:
+                    sizes = backend.get_into(keys[s : s + args.batch], rows[s : s + args.batch])
+                    assert sizes == [page] * len(sizes)
 
-        put()  # warm-up: agent, registration, metadata exchange
-        results = {"nixl_peer put_batch": total / best(put, args.repeats)}
-        results["nixl_peer get_into"] = total / best(get, args.repeats)
-        assert all(bytes(b) == d for b, d in zip(bufs, data, strict=True))
-        backend.close()
+            put()  # warm-up: agent, registration, metadata exchange
+            kind = "zero copy" if zero_copy else "staged"
+            results[f"put_batch ({kind})"] = total / best(put, args.repeats)
+            block[:] = bytes(total)
+            results[f"get_into ({kind})"] = total / best(get, args.repeats)
+            assert all(bytes(row) == datum for row, datum in zip(rows, data, strict=True))
+            assert backend.transfers["direct" if zero_copy else "staged"] > 0, backend.transfers
+            backend.close()
         results.update(raw_nixl(address, total, page, args.batch, args.repeats))
         src, dst = np.ones(total, np.uint8), np.zeros(total, np.uint8)
         results["numpy copy (ceiling)"] = total / best(lambda: np.copyto(dst, src), args.repeats)

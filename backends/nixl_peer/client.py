@@ -3,8 +3,7 @@
 Role: a shared, remote page store. Each configured peer (``hybrid-offload peer``) owns one
 NIXL-registered memory pool and an index; this client asks it over a small TCP control
 protocol (:mod:`.protocol`) where pages are, and moves the bytes itself with one batched NIXL
-READ (load) or WRITE (store) per peer between the peer's pool and this process's registered
-staging buffer.
+READ (load) or WRITE (store) per peer between the peer's pool and the caller's buffers.
 
 Contract beyond :mod:`hybrid_offload.backends.base`:
 
@@ -21,11 +20,19 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
   connection is made on first use, while the NIXL agent, the staging registration and the
   metadata exchange are made lazily on the first data operation, once per peer incarnation
   (a restarted peer has a new agent name: the client re-loads its metadata).
-* **Loads.** GET (pins the extents under a lease, refreshes LRU) -> one batched NIXL READ per
-  peer into staging -> copies into the caller's buffers -> RELEASE. **Stores.** ALLOC (reserves
-  extents, refuses pages larger than the peer's capacity) -> copies into staging -> one batched
-  WRITE per peer -> COMMIT with per-page success flags (pages become visible atomically; the
-  reply carries the evictions counted in ``stats``). Batches larger than staging go in rounds.
+* **Loads.** GET (pins the extents under a lease, refreshes LRU: one round trip) -> one batched
+  NIXL READ per peer -> RELEASE (not awaited). **Stores.** ALLOC (reserves extents, refuses
+  pages larger than the peer's capacity) -> one batched WRITE per peer -> COMMIT with per-page
+  success flags (pages become visible atomically; the reply carries the evictions counted in
+  ``stats``). The transfers of a call are in flight together, one per peer.
+* **Zero copy** (``zero_copy``, true). Where a call's buffers lie in at most 8 regions (a
+  connector's load or store rows are one block), those regions are registered with NIXL for
+  the call and the bytes move straight between them and the peers' pools. Otherwise, or with
+  ``zero_copy: false`` (fabrics where registering memory per call costs more than a copy, e.g.
+  RDMA pinning), they go through the registered staging buffer (a copy each way; batches larger
+  than it go in rounds). ``transfers`` counts both kinds. A transfer that fails or times out
+  may still write into its destination after the call returned (its keys are misses): do not
+  reuse a failed key's buffer.
 * **Failures.** A refused connection, socket error, timeout or NIXL error (a dead peer raises
   ``nixlRemoteDisconnectError``) marks that peer down for the backoff, counts ``stats.errors``
   and turns its keys into misses / refused puts (counted in ``put_refused``). When every
@@ -67,11 +74,12 @@ from ..base import (
     PageInfo,
 )
 from . import protocol as p
+from . import rounds
 from .peers import PeerDownError as _PeerDownError
 from .peers import PeerState as _Peer
 from .peers import parse_address
 from .ring import HashRing
-from .rounds import Piece, plan_rounds
+from .rounds import Piece, direct_regions, plan_rounds
 
 __all__ = ["NixlPeerBackend", "parse_address"]
 
@@ -79,6 +87,8 @@ logger = logging.getLogger(__name__)
 
 _MiB = 1 << 20
 _KEYS_PER_REQUEST = 8192  # keeps every control message far below protocol.MAX_BODY
+_MAX_DIRECT_REGIONS = 8  # more regions than this: through staging (one registration each)
+_KEPT_REGISTRATIONS = 64  # of failed direct transfers; older ones are long over
 
 
 class NixlPeerBackend(Backend):
@@ -96,6 +106,7 @@ class NixlPeerBackend(Backend):
         "timeout_s": 2.0,
         "retry_backoff_s": 0.5,
         "max_backoff_s": 30.0,
+        "zero_copy": True,
     }
 
     @classmethod
@@ -119,6 +130,8 @@ class NixlPeerBackend(Backend):
             value = opts[name]
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise BackendConfigError(f"{name!r} must be a number > 0, got {value!r}")
+        if not isinstance(opts["zero_copy"], bool):
+            raise BackendConfigError(f"'zero_copy' must be true or false, got {opts['zero_copy']!r}")
         if opts["max_backoff_s"] < opts["retry_backoff_s"]:
             raise BackendConfigError("'max_backoff_s' must be >= 'retry_backoff_s'")
         return {**opts, "peers": list(peers)}
@@ -139,6 +152,7 @@ class NixlPeerBackend(Backend):
         self._backoff0 = float(opts["retry_backoff_s"])
         self._backoff_max = float(opts["max_backoff_s"])
         self._staging_bytes = int(opts["staging_bytes"])
+        self._max_regions = _MAX_DIRECT_REGIONS if opts["zero_copy"] else 0
         token = self._token_of(opts)
         self._token = Secret(b"") if token is None else token
         self._peers = [_Peer(address, self._backoff0, self._backoff_max) for address in opts["peers"]]
@@ -150,6 +164,9 @@ class NixlPeerBackend(Backend):
         self._staging: np.ndarray | None = None
         self._staging_view: memoryview | None = None
         self._staging_reg: Any = None
+        self._kept_registrations: list[Any] = []  # of failed direct transfers, until close
+        #: transfer calls made directly between the caller's buffers and the pools, or staged
+        self.transfers = {"direct": 0, "staged": 0}
 
     # -- control channel ----------------------------------------------------------------------
 
@@ -157,9 +174,6 @@ class NixlPeerBackend(Backend):
         with self._stats_lock:
             for name, delta in deltas.items():
                 setattr(self.stats, name, getattr(self.stats, name) + delta)
-
-    def _disconnect(self, peer: _Peer) -> None:
-        peer.disconnect()
 
     def _mark_down(self, peer: _Peer, reason: str) -> None:
         """Call with ``peer.lock`` held."""
@@ -274,10 +288,10 @@ class NixlPeerBackend(Backend):
                 self._agent.remove_remote_agent(peer.remote_agent)
         peer.remote_agent = None
 
-    def _post(self, op: str, pieces: list[Piece], failed: set[int]) -> dict[int, Any]:
-        """Start one transfer per peer of a round; returns peer -> handle."""
+    def _post(self, op: str, pieces: list[Piece], failed: set[int], base: int) -> dict[int, Any]:
+        """Start one transfer per peer of a round (local addresses: ``base + piece.local``);
+        returns peer -> handle."""
         agent = self._agent
-        staging_base = self._staging.ctypes.data  # type: ignore[union-attr]
         by_peer: dict[int, list[Piece]] = {}
         for piece in pieces:
             by_peer.setdefault(piece.peer, []).append(piece)
@@ -286,7 +300,7 @@ class NixlPeerBackend(Backend):
             peer = self._peers[n]
             try:
                 self._ensure_remote(peer, group[0].hello)
-                local = np.array([(staging_base + x.staging, x.view.nbytes, 0) for x in group], np.uint64)
+                local = np.array([(base + x.local, x.view.nbytes, 0) for x in group], np.uint64)
                 remote = np.array([(x.remote, x.view.nbytes, 0) for x in group], np.uint64)
                 handle = agent.initialize_xfer(
                     op,
@@ -350,19 +364,54 @@ class NixlPeerBackend(Backend):
             except Exception as exc:
                 msg = f"nixl_peer {self.name!r}: cannot create NIXL agent: {exc}"
                 raise BackendUnavailableError(msg) from exc
+            pieces = [x for x in pieces if x.view.nbytes]
+            if self._transfer_directly(op, pieces, failed):
+                return failed
+            self.transfers["staged"] += 1
             staging = self._staging_view
-            assert staging is not None
+            assert staging is not None and self._staging is not None
             for round_ in plan_rounds(pieces, self._staging_bytes):
                 round_ = [x for x in round_ if x.peer not in failed]
                 if op == "WRITE":
                     for x in round_:
-                        staging[x.staging : x.staging + x.view.nbytes] = x.view
-                self._wait(self._post(op, round_, failed), failed)
+                        staging[x.local : x.local + x.view.nbytes] = x.view
+                self._wait(self._post(op, round_, failed, self._staging.ctypes.data), failed)
                 if op == "READ":
                     for x in round_:
                         if x.peer not in failed:
-                            x.view[:] = staging[x.staging : x.staging + x.view.nbytes]
+                            x.view[:] = staging[x.local : x.local + x.view.nbytes]
         return failed
+
+    def _transfer_directly(self, op: str, pieces: list[Piece], failed: set[int]) -> bool:
+        """Move the pieces straight between the caller's buffers and the pools, registering
+        the few regions they lie in for this call (xfer lock held). False, moving nothing,
+        when they lie in more than ``_MAX_DIRECT_REGIONS`` regions or NIXL refuses one."""
+        if not pieces:
+            return True
+        if not self._max_regions:
+            return False
+        for x in pieces:
+            x.local = rounds.address(x.view)
+        regions = direct_regions([(x.local, x.view.nbytes) for x in pieces], self._max_regions)
+        if regions is None:
+            return False
+        try:
+            registration = self._agent.register_memory([(a, n, 0, "") for a, n in regions], "DRAM")
+        except Exception as exc:
+            logger.debug("nixl_peer %r: direct transfer not registered: %s", self.name, exc)
+            return False
+        self.transfers["direct"] += 1
+        try:
+            self._wait(self._post(op, pieces, failed, 0), failed)
+        finally:
+            if failed:  # a transfer released while in flight may still touch the region
+                self._kept_registrations.append(registration)
+                if len(self._kept_registrations) > _KEPT_REGISTRATIONS:
+                    with contextlib.suppress(Exception):
+                        self._agent.deregister_memory(self._kept_registrations.pop(0))
+            else:
+                self._agent.deregister_memory(registration)
+        return True
 
     # -- Backend API ----------------------------------------------------------------------------
 
@@ -539,9 +588,11 @@ class NixlPeerBackend(Backend):
         try:
             for peer in self._peers:
                 self._forget_remote(peer)
-            if self._agent is not None and self._staging_reg is not None:
-                with contextlib.suppress(Exception):
-                    self._agent.deregister_memory(self._staging_reg)
+            for registration in [self._staging_reg, *self._kept_registrations]:
+                if self._agent is not None and registration is not None:
+                    with contextlib.suppress(Exception):
+                        self._agent.deregister_memory(registration)
+            self._kept_registrations.clear()
             self._agent = self._staging_reg = self._staging_view = self._staging = None
         finally:
             self._xfer_lock.release()

@@ -31,6 +31,7 @@ from hybrid_offload.testing.services import PeerFactory
 MiB = 1 << 20
 FAST = {"timeout_s": 1.0, "retry_backoff_s": 0.05, "max_backoff_s": 0.2}
 
+
 def _raw_client(address: str, token: str = "") -> tuple[socket.socket, p.Message]:
     host, port = address.split(":")
     sock = socket.create_connection((host, int(port)), timeout=5)
@@ -83,6 +84,38 @@ def test_byte_exact_over_random_sizes_and_small_staging(peers: PeerFactory, clie
     for data, buf in zip(pages.values(), buffers, strict=True):
         assert bytes(buf[: len(data)]) == data
     assert backend.stats.errors == 0
+
+
+def test_buffers_in_one_block_move_directly_and_scattered_ones_through_staging(
+    peers: PeerFactory, clients: Any
+) -> None:
+    group = [peers() for _ in range(2)]
+    backend = clients([peer.address for peer in group], staging_bytes=64 * 1024)
+    rng = random.Random(5)
+    pages = {key(i): rng.randbytes(rng.randrange(1, 70_000)) for i in range(40)}
+    lens = [len(data) for data in pages.values()]
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    block = memoryview(bytearray(sum(lens)))  # as the connector's load and store rows
+    rows = [block[start : start + n] for start, n in zip(starts, lens, strict=True)]
+    for buf, data in zip(rows, pages.values(), strict=True):
+        buf[:] = data
+    assert backend.put_batch(list(zip(pages, rows, strict=True)))
+    block[:] = bytes(len(block))
+    assert backend.get_into(list(pages), rows) == lens
+    assert [bytes(buf) for buf in rows] == list(pages.values())
+    assert backend.transfers == {"direct": 2, "staged": 0}
+    # nine buffers a memory page apart or more: more regions than a call registers
+    spread = memoryview(bytearray(9 * 3 * 70_000))
+    scattered = [spread[i * 3 * 70_000 : i * 3 * 70_000 + 70_000] for i in range(9)]
+    assert backend.get_into(list(pages)[:9], scattered) == lens[:9]
+    assert [bytes(buf[:n]) for buf, n in zip(scattered, lens[:9], strict=True)] == list(pages.values())[:9]
+    assert backend.transfers == {"direct": 2, "staged": 1}
+    assert backend.stats.errors == 0
+    copying = clients([peer.address for peer in group], zero_copy=False)
+    block[:] = bytes(len(block))
+    assert copying.get_into(list(pages), rows) == lens
+    assert [bytes(buf) for buf in rows] == list(pages.values())
+    assert copying.transfers == {"direct": 0, "staged": 1}
 
 
 # -- faults ------------------------------------------------------------------------------------
@@ -326,6 +359,7 @@ def test_sigterm_exits_cleanly(peers: PeerFactory, clients: Any) -> None:
      {"peers": ["h:1", "h:1"]}, {"peers": ["h:1"], "token": 5}, {"peers": ["h:1"], "token": "literal"},
      {"peers": ["h:1"], "token_file": 5}, {"peers": ["h:1"], "token_env": "HOP_UNSET_VARIABLE_X"},
      {"peers": ["h:1"], "token_file": "/nonexistent/token"}, {"peers": ["h:1"], "staging_bytes": 10},
+     {"peers": ["h:1"], "zero_copy": "yes"},
      {"peers": ["h:1"], "timeout_s": 0}, {"peers": ["h:1"], "retry_backoff_s": 5, "max_backoff_s": 1},
      {"peers": ["h:1"], "bogus": 1}],
 )  # fmt: skip
