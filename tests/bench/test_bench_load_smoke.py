@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_offload.tools.bench.load import QUICK_CONFIGS
+from hybrid_offload.tools.bench.load import QUICK_CONFIGS, backends_for, empty_disk_tiers
 from hybrid_offload.tools.bench.load_client import WorkloadShape, distinct_workload, shared_prefix_workload
 from hybrid_offload.tools.cli.main import main
 
@@ -32,6 +32,18 @@ def test_shared_workload_is_seeded_and_repeats_prefixes() -> None:
     system = chats[0][: SHAPE.system_tokens]
     assert all(p[: SHAPE.system_tokens] == system for p in chats)  # one shared system prompt
     assert all(len(p) <= 2048 for _, p in a)
+
+
+def test_a_reused_workdir_starts_each_configuration_with_an_empty_disk_tier(tmp_path: Path) -> None:
+    """Found running the committed benchmark twice with one --workdir: the second run's
+    cpu+disk servers hit the first run's pages (93 % external hits on `distinct`)."""
+    [disk] = [t for t in backends_for("cpu+disk", tmp_path, None) or [] if t["type"] == "disk"]
+    old_page = Path(disk["path"]) / "ns" / "page"
+    old_page.parent.mkdir(parents=True)
+    old_page.write_bytes(b"an earlier run's page")
+    empty_disk_tiers("cpu+disk", tmp_path)
+    assert not Path(disk["path"]).exists()
+    empty_disk_tiers("none", tmp_path)  # no connector, no disk: nothing to do
 
 
 def test_distinct_workload_shares_nothing() -> None:

@@ -166,6 +166,14 @@ def backends_for(config: str, workdir: Path, redis_url: str | None) -> list[dict
     return tiers
 
 
+def empty_disk_tiers(config: str, workdir: Path) -> None:
+    """Remove ``config``'s disk directories: a ``--workdir`` used before holds an earlier run's
+    pages, which would be hits (only ``restart-disk`` is meant to find pages)."""
+    for tier in backends_for(config, workdir, "redis://unused") or []:
+        if tier["type"] == "disk":
+            shutil.rmtree(tier["path"], ignore_errors=True)
+
+
 def _config_file(config: str, workdir: Path, redis_url: str | None) -> Path | None:
     backends = backends_for(config, workdir, redis_url)
     if backends is None:
@@ -250,6 +258,8 @@ def run_configs(args: argparse.Namespace, the_plan: dict[str, Any], model: Path,
     with _redis_if_needed(configs, workdir) as redis_url:
         for config in configs:
             base = "cpu+disk" if config == "restart-disk" else config
+            if config != "restart-disk":
+                empty_disk_tiers(config, workdir)
             server = _serve(model, workdir, config, _config_file(base, workdir, redis_url), args)
             began = time.monotonic()
             logger.info("starting the %s server", config)
