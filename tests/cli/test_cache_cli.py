@@ -31,7 +31,7 @@ import redis
 from hybrid_offload import FORMAT_VERSION
 from hybrid_offload.backends import Backend, BackendConfig, create_backend
 from hybrid_offload.core.model_card import CardGroup, ModelCard, card_key, encode_card
-from hybrid_offload.core.page_format import PageHeader, encode_page
+from hybrid_offload.core.page_format import PageHeader, decode_header, encode_page
 from hybrid_offload.core.planner import key_digest
 from hybrid_offload.core.spec import GroupKind, TensorSpec
 from hybrid_offload.testing.services import (
@@ -66,7 +66,7 @@ def make_page(fp: str, group: int, chunk: int, shard: int = 0, shards: int = 1) 
         tensors = (TensorSpec("L0.conv", (4, 8), "float32"), TensorSpec("L0.ssm", (2, 4, 4), "float32"))
         kind = GroupKind.MAMBA
     seed = f"{fp}/{group}/{chunk}/{shard}".encode()
-    chunk_hash = hashlib.blake2b(seed, digest_size=32).digest()
+    chunk_hash = hashlib.blake2b(f"{fp}/{chunk}".encode(), digest_size=32).digest()  # a set's shards share it
     header = PageHeader(bytes.fromhex(fp), chunk_hash, group, kind, chunk, 16, tensors, shard, shards)
     payload = random.Random(seed).randbytes(sum(t.nbytes for t in tensors))
     return page_key(header), encode_page(header, payload)
@@ -377,11 +377,31 @@ def test_stats_per_fingerprint_and_group(cache: Cache) -> None:
     assert sum(g["bytes"] for g in by_fp[FP_A]["groups"]) == by_fp[FP_A]["bytes"] == sizes(a)
     [group_b] = by_fp[FP_B]["groups"]
     assert (group_b["pages"], group_b["bytes"], group_b["shards"]) == (4, sizes(b), [[0, 2], [1, 2]])
+    sets = [(g["sets_complete"], g["sets_incomplete"]) for fp in (FP_A, FP_B) for g in by_fp[fp]["groups"]]
+    assert sets == [(3, 0), (3, 0), (2, 0)]
     assert stats["unreadable"] == [] and stats["vanished"] == 0
     text = cli("stats", *cache.args, "--fingerprint", FP_B).stdout
     row = next(line for line in text.splitlines() if line.startswith(FP_B))
-    assert row.split() == [FP_B, "0", "full_attention", "4", str(sizes(b)), "0-1/2"]
-    assert FP_A not in text
+    assert row.split() == [FP_B, "0", "full_attention", "4", str(sizes(b)), "2/2", "0-1/2"]
+    assert FP_A not in text and "lack a shard" not in text
+
+
+def test_stats_and_verify_count_page_sets_that_lack_a_shard(cache: Cache) -> None:
+    """A page set loads only whole: one shard evicted or corrupt leaves the others useless."""
+    b = pages_b()
+    cache.put(b)
+    lost, damaged = (key for key, data in b.items() if decode_header(data)[0].shard == 1)
+    cache.backend.delete_batch([lost])
+    cache.corrupt(damaged, b[damaged])
+    stats = cli_json("stats", *cache.args)
+    [group] = stats["fingerprints"][0]["groups"]
+    assert (group["pages"], group["sets_complete"], group["sets_incomplete"]) == (3, 1, 1)  # headers only
+    assert "1 page sets lack a shard" in cli("stats", *cache.args).stdout
+    report = cli_json("verify", *cache.args, check=1)
+    counts = ("ok", "corrupt", "sets_complete", "sets_incomplete")
+    assert [report[k] for k in counts] == [2, 1, 0, 2]
+    text = cli("verify", *cache.args, check=1).stdout
+    assert "page sets of the ok pages: 0 complete, 2 lacking a shard" in text
 
 
 def big_page(fp: str, chunk: int, tokens: int = 1024) -> tuple[str, bytes]:
@@ -433,7 +453,7 @@ def test_stats_reads_page_headers_only(cache: Cache) -> None:
     [fp] = stats["fingerprints"]
     assert (fp["pages"], fp["bytes"]) == (4, sizes(pages))
     assert fp["groups"] == [{"group_index": 0, "kind": "full_attention", "pages": 4, "bytes": sizes(pages),
-                             "shards": [[0, 1]]}]  # fmt: skip
+                             "shards": [[0, 1]], "sets_complete": 4, "sets_incomplete": 0}]  # fmt: skip
     assert stats["unreadable"] == [] and stats["vanished"] == 0
     if cache.kind == "redis":
         assert server_sent_bytes(cache) - sent < 256 * 1024 < sizes(pages)

@@ -22,27 +22,37 @@ list, a page over the cap for ``inspect``), 3 the backend is unreachable or fail
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from hybrid_offload.backends import Backend, BackendUnavailableError, PageInfo
-from hybrid_offload.core.model_card import ModelCard, card_problem, decode_card, describe_card, is_card_key
+from hybrid_offload.core.model_card import card_problem, describe_card, is_card_key
 from hybrid_offload.core.secrets import Secret
+from hybrid_offload.tools.cli.cache_output import (
+    EXIT_CORRUPT,
+    EXIT_OK,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+    Progress,
+    emit_json,
+    human_age,
+    human_bytes,
+    model_name,
+)
 from hybrid_offload.tools.cli.cache_read import (
     DEFAULT_MAX_PAGE_BYTES,
     list_pages,
     namespace,
     read_cards,
-    read_headers,
     read_pages,
     split_too_large,
 )
+from hybrid_offload.tools.cli.cache_stats import PageSets, cmd_stats
 from hybrid_offload.tools.cli.cache_target import (
     CacheCliError,
     cache_secret,
@@ -56,7 +66,6 @@ from hybrid_offload.tools.cli.cache_target import (
 
 logger = logging.getLogger(__name__)
 
-EXIT_OK, EXIT_CORRUPT, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
 DELETE_BATCH = 1000
 
 
@@ -87,57 +96,12 @@ def check_page(key: str, data: bytes, secret: Secret | None = None) -> str | Non
     return None
 
 
-# -- formatting -------------------------------------------------------------------------------
-
-
-def human_bytes(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
-
-
-def human_age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    for limit, div, unit in ((120, 1, "s"), (7200, 60, "m"), (172800, 3600, "h")):
-        if seconds < limit:
-            return f"{max(0, int(seconds // div))}{unit}"
-    return f"{int(seconds // 86400)}d"
+# -- ls ---------------------------------------------------------------------------------------
 
 
 def _age(now: float, mtime: float | None) -> float | None:
     return None if mtime is None else max(0.0, now - mtime)
 
-
-def _emit_json(data: Any, out: TextIO) -> None:
-    json.dump(data, out, indent=2, sort_keys=False)
-    out.write("\n")
-
-
-class _Progress:
-    """``\\rverified n/N pages`` on stderr, at most ten updates a second."""
-
-    def __init__(self, total: int, verb: str, enabled: bool) -> None:
-        self.total, self.verb, self.enabled = total, verb, enabled
-        self._shown = 0.0
-
-    def update(self, done: int) -> None:
-        now = time.monotonic()
-        if self.enabled and (done == self.total or now - self._shown >= 0.1):
-            self._shown = now
-            sys.stderr.write(f"\r{self.verb} {done}/{self.total} pages")
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled and self.total:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
-
-
-# -- ls ---------------------------------------------------------------------------------------
 
 
 def cmd_ls(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
@@ -159,13 +123,13 @@ def cmd_ls(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
     listing = [
         {"fingerprint": fp, "pages": row["pages"], "bytes": row["bytes"],
          "oldest_age_s": _age(now, row["oldest"]), "newest_age_s": _age(now, row["newest"]),
-         "model": _model_name(cards.get(fp)), "card": None if (c := cards.get(fp)) is None else c.to_json()}
+         "model": model_name(cards.get(fp)), "card": None if (c := cards.get(fp)) is None else c.to_json()}
         for fp, row in sorted(rows.items())
     ]  # fmt: skip
     total = {"fingerprints": len(listing), "pages": sum(r["pages"] for r in listing),
              "bytes": sum(r["bytes"] for r in listing)}  # fmt: skip
     if args.json:
-        _emit_json({"backend": _backend_info(backend), "fingerprints": listing, "total": total}, out)
+        emit_json({"backend": _backend_info(backend), "fingerprints": listing, "total": total}, out)
         return EXIT_OK
     out.write(f"{'FINGERPRINT':<34} {'PAGES':>8} {'BYTES':>14} {'SIZE':>10} {'OLDEST':>7} {'NEWEST':>7} "
               "MODEL\n")  # fmt: skip
@@ -180,10 +144,6 @@ def cmd_ls(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
 
 def _backend_info(backend: Backend) -> dict[str, str]:
     return {"type": backend.type_name, "name": backend.name}
-
-
-def _model_name(card: ModelCard | None) -> str | None:
-    return (card.name or None) if card is not None else None
 
 
 # -- inspect ----------------------------------------------------------------------------------
@@ -276,7 +236,7 @@ def cmd_inspect(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
         raise missing
     described = describe_card(key, data) if is_card_key(key) else describe_page(key, data, args.secret)
     if args.json:
-        _emit_json(described, out)
+        emit_json(described, out)
     else:
         _print_description(described, out)
     return EXIT_OK if described["valid"] else EXIT_CORRUPT
@@ -286,13 +246,17 @@ def cmd_inspect(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
 
 
 def cmd_verify(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
-    """Read and fully verify every page; exit 1 if any is corrupt (``--delete-bad``: delete)."""
+    """Read and fully verify every page; exit 1 if any is corrupt (``--delete-bad``: delete).
+    Counts the page sets of the valid pages, complete or lacking a shard."""
+    from hybrid_offload.core.page_format import decode_header
+
     infos = list_pages(backend, args.fingerprint)
     fits, large = split_too_large(infos, args.max_page_bytes)
     too_large = [{"key": info.key, "size": info.size} for info in large]
     show = sys.stderr.isatty() if args.progress is None else args.progress
-    progress = _Progress(len(fits), "verified", show)
+    progress = Progress(len(fits), "verified", show)
     bad: list[dict[str, Any]] = []
+    sets = PageSets()
     ok = vanished = cards_ok = 0
     if not args.json:
         for item in too_large:
@@ -311,6 +275,7 @@ def cmd_verify(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
             cards_ok += 1
         else:
             ok += 1
+            sets.add(namespace(info.key), decode_header(data)[0])
         progress.update(done)
     progress.close()
     deleted = _delete_still_bad(backend, bad, args) if args.delete_bad and bad else 0
@@ -319,14 +284,17 @@ def cmd_verify(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
     summary = {"pages": len(pages), "bytes": sum(i.size for i in pages), "ok": ok,
                "corrupt": len(bad) - bad_cards, "vanished": vanished, "deleted": deleted,
                "cards": len(infos) - len(pages), "cards_ok": cards_ok,
-               "cards_corrupt": bad_cards}  # fmt: skip
+               "cards_corrupt": bad_cards, "sets_complete": sets.totals()["complete"],
+               "sets_incomplete": sets.totals()["incomplete"]}  # fmt: skip
     if args.json:
-        _emit_json({**summary, "corrupt_pages": bad, "too_large": too_large}, out)
+        emit_json({**summary, "corrupt_pages": bad, "too_large": too_large}, out)
     else:
         out.write(
             f"verified {summary['pages']} pages ({summary['bytes']} bytes): {ok} ok, "
             f"{summary['corrupt']} corrupt, {vanished} vanished while reading\n"
         )
+        out.write(f"page sets of the ok pages: {summary['sets_complete']} complete, "
+                  f"{summary['sets_incomplete']} lacking a shard (never loaded)\n")
         if summary["cards"]:
             out.write(f"verified {summary['cards']} model cards: {cards_ok} ok, {bad_cards} corrupt\n")
         if args.delete_bad:
@@ -396,7 +364,7 @@ def cmd_gc(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
         "by_fingerprint": dict(sorted(per_fp.items())),
     }
     if args.json:
-        _emit_json(summary, out)
+        emit_json(summary, out)
         return EXIT_OK
     verb = "would delete" if args.dry_run else "deleted"
     count = len(doomed) if args.dry_run else deleted
@@ -409,102 +377,6 @@ def cmd_gc(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
     out.write(f"kept {summary['kept_pages']} pages ({summary['kept_bytes']} bytes)\n")
     if unknown_age:
         out.write(f"note: {unknown_age} pages of unknown age were not aged out\n")
-    return EXIT_OK
-
-
-# -- stats ------------------------------------------------------------------------------------
-
-
-def _format_shards(seen: Iterable[tuple[int, int]]) -> str:
-    """``{(0, 4), (1, 4), (2, 4), (3, 4)}`` -> ``0-3/4``; several shard counts joined by ``,``."""
-    by_count: dict[int, list[int]] = defaultdict(list)
-    for shard, shards in sorted(set(seen)):
-        by_count[shards].append(shard)
-    parts = []
-    for shards, held in sorted(by_count.items()):
-        runs: list[list[int]] = []
-        for shard in held:
-            if runs and shard == runs[-1][1] + 1:
-                runs[-1][1] = shard
-            else:
-                runs.append([shard, shard])
-        text = " ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
-        parts.append(f"{text}/{shards}")
-    return ", ".join(parts) or "-"
-
-
-def gather_stats(
-    backend: Backend, infos: list[PageInfo], progress: _Progress, max_page_bytes: int
-) -> dict[str, Any]:
-    """Per fingerprint (model name from its card) and KV cache group (from page headers, the
-    only part of a page read; sizes from the listing): pages, bytes, shards seen."""
-    from hybrid_offload.core.page_format import PageFormatError, decode_header
-
-    groups: dict[tuple[str, int, str], dict[str, Any]] = {}
-    models: dict[str, str | None] = {}
-    unreadable: list[dict[str, str]] = []
-    vanished = 0
-    fits, large = split_too_large(infos, max_page_bytes)
-    cards = [info for info in fits if is_card_key(info.key)]
-    pages = [info for info in fits if not is_card_key(info.key)]
-    done = 0
-    for info, data in [*read_pages(backend, cards), *read_headers(backend, pages)]:
-        done += 1
-        progress.update(done)
-        if data is None:
-            vanished += 1
-            continue
-        if is_card_key(info.key):
-            problem = card_problem(info.key, data)
-            if problem is not None:
-                unreadable.append({"key": info.key, "error": problem})
-            models[namespace(info.key)] = None if problem else _model_name(decode_card(data))
-            continue
-        try:
-            header = decode_header(data)[0]
-        except PageFormatError as exc:
-            unreadable.append({"key": info.key, "error": str(exc)})
-            continue
-        slot = (namespace(info.key), header.group_index, str(header.kind.value))
-        row = groups.setdefault(slot, {"pages": 0, "bytes": 0, "shards": set()})
-        row["pages"] += 1
-        row["bytes"] += info.size
-        row["shards"].add((header.shard, header.shards))
-    progress.close()
-    fingerprints = {fp: {"fingerprint": fp, "model": models.get(fp), "pages": 0, "bytes": 0, "groups": []}
-                    for fp in sorted({slot[0] for slot in groups} | set(models))}  # fmt: skip
-    for (fp, group, kind), row in sorted(groups.items()):
-        entry = fingerprints[fp]
-        entry["pages"] += row["pages"]
-        entry["bytes"] += row["bytes"]
-        entry["groups"].append({"group_index": group, "kind": kind, "pages": row["pages"],
-                                "bytes": row["bytes"], "shards": sorted(row["shards"])})  # fmt: skip
-    too_large = [{"key": info.key, "size": info.size} for info in large]
-    return {"fingerprints": list(fingerprints.values()), "unreadable": unreadable, "vanished": vanished,
-            "too_large": too_large}  # fmt: skip
-
-
-def cmd_stats(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
-    """Pages, bytes and shards per fingerprint and KV cache group."""
-    infos = list_pages(backend, args.fingerprint)
-    show = sys.stderr.isatty() if args.progress is None else args.progress
-    stats = gather_stats(backend, infos, _Progress(len(infos), "read", show), args.max_page_bytes)
-    if args.json:
-        _emit_json(stats, out)
-        return EXIT_OK
-    out.write(f"{'FINGERPRINT':<34} {'GROUP':>5} {'KIND':<15} {'PAGES':>8} {'BYTES':>14} SHARDS\n")
-    for fp in stats["fingerprints"]:
-        for g in fp["groups"]:
-            out.write(f"{fp['fingerprint']:<34} {g['group_index']:>5} {g['kind']:<15} {g['pages']:>8} "
-                      f"{g['bytes']:>14} {_format_shards(map(tuple, g['shards']))}\n")  # fmt: skip
-        out.write(f"{fp['fingerprint']:<34} {'all':>5} {'':<15} {fp['pages']:>8} {fp['bytes']:>14} "
-                  f"model: {fp['model'] or '?'}\n")  # fmt: skip
-    for item in stats["unreadable"]:
-        out.write(f"unreadable {item['key']}: {item['error']}\n")
-    if stats["vanished"]:
-        out.write(f"{stats['vanished']} pages vanished while reading\n")
-    for item in stats["too_large"]:
-        out.write(f"too large (not read) {item['key']}: {item['size']} bytes\n")
     return EXIT_OK
 
 
