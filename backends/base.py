@@ -214,6 +214,9 @@ class Backend(ABC):
         """
         if len(keys) != len(buffers):
             raise ValueError("get_into: keys and buffers differ in length")
+        for i, buf in enumerate(buffers):
+            if memoryview(buf).readonly:
+                raise ValueError(f"get_into: buffer {i} is read-only")
         check_keys(keys)
         self._check_open()
         return self._get_into(keys, buffers)

@@ -10,7 +10,7 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
 * **Options.** ``peers`` (required, list of ``"host:port"``), ``token_file`` / ``token_env``
   (optional shared secret, from a file or an environment variable; a literal ``token`` is
   refused: configs end up on command lines), ``staging_bytes`` (64 MiB), ``timeout_s`` (2.0:
-  every socket wait and every transfer poll),
+  every socket wait, and a transfer per staging buffer's worth of bytes),
   ``retry_backoff_s`` (0.5, doubling up to ``max_backoff_s`` = 30 after each failure of a peer).
 * **Placement.** Keys are spread over peers by consistent hashing (:mod:`.ring`, xxh3, virtual
   nodes): every process with the same ``peers`` list agrees, and a peer joining or leaving moves
@@ -25,29 +25,28 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
   pages larger than the peer's capacity) -> one batched WRITE per peer -> COMMIT with per-page
   success flags (pages become visible atomically; the reply carries the evictions counted in
   ``stats``). The transfers of a call are in flight together, one per peer.
-* **Zero copy** (``zero_copy``, true). Where a call's buffers lie in at most 8 regions (a
-  connector's load or store rows are one block), those regions are registered with NIXL for
-  the call and the bytes move straight between them and the peers' pools. Otherwise, or with
+* **Data path** (:mod:`.data_path`). ``zero_copy`` (true): where a call's buffers lie in a
+  few regions (a connector's load or store rows are one block), they are registered for the
+  call and the bytes move straight between them and the peers' pools; otherwise, or with
   ``zero_copy: false`` (fabrics where registering memory per call costs more than a copy, e.g.
-  RDMA pinning), they go through the registered staging buffer (a copy each way; batches larger
-  than it go in rounds). ``transfers`` counts both kinds. A transfer that fails or times out
-  may still write into its destination after the call returned (its keys are misses): do not
-  reuse a failed key's buffer.
+  RDMA pinning), through the registered staging buffer. ``transfers`` counts both kinds. A
+  failed transfer is stopped before the call returns; one that cannot be stopped keeps its
+  memory until ``close()``, and a load raises BackendUnavailableError (its buffers may still be
+  written: the caller must not reuse them).
 * **Failures.** A refused connection, socket error, timeout or NIXL error (a dead peer raises
   ``nixlRemoteDisconnectError``) marks that peer down for the backoff, counts ``stats.errors``
   and turns its keys into misses / refused puts (counted in ``put_refused``). When every
   configured peer is down the call raises :class:`BackendUnavailableError`. A peer that answers
   again is re-handshaken. Construction never contacts a peer. A wrong token is refused by the
   peer and reported as down with the reason ("wrong token").
-* **Threading.** One lock per peer serializes its control socket; one lock serializes the NIXL
-  agent and the staging buffer (the client agent has no progress thread: it polls its own
-  transfers). Counters have their own lock.
+* **Threading.** One lock per peer serializes its control socket; the data path's lock the
+  NIXL agent and the staging buffer. Counters have their own lock.
 * **Listing.** ``scan`` pages through each peer with SCAN; ``mtime`` is the peer's last commit
   or GET, sent as an age (clocks need not agree). Pages a peer holds for keys the ring no longer
   gives it (``peers`` changed; unreachable, its LRU evicts them) are not listed. A peer down or
   too old to know SCAN raises :class:`BackendUnavailableError`: no peer is silently left out.
 * ``close()`` is idempotent and bounded: it closes sockets, forgets remote agents and
-  deregisters the staging buffer.
+  deregisters the staging buffer and any memory kept for transfers that did not stop.
 """
 
 from __future__ import annotations
@@ -60,9 +59,6 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
-import numpy as np
-
-from hybrid_offload.compat import check_versions, nixl_agent
 from hybrid_offload.core.secrets import Secret, SecretError, secret_from_options
 
 from ..base import (
@@ -74,12 +70,12 @@ from ..base import (
     PageInfo,
 )
 from . import protocol as p
-from . import rounds
+from .data_path import DataPath
 from .peers import PeerDownError as _PeerDownError
 from .peers import PeerState as _Peer
 from .peers import parse_address
 from .ring import HashRing
-from .rounds import Piece, direct_regions, plan_rounds
+from .rounds import Piece
 
 __all__ = ["NixlPeerBackend", "parse_address"]
 
@@ -87,8 +83,6 @@ logger = logging.getLogger(__name__)
 
 _MiB = 1 << 20
 _KEYS_PER_REQUEST = 8192  # keeps every control message far below protocol.MAX_BODY
-_MAX_DIRECT_REGIONS = 8  # more regions than this: through staging (one registration each)
-_KEPT_REGISTRATIONS = 64  # of failed direct transfers; older ones are long over
 
 
 class NixlPeerBackend(Backend):
@@ -151,22 +145,17 @@ class NixlPeerBackend(Backend):
         self._timeout = float(opts["timeout_s"])
         self._backoff0 = float(opts["retry_backoff_s"])
         self._backoff_max = float(opts["max_backoff_s"])
-        self._staging_bytes = int(opts["staging_bytes"])
-        self._max_regions = _MAX_DIRECT_REGIONS if opts["zero_copy"] else 0
         token = self._token_of(opts)
         self._token = Secret(b"") if token is None else token
         self._peers = [_Peer(address, self._backoff0, self._backoff_max) for address in opts["peers"]]
         self._ring = HashRing(opts["peers"])
         self.agent_name = f"hybrid-offload-client-{uuid.uuid4().hex}"
-        self._xfer_lock = threading.Lock()  # agent, staging, remote agents
         self._stats_lock = threading.Lock()
-        self._agent: Any = None
-        self._staging: np.ndarray | None = None
-        self._staging_view: memoryview | None = None
-        self._staging_reg: Any = None
-        self._kept_registrations: list[Any] = []  # of failed direct transfers, until close
-        #: transfer calls made directly between the caller's buffers and the pools, or staged
-        self.transfers = {"direct": 0, "staged": 0}
+        self._data = DataPath(
+            self.name, self.agent_name, self._peers, staging_bytes=int(opts["staging_bytes"]),
+            timeout=self._timeout, zero_copy=opts["zero_copy"], on_failure=self._peer_failed,
+            check_open=self._check_open,
+        )  # fmt: skip
 
     # -- control channel ----------------------------------------------------------------------
 
@@ -244,16 +233,11 @@ class NixlPeerBackend(Backend):
 
     # -- NIXL -----------------------------------------------------------------------------------
 
-    def _ensure_agent(self) -> Any:
-        """Create the agent and register staging (call with the xfer lock held)."""
-        if self._agent is None:
-            check_versions("nixl", what=f"nixl_peer backend {self.name!r}")
-            agent = nixl_agent(self.agent_name, progress_thread=False)
-            staging = np.zeros(self._staging_bytes, dtype=np.uint8)
-            reg = agent.register_memory([(staging.ctypes.data, staging.nbytes, 0, "")], "DRAM")
-            self._staging, self._staging_view, self._staging_reg = staging, memoryview(staging), reg
-            self._agent = agent
-        return self._agent
+    def _peer_failed(self, n: int, reason: str) -> None:
+        """A transfer with peer ``n`` failed (the data path's ``on_failure``)."""
+        peer = self._peers[n]
+        with peer.lock:
+            self._mark_down(peer, reason)
 
     def prepare_data_path(self) -> None:
         """Create the NIXL agent, register staging and exchange metadata with every reachable
@@ -265,153 +249,14 @@ class NixlPeerBackend(Backend):
             except _PeerDownError as exc:
                 logger.info("nixl_peer %r: %s not prepared: %s", self.name, peer.address, exc)
                 continue
-            with self._xfer_lock:
-                self._check_open()
-                self._ensure_remote(peer, hello)
+            self._data.prepare(peer, hello)
         self._raise_if_all_down("connect")
 
-    def _ensure_remote(self, peer: _Peer, hello: p.HelloReply) -> None:
-        """Load ``hello``'s agent metadata once per peer incarnation (xfer lock held)."""
-        if peer.remote_agent == hello.agent_name:
-            return
-        agent = self._ensure_agent()
-        if peer.remote_agent is not None:
-            with contextlib.suppress(Exception):
-                agent.remove_remote_agent(peer.remote_agent)
-            peer.remote_agent = None
-        agent.add_remote_agent(hello.metadata)
-        peer.remote_agent = hello.agent_name
-
-    def _forget_remote(self, peer: _Peer) -> None:
-        if peer.remote_agent is not None and self._agent is not None:
-            with contextlib.suppress(Exception):
-                self._agent.remove_remote_agent(peer.remote_agent)
-        peer.remote_agent = None
-
-    def _post(self, op: str, pieces: list[Piece], failed: set[int], base: int) -> dict[int, Any]:
-        """Start one transfer per peer of a round (local addresses: ``base + piece.local``);
-        returns peer -> handle."""
-        agent = self._agent
-        by_peer: dict[int, list[Piece]] = {}
-        for piece in pieces:
-            by_peer.setdefault(piece.peer, []).append(piece)
-        handles: dict[int, Any] = {}
-        for n, group in by_peer.items():
-            peer = self._peers[n]
-            try:
-                self._ensure_remote(peer, group[0].hello)
-                local = np.array([(base + x.local, x.view.nbytes, 0) for x in group], np.uint64)
-                remote = np.array([(x.remote, x.view.nbytes, 0) for x in group], np.uint64)
-                handle = agent.initialize_xfer(
-                    op,
-                    agent.get_xfer_descs(local, "DRAM"),
-                    agent.get_xfer_descs(remote, "DRAM"),
-                    group[0].hello.agent_name,
-                )
-                handles[n] = handle
-                if agent.transfer(handle) == "ERR":
-                    raise RuntimeError("transfer could not be posted")
-            except Exception as exc:
-                self._transfer_failed(n, f"NIXL {op}: {type(exc).__name__}: {exc}", failed)
-        return handles
-
-    def _transfer_failed(self, n: int, reason: str, failed: set[int]) -> None:
-        failed.add(n)
-        peer = self._peers[n]
-        self._forget_remote(peer)
-        with peer.lock:
-            self._mark_down(peer, reason)
-
-    def _wait(self, handles: dict[int, Any], failed: set[int]) -> None:
-        """Poll until every handle is done, failed, or the timeout passed; release them."""
-        agent = self._agent
-        deadline = time.monotonic() + self._timeout
-        pending = {n: h for n, h in handles.items() if n not in failed}
-        for n in set(handles) - set(pending):
-            with contextlib.suppress(Exception):
-                handles[n].release()
-        while pending:
-            for n, handle in list(pending.items()):
-                try:
-                    state = agent.check_xfer_state(handle)
-                except Exception as exc:
-                    state, error = "ERR", f"{type(exc).__name__}: {exc}"
-                else:
-                    error = "transfer failed"
-                if state == "PROC":
-                    continue
-                del pending[n]
-                with contextlib.suppress(Exception):
-                    handle.release()
-                if state != "DONE":
-                    self._transfer_failed(n, f"NIXL: {error}", failed)
-            if pending and time.monotonic() > deadline:
-                for n, handle in pending.items():
-                    with contextlib.suppress(Exception):
-                        handle.release()
-                    self._transfer_failed(n, f"NIXL transfer timed out after {self._timeout}s", failed)
-                return
-
-    def _transfer(self, op: str, pieces: list[Piece]) -> set[int]:
-        """Move all pieces (READ: pool -> views, WRITE: views -> pool); returns failed peers."""
-        failed: set[int] = set()
-        if not pieces:
-            return failed
-        with self._xfer_lock:
-            self._check_open()
-            try:
-                self._ensure_agent()
-            except Exception as exc:
-                msg = f"nixl_peer {self.name!r}: cannot create NIXL agent: {exc}"
-                raise BackendUnavailableError(msg) from exc
-            pieces = [x for x in pieces if x.view.nbytes]
-            if self._transfer_directly(op, pieces, failed):
-                return failed
-            self.transfers["staged"] += 1
-            staging = self._staging_view
-            assert staging is not None and self._staging is not None
-            for round_ in plan_rounds(pieces, self._staging_bytes):
-                round_ = [x for x in round_ if x.peer not in failed]
-                if op == "WRITE":
-                    for x in round_:
-                        staging[x.local : x.local + x.view.nbytes] = x.view
-                self._wait(self._post(op, round_, failed, self._staging.ctypes.data), failed)
-                if op == "READ":
-                    for x in round_:
-                        if x.peer not in failed:
-                            x.view[:] = staging[x.local : x.local + x.view.nbytes]
-        return failed
-
-    def _transfer_directly(self, op: str, pieces: list[Piece], failed: set[int]) -> bool:
-        """Move the pieces straight between the caller's buffers and the pools, registering
-        the few regions they lie in for this call (xfer lock held). False, moving nothing,
-        when they lie in more than ``_MAX_DIRECT_REGIONS`` regions or NIXL refuses one."""
-        if not pieces:
-            return True
-        if not self._max_regions:
-            return False
-        for x in pieces:
-            x.local = rounds.address(x.view)
-        regions = direct_regions([(x.local, x.view.nbytes) for x in pieces], self._max_regions)
-        if regions is None:
-            return False
-        try:
-            registration = self._agent.register_memory([(a, n, 0, "") for a, n in regions], "DRAM")
-        except Exception as exc:
-            logger.debug("nixl_peer %r: direct transfer not registered: %s", self.name, exc)
-            return False
-        self.transfers["direct"] += 1
-        try:
-            self._wait(self._post(op, pieces, failed, 0), failed)
-        finally:
-            if failed:  # a transfer released while in flight may still touch the region
-                self._kept_registrations.append(registration)
-                if len(self._kept_registrations) > _KEPT_REGISTRATIONS:
-                    with contextlib.suppress(Exception):
-                        self._agent.deregister_memory(self._kept_registrations.pop(0))
-            else:
-                self._agent.deregister_memory(registration)
-        return True
+    @property
+    def transfers(self) -> dict[str, int]:
+        """Calls whose bytes moved directly between the caller's buffers and the pools, and
+        calls that went through staging (:mod:`.data_path`)."""
+        return self._data.counts
 
     # -- Backend API ----------------------------------------------------------------------------
 
@@ -440,7 +285,7 @@ class NixlPeerBackend(Backend):
                     sizes[i] = extent[1]
                     pieces.append(Piece(i, n, hello, hello.pool_base + extent[0], dest[: extent[1]]))
         try:
-            failed = self._transfer("READ", pieces)
+            failed = self._data.move("READ", pieces)
         finally:
             for peer, lease_id in leases:
                 with contextlib.suppress(_PeerDownError):
@@ -492,7 +337,7 @@ class NixlPeerBackend(Backend):
             for i, offset in zip(idxs, reply.offsets, strict=True):
                 if offset is not None and views[i].nbytes:
                     pieces.append(Piece(i, n, hello, hello.pool_base + offset, views[i]))
-        failed = self._transfer("WRITE", pieces)
+        failed = self._data.move("WRITE", pieces)
         puts = put_bytes = evictions = evicted_bytes = 0
         for n, peer, idxs, alloc_id, offsets in allocs:
             flags = [offset is not None and n not in failed for offset in offsets]
@@ -582,17 +427,4 @@ class NixlPeerBackend(Backend):
                     peer.disconnect()
                 finally:
                     peer.lock.release()
-        if not self._xfer_lock.acquire(timeout=2 * self._timeout):
-            logger.warning("nixl_peer %r: close() gave up waiting for a transfer", self.name)
-            return
-        try:
-            for peer in self._peers:
-                self._forget_remote(peer)
-            for registration in [self._staging_reg, *self._kept_registrations]:
-                if self._agent is not None and registration is not None:
-                    with contextlib.suppress(Exception):
-                        self._agent.deregister_memory(registration)
-            self._kept_registrations.clear()
-            self._agent = self._staging_reg = self._staging_view = self._staging = None
-        finally:
-            self._xfer_lock.release()
+        self._data.close(2 * self._timeout)

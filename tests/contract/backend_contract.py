@@ -184,6 +184,10 @@ class BackendContract:
         assert backend.get_into([key(99)], [memoryview(bytearray(10))]) == [None]
         with pytest.raises(ValueError):
             backend.get_into(keys, exact[:-1])
+        frozen = pages[2]
+        with pytest.raises(ValueError, match="read-only"):  # before any I/O: nothing written
+            backend.get_into(keys[2:3], [memoryview(frozen)])
+        assert frozen == page(2, sizes[2])
 
     def test_contains_and_delete(self, backend: Backend) -> None:
         keys = [key(i) for i in range(4)]

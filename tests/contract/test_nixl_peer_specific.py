@@ -4,6 +4,7 @@ reservations of dead clients, the control channel's defences, and the peer's poo
 from __future__ import annotations
 
 import contextlib
+import json
 import random
 import socket
 import subprocess
@@ -202,6 +203,69 @@ def test_hung_peer_calls_return_within_timeout(peers: PeerFactory, clients: Any)
                "client recovering after the peer resumed", ignore=(BackendUnavailableError,))  # fmt: skip
 
 
+LATE_WRITE_CHILD = """
+import json, os, sys
+os.environ["UCX_TLS"] = "tcp"  # the READ then needs the peer's progress: a paused peer stalls it
+from hybrid_offload.backends import BackendConfig, BackendUnavailableError, create_backend
+from hybrid_offload.testing.services import start_peer
+zero_copy = sys.argv[1] == "1"
+a, b = start_peer(64 << 20), start_peer(64 << 20)
+try:
+    opts = {"peers": [a.address, b.address], "zero_copy": zero_copy, "timeout_s": 0.5,
+            "retry_backoff_s": 0.05, "max_backoff_s": 0.1}
+    client = create_backend(BackendConfig("nixl_peer", "t", 1 << 30, options=opts))
+    keys = [f"abcdef01-{i:032x}" for i in range(64)]
+    on = {k: client.peer_for(k) for k in keys}
+    ka = [k for k in keys if on[k] == a.address][:8]
+    kb = [k for k in keys if on[k] == b.address][:8]
+    page = 64 << 10
+    items = [(k, bytes([0xAA]) * page) for k in ka] + [(k, bytes([0xBB]) * page) for k in kb]
+    assert all(client.put_batch(items))
+    block = memoryview(bytearray(8 * page))
+    rows = [block[i * page : (i + 1) * page] for i in range(8)]
+    move = client._data.move
+    def paused(op, pieces):  # the peer stops between its GET reply and the transfer
+        a.pause()
+        return move(op, pieces)
+    client._data.move = paused
+    try:
+        first = client.get_into(ka, rows)
+    except BackendUnavailableError:
+        first = "raised"
+    client._data.move = move
+    a.resume()
+    block[:] = bytes([0x11]) * len(block)  # reuse: allowed unless the call raised
+    later = client.get_batch(kb)
+    print(json.dumps({"first": first, "later_ok": [x == bytes([0xBB]) * page for x in later],
+                      "rows": sorted({bytes(r[:1]).hex() for r in rows}), "transfers": client.transfers}))
+    client.close()
+finally:
+    a.resume()
+    a.terminate()
+    b.terminate()
+"""
+
+
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_a_transfer_that_cannot_be_stopped_never_lands_in_reused_memory(zero_copy: bool) -> None:
+    """A timed-out NIXL READ is not cancelled: UCX completes it at a later progress call
+    (found in review: it wrote the stalled peer's bytes into the caller's reused rows, into
+    freed buffers, and into the staging buffer of the next call, whose pages came back wrong).
+    Staged: that staging buffer is retired. Zero copy: the call raises, so the caller keeps
+    its buffers, and transfers go through staging from then on."""
+    out = subprocess.run([sys.executable, "-c", LATE_WRITE_CHILD, "1" if zero_copy else "0"],
+                         capture_output=True, text=True, timeout=LONG_TIMEOUT_S)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["later_ok"] == [True] * 8  # no late bytes in what later calls return
+    if zero_copy:
+        assert result["first"] == "raised"
+        assert result["transfers"] == {"direct": 2, "staged": 1}  # no more zero copy
+    else:
+        assert result["first"] == [None] * 8
+        assert result["rows"] == ["11"]  # the caller's reused rows stay its own
+
+
 def test_construction_with_peer_down_does_not_raise(clients: Any) -> None:
     with socket.socket() as probe:  # a port nobody listens on
         probe.bind(("127.0.0.1", 0))
@@ -213,7 +277,7 @@ def test_construction_with_peer_down_does_not_raise(clients: Any) -> None:
         with pytest.raises(BackendUnavailableError):
             backend.put_batch([(key(1), b"x")])
     assert backend.stats.errors >= 1
-    assert backend._agent is None  # nothing NIXL was made for a peer that never answered
+    assert not backend._data.agent_made  # nothing NIXL was made for a peer that never answered
 
 
 def test_lookup_only_client_makes_no_nixl_agent(peers: PeerFactory, clients: Any) -> None:
@@ -221,7 +285,7 @@ def test_lookup_only_client_makes_no_nixl_agent(peers: PeerFactory, clients: Any
     writer, scheduler = clients([peer.address]), clients([peer.address])
     writer.put_batch([(key(1), b"abc")])
     assert scheduler.contains_batch([key(1), key(2)]) == [True, False]
-    assert scheduler._agent is None
+    assert not scheduler._data.agent_made
 
 
 def test_prepare_data_path_sets_up_nixl_before_the_first_transfer(peers: PeerFactory, clients: Any) -> None:
@@ -230,7 +294,7 @@ def test_prepare_data_path_sets_up_nixl_before_the_first_transfer(peers: PeerFac
     down.kill()
     backend = clients([up.address, down_address], **FAST)
     backend.prepare_data_path()  # one peer down: prepares the other, raises nothing
-    assert backend._agent is not None
+    assert backend._data.agent_made
     assert [peer.remote_agent is not None for peer in backend._peers] == [True, False]
     keys = [k for k in (key(i) for i in range(64)) if backend.peer_for(k) == up.address][:2]
     assert backend.put_batch([(k, page(i, 300)) for i, k in enumerate(keys)]) == [True, True]
