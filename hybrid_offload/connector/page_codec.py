@@ -107,12 +107,16 @@ class PageCodec:
         return out
 
     def _rank_states(self, raw: torch.Tensor) -> list[torch.Tensor]:
-        """One layer's state bytes in vLLM's block as typed tensors of this rank's shapes."""
+        """One layer's state bytes in vLLM's block as typed tensors of this rank's shapes (the
+        conv state of a DS engine, kept ``(dim, state_len)``, as a transposed SD view)."""
         out, offset = [], 0
-        for shape, dtype in zip(self.group.state_shapes, self.group.state_dtypes, strict=True):
+        typed_shapes = zip(self.group.state_shapes, self.group.state_dtypes, strict=True)
+        for i, (shape, dtype) in enumerate(typed_shapes):
             torch_dtype = _dtype(dtype)
             n = torch.Size(shape).numel() * torch_dtype.itemsize
-            out.append(raw[offset : offset + n].view(torch_dtype).view(shape))
+            typed = raw[offset : offset + n].view(torch_dtype)
+            ds = i == 0 and self.group.conv_layout == "DS"
+            out.append(typed.view(shape[::-1]).t() if ds else typed.view(shape))
             offset += n
         return out
 

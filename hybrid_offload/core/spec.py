@@ -71,7 +71,9 @@ class GroupSpec:
     not depend on the number of tokens. ``num_kv_heads`` and ``state_shapes`` are this TP
     rank's, as vLLM allocates them; ``total_kv_heads`` and ``state_splits`` describe the model
     at TP=1 (see :mod:`hybrid_offload.core.tp_shards`), and each (chunk, group) page set is
-    ``shards`` pages.
+    ``shards`` pages. ``state_shapes`` hold the conv state as SD ``(state_len, dim)``, as pages
+    do; ``conv_layout`` says how the engine keeps it (``DS``: ``(dim, state_len)``, so copies go
+    through a transposed view).
     """
 
     index: int

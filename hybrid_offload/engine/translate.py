@@ -56,6 +56,8 @@ class ModelShape:
 
 #: HF config keys naming the Mamba2 group count, per architecture family
 _N_GROUPS_KEYS = ("mamba_n_groups", "n_groups", "mamba_ngroups")
+#: Mamba types whose first state is the conv state (vLLM 0.32 ``MambaStateShapeCalculator``)
+CONV_FIRST_TYPES = frozenset({"MAMBA1", "MAMBA2", "SHORT_CONV", "GDN_ATTN"})
 
 
 def mamba_splits(
@@ -102,14 +104,18 @@ def _group_from_vllm(index: int, group: Any, shape: ModelShape | None = None) ->
     if isinstance(spec, MambaSpec):
         from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
 
-        if get_conv_state_layout() != "SD":
-            raise ValueError(
-                "hybrid-offload stores Mamba conv states in the SD layout; "
-                "VLLM_SSM_CONV_STATE_LAYOUT=DS is not supported"
-            )
         shape = shape or ModelShape()
         mamba_type = getattr(spec.mamba_type, "name", str(spec.mamba_type))
         state_shapes = tuple(tuple(s) for s in spec.shapes)
+        conv_layout = get_conv_state_layout() if mamba_type != "LINEAR" else "SD"  # LINEAR: no conv
+        if conv_layout == "DS":
+            if mamba_type not in CONV_FIRST_TYPES:
+                raise ValueError(
+                    f"KV cache group {index}: VLLM_SSM_CONV_STATE_LAYOUT=DS with Mamba type "
+                    f"{mamba_type}, whose conv state hybrid-offload cannot find; unset it (SD)"
+                )
+            # vLLM keeps the conv state (dim, state_len); pages hold it as SD (state_len, dim)
+            state_shapes = (state_shapes[0][::-1], *state_shapes[1:])
         splits = mamba_splits(mamba_type, state_shapes, shape)
         if not splits and shape.tp_size > 1:
             raise ShardLayoutError(
@@ -127,7 +133,7 @@ def _group_from_vllm(index: int, group: Any, shape: ModelShape | None = None) ->
             state_dtypes=tuple(_dtype_name(d) for d in spec.dtypes),
             mamba_cache_mode=spec.mamba_cache_mode,
             mamba_type=mamba_type,
-            conv_layout="SD",
+            conv_layout=conv_layout,
             state_splits=splits,
         )
     # Exact types: vLLM's subclasses (MLA, sink, R-SWA, sliding-window MLA, ...) store other

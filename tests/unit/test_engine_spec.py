@@ -370,23 +370,45 @@ def test_model_spec_from_vllm_tensor_parallel(vllm_kv: SimpleNamespace) -> None:
                              kv_config(1, ((3, 160), (2, 64, 16))), 8)
 
 
-def test_ds_conv_layout_rejected(vllm_kv: SimpleNamespace,
-                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """Pages store conv states in vLLM's default SD layout; DS engines must not share them."""
-    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+def test_ds_conv_layout_translates_to_the_pages_of_sd(vllm_kv: SimpleNamespace,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's own shape code at VLLM_SSM_CONV_STATE_LAYOUT=DS keeps the conv state (dim,
+    state_len); the group holds it as SD, as pages do, so DS and SD engines share pages."""
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator, get_conv_state_layout
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
-    get_conv_state_layout.cache_clear()  # vLLM caches the layout per process
-    try:
-        if get_conv_state_layout() != "DS":
+    gdn_type = MambaAttentionBackendEnum.GDN_ATTN
+
+    def shapes_and_group(layout: str) -> tuple[tuple, GroupSpec, GroupSpec]:
+        monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", layout)
+        get_conv_state_layout.cache_clear()  # vLLM caches the layout per process
+        if get_conv_state_layout() != layout:
             pytest.skip("this vLLM does not read VLLM_SSM_CONV_STATE_LAYOUT at call time")
-        with pytest.raises(ValueError, match="DS"):
-            translate(vllm_kv, 0, mamba_spec(vllm_kv), mamba_layers(1))
-        translate(vllm_kv, 1, fa_spec(vllm_kv), attn_layers(1))  # attention does not care
+        mamba2 = MambaStateShapeCalculator.mamba2_state_shape(
+            tp_world_size=1, intermediate_size=256, n_groups=1, num_heads=4, head_dim=64,
+            state_size=16, conv_kernel=4)  # fmt: skip
+        gdn = MambaStateShapeCalculator.gated_delta_net_state_shape(1, 2, 4, 32, 32, 4)
+        return (
+            mamba2,
+            translate(vllm_kv, 0, mamba_spec(vllm_kv, shapes=mamba2), mamba_layers(1)),
+            translate(vllm_kv, 1, mamba_spec(vllm_kv, shapes=gdn, mamba_type=gdn_type), mamba_layers(1, 1)),
+        )
+
+    try:
+        sd_shapes, *sd = shapes_and_group("SD")
+        ds_shapes, *ds = shapes_and_group("DS")
+        translate(vllm_kv, 2, fa_spec(vllm_kv), attn_layers(1))  # attention does not care
     finally:
         monkeypatch.undo()
         get_conv_state_layout.cache_clear()
     assert get_conv_state_layout() == "SD"
+    assert ds_shapes[0] == sd_shapes[0][::-1] == (288, 3)  # vLLM's DS block: (dim, state_len)
+    for sd_group, ds_group in zip(sd, ds, strict=True):
+        assert (sd_group.conv_layout, ds_group.conv_layout) == ("SD", "DS")
+        assert ds_group.state_shapes == sd_group.state_shapes
+        assert ds_group.layout_fields() == sd_group.layout_fields()
+        assert [ds_group.page_tensors(16, p) for p in range(ds_group.shards)] == [
+            sd_group.page_tensors(16, p) for p in range(sd_group.shards)]
 
 
 def test_hf_config_digest_ignores_what_vllm_patches_at_runtime(vllm_kv: SimpleNamespace,

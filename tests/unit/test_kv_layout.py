@@ -185,3 +185,43 @@ def test_strided_layouts_copy_by_token_others_by_element(monkeypatch: pytest.Mon
     out = [torch.empty_like(d) for d in data]
     layout.gather(layout.token_index([2], 0, BLOCK), out)
     assert all(torch.equal(o, d) for o, d in zip(out, data, strict=True))
+
+
+def test_ds_conv_states_make_the_pages_of_sd_and_load_back_transposed() -> None:
+    """A DS engine keeps each conv state (dim, state_len); its pages hold SD (state_len, dim),
+    byte for byte those of an SD engine with the same state, and load back as DS."""
+    import dataclasses
+
+    from hybrid_offload.connector.metadata import PageJob
+    from hybrid_offload.connector.page_codec import PageCodec
+    from hybrid_offload.core.spec import ModelSpec
+
+    sd = GroupSpec(0, GroupKind.MAMBA, BLOCK, ("m0", "m1"), 4096, state_shapes=((3, 40), (4, 4)),
+                   state_dtypes=("float32", "float32"), conv_layout="SD")  # fmt: skip
+    ds = dataclasses.replace(sd, conv_layout="DS")
+    rng = torch.Generator().manual_seed(7)
+    conv = torch.randn(2, 3, 40, generator=rng)  # per layer, SD
+    ssm = torch.randn(2, 4, 4, generator=rng)
+    blocks = {}
+    for group, conv_bytes in ((sd, conv), (ds, conv.transpose(1, 2).contiguous())):
+        storage = torch.zeros(NUM_BLOCKS, 2, 4096, dtype=torch.uint8)
+        for layer in range(2):
+            state = torch.cat([conv_bytes[layer].reshape(-1), ssm[layer].reshape(-1)]).view(torch.uint8)
+            storage[3, layer, : state.numel()] = state
+        blocks[group.conv_layout] = storage
+    pages = {}
+    for group in (sd, ds):
+        spec = ModelSpec((group,), "ab" * 16)
+        codec = PageCodec(spec, group, 16)
+        storage = blocks[group.conv_layout]
+        layout = kv_layout.MambaGroupLayout(group, [storage[:, layer] for layer in range(2)])
+        payload = torch.zeros(codec.page_lens[0] - codec.header_lens[0], dtype=torch.uint8)
+        codec.gather(layout, PageJob("k", 0, 0, bytes(32), (3,)), 0, payload)
+        pages[group.conv_layout] = payload
+        target = torch.zeros_like(blocks[group.conv_layout])
+        into = kv_layout.MambaGroupLayout(group, [target[:, layer] for layer in range(2)])
+        codec.scatter(into, PageJob("k", 0, 0, bytes(32), (1, 5)), 0, pages["SD"])
+        for block in (1, 5):
+            assert torch.equal(target[block], blocks[group.conv_layout][3])
+    assert torch.equal(pages["DS"], pages["SD"])
+    assert not torch.equal(blocks["DS"], blocks["SD"])  # the engines' bytes differ
