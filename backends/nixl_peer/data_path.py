@@ -225,7 +225,7 @@ class DataPath:
     def _transfer_directly(self, op: str, pieces: list[Piece], failed: set[int]) -> bool:
         """Move the pieces straight between the caller's buffers and the pools, registering
         the few regions they lie in for this call (xfer lock held). False, moving nothing,
-        when they lie in more than ``_MAX_DIRECT_REGIONS`` regions or NIXL refuses one."""
+        when they lie in more than ``MAX_DIRECT_REGIONS`` regions or NIXL refuses one."""
         if not pieces:
             return True
         if not self._max_regions:
