@@ -34,8 +34,11 @@ def version_supported(entry_point: str, versions: tuple[str, ...], without: str)
     found = compat.installed_version("vllm")
     if compat.release_in(found, versions):
         return True
-    warn_not_applied(entry_point, f"vLLM {found or 'unknown'} is not one it was written for "
-                     f"({compat.releases_text(versions)})", without)
+    warn_not_applied(
+        entry_point,
+        f"vLLM {found or 'unknown'} is not one it was written for ({compat.releases_text(versions)})",
+        without,
+    )
     return False
 
 
@@ -51,3 +54,19 @@ def mark(wrapper: Callable[..., Any]) -> Callable[..., Any]:
 
 def is_patched(function: Any) -> bool:
     return bool(getattr(function, _MARKER, False))
+
+
+def wrap_method(
+    owner: type,
+    name: str,
+    wrap: Callable[[Any], Any],
+    entry_point: str,
+    versions: tuple[str, ...],
+    without: str,
+) -> None:
+    """Replace ``owner.name`` with ``wrap(owner.name)`` (a :func:`mark` ed wrapper), unless the
+    installed vLLM is not one of ``versions`` (a warning: :func:`version_supported`) or the
+    method is already ours."""
+    current = getattr(owner, name)
+    if version_supported(entry_point, versions, without) and not is_patched(current):
+        setattr(owner, name, wrap(current))

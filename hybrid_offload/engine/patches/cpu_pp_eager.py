@@ -21,7 +21,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from hybrid_offload.engine.patches import is_patched, logger, mark, version_supported
+from hybrid_offload.engine.patches import logger, mark, wrap_method
 
 ENTRY_POINT = "hybrid_offload_cpu_pp_eager"
 VLLM_VERSIONS = ("0.32.",)
@@ -63,10 +63,12 @@ def register() -> None:
         return
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
-    current = CPUModelRunner.sync_and_gather_intermediate_tensors
-    if not version_supported(
-        ENTRY_POINT, VLLM_VERSIONS,
-        "pipeline-parallel engines with enforce_eager fail on their first request on CPU",
-    ) or is_patched(current):  # fmt: skip
-        return
-    CPUModelRunner.sync_and_gather_intermediate_tensors = allocate_first(current)  # type: ignore[method-assign]
+    without = "pipeline-parallel engines with enforce_eager fail on their first request on CPU"
+    wrap_method(
+        CPUModelRunner,
+        "sync_and_gather_intermediate_tensors",
+        allocate_first,
+        ENTRY_POINT,
+        VLLM_VERSIONS,
+        without,
+    )

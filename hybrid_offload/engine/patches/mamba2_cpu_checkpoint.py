@@ -26,7 +26,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from hybrid_offload.engine.patches import is_patched, logger, mark, version_supported
+from hybrid_offload.engine.patches import logger, mark, wrap_method
 
 ENTRY_POINT = "hybrid_offload_mamba2_cpu_checkpoint_fix"
 VLLM_VERSIONS = ("0.32.",)
@@ -75,10 +75,11 @@ def register() -> None:
         return
     from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
 
-    current = MambaMixer2.get_kv_cache_spec
-    if not version_supported(
-        ENTRY_POINT, VLLM_VERSIONS,
+    wrap_method(
+        MambaMixer2,
+        "get_kv_cache_spec",
+        no_prefill_checkpoint,
+        ENTRY_POINT,
+        VLLM_VERSIONS,
         "MambaMixer2 models may fail with IndexError at prefills crossing a block boundary",
-    ) or is_patched(current):
-        return
-    MambaMixer2.get_kv_cache_spec = no_prefill_checkpoint(current)  # type: ignore[method-assign]
+    )

@@ -21,7 +21,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hybrid_offload.engine.patches import is_patched, logger, mark, version_supported
+from hybrid_offload.engine.patches import logger, mark, wrap_method
 
 ENTRY_POINT = "hybrid_offload_pp_kv_layouts"
 VLLM_VERSIONS = ("0.32.",)
@@ -61,10 +61,11 @@ def register() -> None:
     """Patch ``Executor.get_supported_kv_cache_layouts`` (the engine core's view of workers)."""
     from vllm.v1.executor.abstract import Executor
 
-    current = Executor.get_supported_kv_cache_layouts
-    if not version_supported(
-        ENTRY_POINT, VLLM_VERSIONS,
+    wrap_method(
+        Executor,
+        "get_supported_kv_cache_layouts",
+        agree,
+        ENTRY_POINT,
+        VLLM_VERSIONS,
         "pipeline-parallel engines whose stages hold different attention backends fail at start-up",
-    ) or is_patched(current):  # fmt: skip
-        return
-    Executor.get_supported_kv_cache_layouts = agree(current)  # type: ignore[method-assign]
+    )
