@@ -31,7 +31,7 @@ from hybrid_offload.connector.children import (
     HybridWorkerMetadata,
     choose_source,
 )
-from hybrid_offload.connector.config import parse_offload_config
+from hybrid_offload.connector.config import ROOT, ConfigError, parse_offload_config
 from hybrid_offload.connector.facade import ACTIVE_CONNECTORS, HybridOffloadConnector
 
 if TYPE_CHECKING:
@@ -64,6 +64,12 @@ class HybridMultiConnector(KVConnectorBase_V1, SupportsHMA):
         """Raise ConfigError naming the key when the config, a child or our side is unusable."""
         super().__init__(vllm_config, role, kv_cache_config)
         config = parse_offload_config(self._kv_transfer_config.kv_connector_extra_config)
+        pp_size = vllm_config.parallel_config.pipeline_parallel_size
+        if config.connectors and pp_size > 1:
+            raise ConfigError(
+                f"{ROOT}.connectors with pipeline_parallel_size={pp_size}: child connectors are "
+                "composed at pipeline_parallel_size=1 only (our pages need the stages' handshake)"
+            )
         # children first: a child that cannot be built stops us before any backend is opened
         self.children = ForeignConnectors(config.connectors, vllm_config, role, kv_cache_config)
         try:
@@ -166,6 +172,15 @@ class HybridMultiConnector(KVConnectorBase_V1, SupportsHMA):
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         self.native.set_xfer_handshake_metadata(metadata)
         self.children.set_xfer_handshake_metadata(metadata)
+
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        """Pipeline-parallel engines have no children (refused at start-up): ours only."""
+        if self.children.connectors:
+            super().set_xfer_handshake_metadata_pp_aware(metadata)
+        else:
+            self.native.set_xfer_handshake_metadata_pp_aware(metadata)
 
     def shutdown(self) -> None:
         """Our side, then every child (also when ours fails; a failure is re-raised)."""

@@ -27,6 +27,8 @@ DEFAULT_IDLE_LOAD_WAIT_S = 0.005
 #: each (chunk, group) page set splits into up to this many TP-portable shards (see tp_shards.py)
 DEFAULT_TP_SHARDS = 8
 MAX_TP_SHARDS = 64
+#: most layer parts a page set splits into (see core/layer_parts.py)
+MAX_LAYER_PARTS = 64
 #: models with recurrent state: a prefill also stores its state every this many tokens
 DEFAULT_CHECKPOINT_INTERVAL_TOKENS = 1024
 #: a lookup waits at most this long for stores of its prefix that are in flight
@@ -44,6 +46,7 @@ _TOP_KEYS = frozenset(
         "load_switch_interval_s",
         "idle_load_wait_s",
         "tp_shards",
+        "layer_parts",
         "checkpoint_interval_tokens",
         "pending_store_wait_s",
         "model_version",
@@ -131,6 +134,8 @@ class OffloadConfig:
     load_switch_interval_s: float = DEFAULT_LOAD_SWITCH_INTERVAL_S
     idle_load_wait_s: float = DEFAULT_IDLE_LOAD_WAIT_S
     tp_shards: int = DEFAULT_TP_SHARDS
+    #: None: the engine's pipeline_parallel_size
+    layer_parts: int | None = None
     checkpoint_interval_tokens: int = DEFAULT_CHECKPOINT_INTERVAL_TOKENS
     pending_store_wait_s: float = DEFAULT_PENDING_STORE_WAIT_S
     model_version: str | None = None
@@ -270,6 +275,11 @@ def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
     shards = _positive_int(extra.get("tp_shards", DEFAULT_TP_SHARDS), f"{ROOT}.tp_shards")
     if shards > MAX_TP_SHARDS:
         raise ConfigError(f"{ROOT}.tp_shards: at most {MAX_TP_SHARDS}, got {shards}")
+    layer_parts = extra.get("layer_parts")
+    if layer_parts is not None:
+        layer_parts = _positive_int(layer_parts, f"{ROOT}.layer_parts")
+        if layer_parts > MAX_LAYER_PARTS:
+            raise ConfigError(f"{ROOT}.layer_parts: at most {MAX_LAYER_PARTS}, got {layer_parts}")
     interval = extra.get("checkpoint_interval_tokens", DEFAULT_CHECKPOINT_INTERVAL_TOKENS)
     if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
         raise ConfigError(
@@ -303,6 +313,7 @@ def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
         load_switch_interval_s=switch,
         idle_load_wait_s=idle_wait,
         tp_shards=shards,
+        layer_parts=layer_parts,
         checkpoint_interval_tokens=interval,
         pending_store_wait_s=wait,
         model_version=version,

@@ -31,12 +31,13 @@ from hybrid_offload.connector.config import (
     parse_offload_config,
     refuse_connectors,
 )
-from hybrid_offload.connector.metadata import OffloadMetadata
+from hybrid_offload.connector.metadata import OffloadMetadata, StageLayers
 from hybrid_offload.connector.prometheus import HybridOffloadPromMetrics, HybridOffloadStats
 from hybrid_offload.connector.scheduler import OffloadScheduler
 from hybrid_offload.connector.worker import OffloadWorker
+from hybrid_offload.core.layer_parts import LayerPartError
 from hybrid_offload.core.metrics import StatsDelta
-from hybrid_offload.core.planner import HybridOffloadPlanner, PlannerConfigError
+from hybrid_offload.core.planner import HybridOffloadPlanner, LayerMapError, PlannerConfigError
 from hybrid_offload.core.spec import UnidentifiableModelError
 from hybrid_offload.core.tp_shards import ShardLayoutError
 from hybrid_offload.engine.translate import model_spec_from_vllm
@@ -80,18 +81,6 @@ _log_like_vllm()
 ACTIVE_CONNECTORS: weakref.WeakSet[KVConnectorBase_V1] = weakref.WeakSet()
 
 
-def refuse_pipeline_parallel(pp_size: int) -> None:
-    """ConfigError for ``pipeline_parallel_size > 1``: a stage holds only some layers of each KV
-    cache group, and per-stage page sets are not built yet (a stage's partial pages under the
-    whole model's keys would only ever fail to load)."""
-    if pp_size > 1:
-        raise ConfigError(
-            f"pipeline_parallel_size={pp_size}: hybrid-offload does not serve pipeline-parallel "
-            "engines yet (each stage holds only some layers of a KV cache group); use "
-            "pipeline_parallel_size=1 (tensor_parallel_size may be more than 1)"
-        )
-
-
 class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     """External KV cache for hybrid models: attention KV and Mamba/GDN state, many backends."""
 
@@ -112,16 +101,17 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         if config is None:
             config = parse_offload_config(self._kv_transfer_config.kv_connector_extra_config)
         refuse_connectors(config, "HybridOffloadConnector")
-        refuse_pipeline_parallel(vllm_config.parallel_config.pipeline_parallel_size)
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         try:
             spec = model_spec_from_vllm(
-                vllm_config, kv_cache_config, config.tp_shards, config.model_version
+                vllm_config, kv_cache_config, config.tp_shards, config.model_version, config.layer_parts
             )
         except ShardLayoutError as exc:
             raise ConfigError(f"{ROOT}.tp_shards (tensor_parallel_size={tp_size}): {exc}") from exc
         except UnidentifiableModelError as exc:
             raise ConfigError(f"{ROOT}.model_version: {exc}") from exc
+        except LayerPartError as exc:
+            raise ConfigError(f"{ROOT}.layer_parts: {exc}") from exc
         try:
             self.planner = HybridOffloadPlanner(spec, config.chunk_tokens, config.chain_key)
         except PlannerConfigError as exc:
@@ -156,13 +146,16 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         ACTIVE_CONNECTORS.add(self)
         logger.debug("hybrid-offload fingerprint %s covers %s", spec.fingerprint, spec.fingerprint_fields)
         logger.info(
-            "hybrid-offload %s (TP rank %d of %d): fingerprint=%s, chunk_tokens=%d, groups (kind, "
-            "block, shards)=%s, backends=%s",
+            "hybrid-offload %s (TP rank %d of %d, PP rank %d of %d): fingerprint=%s, chunk_tokens=%d, "
+            "layer parts=%d, groups (kind, block, shards)=%s, backends=%s",
             role.name.lower(),
             spec.tp_rank,
             spec.tp_size,
+            spec.pp_rank,
+            spec.pp_size,
             spec.fingerprint,
             self.planner.chunk_tokens,
+            spec.grid.parts,
             [(g.kind.value, g.block_size, g.shards) for g in spec.groups],
             [b.name for b in config.backends],
         )
@@ -237,6 +230,32 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_worker_meta(self) -> Any:
         assert self.worker is not None
         return self.worker.worker_meta()
+
+    # ---- pipeline stages' layers (vLLM's handshake metadata) ----------------------------
+    def get_handshake_metadata(self) -> StageLayers | None:
+        """Worker, pipeline-parallel engines only: this stage's layers per group."""
+        spec = self.planner.spec
+        if self.worker is None or spec.pp_size == 1:
+            return None
+        return StageLayers(spec.pp_rank, tuple(g.layer_names for g in spec.groups))
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        """Scheduler: every stage's layers, so that page sets cover the whole model. Until they
+        are known (or if they do not fit together) requests skip the cache."""
+        if self.scheduler is None or self.planner.whole_model:
+            return
+        stages = {m.pp_rank: m.groups for m in metadata.values() if isinstance(m, StageLayers)}
+        try:
+            self.planner.set_stage_layers(stages)
+        except LayerMapError as exc:
+            logger.error("hybrid-offload: the pipeline stages' layers do not fit together (%s); "
+                         "requests skip the cache", exc)
+            return
+        logger.info("hybrid-offload: layers of %d pipeline stages known; pieces per group %s",
+                    len(stages), [len(self.planner.pieces(p.index)) for p in self.planner.plans])
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        return None
 
     def shutdown(self) -> None:
         if self.worker is not None:

@@ -1,8 +1,9 @@
 """Messages between the scheduler side and the worker side of the connector.
 
 Scheduler -> worker: :class:`OffloadMetadata` (bound to every step). Worker -> scheduler:
-:class:`OffloadWorkerMetadata` (returned with every step's output). Both are plain data that
-vLLM carries between processes.
+:class:`OffloadWorkerMetadata` (returned with every step's output), and once at start-up
+:class:`StageLayers` (vLLM's handshake metadata). All are plain data that vLLM carries between
+processes.
 """
 
 from __future__ import annotations
@@ -10,9 +11,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
+
+
+@dataclass(frozen=True)
+class StageLayers(KVConnectorHandshakeMetadata):
+    """A pipeline stage's layers per KV cache group (in group order), sent by its workers once
+    at start-up: the scheduler, which sees the first stage's only, learns the whole model's."""
+
+    pp_rank: int
+    groups: tuple[tuple[str, ...], ...]
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,12 @@
-"""Page geometry of one KV cache group on this TP rank, and the copies between page shards and
-vLLM's KV cache.
+"""Page geometry of one KV cache group on this worker, and the copies between the pages of a
+page set and vLLM's KV cache.
 
 Worker side; torch work runs on the model-runner thread (see ``worker``). A (chunk, group) page
-set is ``group.shards`` pages (:mod:`hybrid_offload.core.tp_shards`); this rank writes the shards
-inside its part of the model (``written``) and reads the ones overlapping it (``read``), so a
-set written at any TP size loads at any other.
+set is one page per *piece*: per layer part holding some of the group's layers
+(:mod:`hybrid_offload.core.layer_parts`) and per shard (:mod:`hybrid_offload.core.tp_shards`),
+numbered ``part * shards + shard``. This worker (a TP rank of a pipeline stage) writes, of the
+parts its stage holds, the shards inside its part of the model (``written``) and reads the
+ones overlapping it (``read``), so a set written at any PP x TP layout loads at any other.
 """
 
 from __future__ import annotations
@@ -15,10 +17,13 @@ from dataclasses import dataclass
 import torch
 
 from hybrid_offload.connector.metadata import PageJob
+from hybrid_offload.core.layer_parts import layers_digest
 from hybrid_offload.core.page_format import CHUNK_HASH_LEN, PageHeader, PageTemplate, header_len, page_len
 from hybrid_offload.core.spec import GroupSpec, ModelSpec
 from hybrid_offload.core.tp_shards import Transfer, read_plan, shards_read, shards_written, transfers
 from hybrid_offload.engine.kv_layout import AttentionGroupLayout, MambaGroupLayout, TokenIndex
+
+Layout = AttentionGroupLayout | MambaGroupLayout
 
 
 @dataclass(frozen=True)
@@ -40,22 +45,43 @@ def _dtype(name: str) -> torch.dtype:
 
 
 class PageCodec:
-    """Shard geometry of one group for this rank, and the copies into and out of its pages."""
+    """Piece geometry of one group for this worker, and the copies into and out of its pages.
+    Methods take a piece (``part * shards + shard``) of ``written`` or ``read``."""
 
     def __init__(self, spec: ModelSpec, group: GroupSpec, chunk_tokens: int) -> None:
         self.spec, self.group, self.chunk_tokens = spec, group, chunk_tokens
         splits, shards, t, r = group.splits, group.shards, spec.tp_size, spec.tp_rank
-        self.written = shards_written(splits, shards, t, r)
-        self.read = shards_read(splits, shards, t, r)
-        self.tensors = {p: group.page_tensors(chunk_tokens, p) for p in {*self.written, *self.read}}
+        #: per layer part this stage holds layers of the group in, their positions in the group
+        self.positions = spec.grid.positions(group.layer_names)
+        self.layers = {part: layers_digest([group.layer_names[i] for i in pos])
+                       for part, pos in self.positions.items()}  # fmt: skip
+        write_shards, read_shards = shards_written(splits, shards, t, r), shards_read(splits, shards, t, r)
+        self.written = [part * shards + s for part in self.positions for s in write_shards]
+        self.read = [part * shards + s for part in self.positions for s in read_shards]
+        self.tensors = {p: group.page_tensors(chunk_tokens, p % shards, len(self.positions[p // shards]))
+                        for p in {*self.written, *self.read}}  # fmt: skip
         self.header_lens = {p: header_len(ts) for p, ts in self.tensors.items()}
         self.page_lens = {p: page_len(ts) for p, ts in self.tensors.items()}
-        #: per shard read, what its pages share (verify_page checks a page against it)
+        #: per piece read, what its pages share (verify_page checks a page against it)
         self.templates = {p: PageTemplate.of(self._header(bytes(CHUNK_HASH_LEN), 0, p)) for p in self.read}
-        self.write_runs = {p: self._runs(p, [transfers(s, (shards, p), (t, r)) for s in splits])
-                           for p in self.written}
-        plans = [read_plan(s, shards, self.read, t, r) for s in splits]
-        self.read_runs = {p: self._runs(p, [plan[p] for plan in plans]) for p in self.read}
+        write_runs = {s: self._runs(s, [transfers(x, (shards, s), (t, r)) for x in splits])
+                      for s in write_shards}  # fmt: skip
+        self.write_runs = {p: write_runs[p % shards] for p in self.written}
+        plans = [read_plan(x, shards, read_shards, t, r) for x in splits]
+        read_runs = {s: self._runs(s, [plan[s] for plan in plans]) for s in read_shards}
+        self.read_runs = {p: read_runs[p % shards] for p in self.read}
+        self._subsets: dict[tuple[int, int], tuple[Layout, Layout]] = {}
+
+    def _layout(self, layout: Layout, piece: int) -> Layout:
+        """``layout`` (the group's layers on this worker) narrowed to ``piece``'s part."""
+        positions = self.positions[piece // self.group.shards]
+        if len(positions) == len(layout.layers):
+            return layout
+        key = (id(layout), piece // self.group.shards)
+        known = self._subsets.get(key)
+        if known is None or known[0] is not layout:
+            known = self._subsets[key] = (layout, layout.subset(positions))
+        return known[1]
 
     def _runs(self, shard: int, per_tensor: list[list[Transfer]]) -> list[Run]:
         """Transfers (a = shard, b = rank) as runs over the shard's per-component parts."""
@@ -68,10 +94,11 @@ class PageCodec:
             part += len(split.components)
         return out
 
-    def header(self, page: PageJob, shard: int) -> PageHeader:
-        return self._header(page.chunk_hash, page.chunk_index, shard)
+    def header(self, page: PageJob, piece: int) -> PageHeader:
+        return self._header(page.chunk_hash, page.chunk_index, piece)
 
-    def _header(self, chunk_hash: bytes, chunk_index: int, shard: int) -> PageHeader:
+    def _header(self, chunk_hash: bytes, chunk_index: int, piece: int) -> PageHeader:
+        part, shard = divmod(piece, self.group.shards)
         return PageHeader(
             self.spec.fingerprint_bytes,
             chunk_hash,
@@ -79,26 +106,30 @@ class PageCodec:
             self.group.kind,
             chunk_index,
             self.chunk_tokens,
-            self.tensors[shard],
+            self.tensors[piece],
             shard,
             self.group.shards,
+            part,
+            self.spec.grid.parts,
+            self.layers[part],
         )
 
     # ---- payload views ----------------------------------------------------------------
-    def _attention_views(self, shard: int, payload: torch.Tensor) -> list[torch.Tensor]:
-        """Per layer, the shard's K and V as one ``(2, tokens, heads, head_size)`` view."""
-        tensors, views, offset = self.tensors[shard], [], 0
+    def _attention_views(self, piece: int, payload: torch.Tensor) -> list[torch.Tensor]:
+        """Per layer, the piece's K and V as one ``(2, tokens, heads, head_size)`` view."""
+        tensors, views, offset = self.tensors[piece], [], 0
         for k in tensors[::2]:
             size = 2 * k.nbytes
             views.append(payload[offset : offset + size].view(_dtype(k.dtype)).view(2, *k.shape))
             offset += size
         return views
 
-    def _state_views(self, shard: int, payload: torch.Tensor) -> list[list[torch.Tensor]]:
-        """Per layer, the shard's state parts (in ``page_tensors`` order) as typed tensors."""
-        tensors, offset, out = self.tensors[shard], 0, []
-        per_layer = len(tensors) // len(self.group.layer_names)
-        for layer in range(len(self.group.layer_names)):
+    def _state_views(self, piece: int, payload: torch.Tensor) -> list[list[torch.Tensor]]:
+        """Per layer, the piece's state parts (in ``page_tensors`` order) as typed tensors."""
+        tensors, offset, out = self.tensors[piece], 0, []
+        layers = len(self.positions[piece // self.group.shards])
+        per_layer = len(tensors) // layers
+        for layer in range(layers):
             parts = []
             for t in tensors[layer * per_layer : (layer + 1) * per_layer]:
                 parts.append(payload[offset : offset + t.nbytes].view(_dtype(t.dtype)).view(t.shape))
@@ -122,17 +153,17 @@ class PageCodec:
 
     # ---- copies -----------------------------------------------------------------------
     def gather(self, layout: AttentionGroupLayout | MambaGroupLayout, page: PageJob,
-               shard: int, payload: torch.Tensor) -> None:
-        """Copy this rank's part of ``page`` for ``shard`` (one it writes) into ``payload``."""
-        runs = self.write_runs[shard]
+               piece: int, payload: torch.Tensor) -> None:
+        """Copy this rank's part of ``page`` for ``piece`` (one it writes) into ``payload``."""
+        runs, layout = self.write_runs[piece], self._layout(layout, piece)
         if isinstance(layout, AttentionGroupLayout):
-            (run,) = runs  # a written shard's heads are one run of this rank's heads
+            (run,) = runs  # a written piece's heads are one run of this rank's heads
             heads = slice(run.rank_start, run.rank_start + run.length)
             index = layout.token_index(list(page.block_ids), page.first_token, self.chunk_tokens, heads)
-            layout.gather(index, self._attention_views(shard, payload))
+            layout.gather(index, self._attention_views(piece, payload))
             return
         block = page.block_ids[0]
-        for raw, parts in zip(layout.layers, self._state_views(shard, payload), strict=True):
+        for raw, parts in zip(layout.layers, self._state_views(piece, payload), strict=True):
             states = self._rank_states(raw[block])
             for run in runs:
                 parts[run.part].narrow(run.axis, run.part_start, run.length).copy_(
@@ -141,18 +172,20 @@ class PageCodec:
 
     def scatter_pages(self, layout: AttentionGroupLayout | MambaGroupLayout,
                       pages: list[tuple[PageJob, int, torch.Tensor]]) -> None:
-        """:meth:`scatter` of many (page, shard, payload) of this group. Attention pages in a
+        """:meth:`scatter` of many (page, piece, payload) of this group. Attention pages in a
         strided kernel layout go in one copy per layer, K/V and head run for all of them
         (their tokens' indices and payloads concatenated); others one by one."""
         if not isinstance(layout, AttentionGroupLayout) or layout.views is None:
-            for page, shard, payload in pages:
-                self.scatter(layout, page, shard, payload)
+            for page, piece, payload in pages:
+                self.scatter(layout, page, piece, payload)
             return
-        by_shard: dict[int, list[tuple[PageJob, torch.Tensor]]] = {}
-        for page, shard, payload in pages:
-            by_shard.setdefault(shard, []).append((page, payload))
-        tokens: dict[str, TokenIndex] = {}  # per page: where its tokens go (every shard alike)
-        for shard, items in by_shard.items():
+        by_piece: dict[int, list[tuple[PageJob, torch.Tensor]]] = {}
+        for page, piece, payload in pages:
+            by_piece.setdefault(piece, []).append((page, payload))
+        tokens: dict[str, TokenIndex] = {}  # per page: where its tokens go (every piece alike)
+        whole = layout
+        for piece, items in by_piece.items():
+            layout = self._layout(whole, piece)
             views, kblocks, slots = [], [], []
             for page, payload in items:
                 at = tokens.get(page.key)
@@ -160,31 +193,32 @@ class PageCodec:
                     skip = page.skip_tokens
                     at = tokens[page.key] = layout.token_index(
                         list(page.block_ids), page.first_token + skip, self.chunk_tokens - skip)
-                views.append(self._attention_views(shard, payload))
+                views.append(self._attention_views(piece, payload))
                 kblocks.append(at.kblocks)
                 slots.append(at.slots)
-            shard_kblocks, shard_slots = torch.cat(kblocks), torch.cat(slots)
-            for run in self.read_runs[shard]:
+            piece_kblocks, piece_slots = torch.cat(kblocks), torch.cat(slots)
+            for run in self.read_runs[piece]:
                 parts = slice(run.part_start, run.part_start + run.length)
                 data = [torch.cat([v[:, page.skip_tokens:, parts] for (page, _), v in
                                    zip(items, (vs[layer] for vs in views), strict=True)], dim=1)
                         for layer in range(len(layout.layers))]  # fmt: skip
                 heads = slice(run.rank_start, run.rank_start + run.length)
-                layout.scatter(TokenIndex(shard_kblocks, shard_slots, heads), data)
+                layout.scatter(TokenIndex(piece_kblocks, piece_slots, heads), data)
 
-    def _row_layers(self, layout: AttentionGroupLayout | MambaGroupLayout, shard: int,
+    def _row_layers(self, layout: AttentionGroupLayout | MambaGroupLayout, piece: int,
                     rows: torch.Tensor, pages: Sequence[PageJob]) -> list[torch.Tensor] | None:
-        """Per layer, the K/V of ``shard`` pages that are the rows of ``rows`` ((len(pages),
+        """Per layer, the K/V of ``piece`` pages that are the rows of ``rows`` ((len(pages),
         page length) uint8) as one ``(2, pages, tokens, heads, head_size)`` view; None where the
         layout or the rows' alignment does not allow copying them in one go."""
-        tensors, hlen = self.tensors[shard], self.header_lens[shard]
+        tensors, hlen = self.tensors[piece], self.header_lens[piece]
+        layout = self._layout(layout, piece)
         if not isinstance(layout, AttentionGroupLayout) or layout.views is None or not pages:
             return None
         assert not any(p.skip_tokens for p in pages)
         itemsize = _dtype(tensors[0].dtype).itemsize
         if rows.stride(0) % itemsize or (rows.storage_offset() + hlen) % itemsize:
             return None
-        assert rows.shape == (len(pages), self.page_lens[shard])
+        assert rows.shape == (len(pages), self.page_lens[piece])
         n, offset, per_layer = len(pages), hlen, []
         for k in tensors[::2]:
             size = 2 * k.nbytes  # the layer's K then V, each (tokens, heads, head_size)
@@ -193,46 +227,48 @@ class PageCodec:
             offset += size
         return per_layer
 
-    def gather_rows(self, layout: AttentionGroupLayout | MambaGroupLayout, shard: int,
+    def gather_rows(self, layout: AttentionGroupLayout | MambaGroupLayout, piece: int,
                     rows: torch.Tensor, pages: Sequence[PageJob]) -> bool:
-        """Copy the payloads of ``pages``' ``shard`` (one this rank writes) into the rows of
+        """Copy the payloads of ``pages``' ``piece`` (one this rank writes) into the rows of
         ``rows`` ((len(pages), page length) uint8; headers left to ``seal_page``) with one copy
         per layer and K/V. False, copying nothing, where the layout or the rows' alignment does
         not allow it (then :meth:`gather` page by page)."""
-        per_layer = self._row_layers(layout, shard, rows, pages)
+        per_layer = self._row_layers(layout, piece, rows, pages)
         if per_layer is None:
             return False
+        layout = self._layout(layout, piece)
         assert isinstance(layout, AttentionGroupLayout)
         at = layout.token_rows([(p.block_ids, p.first_token) for p in pages], self.chunk_tokens)
-        (run,) = self.write_runs[shard]  # a written shard's heads are one run of this rank's heads
+        (run,) = self.write_runs[piece]  # a written piece's heads are one run of this rank's heads
         layout.gather(TokenIndex(at.kblocks, at.slots, slice(run.rank_start, run.rank_start + run.length)),
                       per_layer)  # fmt: skip
         return True
 
-    def scatter_rows(self, layout: AttentionGroupLayout | MambaGroupLayout, shard: int,
+    def scatter_rows(self, layout: AttentionGroupLayout | MambaGroupLayout, piece: int,
                      rows: torch.Tensor, pages: Sequence[PageJob]) -> bool:
-        """Write ``pages`` (none skipping tokens), whose verified ``shard`` pages are the rows of
+        """Write ``pages`` (none skipping tokens), whose verified ``piece`` pages are the rows of
         ``rows`` ((len(pages), page length) uint8), with one copy per layer, K/V and head run
         reading the rows in place. False, writing nothing, where the layout or the page's
         alignment does not allow it (then :meth:`scatter_pages`)."""
-        per_layer = self._row_layers(layout, shard, rows, pages)
+        per_layer = self._row_layers(layout, piece, rows, pages)
         if per_layer is None:
             return False
+        layout = self._layout(layout, piece)
         assert isinstance(layout, AttentionGroupLayout)
         at = layout.token_rows([(p.block_ids, p.first_token) for p in pages], self.chunk_tokens)
-        for run in self.read_runs[shard]:
+        for run in self.read_runs[piece]:
             parts = slice(run.part_start, run.part_start + run.length)
             heads = slice(run.rank_start, run.rank_start + run.length)
             layout.scatter(TokenIndex(at.kblocks, at.slots, heads), [v[:, :, :, parts] for v in per_layer])
         return True
 
     def scatter(self, layout: AttentionGroupLayout | MambaGroupLayout, page: PageJob,
-                shard: int, payload: torch.Tensor) -> None:
-        """Write this rank's part of ``shard`` (one it reads) from ``payload`` into the blocks."""
-        runs = self.read_runs[shard]
+                piece: int, payload: torch.Tensor) -> None:
+        """Write this rank's part of ``piece`` (one it reads) from ``payload`` into the blocks."""
+        runs, layout = self.read_runs[piece], self._layout(layout, piece)
         if isinstance(layout, AttentionGroupLayout):
             skip = page.skip_tokens
-            views = self._attention_views(shard, payload)
+            views = self._attention_views(piece, payload)
             for run in runs:
                 index = layout.token_index(
                     list(page.block_ids), page.first_token + skip, self.chunk_tokens - skip,
@@ -241,7 +277,7 @@ class PageCodec:
                 layout.scatter(index, [v[:, skip:, run.part_start : run.part_start + run.length]
                                        for v in views])
             return
-        for raw, parts in zip(layout.layers, self._state_views(shard, payload), strict=True):
+        for raw, parts in zip(layout.layers, self._state_views(piece, payload), strict=True):
             for block in page.block_ids:
                 states = self._rank_states(raw[block])
                 for run in runs:

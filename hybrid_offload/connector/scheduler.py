@@ -205,6 +205,9 @@ class OffloadScheduler:
             return known
         if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
             return None
+        if not self.planner.whole_model:
+            _warn_no_cache("the other pipeline stages' layers are not known (their handshake did not arrive)")
+            return None
         try:
             scope = request_scope(
                 request, self._epoch, self._adapters, accept_version=self._accept_weights_version

@@ -1,9 +1,11 @@
 """Where a load's shards land before they are written into vLLM's KV cache, and where a step's
 stores are copied out of it.
 
-Worker side. Every (group, shard) of a load gets one ``(pages, page length)`` uint8 buffer,
-allocated once (not zeroed), and each shard read its row: backends read into the rows in
-place, and :func:`write_pages` hands each attention group's rows to
+Worker side. A "shard" here is one page of a page set: a piece (layer part x TP shard) in
+:class:`~.page_codec.PageCodec`'s numbering. Every (group, shard) of a load gets one
+``(pages, page length)`` uint8 buffer, allocated once (not zeroed), and each shard read its
+row: backends read into the rows in place, and :func:`write_pages` hands each attention
+group's rows to
 :meth:`~.page_codec.PageCodec.scatter_rows`, which moves all of them with one copy per layer,
 K/V and head run. Pages that skip tokens take the last rows so that the others stay one block.
 

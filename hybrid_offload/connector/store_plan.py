@@ -36,7 +36,6 @@ from hybrid_offload.connector.pending import PendingStores
 from hybrid_offload.connector.request_state import RequestState, extend_keys, page_job
 from hybrid_offload.core.planner import HybridOffloadPlanner, prefill_checkpoints
 from hybrid_offload.core.spec import GroupKind
-from hybrid_offload.core.tp_shards import shards_written
 
 if TYPE_CHECKING:
     from hybrid_offload.connector.scheduler import BackendView, ChunkSightings
@@ -62,12 +61,6 @@ class StorePlanner:
         writable = [v for v in views if not v.policy.read_only]
         self.stores_anything = bool(writable)
         self.stores_output = any(v.policy.store_output for v in writable)
-        spec = planner.spec
-        self._writers = [  # TP ranks that write a shard of each group's page sets
-            max(1, sum(bool(shards_written(g.splits, g.shards, spec.tp_size, r))
-                       for r in range(spec.tp_size)))
-            for g in spec.groups
-        ]
 
     # ---- checkpoints ------------------------------------------------------------------
     def checkpoints(self, state: RequestState, junction: int = 0) -> tuple[int, ...]:
@@ -202,7 +195,7 @@ class StorePlanner:
             self._stored(state, page)
 
     def _stored(self, state: RequestState, page: PageJob) -> None:
-        self.pending.add(page.key, self._writers[page.group])
+        self.pending.add(page.key, self.planner.writers(page.group))
         self.sightings.mark_stored(page.chunk_hash)
         state.stored = True
         if self.planner.plans[page.group].kind is GroupKind.MAMBA:

@@ -10,6 +10,7 @@ else about a failing backend is its business.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +21,10 @@ from hybrid_offload.backends.registry import create_backend
 from hybrid_offload.backends.wrappers import CallRecorder, HealthGatedBackend, InstrumentedBackend
 from hybrid_offload.connector.config import ROOT, ConfigError, Tier
 from hybrid_offload.core.metrics import Locked
+from hybrid_offload.core.model_card import ModelCardError, card_from_spec, card_key, encode_card
+from hybrid_offload.core.spec import ModelSpec
+
+logger = logging.getLogger(__name__)
 
 #: error kinds (``hybrid_offload.core.metrics.ERROR_KINDS``) of failed data calls, by method
 ERROR_KIND = {
@@ -112,3 +117,24 @@ class SchedulerRecorder:
 
     def usage(self, backend: str, used_bytes: int | None, evictions: int) -> None:
         return  # the scheduler reports availability and capacity only (refresh_gauges)
+
+
+def write_model_card(spec: ModelSpec, chunk_tokens: int, tiers: dict[str, OpenTier]) -> None:
+    """This model's card (:mod:`hybrid_offload.core.model_card`) into every writable tier another
+    process can list, so ``hybrid-offload cache`` can name the model of this fingerprint. Best
+    effort, once per engine (one worker). Not a page: never reported to the scheduler."""
+    try:
+        key = card_key(spec.fingerprint)
+        card = encode_card(card_from_spec(spec, chunk_tokens))
+    except ModelCardError as exc:
+        logger.warning("hybrid-offload: no model card written: %s", exc)
+        return
+    for name, opened in tiers.items():
+        if opened.tier.policy.read_only or not opened.backend.shared_index:
+            continue  # in-process pools (cpu, lmcache) cannot be listed by another process
+        try:
+            opened.backend.put_batch([(key, card)])
+        except BackendError as exc:  # prepare already warned about unreachable backends
+            logger.debug("backend %s: writing the model card failed: %s", name, exc)
+        except Exception:
+            logger.exception("backend %s: writing the model card failed", name)

@@ -50,9 +50,8 @@ from hybrid_offload.connector.metadata import (
 from hybrid_offload.connector.page_codec import PageCodec
 from hybrid_offload.connector.staging import Decoded, ShardRead, gather_rows, stage_reads, write_pages
 from hybrid_offload.connector.switch_interval import LoadSwitchInterval
-from hybrid_offload.connector.tiers import OpenTier, WorkerRecorder, open_tier
+from hybrid_offload.connector.tiers import OpenTier, WorkerRecorder, open_tier, write_model_card
 from hybrid_offload.core.metrics import Locked, WorkerCounters
-from hybrid_offload.core.model_card import ModelCardError, card_from_spec, card_key, encode_card
 from hybrid_offload.core.page_format import PageFormatError, seal_page, verify_page
 from hybrid_offload.core.planner import HybridOffloadPlanner
 from hybrid_offload.core.spec import ModelSpec
@@ -156,28 +155,8 @@ class OffloadWorker:
                 )
             except Exception:  # best effort: the first put or get sets it up as well
                 logger.exception("backend %s: preparing the data path failed", name)
-        if self.spec.tp_rank == 0:
-            self._write_model_card()
-
-    def _write_model_card(self) -> None:
-        """Once, TP rank 0: this model's card (:mod:`hybrid_offload.core.model_card`) into every
-        writable backend another process can list, so ``hybrid-offload cache`` can name the
-        model of this fingerprint. Best effort. Not a page: never reported to the scheduler."""
-        try:
-            key = card_key(self.spec.fingerprint)
-            card = encode_card(card_from_spec(self.spec, self.planner.chunk_tokens))
-        except ModelCardError as exc:
-            logger.warning("hybrid-offload: no model card written: %s", exc)
-            return
-        for name, backend in self.backends.items():
-            if self.tiers[name].tier.policy.read_only or not backend.shared_index:
-                continue  # in-process pools (cpu, lmcache) cannot be listed by another process
-            try:
-                backend.put_batch([(key, card)])
-            except BackendError as exc:  # prepare already warned about unreachable backends
-                logger.debug("backend %s: writing the model card failed: %s", name, exc)
-            except Exception:
-                logger.exception("backend %s: writing the model card failed", name)
+        if self.spec.tp_rank == 0 and self.spec.pp_size == 1:  # a stage cannot describe the model
+            write_model_card(self.spec, self.planner.chunk_tokens, self.tiers)
 
     # ---- stores -----------------------------------------------------------------------
     def save(self, meta: OffloadMetadata) -> None:
@@ -193,6 +172,7 @@ class OffloadWorker:
     def copy_out(self, stores: list[StoreJob]) -> None:
         """Copy this step's pages (this rank's shards of them) out of the KV cache: stores are
         queued for the store thread, holds kept until committed (timed: ``copy_out_seconds``)."""
+        stores = [job for job in stores if self.codecs[job.page.group].written]  # others: not ours
         if not stores or not self.layouts:
             self._settle([job.page.key for job in stores if not job.hold])
             return
@@ -238,6 +218,8 @@ class OffloadWorker:
         batch: list[QueuedShard] = []
         nbytes = 0
         for commit in commits:
+            if not self.codecs[commit.page.group].written:
+                continue  # a group this worker writes no piece of (another stage's layers)
             shards = self._held.take((commit.req_id, commit.page.group, commit.page.chunk_index))
             if shards is None:
                 self._settle([commit.page.key])
@@ -314,7 +296,7 @@ class OffloadWorker:
         # that need it (a state needs every chunk before it), and evicts from the deep end.
         for job, shard, buf in reversed(batch):
             seal_page(buf, self.codecs[job.page.group].header(job.page, shard), self._page_key)
-            key = self.planner.shard_keys(job.page.key, job.page.group)[shard]
+            key = self.planner.piece_key(job.page.key, job.page.group, shard)
             for name in job.backends:
                 per_backend.setdefault(name, []).append((key, buf))
         for name, items in per_backend.items():
@@ -336,7 +318,7 @@ class OffloadWorker:
     def _touch(self, job: TouchJob) -> None:
         """Store thread: refresh this rank's shards of ``job.pages`` in order."""
         keys = [
-            self.planner.shard_keys(key, group)[shard]
+            self.planner.piece_key(key, group, shard)
             for key, group in job.pages
             for shard in self.codecs[group].written
         ]
@@ -382,8 +364,8 @@ class OffloadWorker:
             first = len(wanted)
             for page in reversed(segment.pages):  # deepest first, as stores (LRU recency)
                 codec = self.codecs[page.group]
-                keys = self.planner.shard_keys(page.key, page.group)
-                wanted.extend((page, p, keys[p], codec) for p in codec.read)
+                wanted.extend((page, p, self.planner.piece_key(page.key, page.group, p), codec)
+                              for p in codec.read)  # fmt: skip
             source.extend([segment.backend] * (len(wanted) - first))
             spans.append((segment.backend, range(first, len(wanted))))
         reads, run.staging = stage_reads(wanted, self._staging)
@@ -548,7 +530,9 @@ class OffloadWorker:
     def _clear(self, clears: Iterable[ClearRange]) -> None:
         """Zero the parts of a load's last attention blocks that the load did not fill."""
         for clear in clears:
-            layout = self.layouts[clear.group]
+            layout = self.layouts.get(clear.group)
+            if layout is None:
+                continue  # a pipeline stage holding no layer of this group
             assert isinstance(layout, AttentionGroupLayout)
             layout.zero(layout.token_index([clear.block_id], clear.first_token, clear.num_tokens))
 

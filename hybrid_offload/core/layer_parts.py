@@ -1,9 +1,11 @@
 """Pipeline-parallel-portable page sets: how a model's decoder layers split into layer parts.
 
-Pure logic, no vLLM. The plan (docs/design.md, "Pipeline parallelism"; not wired into the
-connector yet): every (chunk, group) page set is split, besides TP shards, into *layer parts*
-by decoder layer index, so that a pipeline stage writes and reads whole parts of its own
-layers and engines at different PP sizes share pages.
+Pure logic, no vLLM. Every (chunk, group) page set is split, besides TP shards, into *layer
+parts* by decoder layer index (docs/design.md, "Pipeline parallelism"), so that a pipeline
+stage writes and reads whole parts of its own layers and engines at different PP sizes share
+pages. A part's pages are keyed by the names of the group's layers in it
+(:func:`layers_digest`), so a part is only ever read by an engine that puts the same layers in
+it.
 
 * :func:`stage_layers` is vLLM's own partition of ``num_layers`` decoder layers over
   ``pp_size`` stages (``vllm.distributed.utils.get_pp_indices`` without
@@ -19,9 +21,24 @@ layers and engines at different PP sizes share pages.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-__all__ = ["LayerPartError", "group_parts", "part_bounds", "stage_layers", "stage_parts"]
+__all__ = [
+    "WHOLE_MODEL",
+    "LayerGrid",
+    "LayerPartError",
+    "decoder_index",
+    "group_parts",
+    "layers_digest",
+    "part_bounds",
+    "stage_layers",
+    "stage_parts",
+]
+
+#: bytes of :func:`layers_digest`
+LAYERS_DIGEST_LEN = 16
 
 
 class LayerPartError(ValueError):
@@ -74,3 +91,59 @@ def group_parts(bounds: Sequence[int], layer_indices: Sequence[int]) -> list[lis
         part = max(i for i in range(len(bounds) - 1) if bounds[i] <= layer)
         parts[part].append(position)
     return parts
+
+
+def decoder_index(layer_name: str) -> int:
+    """The decoder layer index in a vLLM layer name (``model.layers.7.mixer`` -> 7): its one
+    integer component, as vLLM's ``extract_layer_index`` reads it."""
+    found = [int(part) for part in layer_name.split(".") if part.isdigit()]
+    if len(found) != 1:
+        raise LayerPartError(f"layer {layer_name!r}: no single decoder layer index in its name")
+    return found[0]
+
+
+def layers_digest(names: Sequence[str]) -> bytes:
+    """A part's layer identity in keys and page headers: sha256 of its layer names, in order."""
+    return hashlib.sha256("\x00".join(names).encode()).digest()[:LAYERS_DIGEST_LEN]
+
+
+@dataclass(frozen=True)
+class LayerGrid:
+    """The layer-part grid of a model: ``bounds`` from :func:`part_bounds`; ``()``: one part
+    holding every layer (``layer_parts`` 1, where layer indices are never needed)."""
+
+    bounds: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, num_layers: int, layer_parts: int) -> LayerGrid:
+        return cls(() if layer_parts == 1 else tuple(part_bounds(num_layers, layer_parts)))
+
+    @property
+    def parts(self) -> int:
+        return max(1, len(self.bounds) - 1)
+
+    def positions(self, layer_names: Sequence[str]) -> dict[int, tuple[int, ...]]:
+        """Per part holding some of ``layer_names`` (one group's layers, in its order), their
+        positions in it; parts holding none are left out."""
+        if not self.bounds:
+            return {0: tuple(range(len(layer_names)))} if layer_names else {}
+        per_part = group_parts(self.bounds, [self.decoder_layer(n) for n in layer_names])
+        return {part: tuple(p) for part, p in enumerate(per_part) if p}
+
+    def decoder_layer(self, layer_name: str) -> int:
+        """The decoder layer holding a KV layer. vLLM names a second KV layer of decoder layer
+        ``i`` (Falcon-H1's parallel SSM branch) ``num_layers + i``: layer indices must differ."""
+        index, num_layers = decoder_index(layer_name), self.bounds[-1]
+        return index - num_layers if num_layers <= index < 2 * num_layers else index
+
+    def digests(self, layer_names: Sequence[str]) -> dict[int, bytes]:
+        """Per part holding some of ``layer_names``, the :func:`layers_digest` of those names;
+        zeros for the one part of a one-part grid (the fingerprint names every layer then)."""
+        if not self.bounds:
+            return {0: bytes(LAYERS_DIGEST_LEN)} if layer_names else {}
+        return {part: layers_digest([layer_names[i] for i in pos])
+                for part, pos in self.positions(layer_names).items()}  # fmt: skip
+
+
+#: one part holding every layer (``layer_parts`` 1)
+WHOLE_MODEL = LayerGrid()

@@ -34,6 +34,7 @@ from math import prod
 import xxhash
 
 from hybrid_offload import FORMAT_VERSION
+from hybrid_offload.core.layer_parts import LAYERS_DIGEST_LEN as LAYERS_LEN
 from hybrid_offload.core.spec import DTYPE_SIZES, GroupKind, TensorSpec
 
 MAGIC = b"HOPG"
@@ -48,9 +49,9 @@ _CODE_DTYPES = {code: name for name, code in _DTYPE_CODES.items()}
 _KIND_CODES = {GroupKind.FULL_ATTENTION: 1, GroupKind.SLIDING_WINDOW: 2, GroupKind.MAMBA: 3}
 _CODE_KINDS = {code: kind for kind, code in _KIND_CODES.items()}
 
-# magic, version, header_len, fingerprint, chunk_hash, group, kind, shard, shards,
-# chunk_index, num_tokens, n_tensors, payload_len, payload_checksum, mac
-_FIXED = struct.Struct("<4sHI16s32sHBHHIIHQQ32s")
+# magic, version, header_len, fingerprint, chunk_hash, group, kind, shard, shards, part, parts,
+# layers, chunk_index, num_tokens, n_tensors, payload_len, payload_checksum, mac
+_FIXED = struct.Struct("<4sHI16s32sHBHHHH16sIIHQQ32s")
 MAC_LEN = 32
 FINGERPRINT_LEN = 16
 CHUNK_HASH_LEN = 32
@@ -69,6 +70,8 @@ class PageHeader:
 
     ``shard`` of ``shards``: which tensor-parallel-portable piece of its (chunk, group) page set
     the page holds (see ``hybrid_offload.core.tp_shards``); 0 of 1 when the set is one page.
+    ``part`` of ``parts``: the layer part (``hybrid_offload.core.layer_parts``), and ``layers``
+    the digest of its layer names.
     ``signed``: (decoded pages) the page carries a MAC; whether it verifies is checked by
     :func:`decode_page` with the key.
     """
@@ -82,6 +85,9 @@ class PageHeader:
     tensors: tuple[TensorSpec, ...]
     shard: int = 0
     shards: int = 1
+    part: int = 0
+    parts: int = 1
+    layers: bytes = bytes(LAYERS_LEN)
     signed: bool = False
 
     @property
@@ -124,18 +130,22 @@ def seal_page(buf: bytearray | memoryview, header: PageHeader, key: bytes | None
     view = memoryview(buf).cast("B")
     hlen = header_len(header.tensors)
     plen = header.payload_len
-    if len(header.fingerprint) != FINGERPRINT_LEN or len(header.chunk_hash) != CHUNK_HASH_LEN:
+    if (len(header.fingerprint), len(header.chunk_hash), len(header.layers)) != (
+        FINGERPRINT_LEN, CHUNK_HASH_LEN, LAYERS_LEN
+    ):
         raise PageFormatError(
-            f"fingerprint and chunk hash must be {FINGERPRINT_LEN} and {CHUNK_HASH_LEN} bytes, got "
-            f"{len(header.fingerprint)} and {len(header.chunk_hash)}"
+            f"fingerprint, chunk hash and layers must be {FINGERPRINT_LEN}, {CHUNK_HASH_LEN} and "
+            f"{LAYERS_LEN} bytes, got {len(header.fingerprint)}, {len(header.chunk_hash)} and "
+            f"{len(header.layers)}"
         )
     if len(view) != hlen + plen:
         raise PageFormatError(f"page buffer is {len(view)} bytes, expected {hlen + plen}")
     payload_checksum = xxhash.xxh3_64_intdigest(view[hlen:])
     fixed = _FIXED.pack(
         MAGIC, FORMAT_VERSION, hlen, header.fingerprint, header.chunk_hash,
-        header.group_index, _KIND_CODES[header.kind], header.shard, header.shards,
-        header.chunk_index, header.num_tokens, len(header.tensors), plen, payload_checksum,
+        header.group_index, _KIND_CODES[header.kind], header.shard, header.shards, header.part,
+        header.parts, header.layers, header.chunk_index, header.num_tokens, len(header.tensors), plen,
+        payload_checksum,
         _NO_MAC,
     )
     table = _tensor_table(header.tensors)
@@ -183,7 +193,7 @@ def decode_header(data: bytes | bytearray | memoryview) -> tuple[PageHeader, int
     view = memoryview(data).cast("B")
     if len(view) < _FIXED.size + _CHECKSUM.size:
         raise PageFormatError(f"page too short ({len(view)} bytes)")
-    (magic, version, hlen, fingerprint, chunk_hash, group, kind, shard, shards,
+    (magic, version, hlen, fingerprint, chunk_hash, group, kind, shard, shards, part, parts, layers,
      chunk_index, num_tokens, n_tensors, plen, payload_checksum, mac) = _FIXED.unpack_from(view, 0)
     if magic != MAGIC:
         raise PageFormatError("bad magic: not a hybrid-offload page")
@@ -192,7 +202,7 @@ def decode_header(data: bytes | bytearray | memoryview) -> tuple[PageHeader, int
     if not (_FIXED.size + _CHECKSUM.size <= hlen <= min(MAX_HEADER_BYTES, len(view))):
         raise PageFormatError(f"bad header length {hlen}")
     if n_tensors > MAX_TENSORS or kind not in _CODE_KINDS or plen > MAX_PAYLOAD_BYTES or not (
-        0 <= shard < shards
+        0 <= shard < shards and 0 <= part < parts
     ):
         raise PageFormatError("header fields out of range")
     (stored,) = _CHECKSUM.unpack_from(view, hlen - _CHECKSUM.size)
@@ -202,7 +212,7 @@ def decode_header(data: bytes | bytearray | memoryview) -> tuple[PageHeader, int
     if sum(prod(t.shape) * DTYPE_SIZES[t.dtype] for t in tensors) != plen:
         raise PageFormatError("tensor table does not add up to the payload length")
     header = PageHeader(fingerprint, chunk_hash, group, _CODE_KINDS[kind], chunk_index,
-                        num_tokens, tensors, shard, shards, signed=mac != _NO_MAC)
+                        num_tokens, tensors, shard, shards, part, parts, layers, signed=mac != _NO_MAC)
     return header, hlen, payload_checksum
 
 
@@ -231,7 +241,7 @@ def decode_page(
 
 @dataclass(frozen=True)
 class PageTemplate:
-    """What every page of one (model, group, shard, chunk size) shares, encoded once, so that
+    """What every page of one (model, group, part, shard, chunk size) shares, encoded once, so that
     :func:`verify_page` checks a page with a few comparisons instead of decoding its header."""
 
     fingerprint: bytes
@@ -240,6 +250,9 @@ class PageTemplate:
     num_tokens: int
     shard: int
     shards: int
+    part: int
+    parts: int
+    layers: bytes
     hlen: int
     plen: int
     n_tensors: int
@@ -250,7 +263,8 @@ class PageTemplate:
         """The template of ``header`` (its chunk hash and index are the per-page parts)."""
         tensors = header.tensors
         return cls(header.fingerprint, header.group_index, header.kind, header.num_tokens, header.shard,
-                   header.shards, header_len(tensors), header.payload_len, len(tensors),
+                   header.shards, header.part, header.parts, header.layers, header_len(tensors),
+                   header.payload_len, len(tensors),
                    _tensor_table(tensors))  # fmt: skip
 
 
@@ -267,7 +281,7 @@ def verify_page(
             f"page is {len(view)} bytes, expected {template.hlen + template.plen} (truncated, or "
             "its tensor shapes/dtypes differ from the model's)"
         )
-    (magic, version, hlen, fingerprint, got_hash, group, kind, shard, shards,
+    (magic, version, hlen, fingerprint, got_hash, group, kind, shard, shards, part, parts, layers,
      got_index, num_tokens, n_tensors, plen, payload_checksum, _) = _FIXED.unpack_from(view, 0)  # fmt: skip
     if magic != MAGIC:
         raise PageFormatError("bad magic: not a hybrid-offload page")
@@ -284,9 +298,11 @@ def verify_page(
         raise PageFormatError("payload checksum mismatch")
     if key:
         _check_mac(view, hlen, payload, key)
-    got = (fingerprint, got_hash, group, _CODE_KINDS.get(kind), got_index, num_tokens, shard, shards)
+    got = (fingerprint, got_hash, group, _CODE_KINDS.get(kind), got_index, num_tokens, shard, shards,
+           part, parts, layers)  # fmt: skip
     want = (template.fingerprint, chunk_hash, template.group_index, template.kind, chunk_index,
-            template.num_tokens, template.shard, template.shards)  # fmt: skip
+            template.num_tokens, template.shard, template.shards, template.part, template.parts,
+            template.layers)  # fmt: skip
     if got != want:
         for name, g, w in zip(_IDENTITY, got, want, strict=True):
             if g != w:
@@ -295,7 +311,7 @@ def verify_page(
 
 
 _IDENTITY = ("fingerprint", "chunk_hash", "group_index", "kind", "chunk_index", "num_tokens", "shard",
-             "shards")  # fmt: skip
+             "shards", "part", "parts", "layers")  # fmt: skip
 
 
 def _check_mac(view: memoryview, hlen: int, payload: memoryview, key: bytes) -> None:
@@ -309,8 +325,7 @@ def _check_mac(view: memoryview, hlen: int, payload: memoryview, key: bytes) -> 
 
 
 def _check_expected(got: PageHeader, want: PageHeader) -> None:
-    for name in ("fingerprint", "chunk_hash", "group_index", "kind", "chunk_index",
-                 "num_tokens", "shard", "shards"):
+    for name in _IDENTITY:
         if getattr(got, name) != getattr(want, name):
             raise PageFormatError(f"page {name} is {getattr(got, name)!r}, expected {getattr(want, name)!r}")
     shapes = [(t.shape, t.dtype) for t in got.tensors]

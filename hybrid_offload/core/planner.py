@@ -14,9 +14,10 @@ Pure logic: no torch, no I/O, no vLLM imports. Works on :class:`ModelSpec` from
 * One page set per (chunk, group). For attention groups, the set of chunk ``i`` holds that
   chunk's K/V. For Mamba/GDN groups, the set of chunk ``i`` holds the state after the chunk's
   last token, i.e. at boundary ``N = (i + 1) * chunk``; it exists only where a request's
-  computation stopped at ``N`` (see :func:`prefill_checkpoints`). A set is the group's
-  ``shards`` pages (one backend key each, :meth:`HybridOffloadPlanner.shard_keys`; see
-  ``tp_shards``), and it is present only when all of them are.
+  computation stopped at ``N`` (see :func:`prefill_checkpoints`). A set is one page per
+  *piece*: per layer part holding some of the group's layers (``layer_parts``; a pipeline
+  stage writes its own) and per TP shard (``tp_shards``), each under its own backend key
+  (:meth:`HybridOffloadPlanner.piece_keys`), and it is present only when all of them are.
 * Coverage at boundary ``N`` (``k = N / chunk``): full attention needs every chunk in
   ``[start, k)``; sliding window only the chunks inside the window before ``N``; Mamba/GDN only
   the state page at ``N``. In vLLM's "align" mode a state can be resumed at any chunk boundary,
@@ -34,7 +35,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hybrid_offload.core.layer_parts import LAYERS_DIGEST_LEN
 from hybrid_offload.core.spec import GroupKind, GroupSpec, ModelSpec
+from hybrid_offload.core.tp_shards import shards_written
 
 logger = logging.getLogger(__name__)
 
@@ -159,20 +162,34 @@ def _short_digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:32]
 
 
-def _shard_digest(set_digest: str, shard: int, shards: int) -> str:
+def _piece_digest(set_digest: str, part: int, parts: int, layers: bytes, shard: int, shards: int) -> str:
+    """A one-part grid keys a set of one shard by the set's own digest, and shards by their
+    numbers; several parts also by the part's number and layers."""
+    if parts == 1 and shards == 1:
+        return set_digest
     tail = shard.to_bytes(2, "little") + shards.to_bytes(2, "little")
+    if parts > 1:
+        tail = b"".join(n.to_bytes(2, "little") for n in (part, parts)) + layers + tail
     return _short_digest(bytes.fromhex(set_digest) + tail)
 
 
-def key_digest(chunk_hash: bytes, group_index: int, shard: int = 0, shards: int = 1) -> str:
+def key_digest(
+    chunk_hash: bytes, group_index: int, shard: int = 0, shards: int = 1, part: int = 0, parts: int = 1,
+    layers: bytes = bytes(LAYERS_DIGEST_LEN),
+) -> str:  # fmt: skip
     """The digest half of a page's key (``<fingerprint>-<digest>``), a function of fields in
-    the page's header: a page stored under another key than its own can be told."""
-    digest = _short_digest(chunk_hash + group_index.to_bytes(2, "little"))
-    return digest if shards == 1 else _shard_digest(digest, shard, shards)
+    the page's header: a page stored under another key than its own can be told. ``layers``:
+    the layer part's :func:`~hybrid_offload.core.layer_parts.layers_digest`."""
+    set_digest = _short_digest(chunk_hash + group_index.to_bytes(2, "little"))
+    return _piece_digest(set_digest, part, parts, layers, shard, shards)
 
 
-#: page-set keys whose shard keys a planner remembers (~250 bytes each with 4 shards)
+#: page-set keys whose piece keys a planner remembers (~250 bytes each with 4 pieces)
 MAX_MEMO_KEYS = 1 << 16
+
+
+class LayerMapError(ValueError):
+    """The pipeline stages' layers do not make up whole layer parts of one model."""
 
 
 class HybridOffloadPlanner:
@@ -189,8 +206,15 @@ class HybridOffloadPlanner:
         self.plans = tuple(_plan_group(g, self.chunk_tokens, spec.max_model_len) for g in spec.groups)
         self.namespace = spec.fingerprint
         self._key = key
-        #: shard keys by page-set key: lookups ask every tier, and again each step a request waits
-        self._shard_keys: dict[str, list[str]] = {}
+        #: piece keys by page-set key: lookups ask every tier, and again each step a request waits
+        self._piece_keys: dict[tuple[str, int], list[str]] = {}
+        #: per group, the layers digest of each layer part holding some of its layers: this
+        #: process's (a pipeline stage's) until :meth:`set_stage_layers` gives the whole model's
+        self._parts = [spec.grid.digests(g.layer_names) for g in spec.groups]
+        self._stages = [1 for _ in spec.groups]
+        #: whether ``_parts`` covers the whole model (always at PP=1): only then do lookups and
+        #: stores make sense in the scheduler
+        self.whole_model = spec.pp_size == 1
 
     # ---- keys -------------------------------------------------------------------------
     def scope_seed(self, scope: bytes = b"") -> bytes:
@@ -206,40 +230,90 @@ class HybridOffloadPlanner:
         return self.chain(self.scope_seed(scope), token_ids)
 
     def page_key(self, chunk_hash: bytes, group_index: int) -> str:
-        """Key of one (chunk, group) page set: ``<fingerprint>-<digest>``. A set of one shard
-        is stored under this key; otherwise each shard under :meth:`shard_keys`."""
-        return f"{self.namespace}-{key_digest(chunk_hash, group_index)}"
+        """Name of one (chunk, group) page set: ``<fingerprint>-<digest>``; its pages are stored
+        under :meth:`piece_keys`."""
+        digest = _short_digest(chunk_hash + group_index.to_bytes(2, "little"))
+        return f"{self.namespace}-{digest}"
 
     def group_keys(self, chunk_hashes: Sequence[bytes]) -> list[list[str]]:
         """Page-set keys per group (outer) per chunk (inner)."""
         return [[self.page_key(h, p.index) for h in chunk_hashes] for p in self.plans]
 
-    def shard_keys(self, page_key: str, group_index: int) -> list[str]:
-        """Backend keys of the shards of a page set, in shard order (TP-size independent)."""
+    # ---- pieces: layer parts x TP shards ------------------------------------------------
+    def piece(self, group_index: int, part: int, shard: int) -> int:
+        """The index of (layer part, shard) in a page set of group ``group_index``."""
+        return part * self.plans[group_index].group.shards + shard
+
+    def pieces(self, group_index: int) -> list[int]:
+        """The pieces of a page set of ``group_index``: of every part holding some of its layers
+        (those this planner knows), every shard, in order."""
         shards = self.plans[group_index].group.shards
-        if shards == 1:
-            return [page_key]
-        known = self._shard_keys.get(page_key)
+        return [part * shards + s for part in sorted(self._parts[group_index]) for s in range(shards)]
+
+    def part_layers(self, group_index: int, part: int) -> bytes:
+        """The layers digest of ``part`` of group ``group_index`` (KeyError: not known here)."""
+        return self._parts[group_index][part]
+
+    def piece_key(self, page_key: str, group_index: int, piece: int) -> str:
+        """Backend key of one piece of a page set (part and shard independent of PP and TP
+        sizes)."""
+        shards = self.plans[group_index].group.shards
+        part, shard = divmod(piece, shards)
+        namespace, _, digest = page_key.partition("-")
+        layers = self._parts[group_index][part]
+        return f"{namespace}-{_piece_digest(digest, part, self.spec.grid.parts, layers, shard, shards)}"
+
+    def piece_keys(self, page_key: str, group_index: int) -> list[str]:
+        """Backend keys of every piece of a page set, in :meth:`pieces` order."""
+        known = self._piece_keys.get((page_key, group_index))
         if known is None:
-            namespace, _, digest = page_key.partition("-")
-            known = [f"{namespace}-{_shard_digest(digest, p, shards)}" for p in range(shards)]
-            if len(self._shard_keys) >= MAX_MEMO_KEYS:
-                self._shard_keys.clear()  # a bound, not an LRU: single dict ops are thread-safe
-            self._shard_keys[page_key] = known
+            known = [self.piece_key(page_key, group_index, p) for p in self.pieces(group_index)]
+            if len(self._piece_keys) >= MAX_MEMO_KEYS:
+                self._piece_keys.clear()  # a bound, not an LRU: single dict ops are thread-safe
+            self._piece_keys[(page_key, group_index)] = known
         return list(known)
+
+    def set_stage_layers(self, stages: dict[int, Sequence[Sequence[str]]]) -> None:
+        """The whole model's layers, as each pipeline stage (by PP rank) holds them per group:
+        from then on page sets cover every stage's parts. Raises :class:`LayerMapError`
+        (changing nothing) unless every stage of ``pp_size`` reported, each with every group,
+        and no part is split between stages."""
+        if sorted(stages) != list(range(self.spec.pp_size)):
+            raise LayerMapError(f"layers of stages {sorted(stages)}, expected 0..{self.spec.pp_size - 1}")
+        parts: list[dict[int, bytes]] = [{} for _ in self.plans]
+        holders = [0 for _ in self.plans]
+        for rank in sorted(stages):
+            if len(stages[rank]) != len(self.plans):
+                raise LayerMapError(f"stage {rank}: {len(stages[rank])} groups, expected {len(self.plans)}")
+            for g, names in enumerate(stages[rank]):
+                mine = self.spec.grid.digests(names)
+                if set(mine) & set(parts[g]):
+                    raise LayerMapError(f"group {g}: parts {sorted(set(mine) & set(parts[g]))} span stages")
+                parts[g].update(mine)
+                holders[g] += bool(mine)
+        self._parts, self._stages = parts, [max(1, n) for n in holders]
+        self._piece_keys.clear()
+        self.whole_model = True
+
+    def writers(self, group_index: int) -> int:
+        """Workers that write pieces of a page set of ``group_index``: the TP ranks that write
+        a shard, in every stage holding some of its layers."""
+        g, spec = self.plans[group_index].group, self.spec
+        ranks = sum(bool(shards_written(g.splits, g.shards, spec.tp_size, r)) for r in range(spec.tp_size))
+        return max(1, ranks) * self._stages[group_index]
 
     def sets_contain(
         self, keys: Sequence[Sequence[str]], contains: Callable[[list[str]], list[bool]]
     ) -> Callable[[list[str]], list[bool]]:
         """Wrap a per-backend-key ``contains`` into one over page-set keys of ``keys`` (per
-        group lists): a set is present when all of its shards are."""
+        group lists): a set is present when all of its pieces are."""
         group_of = {key: g for g, group_keys in enumerate(keys) for key in group_keys}
 
         def contains_sets(set_keys: list[str]) -> list[bool]:
-            expanded = [self.shard_keys(k, group_of[k]) for k in set_keys]
-            flat = [k for shard_keys in expanded for k in shard_keys]
+            expanded = [self.piece_keys(k, group_of[k]) for k in set_keys]
+            flat = [k for pieces in expanded for k in pieces]
             answers = iter(contains(flat) if flat else [])
-            return [all([next(answers) for _ in shard_keys]) for shard_keys in expanded]
+            return [bool(pieces) and all([next(answers) for _ in pieces]) for pieces in expanded]
 
         return contains_sets
 

@@ -15,6 +15,7 @@ from math import prod
 from typing import Any
 
 from hybrid_offload import FORMAT_VERSION
+from hybrid_offload.core.layer_parts import WHOLE_MODEL, LayerGrid
 from hybrid_offload.core.tp_shards import (
     Component,
     ShardLayoutError,
@@ -136,22 +137,26 @@ class GroupSpec:
             return 0
         return self.num_kv_heads * (self.head_size + self.head_size_v) * DTYPE_SIZES[self.dtype]
 
-    def page_tensors(self, num_tokens: int, shard: int = 0) -> tuple[TensorSpec, ...]:
-        """The payload tensors of shard ``shard`` of one (chunk, group) page set, in order.
+    def page_tensors(
+        self, num_tokens: int, shard: int = 0, layers: int | None = None
+    ) -> tuple[TensorSpec, ...]:
+        """The payload tensors of shard ``shard`` of one (chunk, group) page set, in order, for
+        ``layers`` layers (a layer part's; default all of ``layer_names``).
 
         Attention: per layer K ``[tokens][heads][head_size]`` then V, of the shard's KV heads.
         Mamba/GDN: per layer, per state tensor in vLLM's order, each component's slice (e.g. the
         conv state's x, B and C), without the page padding vLLM adds. Independent of TP size.
         """
         tensors: list[TensorSpec] = []
+        layers = len(self.layer_names) if layers is None else layers
         if self.is_attention:
             heads = len(held_units(self.splits[0].components[0].units, self.shards, shard))
-            for layer in range(len(self.layer_names)):
+            for layer in range(layers):
                 tensors.append(TensorSpec(f"L{layer}.k", (num_tokens, heads, self.head_size), self.dtype))
                 tensors.append(TensorSpec(f"L{layer}.v", (num_tokens, heads, self.head_size_v), self.dtype))
             return tuple(tensors)
         parts = self._state_parts(shard)
-        for layer in range(len(self.layer_names)):
+        for layer in range(layers):
             tensors.extend(TensorSpec(f"L{layer}.{name}", shape, dtype) for name, shape, dtype in parts)
         return tuple(tensors)
 
@@ -187,12 +192,13 @@ class GroupSpec:
             }
         )
 
-    def layout_fields(self) -> dict[str, Any]:
+    def layout_fields(self, layers: bool = True) -> dict[str, Any]:
         """What must match for two engines to exchange this group's pages: the model-wide
-        (TP=1) shapes, how they split and into how many shards; no block size, no TP size."""
+        (TP=1) shapes, how they split and into how many shards, and (``layers``) its layer
+        names; no block size, no TP size."""
         return {
             "kind": self.kind.value,
-            "layers": list(self.layer_names),
+            **({"layers": list(self.layer_names)} if layers else {}),
             "dtype": self.dtype,
             "num_kv_heads": self.splits[0].components[0].units if self.is_attention else 0,
             "head_size": self.head_size,
@@ -238,6 +244,9 @@ class ModelSpec:
     num_blocks: int = 0
     tp_rank: int = 0
     tp_size: int = 1
+    grid: LayerGrid = WHOLE_MODEL
+    pp_rank: int = 0
+    pp_size: int = 1
 
     @property
     def fingerprint_bytes(self) -> bytes:
@@ -280,12 +289,17 @@ def make_model_spec(
     tp_rank: int = 0,
     tp_size: int = 1,
     max_shards: int | None = None,
+    grid: LayerGrid = WHOLE_MODEL,
+    pp_rank: int = 0,
+    pp_size: int = 1,
 ) -> ModelSpec:
     """Build a ModelSpec whose fingerprint covers the model, the group layouts (at TP=1, with
-    their shard counts) and our format version.
+    their shard counts), the layer-part ``grid`` and our format version.
 
-    Neither the TP size nor the rank is part of the fingerprint: engines at any TP size share
-    pages (each rank writes and reads its shards of a page set). With ``max_shards``, every
+    Neither the TP nor the PP size nor the ranks are part of the fingerprint: engines at any
+    TP size share pages (each rank writes and reads its shards of a page set), and at any PP
+    size whose stages hold whole parts of ``grid`` (``groups`` hold this stage's layers; each
+    stage writes and reads its parts). With ``max_shards``, every
     group's shard count is chosen (:func:`~hybrid_offload.core.tp_shards.shard_count`); raises
     ShardLayoutError (a ValueError) when a group cannot be split ``tp_size`` ways into its shards.
     """
@@ -295,7 +309,10 @@ def make_model_spec(
         g.check_tp(tp_size)
     fields = {
         "model": model_fields,
-        "groups": [g.layout_fields() for g in groups],
+        # several layer parts: a pipeline stage knows only its own layers; they key each
+        # part's pages instead (``layer_parts``)
+        "groups": [g.layout_fields(layers=not grid.bounds) for g in groups],
+        "layer_grid": list(grid.bounds),
         "format_version": FORMAT_VERSION,
     }
     return ModelSpec(
@@ -306,4 +323,7 @@ def make_model_spec(
         num_blocks=num_blocks,
         tp_rank=tp_rank,
         tp_size=tp_size,
+        grid=grid,
+        pp_rank=pp_rank,
+        pp_size=pp_size,
     )

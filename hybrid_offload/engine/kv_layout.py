@@ -13,6 +13,7 @@ tensors are packed in the spec's order at the start of each block, padding after
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -109,6 +110,11 @@ class AttentionGroupLayout:
     #: per layer, K and V as (kernel blocks, kernel_block, heads, dim) views; None: not strided
     views: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
+    def subset(self, positions: Sequence[int]) -> AttentionGroupLayout:
+        """This layout over the layers at ``positions`` only (a layer part's)."""
+        views = None if self.views is None else [self.views[i] for i in positions]
+        return dataclasses.replace(self, layers=[self.layers[i] for i in positions], views=views)
+
     def token_index(
         self, block_ids: list[int], first_token: int, num_tokens: int, heads: slice = slice(None)
     ) -> TokenIndex:
@@ -202,6 +208,10 @@ class MambaGroupLayout:
     group: GroupSpec
     layers: list[torch.Tensor]  # each (num_blocks, state_bytes) uint8 views; copies: page_codec
 
+    def subset(self, positions: Sequence[int]) -> MambaGroupLayout:
+        """This layout over the layers at ``positions`` only (a layer part's)."""
+        return MambaGroupLayout(self.group, [self.layers[i] for i in positions])
+
 
 def _attention_layout(group: GroupSpec, tensors: list[torch.Tensor], num_blocks: int) -> AttentionGroupLayout:
     first = tensors[0]
@@ -268,6 +278,8 @@ def build_layouts(
     """Layouts per group index from the tensors vLLM passes to ``register_kv_caches``."""
     layouts: dict[int, AttentionGroupLayout | MambaGroupLayout] = {}
     for group in groups:
+        if not group.layer_names:
+            continue  # a pipeline stage holding no layer of this group
         missing = [n for n in group.layer_names if n not in kv_caches]
         if missing:
             raise LayoutError(f"group {group.index}: no KV tensor registered for layers {missing}")

@@ -9,11 +9,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hybrid_offload.compat import mamba_rank_dims
+from hybrid_offload.core.layer_parts import WHOLE_MODEL, LayerGrid, LayerPartError, part_bounds, stage_parts
 from hybrid_offload.core.spec import (
     DTYPE_SIZES,
     GroupKind,
@@ -268,33 +270,88 @@ def _model_shape(vllm_config: VllmConfig) -> ModelShape:
     )
 
 
+def _ranks(tp_size: int, pp_size: int) -> tuple[int, int]:
+    """This process's (TP rank, PP rank); (0, 0) in the scheduler process, which has no
+    parallel groups and plans for all ranks."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+    tp_rank = pp_rank = 0
+    try:
+        if tp_size > 1:
+            tp_rank = get_tensor_model_parallel_rank()
+        if pp_size > 1:
+            pp_rank = get_pp_group().rank_in_group
+    except AssertionError:
+        return 0, 0
+    return tp_rank, pp_rank
+
+
+def layer_grid(vllm_config: VllmConfig, layer_parts: int | None) -> LayerGrid:
+    """The layer-part grid (``layer_parts``; None: the engine's PP size). Raises LayerPartError
+    naming the setting when a pipeline stage of this engine would not hold whole parts (its
+    layers as vLLM places them, ``VLLM_PP_LAYER_PARTITION`` included)."""
+    from vllm.distributed.utils import get_pp_indices
+
+    pp_size = vllm_config.parallel_config.pipeline_parallel_size
+    parts = layer_parts or pp_size
+    if parts == 1 and pp_size == 1:
+        return WHOLE_MODEL
+    num_layers = vllm_config.model_config.get_total_num_hidden_layers()
+    bounds = part_bounds(num_layers, parts)
+    what = f"layer_parts={parts} with pipeline_parallel_size={pp_size}"
+    if os.environ.get("VLLM_PP_LAYER_PARTITION"):
+        what += f" and VLLM_PP_LAYER_PARTITION={os.environ['VLLM_PP_LAYER_PARTITION']}"
+    for rank in range(pp_size):
+        stage_parts(bounds, *get_pp_indices(num_layers, rank, pp_size), what)
+    return LayerGrid.of(num_layers, parts)
+
+
+def _check_stage(grid: LayerGrid, groups: tuple[GroupSpec, ...], pp_rank: int, pp_size: int) -> None:
+    """LayerPartError unless every layer of this stage falls in a part the stage holds (a
+    layer whose decoder layer its name does not tell would be keyed in another stage's part)."""
+    from vllm.distributed.utils import get_pp_indices
+
+    start, end = get_pp_indices(grid.bounds[-1], pp_rank, pp_size)
+    held = stage_parts(grid.bounds, start, end, f"pipeline stage {pp_rank}")
+    for g in groups:
+        for part, positions in grid.positions(g.layer_names).items():
+            if part not in held:
+                names = [g.layer_names[i] for i in positions]
+                raise LayerPartError(
+                    f"KV cache group {g.index}: layers {names} fall in layer part {part}, outside "
+                    f"pipeline stage {pp_rank} (decoder layers [{start}, {end}), parts {list(held)})"
+                )
+
+
 def model_spec_from_vllm(
     vllm_config: VllmConfig,
     kv_cache_config: KVCacheConfig,
     max_shards: int | None = None,
     model_version: str | None = None,
+    layer_parts: int | None = None,
 ) -> ModelSpec:
     """Translate vLLM's configs into a ModelSpec (call once per connector). ``model_version``
-    (the operator's name for the weights) replaces the identity found from the files."""
+    (the operator's name for the weights) replaces the identity found from the files;
+    ``layer_parts``: see :func:`layer_grid`. Under pipeline parallelism ``kv_cache_config``
+    holds this stage's layers (the scheduler's: the first stage's)."""
     shape = _model_shape(vllm_config)
     groups = tuple(
         _group_from_vllm(i, g, shape) for i, g in enumerate(kv_cache_config.kv_cache_groups)
     )
-    tp_size = shape.tp_size
-    tp_rank = 0
-    if tp_size > 1:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-        try:
-            tp_rank = get_tensor_model_parallel_rank()
-        except AssertionError:  # scheduler process: no TP group; it plans for all ranks
-            tp_rank = 0
+    pp_size = vllm_config.parallel_config.pipeline_parallel_size
+    tp_rank, pp_rank = _ranks(shape.tp_size, pp_size)
+    grid = layer_grid(vllm_config, layer_parts)
+    if grid.bounds:
+        _check_stage(grid, groups, pp_rank, pp_size)
     return make_model_spec(
         groups,
         _model_fields(vllm_config, model_version),
         max_model_len=vllm_config.model_config.max_model_len,
         num_blocks=kv_cache_config.num_blocks,
         tp_rank=tp_rank,
-        tp_size=tp_size,
+        tp_size=shape.tp_size,
         max_shards=max_shards,
+        grid=grid,
+        pp_rank=pp_rank,
+        pp_size=pp_size,
     )

@@ -30,6 +30,7 @@ import redis
 
 from hybrid_offload import FORMAT_VERSION
 from hybrid_offload.backends import Backend, BackendConfig, create_backend
+from hybrid_offload.core.layer_parts import layers_digest
 from hybrid_offload.core.model_card import CardGroup, ModelCard, card_key, encode_card
 from hybrid_offload.core.page_format import PageHeader, decode_header, encode_page
 from hybrid_offload.core.planner import key_digest
@@ -52,11 +53,14 @@ MiB = 1 << 20
 
 def page_key(header: PageHeader) -> str:
     """The key an engine stores the page under (``cache verify`` checks it)."""
-    digest = key_digest(header.chunk_hash, header.group_index, header.shard, header.shards)
+    digest = key_digest(header.chunk_hash, header.group_index, header.shard, header.shards, header.part,
+                        header.parts, header.layers)  # fmt: skip
     return f"{header.fingerprint.hex()}-{digest}"
 
 
-def make_page(fp: str, group: int, chunk: int, shard: int = 0, shards: int = 1) -> tuple[str, bytes]:
+def make_page(
+    fp: str, group: int, chunk: int, shard: int = 0, shards: int = 1, part: int = 0, parts: int = 1
+) -> tuple[str, bytes]:
     """A valid page and its key ``<fp>-<digest>``."""
     if group == 0:
         heads = 2 // shards
@@ -65,9 +69,11 @@ def make_page(fp: str, group: int, chunk: int, shard: int = 0, shards: int = 1) 
     else:
         tensors = (TensorSpec("L0.conv", (4, 8), "float32"), TensorSpec("L0.ssm", (2, 4, 4), "float32"))
         kind = GroupKind.MAMBA
-    seed = f"{fp}/{group}/{chunk}/{shard}".encode()
+    seed = f"{fp}/{group}/{chunk}/{part}/{shard}".encode()
     chunk_hash = hashlib.blake2b(f"{fp}/{chunk}".encode(), digest_size=32).digest()  # a set's shards share it
-    header = PageHeader(bytes.fromhex(fp), chunk_hash, group, kind, chunk, 16, tensors, shard, shards)
+    layers = layers_digest([f"model.layers.{part}.mixer"]) if parts > 1 else bytes(16)
+    header = PageHeader(bytes.fromhex(fp), chunk_hash, group, kind, chunk, 16, tensors, shard, shards, part,
+                        parts, layers)  # fmt: skip
     payload = random.Random(seed).randbytes(sum(t.nbytes for t in tensors))
     return page_key(header), encode_page(header, payload)
 
@@ -382,8 +388,8 @@ def test_stats_per_fingerprint_and_group(cache: Cache) -> None:
     assert stats["unreadable"] == [] and stats["vanished"] == 0
     text = cli("stats", *cache.args, "--fingerprint", FP_B).stdout
     row = next(line for line in text.splitlines() if line.startswith(FP_B))
-    assert row.split() == [FP_B, "0", "full_attention", "4", str(sizes(b)), "2/2", "0-1/2"]
-    assert FP_A not in text and "lack a shard" not in text
+    assert row.split() == [FP_B, "0", "full_attention", "4", str(sizes(b)), "2/2", "0/1", "0-1/2"]
+    assert FP_A not in text and "page sets lack" not in text
 
 
 def test_stats_and_verify_count_page_sets_that_lack_a_shard(cache: Cache) -> None:
@@ -396,12 +402,26 @@ def test_stats_and_verify_count_page_sets_that_lack_a_shard(cache: Cache) -> Non
     stats = cli_json("stats", *cache.args)
     [group] = stats["fingerprints"][0]["groups"]
     assert (group["pages"], group["sets_complete"], group["sets_incomplete"]) == (3, 1, 1)  # headers only
-    assert "1 page sets lack a shard" in cli("stats", *cache.args).stdout
+    assert "1 page sets lack a layer part or shard" in cli("stats", *cache.args).stdout
     report = cli_json("verify", *cache.args, check=1)
     counts = ("ok", "corrupt", "sets_complete", "sets_incomplete")
     assert [report[k] for k in counts] == [2, 1, 0, 2]
     text = cli("verify", *cache.args, check=1).stdout
-    assert "page sets of the ok pages: 0 complete, 2 lacking a shard" in text
+    assert "page sets of the ok pages: 0 complete, 2 lacking a layer part or shard" in text
+
+
+def test_stats_and_verify_count_page_sets_that_lack_a_pipeline_stages_part(cache: Cache) -> None:
+    """Pages written by the two stages of a PP=2 engine (two layer parts): one stage's page of
+    chunk 1 was never stored. The parts a group has are those some set of it has."""
+    pages = dict(make_page(FP_B, 1, chunk, part=part, parts=2) for chunk in range(3) for part in range(2))
+    lost = next(k for k, data in pages.items() if decode_header(data)[0].chunk_index == 1)
+    del pages[lost]
+    cache.put(pages)
+    [group] = cli_json("stats", *cache.args)["fingerprints"][0]["groups"]
+    assert (group["parts"], group["sets_complete"], group["sets_incomplete"]) == ([[0, 2], [1, 2]], 2, 1)
+    assert cli("stats", *cache.args).stdout.split("\n")[1].split()[5:7] == ["2/3", "0-1/2"]
+    report = cli_json("verify", *cache.args)  # every page under its own key, layers and part included
+    assert [report[k] for k in ("ok", "corrupt", "sets_complete", "sets_incomplete")] == [5, 0, 2, 1]
 
 
 def big_page(fp: str, chunk: int, tokens: int = 1024) -> tuple[str, bytes]:
@@ -453,7 +473,8 @@ def test_stats_reads_page_headers_only(cache: Cache) -> None:
     [fp] = stats["fingerprints"]
     assert (fp["pages"], fp["bytes"]) == (4, sizes(pages))
     assert fp["groups"] == [{"group_index": 0, "kind": "full_attention", "pages": 4, "bytes": sizes(pages),
-                             "shards": [[0, 1]], "sets_complete": 4, "sets_incomplete": 0}]  # fmt: skip
+                             "shards": [[0, 1]], "parts": [[0, 1]], "sets_complete": 4,
+                             "sets_incomplete": 0}]  # fmt: skip
     assert stats["unreadable"] == [] and stats["vanished"] == 0
     if cache.kind == "redis":
         assert server_sent_bytes(cache) - sent < 256 * 1024 < sizes(pages)

@@ -209,7 +209,7 @@ def write(cap: Captured, t: int, backend: Any) -> dict[int, str]:
                 cache.put(g, layer, vllm_view(cap, g, full, t, r))
             codec = PageCodec(spec, g, cap.chunk_tokens)
             job = cache.job(g, set_keys[g.index])
-            keys = planner.shard_keys(job.key, g.index)
+            keys = planner.piece_keys(job.key, g.index)
             for shard in codec.written:
                 buf = bytearray(codec.page_lens[shard])
                 payload = torch.frombuffer(buf, dtype=torch.uint8)[codec.header_lens[shard] :]
@@ -231,7 +231,7 @@ def read_and_check(cap: Captured, t: int, backend: Any, set_keys: dict[int, str]
         for g in spec.groups:
             codec = PageCodec(spec, g, cap.chunk_tokens)
             job = cache.job(g, set_keys[g.index])
-            keys = planner.shard_keys(job.key, g.index)
+            keys = planner.piece_keys(job.key, g.index)
             pages = backend.get_batch([keys[p] for p in codec.read])
             for shard, data in zip(codec.read, pages, strict=True):
                 assert data is not None, f"group {g.index} shard {shard} missing"

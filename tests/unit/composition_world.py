@@ -41,7 +41,8 @@ def vllm_config(
         kv_role="kv_both",
         kv_connector_extra_config=extra or {},
     )
-    return SimpleNamespace(kv_transfer_config=parent)
+    parallel = SimpleNamespace(pipeline_parallel_size=1)
+    return SimpleNamespace(kv_transfer_config=parent, parallel_config=parallel)
 
 
 def kv_cache_config(groups: int = 2) -> SimpleNamespace:

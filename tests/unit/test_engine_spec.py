@@ -314,7 +314,7 @@ def _vllm_config(v: SimpleNamespace, hf: dict[str, Any], tp: int = 1, **model: A
         model_config=SimpleNamespace(hf_config=_HFConfig(**hf), dtype=v.torch.bfloat16,
                                      max_model_len=8192, get_total_num_kv_heads=lambda: 2, **fields),
         cache_config=SimpleNamespace(cache_dtype="auto", kv_cache_dtype_skip_layers=[]),
-        parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
         load_config=SimpleNamespace(load_format=load_format),
     )
 

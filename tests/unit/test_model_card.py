@@ -295,7 +295,7 @@ def test_a_failed_card_put_is_logged_at_debug_and_never_raised(
 ) -> None:
     spec = model_spec({"name": "m"})
     down = BackendConfig("test_card_down", "down", 1 << 30, options={"path": str(tmp_path / "down")})
-    with caplog.at_level(logging.DEBUG, logger="hybrid_offload.connector.worker"):
+    with caplog.at_level(logging.DEBUG, logger="hybrid_offload.connector.tiers"):
         worker = start_worker(spec, (down, disk(tmp_path, "ok")))
         worker.shutdown(10)
     failed = [r for r in caplog.records if "writing the model card failed" in r.getMessage()]

