@@ -1,19 +1,20 @@
-"""Issue 17 end to end: page sets shared by real engines at PP=2, PP=1/TP=2 and PP=1/TP=1.
+"""Issue 17 end to end: page sets shared by real engines at PP=2 (TP=1 and 2), PP=1/TP=2 and
+PP=1/TP=1.
 
 Every engine sets ``layer_parts: 2``: page sets split into two layer parts, each PP=2 stage
 writes and reads its own, PP=1 engines all of them. On one shared tier (falcon_h1: disk,
 nemotron_h: a NIXL cache peer), per arch:
 
-1. a PP=1 engine (TP=2 for falcon_h1, TP=1 for nemotron_h) recomputes the first prompts and
-   stores them;
-2. a PP=2 engine loads them (>= 99 % of the aligned prompt, the PP=1 engine's tokens), then
+1. a PP=2/TP=2 engine (falcon_h1; its four workers two to a core) or a PP=1/TP=1 engine
+   (nemotron_h) recomputes the first prompts and stores them;
+2. a PP=2/TP=1 engine loads them (>= 99 % of the aligned prompt, the writer's tokens), then
    recomputes and stores the second prompts;
 3. PP=1/TP=2 and PP=1/TP=1 engines load those (>= 99 %) with the PP=2 engine's tokens.
 
 float32 (in bf16 vLLM's own PP/TP outputs already differ at near-tied logits). vLLM's CPU
-build runs the PP=2 stages and the TP=2 ranks bound to one core each; PP=2 in eager mode needs
-the ``cpu_pp_eager`` patch, nemotron_h at PP=2 also ``pp_kv_layouts``
-(test_pp_engine_e2e.py).
+build runs the PP=2 stages and the TP=2 ranks bound to one core each (``"0|1"``; four workers:
+``"0|1|0|1"``); PP=2 in eager mode needs the ``cpu_pp_eager`` patch, nemotron_h at PP=2 also
+``pp_kv_layouts`` and ``pp_hybrid_block_size`` (test_pp_engine_e2e.py).
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ pytestmark = pytest.mark.e2e
 
 PP2 = {"pipeline_parallel_size": 2, "distributed_executor_backend": "mp", "dtype": "float32"}
 TP2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp", "dtype": "float32"}
+PP2_TP2 = {**PP2, "tensor_parallel_size": 2}
 TP1 = {"dtype": "float32"}
-#: the first writer of each arch (the other PP=1 layout reads in step 3)
-WRITER = {"falcon_h1": TP2, "nemotron_h": TP1}
+#: the first writer of each arch
+WRITER = {"falcon_h1": PP2_TP2, "nemotron_h": TP1}
 
 
 def prompts(seed: int) -> list[list[int]]:
@@ -52,7 +54,9 @@ TIER = {"falcon_h1": "disk", "nemotron_h": "peer"}
 
 
 def run(base: dict[str, Any], layout: dict[str, Any], prompts: list[list[list[int]]]) -> dict[str, Any]:
-    env = two_core_env("the PP=2 stages or TP=2 ranks") if layout is not TP1 else None
+    env = None if layout is TP1 else two_core_env("the PP=2 stages or TP=2 ranks")
+    if layout is PP2_TP2:  # four workers: two on each core
+        env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join([env["VLLM_CPU_OMP_THREADS_BIND"]] * 2)}
     spec = {**base, "llm_kwargs": layout, "passes": len(prompts), "pass_prompts": prompts}
     result = run_session_subprocess(spec, env=env, timeout=600)
     assert "not shared with other engines" not in result["log"]  # scheduler and workers agree

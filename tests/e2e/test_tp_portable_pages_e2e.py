@@ -1,14 +1,17 @@
-"""Issue 7: page sets written at one tensor-parallel size load bit-identically at another.
+"""Issues 7 and 17: page sets written at one PP x TP layout load bit-identically at another.
 
 For each hybrid arch, a real TP=1 engine stores its pages on disk with one shard per page set:
 that gives the model's real per-layer KV and Mamba/GDN state tensors (the conv state's x, B, C
 or q, k, v parts concatenated back in vLLM's channel order). vLLM's own sharding code
 (``vllm_tp_rules``: its QKV, Mamba2/GDN conv1d and head weight loaders, its state shape
-calculator) cuts them into the rank views of TP=2 and TP=4. Each rank's view is put into a KV
-cache laid out as vLLM's, and the connector's codec writes it as TP=t1 into a real disk tier;
-every rank of TP=t2 then reads its shards into an empty cache. For all pairs t1, t2 in
-{1, 2, 4}: every rank holds exactly vLLM's view, bit for bit, and the ranks reassemble the
-original tensors.
+calculator) cuts them into the rank views of TP=2 and TP=4, and vLLM's own stage partition
+(``get_pp_indices``) gives each pipeline stage its layers. Each worker's view is put into a KV
+cache laid out as vLLM's, and the connector's codec writes it as layout (PP, TP) = L1 into a
+real disk tier (page sets of two layer parts); every worker of L2 then reads its pieces into an
+empty cache. For all pairs of PP in {1, 2} x TP in {1, 2, 4} (PP=1 only for zamba2, which vLLM
+does not run pipeline parallel): every worker holds exactly vLLM's view, bit for bit, and the
+workers reassemble the original tensors. Engines here run PP=2 with TP=2 at most (four
+workers on two cores, test_pp_pages_e2e.py): this is the test of TP=4 with PP=2.
 """
 
 from __future__ import annotations
@@ -22,11 +25,13 @@ from typing import Any
 import pytest
 import torch
 import vllm_tp_rules as rules
+from vllm.distributed.utils import get_pp_indices
 
 from hybrid_offload.backends.base import BackendConfig
 from hybrid_offload.backends.registry import create_backend
 from hybrid_offload.connector.metadata import PageJob
 from hybrid_offload.connector.page_codec import PageCodec
+from hybrid_offload.core.layer_parts import LayerGrid
 from hybrid_offload.core.model_card import is_card_key
 from hybrid_offload.core.page_format import decode_page, seal_page
 from hybrid_offload.core.planner import HybridOffloadPlanner
@@ -40,6 +45,8 @@ pytestmark = pytest.mark.e2e
 #: arch -> hidden size (qwen3_next needs 4 GDN key heads to run at TP=4 in vLLM)
 ARCHS = {"qwen3_next": 512, "falcon_h1": None, "nemotron_h": None, "granite_hybrid": None, "zamba2": None}
 TP_SIZES = (1, 2, 4)
+#: archs vLLM runs pipeline parallel
+PP_ARCHS = {"qwen3_next", "falcon_h1", "nemotron_h", "granite_hybrid"}
 MAX_SHARDS = 8
 FIELDS = {"name": "tp-portability", "dtype": "bfloat16"}
 _N_GROUPS_KEYS = ("mamba_n_groups", "n_groups", "mamba_ngroups")
@@ -54,6 +61,7 @@ class Captured:
     tensors: dict[int, list[Any]]
     chunk_tokens: int
     hf: dict[str, Any]
+    layer_parts: int = 1
 
 
 def _full_tensors(group: GroupSpec, payload: memoryview, tokens: int) -> list[Any]:
@@ -119,11 +127,31 @@ def vllm_view(cap: Captured, group: GroupSpec, full: Any, t: int, r: int) -> Any
     return [conv[:, rules.conv_channels(dims, t, r)], ssm[rules.ssm_heads(ssm.shape[0], t, r)]]
 
 
-def rank_spec(cap: Captured, t: int, r: int) -> ModelSpec:
-    """What the connector builds on rank ``r`` of a TP=``t`` engine (shapes from vLLM)."""
+def num_layers(cap: Captured) -> int:
+    """The decoder layers (nemotron_h's config.json has only its pattern)."""
+    return cap.hf.get("num_hidden_layers") or len(cap.hf["layers_block_type"])
+
+
+def grid(cap: Captured) -> LayerGrid:
+    return LayerGrid.of(num_layers(cap), cap.layer_parts)
+
+
+def stage_positions(cap: Captured, group: GroupSpec, pp: int, stage: int) -> list[int]:
+    """Positions in ``group`` of the layers vLLM puts on pipeline stage ``stage`` of ``pp``."""
+    if pp == 1:
+        return list(range(len(group.layer_names)))
+    start, end = get_pp_indices(num_layers(cap), stage, pp)
+    return [i for i, name in enumerate(group.layer_names) if start <= grid(cap).decoder_layer(name) < end]
+
+
+def rank_spec(cap: Captured, t: int, r: int, pp: int = 1, stage: int = 0) -> ModelSpec:
+    """What the connector builds on rank ``r`` of a TP=``t`` engine, pipeline stage ``stage`` of
+    ``pp`` (shapes from vLLM; the stage's layers of each group)."""
     n_groups = next((cap.hf[k] for k in _N_GROUPS_KEYS if k in cap.hf), None)
     groups = []
-    for g in cap.groups:
+    for whole in cap.groups:
+        names = tuple(whole.layer_names[i] for i in stage_positions(cap, whole, pp, stage))
+        g = dataclasses.replace(whole, layer_names=names)
         if g.is_attention:
             groups.append(dataclasses.replace(g, num_kv_heads=max(1, g.num_kv_heads // t),
                                               total_kv_heads=g.num_kv_heads, shards=1))
@@ -132,7 +160,8 @@ def rank_spec(cap: Captured, t: int, r: int) -> ModelSpec:
         assert t > 1 or shapes == g.state_shapes, "vLLM's TP=1 shapes are the captured ones"
         splits = mamba_splits(g.mamba_type, shapes, ModelShape(t, 0, n_groups))
         groups.append(dataclasses.replace(g, state_shapes=shapes, state_splits=splits, shards=1))
-    return make_model_spec(tuple(groups), FIELDS, tp_size=t, tp_rank=r, max_shards=MAX_SHARDS)
+    return make_model_spec(tuple(groups), FIELDS, tp_size=t, tp_rank=r, max_shards=MAX_SHARDS,
+                           grid=grid(cap), pp_rank=stage, pp_size=pp)  # fmt: skip
 
 
 # ---- a rank's KV cache, laid out as vLLM's ---------------------------------------------------
@@ -194,55 +223,63 @@ def _bits(x: Any) -> list[bytes]:
     return [bytes(i.contiguous().view(torch.uint8).reshape(-1).numpy()) for i in items]
 
 
-# ---- write at t1, read at t2 -------------------------------------------------------------------
-def write(cap: Captured, t: int, backend: Any) -> dict[int, str]:
-    """Every rank of TP=t writes its shards; returns each group's page-set key."""
+# ---- write at layout L1, read at L2 --------------------------------------------------------------
+def workers(layout: tuple[int, int]) -> list[tuple[int, int]]:
+    """(stage, rank) of every worker of a (PP, TP) layout."""
+    pp, t = layout
+    return [(stage, r) for stage in range(pp) for r in range(t)]
+
+
+def write(cap: Captured, layout: tuple[int, int], backend: Any) -> dict[int, str]:
+    """Every worker of ``layout`` writes its pieces; returns each group's page-set key."""
     set_keys: dict[int, str] = {}
-    for r in range(t):
-        spec = rank_spec(cap, t, r)
+    pp, t = layout
+    for stage, r in workers(layout):
+        spec = rank_spec(cap, t, r, pp, stage)
         planner = HybridOffloadPlanner(spec, cap.chunk_tokens)
         cache = RankCache(spec, cap.chunk_tokens)
         items = []
-        for g in spec.groups:
+        for g, whole in zip(spec.groups, cap.groups, strict=True):
             set_keys[g.index] = planner.page_key(bytes(32), g.index)
-            for layer, full in zip(g.layer_names, cap.tensors[g.index], strict=True):
-                cache.put(g, layer, vllm_view(cap, g, full, t, r))
+            for layer, i in zip(g.layer_names, stage_positions(cap, whole, pp, stage), strict=True):
+                cache.put(g, layer, vllm_view(cap, g, cap.tensors[g.index][i], t, r))
             codec = PageCodec(spec, g, cap.chunk_tokens)
             job = cache.job(g, set_keys[g.index])
-            keys = planner.piece_keys(job.key, g.index)
-            for shard in codec.written:
-                buf = bytearray(codec.page_lens[shard])
-                payload = torch.frombuffer(buf, dtype=torch.uint8)[codec.header_lens[shard] :]
-                codec.gather(cache.layouts[g.index], job, shard, payload)
-                seal_page(buf, codec.header(job, shard))
-                items.append((keys[shard], buf))
+            for piece in codec.written:
+                buf = bytearray(codec.page_lens[piece])
+                payload = torch.frombuffer(buf, dtype=torch.uint8)[codec.header_lens[piece] :]
+                codec.gather(cache.layouts[g.index], job, piece, payload)
+                seal_page(buf, codec.header(job, piece))
+                items.append((planner.piece_key(job.key, g.index, piece), buf))
         assert all(backend.put_batch(items))
     return set_keys
 
 
-def read_and_check(cap: Captured, t: int, backend: Any, set_keys: dict[int, str]) -> None:
-    """Every rank of TP=t reads its shards into an empty cache: vLLM's view, bit for bit; the
-    ranks together reassemble the full tensors."""
+def read_and_check(cap: Captured, layout: tuple[int, int], backend: Any, set_keys: dict[int, str]) -> None:
+    """Every worker of ``layout`` reads its pieces into an empty cache: vLLM's view, bit for
+    bit; the workers together reassemble the full tensors."""
     rebuilt: dict[tuple[int, int], Any] = {}
-    for r in range(t):
-        spec = rank_spec(cap, t, r)
+    pp, t = layout
+    for stage, r in workers(layout):
+        spec = rank_spec(cap, t, r, pp, stage)
         planner = HybridOffloadPlanner(spec, cap.chunk_tokens)
         cache = RankCache(spec, cap.chunk_tokens)
-        for g in spec.groups:
+        for g, whole in zip(spec.groups, cap.groups, strict=True):
             codec = PageCodec(spec, g, cap.chunk_tokens)
             job = cache.job(g, set_keys[g.index])
-            keys = planner.piece_keys(job.key, g.index)
-            pages = backend.get_batch([keys[p] for p in codec.read])
-            for shard, data in zip(codec.read, pages, strict=True):
-                assert data is not None, f"group {g.index} shard {shard} missing"
-                _, payload = decode_page(data, codec.header(job, shard))
-                codec.scatter(cache.layouts[g.index], job, shard,
+            pages = backend.get_batch([planner.piece_key(job.key, g.index, p) for p in codec.read])
+            for piece, data in zip(codec.read, pages, strict=True):
+                assert data is not None, f"group {g.index} piece {piece} missing"
+                _, payload = decode_page(data, codec.header(job, piece))
+                codec.scatter(cache.layouts[g.index], job, piece,
                               torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-            for i, (layer, full) in enumerate(zip(g.layer_names, cap.tensors[g.index], strict=True)):
+            for layer, i in zip(g.layer_names, stage_positions(cap, whole, pp, stage), strict=True):
+                full = cap.tensors[g.index][i]
                 want = vllm_view(cap, g, full, t, r)
                 got = cache.get(g, layer, want)
-                assert _bits(got) == _bits(want), f"TP={t} rank {r} group {g.index} layer {layer}"
+                assert _bits(got) == _bits(want), f"{layout}: stage {stage} rank {r}, {layer}"
                 _reassemble(rebuilt, (g.index, i), cap, g, full, got, t, r)
+    assert sorted(rebuilt) == sorted((g.index, i) for g in cap.groups for i in range(len(g.layer_names)))
     for (g_index, i), full in rebuilt.items():
         assert _bits(full) == _bits(cap.tensors[g_index][i])
 
@@ -260,18 +297,27 @@ def _reassemble(rebuilt: dict, where: tuple[int, int], cap: Captured, group: Gro
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_pages_written_at_one_tp_size_load_at_every_other(arch: str, model_dir, tmp_path: Path) -> None:
+def test_pages_written_at_one_pp_x_tp_layout_load_at_every_other(
+    arch: str, model_dir, tmp_path: Path
+) -> None:
+    pp_sizes = (1, 2) if arch in PP_ARCHS else (1,)
     cap = capture(model_dir(arch, hidden=ARCHS[arch]), tmp_path / "tp1-run")
-    fingerprints = {rank_spec(cap, t, r).fingerprint for t in TP_SIZES for r in range(t)}
-    assert len(fingerprints) == 1, "the TP size is not part of the fingerprint"
-    spec = rank_spec(cap, 1, 0)
-    assert any(g.shards > 1 for g in spec.groups), [g.shards for g in spec.groups]
-    for t1 in TP_SIZES:
-        config = BackendConfig("disk", f"tp{t1}", 1 << 30, options={"path": str(tmp_path / f"tp{t1}")})
+    cap = dataclasses.replace(cap, layer_parts=max(pp_sizes))
+    layouts = [(pp, t) for pp in pp_sizes for t in TP_SIZES]
+    fingerprints = {rank_spec(cap, t, r, pp, stage).fingerprint for pp, t in layouts
+                    for stage, r in workers((pp, t))}  # fmt: skip
+    assert len(fingerprints) == 1, "neither the TP nor the PP size is part of the fingerprint"
+    whole = HybridOffloadPlanner(rank_spec(cap, 1, 0), cap.chunk_tokens)
+    assert any(g.shards > 1 for g in whole.spec.groups), [g.shards for g in whole.spec.groups]
+    parts = {piece // g.shards for g in whole.spec.groups for piece in whole.pieces(g.index)}
+    assert len(parts) == len(pp_sizes), "pages of both layer parts (PP archs), of one otherwise"
+    for layout in layouts:
+        path = tmp_path / f"pp{layout[0]}-tp{layout[1]}"
+        config = BackendConfig("disk", path.name, 1 << 30, options={"path": str(path)})
         with create_backend(config) as backend:
-            set_keys = write(cap, t1, backend)
-            # a complete set, each shard written once (replicated ranks do not write twice)
-            stored = sorted(p.name for p in (tmp_path / f"tp{t1}").rglob("*.page"))
-            assert len(stored) == sum(g.shards for g in spec.groups)
-            for t2 in TP_SIZES:
-                read_and_check(cap, t2, backend, set_keys)
+            set_keys = write(cap, layout, backend)
+            # a complete set, each piece written once (replicated ranks do not write twice)
+            stored = sorted(p.name for p in path.rglob("*.page"))
+            assert len(stored) == sum(len(whole.pieces(g.index)) for g in whole.spec.groups)
+            for other in layouts:
+                read_and_check(cap, other, backend, set_keys)

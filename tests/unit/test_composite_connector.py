@@ -323,6 +323,21 @@ def test_handshake_prefill_stops_and_step_questions(fake_facade) -> None:
     assert list(conn.take_events()) == []
 
 
+def test_pipeline_parallel_compositions_have_no_children_and_our_side_gets_the_stages(fake_facade) -> None:
+    """At PP > 1 our side learns the stages' layers through vLLM's handshake metadata, which a
+    child would need too: children are refused, and without them every stage's metadata is ours."""
+    config = vllm_config({"backends": BACKENDS, "connectors": [child("a")]})
+    config.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(ConfigError, match=r"connectors with pipeline_parallel_size=2"):
+        HybridMultiConnector(config, SCHED, kv_cache_config(2))
+    config = vllm_config({"backends": BACKENDS})
+    config.parallel_config.pipeline_parallel_size = 2
+    conn = HybridMultiConnector(config, SCHED, kv_cache_config(2))
+    stages = {(0, 0): "stage 0", (1, 0): "stage 1"}
+    conn.set_xfer_handshake_metadata_pp_aware(stages)  # type: ignore[arg-type]
+    assert conn.native.got("set_xfer_handshake_metadata_pp_aware") == [(stages,)]
+
+
 def test_shutdown_reaches_every_child_when_ours_fails(fake_facade) -> None:
     conn, ours = compose(child("a"), child("b"), role=WORKER)
 

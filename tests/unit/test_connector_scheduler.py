@@ -10,6 +10,7 @@ connector's ``prefill_stop`` says (vLLM's split, patched by ``engine/patches/pre
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -43,6 +44,8 @@ from hybrid_offload.connector.metadata import (
     StoreJob,
     TouchJob,
 )
+from hybrid_offload.core.layer_parts import LayerGrid
+from hybrid_offload.core.spec import make_model_spec
 
 
 # ---- builders -----------------------------------------------------------------------------
@@ -455,6 +458,31 @@ def test_matched_tokens_stay_below_the_prompt_and_exclude_local_hits(worlds) -> 
     assert w.sched.get_num_new_matched_tokens(FakeRequest("local16", tokens[:41]), 16) == (24, True)
     assert w.sched.get_num_new_matched_tokens(FakeRequest("local12", tokens[:41]), 12) == (28, True)
     assert w.sched.get_num_new_matched_tokens(FakeRequest("local40", tokens[:41]), 40) == (0, False)
+
+
+def test_a_pp_scheduler_serves_once_every_stages_layers_are_known_and_needs_every_part(worlds) -> None:
+    """PP=2 with the attention layer on stage 0 and the Mamba layer on stage 1: the scheduler
+    sees stage 0's layers only; until the stages' handshake arrives requests skip the cache,
+    then a set is present only with the parts of both stages."""
+    whole = make_spec(8, 8)
+    groups = tuple(dataclasses.replace(g, layer_names=g.layer_names if g.index == ATTN else ())
+                   for g in whole.groups)  # fmt: skip
+    spec = make_model_spec(groups, {"name": "fake-hybrid"}, max_model_len=4096, num_blocks=64,
+                           grid=LayerGrid.of(2, 2), pp_size=2)  # fmt: skip
+    w = worlds(spec, 8)
+    tokens = prompt(48)
+    assert w.sched.get_num_new_matched_tokens(FakeRequest("early", tokens), 0) == (0, False)
+    assert w.sched.stats.counters.requests == 0  # not keyed: nothing looked up, nothing stored
+    names = [g.layer_names for g in whole.groups]
+    w.planner.set_stage_layers({0: (names[ATTN], ()), 1: ((), names[MAMBA])})
+    keys = w.keys(tokens)
+    pieces = {g: [w.planner.piece_keys(keys[g][c], g) for c in range(5)] for g in (ATTN, MAMBA)}
+    assert all(len(p) == 1 for g in pieces for p in pieces[g])  # one part each (its stage), one shard
+    w.hold("cpu", [p[0] for p in pieces[ATTN]])
+    assert w.sched.get_num_new_matched_tokens(FakeRequest("attention only", tokens), 0) == (0, False)
+    w.hold("cpu", pieces[MAMBA][4])
+    assert w.sched.get_num_new_matched_tokens(FakeRequest("both stages", tokens), 0) == (40, True)
+    assert [w.planner.writers(g) for g in (ATTN, MAMBA)] == [1, 1]  # one stage each
 
 
 def test_mamba_state_is_required_at_the_boundary(worlds) -> None:
