@@ -254,9 +254,6 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         logger.info("hybrid-offload: layers of %d pipeline stages known; pieces per group %s",
                     len(stages), [len(self.planner.pieces(p.index)) for p in self.planner.plans])
 
-    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
-        return None
-
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()

@@ -162,6 +162,10 @@ def _short_digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:32]
 
 
+def _set_digest(chunk_hash: bytes, group_index: int) -> str:
+    return _short_digest(chunk_hash + group_index.to_bytes(2, "little"))
+
+
 def _piece_digest(set_digest: str, part: int, parts: int, layers: bytes, shard: int, shards: int) -> str:
     """A one-part grid keys a set of one shard by the set's own digest, and shards by their
     numbers; several parts also by the part's number and layers."""
@@ -180,8 +184,7 @@ def key_digest(
     """The digest half of a page's key (``<fingerprint>-<digest>``), a function of fields in
     the page's header: a page stored under another key than its own can be told. ``layers``:
     the layer part's :func:`~hybrid_offload.core.layer_parts.layers_digest`."""
-    set_digest = _short_digest(chunk_hash + group_index.to_bytes(2, "little"))
-    return _piece_digest(set_digest, part, parts, layers, shard, shards)
+    return _piece_digest(_set_digest(chunk_hash, group_index), part, parts, layers, shard, shards)
 
 
 #: page-set keys whose piece keys a planner remembers (~250 bytes each with 4 pieces)
@@ -232,27 +235,18 @@ class HybridOffloadPlanner:
     def page_key(self, chunk_hash: bytes, group_index: int) -> str:
         """Name of one (chunk, group) page set: ``<fingerprint>-<digest>``; its pages are stored
         under :meth:`piece_keys`."""
-        digest = _short_digest(chunk_hash + group_index.to_bytes(2, "little"))
-        return f"{self.namespace}-{digest}"
+        return f"{self.namespace}-{_set_digest(chunk_hash, group_index)}"
 
     def group_keys(self, chunk_hashes: Sequence[bytes]) -> list[list[str]]:
         """Page-set keys per group (outer) per chunk (inner)."""
         return [[self.page_key(h, p.index) for h in chunk_hashes] for p in self.plans]
 
     # ---- pieces: layer parts x TP shards ------------------------------------------------
-    def piece(self, group_index: int, part: int, shard: int) -> int:
-        """The index of (layer part, shard) in a page set of group ``group_index``."""
-        return part * self.plans[group_index].group.shards + shard
-
     def pieces(self, group_index: int) -> list[int]:
         """The pieces of a page set of ``group_index``: of every part holding some of its layers
         (those this planner knows), every shard, in order."""
         shards = self.plans[group_index].group.shards
         return [part * shards + s for part in sorted(self._parts[group_index]) for s in range(shards)]
-
-    def part_layers(self, group_index: int, part: int) -> bytes:
-        """The layers digest of ``part`` of group ``group_index`` (KeyError: not known here)."""
-        return self._parts[group_index][part]
 
     def piece_key(self, page_key: str, group_index: int, piece: int) -> str:
         """Backend key of one piece of a page set (part and shard independent of PP and TP
