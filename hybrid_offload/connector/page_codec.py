@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 
 from hybrid_offload.connector.metadata import PageJob
-from hybrid_offload.core.layer_parts import layers_digest
 from hybrid_offload.core.page_format import CHUNK_HASH_LEN, PageHeader, PageTemplate, header_len, page_len
 from hybrid_offload.core.spec import GroupSpec, ModelSpec
 from hybrid_offload.core.tp_shards import Transfer, read_plan, shards_read, shards_written, transfers
@@ -53,8 +52,7 @@ class PageCodec:
         splits, shards, t, r = group.splits, group.shards, spec.tp_size, spec.tp_rank
         #: per layer part this stage holds layers of the group in, their positions in the group
         self.positions = spec.grid.positions(group.layer_names)
-        self.layers = {part: layers_digest([group.layer_names[i] for i in pos])
-                       for part, pos in self.positions.items()}  # fmt: skip
+        self.layers = spec.grid.digests(group.layer_names)  # as the planner keys them
         write_shards, read_shards = shards_written(splits, shards, t, r), shards_read(splits, shards, t, r)
         self.written = [part * shards + s for part in self.positions for s in write_shards]
         self.read = [part * shards + s for part in self.positions for s in read_shards]
