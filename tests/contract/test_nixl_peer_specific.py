@@ -129,8 +129,9 @@ def test_peer_killed_mid_use_gives_misses_then_unavailable(peers: PeerFactory, c
     backend.put_batch([(k, page(i, 2000)) for i, k in enumerate(keys)])
     on_b = [backend.peer_for(k) == b.address for k in keys]
 
-    stop = threading.Event()
+    stop, killed = threading.Event(), threading.Event()
     failures: list[BaseException] = []
+    unstopped: list[BackendUnavailableError] = []
     rounds = [0]  # traffic rounds done (get + put of 10 pages)
 
     def traffic() -> None:
@@ -138,7 +139,15 @@ def test_peer_killed_mid_use_gives_misses_then_unavailable(peers: PeerFactory, c
         try:
             while not stop.is_set():
                 ids = rng.sample(range(100), 10)
-                got = backend.get_batch([keys[i] for i in ids])
+                try:
+                    got = backend.get_batch([keys[i] for i in ids])
+                except BackendUnavailableError as exc:
+                    # a READ in flight at the kill can end in a state NIXL cannot tell
+                    # (NIXL_ERR_REMOTE_DISCONNECT): the documented outcome is this error
+                    if not killed.is_set() or "did not stop" not in str(exc):
+                        raise
+                    unstopped.append(exc)
+                    continue
                 for i, data in zip(ids, got, strict=True):
                     assert data in (None, page(i, 2000))
                 backend.put_batch([(keys[i], page(i, 2000)) for i in ids])
@@ -149,6 +158,7 @@ def test_peer_killed_mid_use_gives_misses_then_unavailable(peers: PeerFactory, c
     thread = threading.Thread(target=traffic)
     thread.start()
     wait_until(lambda: failures or rounds[0] >= 5, "traffic before the kill")
+    killed.set()
     b.kill()
     killed_at = rounds[0]
     wait_until(lambda: failures or rounds[0] >= killed_at + 5, "traffic after the kill")
@@ -162,6 +172,7 @@ def test_peer_killed_mid_use_gives_misses_then_unavailable(peers: PeerFactory, c
         assert backend.contains_batch(keys) == [not x for x in on_b]
         assert backend.put_batch([(k, b"x") for k in keys]) == [not x for x in on_b]
     assert backend.stats.errors > 0
+    assert len(unstopped) <= 1 and backend.transfers["staged"] >= len(unstopped)  # zero copy off after it
 
     a.kill()
     limit = within(FAST["timeout_s"])
