@@ -3,8 +3,10 @@
 vLLM's default multi-process engine (scheduler in its EngineCore process, the connector's
 worker side in a worker process) runs a multi-turn chat whose turns carry the generated
 replies (two conversations at once) and prompts of random lengths (1k-6k tokens, up to beyond
-``max_num_batched_tokens``) asked twice, with async scheduling off and on. vLLM's own prefix
-cache is reset before every wave, so every cached token is the connector's. The reusable
+``max_num_batched_tokens``) asked twice: with async scheduling on (falcon_h1), off (zamba2) and
+pipeline parallel (nemotron_h at PP=2, its stages each storing and loading their layers, against
+a PP=1 engine's tokens). vLLM's own prefix cache is reset before every wave, so every cached
+token is the connector's. The reusable
 prefix of a request is what the prompts and outputs of earlier waves share with it, floored to
 the chunk (128 tokens here), below its length (``hybrid_offload.tools.bench.traffic``); the
 connector must serve >= 95 % of it, and, for the float32 archs, the greedy tokens of an engine
@@ -16,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from engine_runs import two_core_env
 
 from hybrid_offload.tools.bench.traffic import SIZES
 from hybrid_offload.tools.bench.workload_run import run_engine_subprocess
@@ -42,16 +45,21 @@ def check(ours: dict[str, Any], base: dict[str, Any] | None) -> None:
     assert all(r is not None and r["served_tokens"] <= r["reusable_tokens"] for r in reports)
 
 
-@pytest.mark.parametrize(("arch", "async_scheduling"),
-                         [("falcon_h1", False), ("nemotron_h", True), ("zamba2", False)])
-def test_float32_traffic_is_served_with_identical_tokens(
-    arch: str, async_scheduling: bool, model_dir
-) -> None:
+#: two pipeline stages, one core each (vLLM's V1 runner turns async scheduling off at PP > 1)
+PP2 = {"pipeline_parallel_size": 2, "distributed_executor_backend": "mp"}
+
+
+@pytest.mark.parametrize(("arch", "engine"),
+                         [("falcon_h1", "async"), ("nemotron_h", "pp2"), ("zamba2", "sync")])
+def test_float32_traffic_is_served_with_identical_tokens(arch: str, engine: str, model_dir) -> None:
     spec = {"model": str(model_dir(arch)), "dtype": "float32", "max_model_len": 8192, "workloads": TRAFFIC}
     base = run_engine_subprocess({**spec, "connector": None})
-    ours = run_engine_subprocess(
-        {**spec, "connector": connector(), "llm_kwargs": {"async_scheduling": async_scheduling}}
-    )
+    llm_kwargs, env = {"async_scheduling": engine == "async"}, None
+    if engine == "pp2":
+        llm_kwargs, env = PP2, two_core_env("the PP=2 stages")
+    ours = run_engine_subprocess({**spec, "connector": connector(), "llm_kwargs": llm_kwargs}, env=env)
+    if engine == "pp2":
+        assert "layers of 2 pipeline stages known" in ours["log"]
     check(ours, base)
 
 

@@ -25,6 +25,8 @@ from hybrid_offload.tools.bench.workload_run import run_engine_subprocess
 pytestmark = pytest.mark.e2e
 
 ARCH = "falcon_h1"
+#: two turns are enough to show pages that load (the next turn) and pages that must not
+CHAT = {**SIZES["small"]["chat"], "turns": 2, "reply": 32}
 
 
 def served(run: dict, wave: int) -> int:
@@ -45,7 +47,7 @@ def test_weights_replaced_in_place_get_no_hits(model_dir, tmp_path: Path) -> Non
     secret.chmod(0o600)
     spec = {
         "model": str(model), "dtype": "float32", "max_model_len": 8192,
-        "workloads": [{"name": "chat", "seed": 3, "size": SIZES["small"]["chat"]}],
+        "workloads": [{"name": "chat", "seed": 3, "size": CHAT}],
         "connector": {"secret_file": str(secret),
                       "backends": [{"type": "disk", "name": "disk", "path": str(tmp_path / "disk")}]},
     }
