@@ -6,11 +6,10 @@ replies (two conversations at once) and prompts of random lengths (1k-6k tokens,
 ``max_num_batched_tokens``) asked twice: with async scheduling on (falcon_h1), off (zamba2) and
 pipeline parallel (nemotron_h at PP=2, its stages each storing and loading their layers, against
 a PP=1 engine's tokens). vLLM's own prefix cache is reset before every wave, so every cached
-token is the connector's. The reusable
-prefix of a request is what the prompts and outputs of earlier waves share with it, floored to
-the chunk (128 tokens here), below its length (``hybrid_offload.tools.bench.traffic``); the
-connector must serve >= 95 % of it, and, for the float32 archs, the greedy tokens of an engine
-without the connector.
+token is the connector's. The reusable prefix of a request is what the prompts and outputs of
+earlier waves share with it, floored to the chunk (128 tokens here), below its length
+(``hybrid_offload.tools.bench.traffic``); the connector must serve >= 95 % of it, and, for the
+float32 archs, the greedy tokens of an engine without the connector.
 """
 
 from __future__ import annotations
