@@ -15,6 +15,7 @@ import pytest
 from hybrid_offload import compat
 from hybrid_offload.engine import patches
 from hybrid_offload.engine.patches import (
+    cpu_mamba_spec_decode,
     cpu_pp_eager,
     mamba2_cpu_checkpoint,
     multiconnector_hma,
@@ -24,7 +25,7 @@ from hybrid_offload.engine.patches import (
 )
 
 PATCHES = (mamba2_cpu_checkpoint, multiconnector_hma, prefill_stops, cpu_pp_eager, pp_kv_layouts,
-           pp_hybrid_block_size)  # fmt: skip
+           pp_hybrid_block_size, cpu_mamba_spec_decode)  # fmt: skip
 
 
 def target(patch: ModuleType) -> tuple[Any, str]:
@@ -41,6 +42,9 @@ def target(patch: ModuleType) -> tuple[Any, str]:
     if patch is pp_kv_layouts:
         from vllm.v1.executor.abstract import Executor
         return Executor, "get_supported_kv_cache_layouts"
+    if patch is cpu_mamba_spec_decode:  # also each module of CONV_USERS' causal_conv1d_update
+        from vllm.model_executor.layers.mamba.ops.ssu_dispatch import CPUSSUBackend
+        return CPUSSUBackend, "__call__"
     if patch is pp_hybrid_block_size:
         from vllm.platforms.cpu import CpuPlatform
         return CpuPlatform, "_find_non_ssm_backends"
