@@ -32,9 +32,15 @@ def spec_at(tp_size: int, tp_rank: int, max_shards: int) -> ModelSpec:
     )  # fmt: skip
 
 
-def caches(spec: ModelSpec) -> dict[str, torch.Tensor]:
+def caches(spec: ModelSpec, strided: bool = False) -> dict[str, torch.Tensor]:
+    """vLLM's CPU attention layout; with ``strided``, vLLM's NHD layout where this host's CPU
+    kernel layout is not strided (its ISA: AMX tiles, or AVX2 without AVX-512)."""
     heads = spec.groups[0].num_kv_heads
-    return {n: torch.zeros(NUM_BLOCKS, heads, BS, 2 * DIM, dtype=torch.bfloat16) for n in LAYERS}
+    cpu = {n: torch.zeros(NUM_BLOCKS, heads, BS, 2 * DIM, dtype=torch.bfloat16) for n in LAYERS}
+    layout = build_layouts(spec.groups, cpu, NUM_BLOCKS)[0]
+    if not strided or (isinstance(layout, AttentionGroupLayout) and layout.views is not None):
+        return cpu
+    return {n: torch.zeros(NUM_BLOCKS, 2, BS, heads, DIM, dtype=torch.bfloat16) for n in LAYERS}
 
 
 def page(c: int, skip: int = 0) -> PageJob:
@@ -60,8 +66,8 @@ def decoded(read: ShardRead, staged: bool = True) -> Decoded:
     return Decoded(read, view[hlen:], staged)
 
 
-def page_by_page(spec: ModelSpec, reads: list[ShardRead]) -> dict[str, torch.Tensor]:
-    kv = caches(spec)
+def page_by_page(spec: ModelSpec, reads: list[ShardRead], strided: bool = False) -> dict[str, torch.Tensor]:
+    kv = caches(spec, strided)
     layout = build_layouts(spec.groups, kv, NUM_BLOCKS)[0]
     for r in reads:
         hlen = r.codec.header_lens[r.shard]
@@ -74,11 +80,11 @@ def test_batched_rows_write_what_page_by_page_writes(tp_size: int, tp_rank: int,
     spec = spec_at(tp_size, tp_rank, max_shards)
     pages = [page(0, skip=5), *(page(c) for c in range(1, 6))]
     reads = staged(spec, pages)
-    kv = caches(spec)
+    kv = caches(spec, strided=True)
     layout = build_layouts(spec.groups, kv, NUM_BLOCKS)[0]
     assert isinstance(layout, AttentionGroupLayout) and layout.views is not None
     write_pages([decoded(r) for r in reads], {0: layout})
-    want = page_by_page(spec, reads)
+    want = page_by_page(spec, reads, strided=True)
     for name in LAYERS:
         assert torch.equal(kv[name], want[name])
         assert kv[name].count_nonzero() > 0
@@ -114,7 +120,7 @@ def test_misaligned_rows_are_refused_and_nothing_written() -> None:
     codec = reads[0].codec
     odd = torch.zeros((2, reads[0].rows.shape[1] + 1), dtype=torch.uint8)[:, 1:]
     odd.copy_(reads[0].rows)
-    kv = caches(spec)
+    kv = caches(spec, strided=True)
     layout = build_layouts(spec.groups, kv, NUM_BLOCKS)[0]
     assert not codec.scatter_rows(layout, 0, odd, [r.page for r in reads])
     assert all(t.count_nonzero() == 0 for t in kv.values())
