@@ -40,7 +40,7 @@ from hybrid_offload.core.metrics import StatsDelta
 from hybrid_offload.core.planner import HybridOffloadPlanner, LayerMapError, PlannerConfigError
 from hybrid_offload.core.spec import UnidentifiableModelError
 from hybrid_offload.core.tp_shards import ShardLayoutError
-from hybrid_offload.engine.translate import model_spec_from_vllm
+from hybrid_offload.engine.translate import drafting_from_vllm, model_spec_from_vllm
 
 if TYPE_CHECKING:
     import torch
@@ -128,7 +128,9 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 checkpoint_interval=config.checkpoint_interval_tokens,
                 pending_wait_s=config.pending_store_wait_s,
                 accept_weights_version=config.accept_weights_version,
+                drafting=drafting_from_vllm(vllm_config),
             )
+            self._log_drafting(self.scheduler)
         else:
             self.worker = OffloadWorker(
                 spec,
@@ -158,6 +160,17 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             spec.grid.parts,
             [(g.kind.value, g.block_size, g.shards) for g in spec.groups],
             [b.name for b in config.backends],
+        )
+
+    @staticmethod
+    def _log_drafting(scheduler: OffloadScheduler) -> None:
+        stores, drafting = scheduler.stores, scheduler.stores.drafting
+        if drafting is None:
+            return
+        logger.info(
+            "hybrid-offload: speculative decoding (%s, %d draft tokens%s): pages are copied only "
+            "for accepted tokens; decoding states: %s", drafting.method, drafting.num_tokens,
+            ", async scheduling" if drafting.async_scheduling else "", stores.decode_states_note(),
         )
 
     def _require_recompute_on_failure(self) -> None:

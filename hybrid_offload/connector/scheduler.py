@@ -48,6 +48,7 @@ from hybrid_offload.connector.request_state import LoadEvent, LoadPhase, Request
 from hybrid_offload.connector.scope import AdapterIdentities, ScopeError, request_scope
 from hybrid_offload.connector.store_plan import StorePlanner
 from hybrid_offload.connector.tiers import SchedulerRecorder, open_tier
+from hybrid_offload.core.drafting import Drafting
 from hybrid_offload.core.metrics import Locked, SchedulerCounters
 from hybrid_offload.core.planner import HybridOffloadPlanner, LoadablePrefix
 from hybrid_offload.core.spec import GroupKind
@@ -173,10 +174,12 @@ class OffloadScheduler:
         checkpoint_interval: int = 0,
         pending_wait_s: float = DEFAULT_PENDING_STORE_WAIT_S,
         accept_weights_version: bool = False,
+        drafting: Drafting | None = None,
         clock: Callable[[], float] | None = None,
         timer: Callable[[], float] = time.perf_counter,
     ) -> None:
-        """``timer`` times lookups (``lookup_seconds``)."""
+        """``drafting``: the engine's speculative decoding; ``timer`` times lookups
+        (``lookup_seconds``)."""
         self.planner = planner
         self._timer = timer
         self._accept_weights_version = accept_weights_version
@@ -188,7 +191,9 @@ class OffloadScheduler:
         self._state_probes = 0 if self.policy.uses_presence else STATE_PROBES
         self._sightings = ChunkSightings()
         self.pending = PendingStores(pending_wait_s, clock) if clock else PendingStores(pending_wait_s)
-        self.stores = StorePlanner(planner, self.views, self._sightings, self.pending, checkpoint_interval)
+        self.stores = StorePlanner(
+            planner, self.views, self._sightings, self.pending, checkpoint_interval, drafting
+        )
         self._requests: dict[str, RequestState] = {}
         self._ended = OffloadMetadata()  # commits and releases of requests that ended since the last step
         self._epoch = ""  # weights epoch: a random nonce after each cache reset
@@ -346,14 +351,16 @@ class OffloadScheduler:
             )
 
     def prefill_stop(self, req_id: str, start: int, end: int) -> int:
-        """Where a prefill step from ``start`` that vLLM would end at ``end`` must stop instead:
-        the request's first checkpoint strictly inside, else ``end``."""
+        """Where a step from ``start`` that vLLM would end at ``end`` must stop instead: in the
+        prefill the request's first checkpoint strictly inside; while decoding with drafts
+        before a chunk boundary's last position (:meth:`StorePlanner.decode_stop`); else ``end``."""
         state = self._requests.get(req_id)
-        if state is not None:
-            for stop in state.checkpoints:
-                if start < stop < end:
-                    return stop
-        return end
+        if state is None:
+            return end
+        for stop in state.checkpoints:
+            if start < stop < end:
+                return stop
+        return self.stores.decode_stop(state, start, end)
 
     def update_state_after_alloc(
         self, request: Request, block_ids: tuple[list[int], ...], num_external_tokens: int

@@ -13,6 +13,13 @@ it, ``scheduled`` in it, ``end = computed + scheduled`` after it):
   there). During decoding, every step ending on a chunk boundary replaces the worker's held
   copy; the last one is committed when the request finishes or is preempted, so the next turn of
   a conversation, which repeats the reply, resumes at the end of it.
+* Speculative decoding (:mod:`hybrid_offload.core.drafting`): a step's drafts may be rejected,
+  so nothing past the known tokens is copied or held (attention chunks are copied once their
+  tokens are known, a step or two later), and a decoding state is taken only after a step
+  whose first input is the boundary's last position (:meth:`StorePlanner.decode_stop` ends the
+  step before it), from the running state slot, where only the sampled token went in. That
+  needs exact step positions and a state slot that is the request's own (Mamba cache mode
+  other than ``align``); otherwise decoding states are not stored under drafting.
 * When a request that stored pages ends, its pages are *touched* deepest first in every
   backend whose LRU refreshes (:class:`TouchJob`), after its stores: the prefix, which every
   deeper page needs, is then more recent than its extensions, also those stored by later turns
@@ -34,6 +41,7 @@ from typing import TYPE_CHECKING
 from hybrid_offload.connector.metadata import CommitJob, OffloadMetadata, PageJob, StoreJob, TouchJob
 from hybrid_offload.connector.pending import PendingStores
 from hybrid_offload.connector.request_state import RequestState, extend_keys, page_job
+from hybrid_offload.core.drafting import Drafting, next_decode_stop
 from hybrid_offload.core.planner import HybridOffloadPlanner, prefill_checkpoints
 from hybrid_offload.core.spec import GroupKind
 
@@ -51,8 +59,10 @@ class StorePlanner:
         sightings: ChunkSightings,
         pending: PendingStores,
         checkpoint_interval: int = 0,
+        drafting: Drafting | None = None,
     ) -> None:
         self.planner = planner
+        self.drafting = drafting
         self.views = views
         self.sightings = sightings
         self.pending = pending
@@ -61,6 +71,12 @@ class StorePlanner:
         writable = [v for v in views if not v.policy.read_only]
         self.stores_anything = bool(writable)
         self.stores_output = any(v.policy.store_output for v in writable)
+        mamba = [p for p in planner.plans if p.kind is GroupKind.MAMBA]
+        #: drafting: decoding states are taken after steps that start on a boundary's last position
+        self.decode_stops = bool(
+            drafting is not None and drafting.exact_steps and mamba and self.stores_output
+            and all(p.unsplittable for p in mamba)
+        )
 
     # ---- checkpoints ------------------------------------------------------------------
     def checkpoints(self, state: RequestState, junction: int = 0) -> tuple[int, ...]:
@@ -73,7 +89,32 @@ class StorePlanner:
             prefill_checkpoints(prefill_end, self.planner.chunk_tokens, self.checkpoint_interval, junction)
         )
 
+    def decode_states_note(self) -> str:
+        """Whether decoding states are stored under drafting, and if not why (for the log)."""
+        mamba = [p for p in self.planner.plans if p.kind is GroupKind.MAMBA]
+        if self.decode_stops:
+            return "stored at chunk boundaries"
+        if not mamba or not self.stores_output:
+            return "none (no state groups, or no backend with store_output)"
+        if self.drafting is not None and not self.drafting.exact_steps:
+            return ("not stored: under async scheduling a step is planned before the previous "
+                    "step's drafts are verified (a chat's next turn recomputes the reply)")
+        return ("not stored: Mamba cache mode 'align' keeps draft states in shared slots "
+                "(a chat's next turn recomputes the reply)")
+
     # ---- per step -----------------------------------------------------------------------
+    def decode_stop(self, state: RequestState, start: int, end: int) -> int:
+        """Where a decoding step over ``[start, end)`` must end under drafting so that a later
+        step starts on a chunk boundary's last position (see the module docstring); ``end``
+        when none applies."""
+        if not self.decode_stops or state.stale or start < self._prefill_end(state):
+            return end
+        return next_decode_stop(start, end, self.planner.chunk_tokens)
+
+    @staticmethod
+    def _prefill_end(state: RequestState) -> int:
+        return max(state.prompt_len, state.request.num_tokens - 1)
+
     def plan_step(self, state: RequestState, computed: int, scheduled: int, meta: OffloadMetadata) -> None:
         if state.loading or state.stale or not self.stores_anything:
             return
@@ -83,6 +124,8 @@ class StorePlanner:
             state.store_from_chunk = computed // chunk
             state.next_store_chunk = state.store_from_chunk
         end = computed + scheduled
+        if self.drafting is not None:  # drafts: only known tokens have final KV
+            end = self.drafting.verified_end(end, state.known_tokens)
         limit = end if self.stores_output else min(end, state.prompt_len)
         self.sightings.see(extend_keys(state, self.planner, limit))
         keyed = len(state.chunk_hashes)
@@ -98,21 +141,38 @@ class StorePlanner:
                 state.held_attention.add(c)
         state.next_store_chunk = max(state.next_store_chunk, last_full)
         self._commit_attention(state, meta)
-        if end % chunk or end // chunk <= state.store_from_chunk or end > limit:
-            return
-        c = end // chunk - 1
         mamba = [p for p in self.planner.plans if p.kind is GroupKind.MAMBA]
-        if end in state.checkpoints and c < keyed:
-            for plan in mamba:
-                job = page_job(self.planner, state, plan, c)
-                if all(job.block_ids):
-                    self._store(meta, state, job)
-        elif end >= state.prompt_len and self.stores_output and mamba:
-            jobs = [page_job(self.planner, state, plan, c, keyed=False) for plan in mamba]
+        if not mamba:
+            return
+        if end % chunk == 0 and end <= limit and end in state.checkpoints and end // chunk - 1 < keyed:
+            if end // chunk > state.store_from_chunk:
+                for plan in mamba:
+                    job = page_job(self.planner, state, plan, end // chunk - 1)
+                    if all(job.block_ids):
+                        self._store(meta, state, job)
+            return
+        boundary = self._decode_boundary(state, computed, end, limit)
+        if boundary and boundary // chunk > state.store_from_chunk:
+            jobs = [page_job(self.planner, state, plan, boundary // chunk - 1, keyed=False) for plan in mamba]
             if all(all(job.block_ids) for job in jobs):
                 for job in jobs:
                     self._hold(meta, state, job)
-                state.held_state = c
+                state.held_state = boundary // chunk - 1
+
+    def _decode_boundary(self, state: RequestState, computed: int, end: int, limit: int) -> int:
+        """The chunk boundary whose decoding state the running state slot holds after this step,
+        0 if none: the step's end without drafting; with it, ``computed + 1`` when the step
+        starts on that boundary's last position (only its sampled token went in there)."""
+        if not self.stores_output:
+            return 0
+        chunk = self.planner.chunk_tokens
+        if self.drafting is None:
+            boundary = end if end % chunk == 0 and end <= limit else 0
+        elif self.decode_stops and (computed + 1) % chunk == 0 and computed + 1 <= end:
+            boundary = computed + 1
+        else:
+            return 0
+        return boundary if boundary >= state.prompt_len else 0
 
     def finish(self, state: RequestState, meta: OffloadMetadata) -> None:
         """The request ends or is preempted: commit what the worker holds for it whose tokens
@@ -124,7 +184,7 @@ class StorePlanner:
             state.stored = False
             meta.releases.append(state.req_id)
             return
-        extend_keys(state, self.planner, state.known_tokens)
+        self.sightings.see(extend_keys(state, self.planner, state.known_tokens))
         uncommitted = self._commit_attention(state, meta)
         c = state.held_state
         if c is not None and c < len(state.chunk_hashes) and not any(a <= c for a in uncommitted):

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hybrid_offload.compat import mamba_rank_dims
+from hybrid_offload.core.drafting import Drafting
 from hybrid_offload.core.layer_parts import WHOLE_MODEL, LayerGrid, LayerPartError, part_bounds, stage_parts
 from hybrid_offload.core.spec import (
     DTYPE_SIZES,
@@ -354,4 +355,17 @@ def model_spec_from_vllm(
         grid=grid,
         pp_rank=pp_rank,
         pp_size=pp_size,
+    )
+
+
+def drafting_from_vllm(vllm_config: VllmConfig) -> Drafting | None:
+    """The engine's speculative decoding (None without a ``speculative_config`` or drafts)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    tokens = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
+    if not tokens:
+        return None
+    return Drafting(
+        method=str(spec.method),
+        num_tokens=tokens,
+        async_scheduling=bool(vllm_config.scheduler_config.async_scheduling),
     )

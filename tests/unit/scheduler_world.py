@@ -20,7 +20,7 @@ from hybrid_offload.core.spec import GroupKind, GroupSpec, ModelSpec, make_model
 ATTN, MAMBA = 0, 1
 
 
-def make_spec(attn_block: int, mamba_block: int) -> ModelSpec:
+def make_spec(attn_block: int, mamba_block: int, mamba_cache_mode: str = "align") -> ModelSpec:
     attn = GroupSpec(
         ATTN,
         GroupKind.FULL_ATTENTION,
@@ -39,7 +39,7 @@ def make_spec(attn_block: int, mamba_block: int) -> ModelSpec:
         page_bytes=128,
         state_shapes=((3, 8), (4, 4)),
         state_dtypes=("bfloat16", "float32"),
-        mamba_cache_mode="align",
+        mamba_cache_mode=mamba_cache_mode,
         mamba_type="mamba2",
     )
     return make_model_spec((attn, mamba), {"name": "fake-hybrid"}, max_model_len=4096, num_blocks=64)

@@ -95,3 +95,28 @@ def test_a_split_with_other_arguments_is_not_patched(monkeypatch: pytest.MonkeyP
         prefill_stops.register()
     assert Scheduler._mamba_block_aligned_split is split
     assert "the split takes ['self', 'request', 'num_new_tokens']" in caplog.text
+
+
+def test_outside_align_mode_the_split_runs_for_the_connectors_stops_only(vllm_split) -> None:
+    """Mamba cache mode "none" (prefix caching off): vLLM never calls its split, so the patched
+    ``__init__`` turns it on where the connector names stops, and vLLM's alignment is skipped."""
+    prefill_stops.register()
+    assert patches.is_patched(Scheduler.__init__)
+
+    def built(connector: Any, mamba: bool = True, align: bool = False) -> Any:
+        """A scheduler as vLLM's ``__init__`` left it, then the wrapper's part."""
+        scheduler = SimpleNamespace(connector=connector, has_mamba_layers=mamba,
+                                    need_mamba_block_aligned_split=align)
+        prefill_stops.split_in_every_mode(lambda self: None)(scheduler)
+        return scheduler
+
+    ours = built(Connector([1024]))
+    assert ours.need_mamba_block_aligned_split
+    request = SimpleNamespace(num_computed_tokens=0)
+    assert Scheduler._mamba_block_aligned_split(ours, request, 3000) == 1024
+    assert vllm_split == []  # vLLM's own split (align-mode rules) is not asked
+    assert not built(object()).need_mamba_block_aligned_split  # another connector
+    assert not built(Connector([1024]), mamba=False).need_mamba_block_aligned_split
+    aligned = built(Connector([1024]), align=True)  # align mode: vLLM's split, then our stops
+    assert Scheduler._mamba_block_aligned_split(aligned, request, 3000) == 1024
+    assert len(vllm_split) == 1

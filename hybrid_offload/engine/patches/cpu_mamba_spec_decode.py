@@ -176,7 +176,7 @@ def spec_aware_ssu(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap ``CPUSSUBackend.__call__``: spec-decode calls go to :func:`ssm_update_spec`."""
 
     @functools.wraps(original)
-    def __call__(self: Any, state: Any, x: Any, dt: Any, A: Any, B: Any, C: Any, D: Any,
+    def call(self: Any, state: Any, x: Any, dt: Any, A: Any, B: Any, C: Any, D: Any,
                  dt_bias: Any, z: Any = None, dt_softplus: bool = False,
                  state_batch_indices: Any = None, dst_state_batch_indices: Any = None,
                  null_block_id: int = 0, out: Any = None, num_accepted_tokens: Any = None,
@@ -190,7 +190,7 @@ def spec_aware_ssu(original: Callable[..., Any]) -> Callable[..., Any]:
                         dst_state_batch_indices, null_block_id, out, num_accepted_tokens, cu_seqlens)
         return None
 
-    return mark(__call__)
+    return mark(call)
 
 
 def _log_once() -> None:

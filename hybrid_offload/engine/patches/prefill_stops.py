@@ -12,6 +12,15 @@ it only ever shortens a step. Other connectors (and a vLLM MultiConnector wrappi
 `prefill_stop` and are left alone. vLLM's own scheduler resumes a step that starts inside a
 block (it stops at the next block boundary), as it does for its own tail and junction stops.
 Applied only where the split has the signature it was written for.
+
+In other Mamba cache modes (``none``: prefix caching off, the mode speculative decoding runs in
+on CPU) vLLM never calls the split, so no prefill step would stop at a checkpoint and states
+would be stored only where steps happen to end. The patch therefore also wraps
+``Scheduler.__init__``: when the scheduler's connector has ``prefill_stop`` and the model has
+Mamba layers, the split is called in every mode, and outside ``align`` it applies the
+connector's stops only (vLLM's block alignment is an ``align``-mode rule). The connector also
+uses it to end decoding steps with draft tokens before a chunk boundary's last position
+(:meth:`~hybrid_offload.connector.store_plan.StorePlanner.decode_stop`).
 """
 
 from __future__ import annotations
@@ -27,6 +36,8 @@ VLLM_VERSIONS = ("0.32.",)
 _SPLIT_PARAMS = ["self", "request", "num_new_tokens", "num_new_local_computed_tokens",
                  "num_external_computed_tokens"]
 _WITHOUT = "recurrent states are stored only where vLLM ends prefill steps by itself"
+#: set on schedulers whose split runs only for the connector's stops (not ``align`` mode)
+_OWN_STOPS_ONLY = "_hybrid_offload_own_stops_only"
 
 
 def register() -> None:
@@ -46,8 +57,11 @@ def register() -> None:
         self: Any, request: Any, num_new_tokens: int, num_new_local_computed_tokens: int = 0,
         num_external_computed_tokens: int = 0,
     ) -> int:
-        n = current(self, request, num_new_tokens, num_new_local_computed_tokens,
-                    num_external_computed_tokens)
+        if getattr(self, _OWN_STOPS_ONLY, False):
+            n = num_new_tokens
+        else:
+            n = current(self, request, num_new_tokens, num_new_local_computed_tokens,
+                        num_external_computed_tokens)
         stop = getattr(self.connector, "prefill_stop", None)
         if stop is None or n <= 0:
             return n
@@ -55,3 +69,20 @@ def register() -> None:
         return min(n, max(stop(request, start, start + n) - start, 1))
 
     Scheduler._mamba_block_aligned_split = mark(_mamba_block_aligned_split)  # type: ignore[method-assign]
+    if not is_patched(Scheduler.__init__):
+        Scheduler.__init__ = split_in_every_mode(Scheduler.__init__)  # type: ignore[method-assign]
+
+
+def split_in_every_mode(init: Any) -> Any:
+    """Wrap ``Scheduler.__init__``: with a connector that names stops and Mamba layers, the
+    split runs outside ``align`` mode too, applying the connector's stops only."""
+
+    @functools.wraps(init)
+    def init_with_stops(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        wants = getattr(getattr(self, "connector", None), "prefill_stop", None) is not None
+        if wants and self.has_mamba_layers and not self.need_mamba_block_aligned_split:
+            self.need_mamba_block_aligned_split = True
+            setattr(self, _OWN_STOPS_ONLY, True)
+
+    return mark(init_with_stops)
