@@ -96,16 +96,18 @@ class LoadablePrefix:
 def default_chunk_tokens(groups: Sequence[GroupSpec], max_model_len: int = 0) -> int:
     """The default chunk.
 
-    With a Mamba group in align mode the chunk is also the granularity of state checkpoints
-    (a request resumes at a chunk boundary), so it is fine: the largest divisor of every block
-    size not above :data:`DEFAULT_HYBRID_CHUNK_TOKENS`. Attention-only models use the lcm of
-    their block sizes, rounded up to at least 256 tokens to keep pages large.
+    With a Mamba group the chunk is also the granularity of state checkpoints (a request
+    resumes at a chunk boundary), so it is fine: the largest divisor of every splittable block
+    size not above :data:`DEFAULT_HYBRID_CHUNK_TOKENS`, in every Mamba cache mode (an
+    unsplittable group, one block per request, takes a state at any step end). Attention-only
+    models use the lcm of their block sizes, rounded up to at least 256 tokens to keep pages
+    large.
     """
     sizes = [g.block_size for g in groups if not _is_unsplittable(g, max_model_len)]
+    if any(g.kind is GroupKind.MAMBA for g in groups):
+        return math.gcd(DEFAULT_HYBRID_CHUNK_TOKENS, *sizes)
     if not sizes:
         return DEFAULT_MIN_CHUNK_TOKENS
-    if any(g.kind is GroupKind.MAMBA for g in groups if not _is_unsplittable(g, max_model_len)):
-        return math.gcd(DEFAULT_HYBRID_CHUNK_TOKENS, *sizes)
     chunk = math.lcm(*sizes)
     return chunk * max(1, math.ceil(DEFAULT_MIN_CHUNK_TOKENS / chunk))
 

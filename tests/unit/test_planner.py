@@ -107,13 +107,16 @@ def test_default_chunk(groups: tuple[GroupSpec, ...], expected: int) -> None:
 
 
 @pytest.mark.parametrize("mode", ["none", None, "all"])
-def test_default_chunk_ignores_unsplittable_mamba(mode: str | None) -> None:
-    # Its block (one per request, max_model_len tokens) must not enter the lcm, and a model
-    # whose only Mamba group is unsplittable chunks like an attention-only model.
-    assert default_chunk_tokens((fa(0, 128), mamba(1, 40_000, mode))) == 256
-    assert default_chunk_tokens((fa(0, 640), mamba(1, 40_000, mode))) == 640
-    assert default_chunk_tokens((fa(0, 128), mamba(1, 40_000, mode), mamba(2, 128))) == 128
-    assert default_chunk_tokens((mamba(0, 40_000, mode),)) == DEFAULT_MIN_CHUNK_TOKENS
+def test_default_chunk_ignores_unsplittable_mamba_blocks(mode: str | None) -> None:
+    # Its block (one per request, max_model_len tokens) must not enter the chunk, and a model
+    # whose only Mamba group is unsplittable still resumes at the hybrid granularity (prefix
+    # caching off: the chunk is where a chat's next turn can resume).
+    assert default_chunk_tokens((fa(0, 128), mamba(1, 40_000, mode))) == 128
+    assert default_chunk_tokens((fa(0, 640), mamba(1, 40_000, mode))) == 128
+    assert default_chunk_tokens((fa(0, 256), mamba(1, 40_000, mode))) == 128
+    assert default_chunk_tokens((fa(0, 96), mamba(1, 40_000, mode))) == 32
+    assert default_chunk_tokens((fa(0, 128), mamba(1, 40_000, mode), mamba(2, 64))) == 64
+    assert default_chunk_tokens((mamba(0, 40_000, mode),)) == 128
     p = planner(fa(0, 64), mamba(1, 40_000, mode))
     assert p.plans[1].unsplittable
     assert p.mamba_state_block_index(p.plans[1], 3 * p.chunk_tokens) == 0

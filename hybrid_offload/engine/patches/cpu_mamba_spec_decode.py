@@ -10,7 +10,8 @@ extra columns, and the next step starts from the state of its last accepted toke
 semantics, so from the first decode step of every request the recurrent state is wrong: a
 falcon_h1 model (float32, n-gram drafting, no connector) gives other greedy tokens than the same
 model without drafting from the second generated token on, with logprobs several nats apart.
-Every cache built on those states would store them. Attention-only models are not affected.
+Every cache built on those states would store them. Attention-only models are not affected,
+nor GDN layers (Qwen3-Next), whose CPU path (``ops/cpu/gdn_attention.py``) handles drafts.
 
 What: on the CPU platform only, when a call carries ``num_accepted_tokens`` (a spec-decode step),
 the conv update and the SSM state update run a PyTorch implementation of the Triton kernels'
@@ -31,12 +32,10 @@ from hybrid_offload.engine.patches import logger, mark, wrap_method
 
 ENTRY_POINT = "hybrid_offload_cpu_mamba_spec_decode"
 VLLM_VERSIONS = ("0.32.",)
-WITHOUT = "Mamba2/GDN models compute wrong states when speculative decoding is on (CPU)"
-#: modules that bind ``causal_conv1d_update`` at import and pass ``num_accepted_tokens``
-CONV_USERS = (
-    "vllm.model_executor.layers.mamba.mamba_mixer2",
-    "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn",
-)
+WITHOUT = "MambaMixer2 models compute wrong states when speculative decoding is on (CPU)"
+#: modules that bind ``causal_conv1d_update`` at import and pass ``num_accepted_tokens`` on CPU
+#: (GDN layers have a spec-aware CPU path of their own, ``ops/cpu/gdn_attention.py``)
+CONV_USERS = ("vllm.model_executor.layers.mamba.mamba_mixer2",)
 _logged = False
 
 

@@ -10,7 +10,7 @@ Spec (JSON)::
 
     {"model": DIR, "dtype": "float32", "max_model_len": 20000,
      "connector": {... kv_connector_extra_config ...} | null,
-     "reset_prefix_cache": "wave" | "never", "sequential": false,
+     "reset_prefix_cache": "wave" | "never", "sequential": false, "logprobs": 0,
      "workloads": [{"name": "chat", "seed": 0, "size": {...}}, ...], "llm_kwargs": {...}}
 
 A wave's requests go to the engine together (vLLM batches them), or one after another with
@@ -18,7 +18,9 @@ A wave's requests go to the engine together (vLLM batches them), or one after an
 
 Result: per workload, per wave, per request: label, prompt and output token ids, tokens vLLM
 reported cached (``num_cached_tokens``: its own prefix cache plus the connector's load), time
-to first token, and the connector's report.
+to first token, and the connector's report; with ``logprobs`` (k), the first generated token's
+top-k logprobs (``first_logprobs``: token id -> logprob; it comes from the prompt's prefill,
+so it shows whether loaded pages are the ones a recomputation gives).
 """
 
 from __future__ import annotations
@@ -67,9 +69,11 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     llm.reset_prefix_cache()
 
     groups_of = (lambda wave: [[r] for r in wave]) if spec.get("sequential") else (lambda wave: [wave])
+    logprobs = spec.get("logprobs")
 
     def generate(group: Wave) -> list[tuple[Any, float]]:
-        params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in group]
+        params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs)
+                  for r in group]
         start = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": list(r.prompt)} for r in group], params, use_tqdm=False)
         wall = time.perf_counter() - start
@@ -90,6 +94,7 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
                 "cached": out.num_cached_tokens or 0,
                 "ttft_s": ttft or wall,
                 "report": (out.kv_transfer_params or {}).get("hybrid_offload"),
+                **({"first_logprobs": _first_logprobs(out)} if logprobs is not None else {}),
             })
         records.append(rows)
         return [row["output"] for row in rows]
@@ -103,6 +108,12 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
         result["workloads"][raw["name"]] = {"waves": records, "seconds": time.perf_counter() - started}
     llm.llm_engine.engine_core.shutdown()  # stores flushed, engine processes gone
     return result
+
+
+def _first_logprobs(out: Any) -> dict[str, float]:
+    """The first generated token's logprobs (token id as a JSON key -> logprob)."""
+    first = (out.outputs[0].logprobs or [{}])[0]
+    return {str(token): float(lp.logprob) for token, lp in first.items()}
 
 
 def run_engine_subprocess(spec: dict[str, Any], timeout: float = 1800.0,
