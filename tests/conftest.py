@@ -15,20 +15,21 @@ ModelFactory = Callable[..., Path]
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> ModelFactory:
-    """Factory `model_dir(arch, *, layers=None, hidden=None, seed=0) -> Path`.
+    """Factory `model_dir(arch, *, layers=None, hidden=None, seed=0, **build) -> Path` (``build``:
+    more keyword arguments of ``build_model``, e.g. ``init_std``, ``mtp_layers``).
 
     Builds each distinct model once per session (per xdist worker) and returns its directory.
     Treat the directory as read-only: other tests share it.
     """
-    cache: dict[tuple[str, int | None, int | None, int], Path] = {}
+    cache: dict[tuple[object, ...], Path] = {}
 
     def get(
-        arch: str, *, layers: int | None = None, hidden: int | None = None, seed: int = 0
+        arch: str, *, layers: int | None = None, hidden: int | None = None, seed: int = 0, **build: object
     ) -> Path:
-        key = (arch, layers, hidden, seed)
+        key = (arch, layers, hidden, seed, *sorted(build.items()))
         if key not in cache:
             out = tmp_path_factory.mktemp(f"model-{arch}")
-            cache[key] = build_model(arch, out, layers=layers, hidden=hidden, seed=seed)
+            cache[key] = build_model(arch, out, layers=layers, hidden=hidden, seed=seed, **build)  # type: ignore[arg-type]
         return cache[key]
 
     return get

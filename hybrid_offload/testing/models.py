@@ -7,7 +7,8 @@ files, so tests and benchmarks can rebuild a model instead of shipping one.
 
 Shapes respect the vLLM CPU kernels (see shared/PLATFORM.md): attention head size 64 (CPU
 attention rejects 16) and GDN linear key/value head dim 128 (the only size the CPU GDN kernel
-accepts).
+accepts). ``mtp_layers`` gives a qwen3_next model multi-token-prediction layers (the
+``mtp.*`` weights vLLM's ``qwen3_next_mtp`` drafter loads), for speculative decoding.
 """
 
 from __future__ import annotations
@@ -215,7 +216,8 @@ _ARCH_TABLE: dict[str, tuple[Callable[[Dims], Any], int]] = {
 ARCHS: tuple[str, ...] = tuple(_ARCH_TABLE)
 
 
-def make_config(arch: str, *, layers: int | None = None, hidden: int | None = None) -> Any:
+def make_config(arch: str, *, layers: int | None = None, hidden: int | None = None,
+                init_std: float = INIT_STD) -> Any:
     """The transformers config for `arch`; raises ValueError on unknown arch or bad sizes."""
     if arch not in _ARCH_TABLE:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
@@ -230,7 +232,7 @@ def make_config(arch: str, *, layers: int | None = None, hidden: int | None = No
         )
     config = factory(dims)
     config.dtype = "bfloat16"
-    config.initializer_range = INIT_STD
+    config.initializer_range = init_std
     return config
 
 
@@ -319,6 +321,36 @@ def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> Any:
 # ---------------------------------------------------------------------------- weights
 
 
+#: archs whose vLLM MTP drafter ``build_model(mtp_layers=...)`` can write weights for
+MTP_ARCHS = ("qwen3_next",)
+
+
+def _write_mtp_weights(config: Any, out_dir: Path, seed: int) -> None:
+    """``mtp.*`` weights (``mtp.safetensors``) for vLLM's Qwen3-Next MTP drafter: per MTP layer
+    a full-attention decoder layer (a copy of the model's first one, so that drafts are not
+    noise), and a seeded fc and norms."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    main = load_file(str(out_dir / "model.safetensors"))
+    first = config.layer_types.index("full_attention")
+    prefix = f"model.layers.{first}."
+    gen = torch.Generator().manual_seed(seed + 1)
+    hidden = config.hidden_size
+    mtp = {
+        "mtp.fc.weight": (torch.randn(hidden, 2 * hidden, generator=gen) * config.initializer_range)
+        .to(torch.bfloat16),
+        "mtp.norm.weight": torch.zeros(hidden, dtype=torch.bfloat16),
+        "mtp.pre_fc_norm_hidden.weight": torch.zeros(hidden, dtype=torch.bfloat16),
+        "mtp.pre_fc_norm_embedding.weight": torch.zeros(hidden, dtype=torch.bfloat16),
+    }
+    for i in range(config.num_nextn_predict_layers):
+        for name, tensor in main.items():
+            if name.startswith(prefix):
+                mtp[f"mtp.layers.{i}.{name[len(prefix):]}"] = tensor.clone()
+    save_file(mtp, str(out_dir / "mtp.safetensors"), metadata={"format": "pt"})
+
+
 def _write_weights(config: Any, out_dir: Path, seed: int) -> None:
     """Instantiate the HF model from `config` with seeded init and save it as bf16."""
     import torch
@@ -347,20 +379,31 @@ def build_model(
     layers: int | None = None,
     hidden: int | None = None,
     seed: int = 0,
+    mtp_layers: int = 0,
+    init_std: float = INIT_STD,
 ) -> Path:
-    """Write a random-weight model for `arch` into `out_dir` and return `out_dir`.
+    """Write a random-weight model for `arch` into `out_dir` and return `out_dir`
+    (``mtp_layers``: MTP drafter layers, for the archs of :data:`MTP_ARCHS`; ``init_std``: the
+    weights' std, lower gives outputs that depend more on the last tokens, that is text an
+    n-gram drafter predicts).
 
     The directory is created if missing; files already there are overwritten. The result
     loads with `vllm.LLM(model=out_dir)` and `AutoTokenizer.from_pretrained(out_dir)` with no
     network. Deterministic: identical arguments give identical bytes.
     """
     out_dir = Path(out_dir)
-    config = make_config(arch, layers=layers, hidden=hidden)
+    config = make_config(arch, layers=layers, hidden=hidden, init_std=init_std)
+    if mtp_layers and arch not in MTP_ARCHS:
+        raise ValueError(f"mtp_layers: no MTP drafter for {arch!r} (archs with one: {', '.join(MTP_ARCHS)})")
+    if mtp_layers:
+        config.num_nextn_predict_layers = mtp_layers
     tokenizer = build_tokenizer(config.vocab_size)
     if len(tokenizer) > config.vocab_size:
         raise RuntimeError(f"tokenizer has {len(tokenizer)} tokens > vocab {config.vocab_size}")
     out_dir.mkdir(parents=True, exist_ok=True)
     _write_weights(config, out_dir, seed)
+    if mtp_layers:
+        _write_mtp_weights(config, out_dir, seed)
     tokenizer.save_pretrained(out_dir)
     logger.info(
         "built %s model (layers=%d, hidden=%d, seed=%d) in %s",

@@ -18,7 +18,8 @@ A wave's requests go to the engine together (vLLM batches them), or one after an
 
 Result: per workload, per wave, per request: label, prompt and output token ids, tokens vLLM
 reported cached (``num_cached_tokens``: its own prefix cache plus the connector's load), time
-to first token, and the connector's report; with ``logprobs`` (k), the first generated token's
+to first token, and the connector's report; per run, ``drafts``: draft tokens proposed and
+accepted (speculative decoding); with ``logprobs`` (k), the first generated token's
 top-k logprobs (``first_logprobs``: token id -> logprob; it comes from the prompt's prefill,
 so it shows whether loaded pages are the ones a recomputation gives).
 """
@@ -106,8 +107,21 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
         started = time.perf_counter()
         run_workload(workload, lambda wave, records=records: serve(wave, records))
         result["workloads"][raw["name"]] = {"waves": records, "seconds": time.perf_counter() - started}
+    result["drafts"] = _draft_counts(llm)
     llm.llm_engine.engine_core.shutdown()  # stores flushed, engine processes gone
     return result
+
+
+def _draft_counts(llm: Any) -> dict[str, int]:
+    """Draft tokens proposed and accepted over the engine's life (speculative decoding; zeros
+    without it), from vLLM's metrics."""
+    names = {"vllm:spec_decode_num_draft_tokens": "drafted",
+             "vllm:spec_decode_num_accepted_tokens": "accepted"}
+    counts = {"drafted": 0, "accepted": 0}
+    for metric in llm.get_metrics():
+        if metric.name in names:
+            counts[names[metric.name]] += int(getattr(metric, "value", 0))
+    return counts
 
 
 def _first_logprobs(out: Any) -> dict[str, float]:

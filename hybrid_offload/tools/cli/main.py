@@ -21,7 +21,8 @@ def cmd_make_model(args: argparse.Namespace) -> int:
     """Build a random-weight model directory; prints its path on stdout."""
     from hybrid_offload.testing.models import build_model
 
-    out = build_model(args.arch, args.out, layers=args.layers, hidden=args.hidden, seed=args.seed)
+    out = build_model(args.arch, args.out, layers=args.layers, hidden=args.hidden, seed=args.seed,
+                      mtp_layers=args.mtp_layers)
     print(out)
     return 0
 
@@ -52,6 +53,9 @@ def _add_make_model(subparsers: Subparsers) -> None:
         "--hidden", type=int, default=None, help="hidden size, a multiple of 64 (default: 256)"
     )
     p.add_argument("--seed", type=int, default=0, help="weight init seed (default: 0)")
+    p.add_argument("--mtp-layers", type=int, default=0,
+                   help="multi-token-prediction drafter layers (qwen3_next; for speculative decoding "
+                   "with method qwen3_next_mtp; default: 0)")
     p.set_defaults(handler=cmd_make_model)
 
 

@@ -1,0 +1,85 @@
+"""End to end: speculative decoding stores only accepted tokens' KV and keeps the cache's hits.
+
+vLLM's default multi-process engines, falcon_h1 in float32, prefix caching off (Mamba cache mode
+``none``: the mode drafting runs in on vLLM's CPU build), n-gram drafting of 4 tokens. The
+traffic is a chat whose turns carry the generated replies (two conversations at once) and
+prompts of random lengths (1k-6k tokens) asked twice. The model is built with a low weight std
+so that its output repeats itself often enough for the n-gram drafter: drafts are both
+accepted and rejected (checked), which is what the store rules must get right.
+
+Engines: a baseline without connector and without drafting (reference tokens and first-token
+logprobs); a drafting engine with a cpu + disk cache; a new drafting engine on the same disk
+(a restart); and an engine with the cache and prefix caching off but no drafting. Every
+request that loads pages must give the baseline's first-token logprobs (within 1e-3; correct
+pages give ~1e-6 in float32, pages with a rejected draft's KV gave 0.03-0.08) and every engine
+the baseline's greedy tokens (vLLM's CPU drafting is exact with the ``cpu_mamba_spec_decode``
+patch); each engine serves >= 95 % of the reusable prefix (what earlier requests' prompts and
+replies share with a request, floored to the 128-token chunk).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hybrid_offload.tools.bench.traffic import SIZES
+from hybrid_offload.tools.bench.workload_run import run_engine_subprocess
+from hybrid_offload.tools.bench.workloads_report import coverage, identical
+
+pytestmark = pytest.mark.e2e
+
+CHUNK = 128
+TRAFFIC = [{"name": name, "seed": 7, "size": SIZES["small"][name]} for name in ("chat", "random")]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+NO_PREFIX_CACHING = {"enable_prefix_caching": False}
+#: a weight std at which the tiny model's replies repeat enough for n-gram drafts to be accepted
+DRAFTABLE_STD = 0.03
+
+
+def first_logprob_gap(base: list[list[dict[str, Any]]], run: list[list[dict[str, Any]]]) -> list[float]:
+    """Per request that loaded pages: the largest gap between its first token's top logprobs
+    and the baseline's (inf when the top tokens differ)."""
+    gaps = []
+    for base_wave, wave in zip(base, run, strict=True):
+        for ref, row in zip(base_wave, wave, strict=True):
+            if not row["cached"]:
+                continue
+            want, got = ref["first_logprobs"], row["first_logprobs"]
+            if max(want, key=want.get) != max(got, key=got.get):
+                gaps.append(float("inf"))
+                continue
+            gaps.append(max(abs(want[t] - got[t]) for t in set(want) & set(got)))
+    return gaps
+
+
+def check(base: dict[str, Any], run: dict[str, Any], earlier: dict[str, Any] | None = None) -> None:
+    for name, workload in run["workloads"].items():
+        waves, base_waves = workload["waves"], base["workloads"][name]["waves"]
+        prior = earlier["workloads"][name]["waves"] if earlier is not None else ()
+        cov = coverage(waves, CHUNK, prior)
+        assert cov["reusable"] > 0, name
+        assert cov["ratio"] >= 0.95, (name, cov["served"], cov["reusable"], cov["per_request"])
+        assert identical(base_waves, waves), name
+        gaps = first_logprob_gap(base_waves, waves)
+        assert gaps and max(gaps) < 1e-3, (name, gaps)
+
+
+def test_drafting_engines_store_accepted_tokens_only_and_keep_hits(model_dir, tmp_path: Path) -> None:
+    model = str(model_dir("falcon_h1", init_std=DRAFTABLE_STD))
+    spec = {"model": model, "dtype": "float32", "max_model_len": 8192, "workloads": TRAFFIC, "logprobs": 5}
+    cpu = {"type": "cpu", "name": "cpu", "capacity_bytes": "2GiB"}
+    disk = {"type": "disk", "name": "disk", "capacity_bytes": "4GiB", "path": str(tmp_path / "disk")}
+    drafting = {**NO_PREFIX_CACHING, "speculative_config": NGRAM}
+
+    base = run_engine_subprocess({**spec, "connector": None, "llm_kwargs": NO_PREFIX_CACHING})
+    ours = run_engine_subprocess({**spec, "connector": {"backends": [cpu, disk]}, "llm_kwargs": drafting})
+    assert "decoding states: stored at chunk boundaries" in ours["log"]
+    drafts = ours["drafts"]
+    assert 0 < drafts["accepted"] < drafts["drafted"], drafts  # drafts accepted and rejected
+    check(base, ours)
+    restart = run_engine_subprocess({**spec, "connector": {"backends": [disk]}, "llm_kwargs": drafting})
+    check(base, restart, earlier=ours)
+    plain = run_engine_subprocess({**spec, "connector": {"backends": [cpu]}, "llm_kwargs": NO_PREFIX_CACHING})
+    check(base, plain)
