@@ -7,6 +7,13 @@ RAG, random-length prompts asked twice); see ``workloads_report.ENGINES``. The r
 per workload, the tokens served with the reusable prefix (what earlier traffic shared, floored to
 the chunk), the same for vLLM's own never-reset prefix cache, TTFT, and whether every engine
 generated the baseline's tokens.
+
+``--spec ngram|mtp`` runs the same traffic with speculative decoding (:data:`SPECS`): ``ours``,
+``restart`` and vLLM's own cache draft; the baseline does not (its tokens are the reference:
+drafting must not change greedy tokens), and a ``nodraft`` engine runs our cache without
+drafting beside them; every engine but ``vllm`` has prefix caching off (Mamba cache mode
+``none``: vLLM's CPU build crashes with drafting in ``align`` mode, which the ``vllm`` engine
+needs and whose failure is reported). The rows add the draft acceptance rate.
 """
 
 from __future__ import annotations
@@ -31,6 +38,16 @@ ARCHS = ("falcon_h1", "nemotron_h", "zamba2", "granite_hybrid", "qwen3_next")
 BF16_ONLY = ("qwen3_next",)
 #: the checkpoint granularity of every arch here (the connector's default chunk on vLLM CPU)
 CHUNK_TOKENS = 128
+#: ``--spec``: vLLM's speculative_config, the archs it applies to, and how their models are built
+#: (n-gram drafts are accepted only where replies repeat themselves: a lower weight std)
+SPECS: dict[str, dict[str, Any]] = {
+    "ngram": {"config": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                         "prompt_lookup_max": 4},
+              "archs": ARCHS, "build": {"init_std": 0.03}},
+    "mtp": {"config": {"method": "qwen3_next_mtp", "num_speculative_tokens": 2},
+            "archs": ("qwen3_next",), "build": {"mtp_layers": 1}},
+}
+NO_PREFIX_CACHING = {"enable_prefix_caching": False}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma separated workloads")
     parser.add_argument("--seed", type=int, default=1, help="traffic seed")
     parser.add_argument("--engines", default="baseline,vllm,ours,restart",
-                        help="comma separated subset of " + ",".join(workloads_report.ENGINES))
+                        help="comma separated subset of " + ",".join(workloads_report.ENGINES)
+                        + " (with --spec, nodraft runs too)")
+    parser.add_argument("--spec", choices=("none", *SPECS), default="none",
+                        help="speculative decoding for the engines (see the module docstring)")
 
 
 def connector(disk: Path, with_cpu: bool) -> dict[str, Any]:
@@ -51,24 +71,47 @@ def connector(disk: Path, with_cpu: bool) -> dict[str, Any]:
     return {"backends": backends}
 
 
-def run_arch(arch: str, workloads: list[dict[str, Any]], engines: list[str], work: Path,
-             model_dir: Path) -> dict[str, dict[str, Any]]:
-    """Every engine of one arch over the same traffic; their records by engine name."""
-    from hybrid_offload.tools.bench.workload_run import run_engine_subprocess
-
-    base = {"model": str(model_dir), "dtype": "bfloat16" if arch in BF16_ONLY else "float32",
-            "workloads": workloads}
-    disk = work / f"{arch}-disk"
-    plans = {
+def engine_plans(disk: Path, spec: str) -> dict[str, dict[str, Any]]:
+    """What each engine runs: its connector, vLLM's prefix cache reset, its LLM arguments."""
+    plans: dict[str, dict[str, Any]] = {
         "baseline": {"connector": None, "reset_prefix_cache": "wave"},
         "vllm": {"connector": None, "reset_prefix_cache": "never"},
         "ours": {"connector": connector(disk, True), "reset_prefix_cache": "wave"},
         "restart": {"connector": connector(disk, False), "reset_prefix_cache": "wave"},
     }
+    if spec == "none":
+        return plans
+    drafting = {"speculative_config": SPECS[spec]["config"]}
+    for engine in ("ours", "restart"):
+        plans[engine]["llm_kwargs"] = {**NO_PREFIX_CACHING, **drafting}
+    plans["baseline"]["llm_kwargs"] = NO_PREFIX_CACHING
+    plans["vllm"]["llm_kwargs"] = drafting
+    plans["nodraft"] = {"connector": connector(disk.with_name(disk.name + "-nodraft"), True),
+                        "reset_prefix_cache": "wave", "llm_kwargs": NO_PREFIX_CACHING}
+    return plans
+
+
+def run_arch(arch: str, workloads: list[dict[str, Any]], engines: list[str], work: Path,
+             model_dir: Path, spec: str = "none") -> dict[str, dict[str, Any]]:
+    """Every engine of one arch over the same traffic; their records by engine name (an engine
+    vLLM could not run, only under ``spec``: ``{"error": its last log line}``)."""
+    from hybrid_offload.tools.bench.workload_run import run_engine_subprocess
+
+    base = {"model": str(model_dir), "dtype": "bfloat16" if arch in BF16_ONLY else "float32",
+            "workloads": workloads}
+    disk = work / f"{arch}-disk"
+    plans = engine_plans(disk, spec)
     runs = {}
-    for engine in engines:
+    for engine in engines + (["nodraft"] if spec != "none" else []):
         started = time.perf_counter()
-        result = run_engine_subprocess({**base, **plans[engine]})
+        try:
+            result = run_engine_subprocess({**base, **plans[engine]})
+        except RuntimeError as exc:
+            if spec == "none":
+                raise
+            runs[engine] = {"error": _first_error(str(exc))}
+            logger.warning("%s %s failed with drafting on: %s", arch, engine, runs[engine]["error"])
+            continue
         result.pop("log", None)
         result["wall_s"] = round(time.perf_counter() - started, 1)
         logger.info("%s %s: %.0fs", arch, engine, result["wall_s"])
@@ -76,6 +119,12 @@ def run_arch(arch: str, workloads: list[dict[str, Any]], engines: list[str], wor
         if engine == "ours":
             result["stored"] = stored_bytes(disk)
     return runs
+
+
+def _first_error(log: str) -> str:
+    """The root cause in a failed engine's log: its first line raising an error."""
+    lines = [line.strip() for line in log.splitlines() if "Error: " in line]
+    return (lines[0] if lines else log.strip().splitlines()[-1])[-200:]
 
 
 def stored_bytes(disk: Path) -> dict[str, int]:
@@ -99,6 +148,9 @@ def run(args: argparse.Namespace) -> int:
     from hybrid_offload.tools.bench.common import write_results
 
     archs = [a for a in args.archs.split(",") if a]
+    spec = getattr(args, "spec", "none")
+    if spec != "none":
+        archs = [a for a in archs if a in SPECS[spec]["archs"]]
     names = [w for w in args.workloads.split(",") if w]
     engines = [e for e in args.engines.split(",") if e]
     unknown = sorted(set(names) - set(WORKLOADS)) + sorted(set(engines) - set(workloads_report.ENGINES))
@@ -112,21 +164,25 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="hybrid-offload-bench-workloads-") as tmp:
         work = Path(tmp)
         for arch in archs:
-            model_dir = build_model(arch, work / f"{arch}-model")
-            runs = run_arch(arch, workloads, engines, work, model_dir)
+            build = SPECS[spec]["build"] if spec != "none" else {}
+            model_dir = build_model(arch, work / f"{arch}-model", **build)
+            runs = run_arch(arch, workloads, engines, work, model_dir, spec)
             rows += workloads_report.workload_rows(arch, CHUNK_TOKENS, runs, arch not in BF16_ONLY)
             storage.append({"arch": arch, **runs["ours"].get("stored", {}),
                             "tokens": workloads_report.tokens_processed(runs["ours"])})
             print(workloads_report.table(rows[-len(names):]), flush=True)
     payload = {
         "args": {"archs": archs, "workloads": workloads, "engines": engines, "seed": args.seed,
-                 "chunk_tokens": CHUNK_TOKENS},
+                 "chunk_tokens": CHUNK_TOKENS, "spec": spec,
+                 **({"speculative_config": SPECS[spec]["config"], "build": SPECS[spec]["build"]}
+                    if spec != "none" else {})},
         "engines": {e: workloads_report.ENGINES[e] for e in engines},
         "rows": rows,
         "storage": storage,
         "wall_s": round(time.perf_counter() - began, 1),
     }
-    path = write_results("workloads", payload, out_dir=args.out, quick=args.quick)
+    name = "workloads" if spec == "none" else f"workloads-spec-{spec}"
+    path = write_results(name, payload, out_dir=args.out, quick=args.quick)
     plots = workloads_report.plots(path, rows)
     print(workloads_report.table(rows))
     print(workloads_report.storage_table(storage))

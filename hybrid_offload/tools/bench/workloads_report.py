@@ -22,9 +22,11 @@ ENGINES = {
     "vllm": "no connector, vLLM's own prefix cache never reset",
     "ours": "the connector (cpu + disk), vLLM's prefix cache reset between waves",
     "restart": "a new engine on the same disk directory (disk only), vLLM's cache reset between waves",
+    "nodraft": "with --spec: the connector without drafting (prefix caching off), beside the drafting ones",
 }
-COLUMNS = ("arch", "workload", "requests", "reusable", "ours %", "restart %", "vllm %", "identical",
-           "ttft base ms", "ttft ours ms", "miss base ms", "miss ours ms")  # fmt: skip
+COLUMNS = ("arch", "workload", "requests", "reusable", "ours %", "restart %", "vllm %", "nodraft %",
+           "accept %", "identical", "ttft base ms", "ttft ours ms", "miss base ms",
+           "miss ours ms")  # fmt: skip
 
 
 def _pairs(waves: Sequence[Sequence[dict[str, Any]]]) -> list[list[tuple[list[int], list[int]]]]:
@@ -74,20 +76,28 @@ def workload_rows(
     for name, ours in runs["ours"]["workloads"].items():
         waves = ours["waves"]
         row: dict[str, Any] = {"arch": arch, "workload": name, "chunk_tokens": chunk}
+        ran = {e: r for e, r in runs.items() if "error" not in r}
         cov = {"ours": coverage(waves, chunk)}
-        if "restart" in runs:
-            cov["restart"] = coverage(runs["restart"]["workloads"][name]["waves"], chunk, waves)
-        if "vllm" in runs:
-            cov["vllm"] = coverage(runs["vllm"]["workloads"][name]["waves"], chunk)
+        if "restart" in ran:
+            cov["restart"] = coverage(ran["restart"]["workloads"][name]["waves"], chunk, waves)
+        for engine in ("vllm", "nodraft"):
+            if engine in ran:
+                cov[engine] = coverage(ran[engine]["workloads"][name]["waves"], chunk)
         row["coverage"] = cov
+        row["failed"] = {e: r["error"] for e, r in runs.items() if "error" in r}
+        for engine in row["failed"]:
+            row[f"{engine} %"] = "failed"
+        drafts = runs["ours"].get("drafts") or {}
+        if drafts.get("drafted"):
+            row["accept %"] = round(100 * drafts["accepted"] / drafts["drafted"], 1)
         row["requests"] = cov["ours"]["requests"]
         row["reusable"] = cov["ours"]["reusable"]
         for engine, data in cov.items():
             row[f"{engine} %"] = round(100 * data["ratio"], 1)
         if "baseline" in runs:
             base = runs["baseline"]["workloads"][name]["waves"]
-            same = identical(base, waves) and all(
-                identical(base, runs[e]["workloads"][name]["waves"]) for e in ("restart",) if e in runs)
+            others = [ran[e]["workloads"][name]["waves"] for e in ("restart", "nodraft") if e in ran]
+            same = identical(base, waves) and all(identical(base, other) for other in others)
             row["identical"] = ("yes" if same else "NO") if float32 else ("yes" if same else "differs (bf16)")
             row.update(_ttfts(base, waves, cov["ours"]["per_request"]))
         else:
@@ -137,7 +147,11 @@ def storage_table(storage: Sequence[dict[str, Any]]) -> str:
 def plots(path: Path, rows: Sequence[dict[str, Any]]) -> list[Path]:
     """Share of the reusable prefix served, per (arch, workload) and engine."""
     labels = [f"{r['arch']}/{r['workload']}" for r in rows]
-    series = {e: [r.get(f"{e} %", 0.0) for r in rows] for e in ("ours", "restart", "vllm") if any(
+    def share(row: dict[str, Any], engine: str) -> float:
+        value = row.get(f"{engine} %", 0.0)
+        return value if isinstance(value, float | int) else 0.0
+
+    series = {e: [share(r, e) for r in rows] for e in ("ours", "restart", "vllm", "nodraft") if any(
         f"{e} %" in r for r in rows)}
     out = path.with_suffix(".png")
     bar_plot(out, "share of the reusable prefix served (%)", labels, series, "% of reusable tokens")
