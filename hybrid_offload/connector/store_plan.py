@@ -123,9 +123,9 @@ class StorePlanner:
             # A chunk partly covered by vLLM's local hit is still whole in the request's blocks.
             state.store_from_chunk = computed // chunk
             state.next_store_chunk = state.store_from_chunk
-        end = computed + scheduled
-        if self.drafting is not None:  # drafts: only known tokens have final KV
-            end = self.drafting.verified_end(end, state.known_tokens)
+        fed = computed + scheduled
+        # drafts: only known tokens have final KV
+        end = fed if self.drafting is None else self.drafting.verified_end(fed, state.known_tokens)
         limit = end if self.stores_output else min(end, state.prompt_len)
         self.sightings.see(extend_keys(state, self.planner, limit))
         keyed = len(state.chunk_hashes)
@@ -151,7 +151,7 @@ class StorePlanner:
                     if all(job.block_ids):
                         self._store(meta, state, job)
             return
-        boundary = self._decode_boundary(state, computed, end, limit)
+        boundary = self._decode_boundary(state, computed, fed, end, limit)
         if boundary and boundary // chunk > state.store_from_chunk:
             jobs = [page_job(self.planner, state, plan, boundary // chunk - 1, keyed=False) for plan in mamba]
             if all(all(job.block_ids) for job in jobs):
@@ -159,16 +159,17 @@ class StorePlanner:
                     self._hold(meta, state, job)
                 state.held_state = boundary // chunk - 1
 
-    def _decode_boundary(self, state: RequestState, computed: int, end: int, limit: int) -> int:
-        """The chunk boundary whose decoding state the running state slot holds after this step,
-        0 if none: the step's end without drafting; with it, ``computed + 1`` when the step
-        starts on that boundary's last position (only its sampled token went in there)."""
-        if not self.stores_output:
+    def _decode_boundary(self, state: RequestState, computed: int, fed: int, end: int, limit: int) -> int:
+        """The chunk boundary whose decoding state the running state slot holds after this step
+        (fed up to ``fed``, its KV final up to ``end``), 0 if none: the step's end when it fed
+        known tokens only; with drafts, ``computed + 1`` when the step starts on that boundary's
+        last position (only its sampled token went in there, see the module docstring)."""
+        if not self.stores_output or (self.drafting is not None and not self.decode_stops):
             return 0
         chunk = self.planner.chunk_tokens
-        if self.drafting is None:
-            boundary = end if end % chunk == 0 and end <= limit else 0
-        elif self.decode_stops and (computed + 1) % chunk == 0 and computed + 1 <= end:
+        if fed == end and end % chunk == 0 and end <= limit:
+            boundary = end
+        elif self.drafting is not None and (computed + 1) % chunk == 0 and computed + 1 <= end:
             boundary = computed + 1
         else:
             return 0

@@ -156,3 +156,17 @@ def test_next_decode_stop() -> None:
     assert next_decode_stop(15, 24, 8) == 23
     assert next_decode_stop(16, 23, 8) == 23 and next_decode_stop(16, 24, 8) == 23
     assert next_decode_stop(0, 1, 8) == 1
+
+
+def test_a_prompt_ending_on_a_boundary_holds_its_state_under_drafting(worlds) -> None:  # type: ignore[no-untyped-def]
+    """The prefill step that ends the prompt on a chunk boundary fed prompt tokens only: the
+    state at the prompt's end is held (the reply's first chunk starts there)."""
+    w = worlds(make_spec(8, 8, mamba_cache_mode="none"), 8, drafting=SYNC)
+    req = FakeRequest("r1", prompt(16))
+    w.sched.get_num_new_matched_tokens(req, 0)
+    w.sched.update_state_after_alloc(req, TABLES, 0)
+    assert w.sched.prefill_stop("r1", 0, 16) == 8
+    w.sched.build_connector_meta(step(new=[new_req("r1", TABLES, 0)], scheduled={"r1": 8}))
+    meta = w.sched.build_connector_meta(step(cached=[("r1", None, 8)], scheduled={"r1": 8}))
+    assert copies([meta]) == [(0, 1, False), (MAMBA, 1, True)]
+    assert meta.stores[1].page.block_ids == (20,)

@@ -10,10 +10,10 @@ generated the baseline's tokens.
 
 ``--spec ngram|mtp`` runs the same traffic with speculative decoding (:data:`SPECS`): ``ours``,
 ``restart`` and vLLM's own cache draft; the baseline does not (its tokens are the reference:
-drafting must not change greedy tokens), and a ``nodraft`` engine runs our cache without
-drafting beside them; every engine but ``vllm`` has prefix caching off (Mamba cache mode
-``none``: vLLM's CPU build crashes with drafting in ``align`` mode, which the ``vllm`` engine
-needs and whose failure is reported). The rows add the draft acceptance rate.
+drafting must not change greedy tokens); ``nodraft`` (our cache) and ``vllm_nodraft`` (vLLM's
+own cache) run without drafting beside them. Our engines and the baseline have prefix caching
+off (Mamba cache mode ``none``: vLLM's CPU build crashes with drafting in ``align`` mode, which
+the ``vllm`` engine needs; its failure is reported). The rows add the draft acceptance rate.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=1, help="traffic seed")
     parser.add_argument("--engines", default="baseline,vllm,ours,restart",
                         help="comma separated subset of " + ",".join(workloads_report.ENGINES)
-                        + " (with --spec, nodraft runs too)")
+                        + " (with --spec, nodraft and vllm_nodraft run too)")
     parser.add_argument("--spec", choices=("none", *SPECS), default="none",
                         help="speculative decoding for the engines (see the module docstring)")
 
@@ -88,7 +88,12 @@ def engine_plans(disk: Path, spec: str) -> dict[str, dict[str, Any]]:
     plans["vllm"]["llm_kwargs"] = drafting
     plans["nodraft"] = {"connector": connector(disk.with_name(disk.name + "-nodraft"), True),
                         "reset_prefix_cache": "wave", "llm_kwargs": NO_PREFIX_CACHING}
+    plans["vllm_nodraft"] = {"connector": None, "reset_prefix_cache": "never"}
     return plans
+
+
+#: engines a ``--spec`` run adds to those asked: our cache and vLLM's without drafting
+SPEC_ENGINES = ["nodraft", "vllm_nodraft"]
 
 
 def run_arch(arch: str, workloads: list[dict[str, Any]], engines: list[str], work: Path,
@@ -102,7 +107,7 @@ def run_arch(arch: str, workloads: list[dict[str, Any]], engines: list[str], wor
     disk = work / f"{arch}-disk"
     plans = engine_plans(disk, spec)
     runs = {}
-    for engine in engines + (["nodraft"] if spec != "none" else []):
+    for engine in engines + (SPEC_ENGINES if spec != "none" else []):
         started = time.perf_counter()
         try:
             result = run_engine_subprocess({**base, **plans[engine]})

@@ -23,9 +23,10 @@ ENGINES = {
     "ours": "the connector (cpu + disk), vLLM's prefix cache reset between waves",
     "restart": "a new engine on the same disk directory (disk only), vLLM's cache reset between waves",
     "nodraft": "with --spec: the connector without drafting (prefix caching off), beside the drafting ones",
+    "vllm_nodraft": "with --spec: no connector, no drafting, vLLM's own prefix cache never reset",
 }
 COLUMNS = ("arch", "workload", "requests", "reusable", "ours %", "restart %", "vllm %", "nodraft %",
-           "accept %", "identical", "ttft base ms", "ttft ours ms", "miss base ms",
+           "vllm_nodraft %", "accept %", "identical", "ttft base ms", "ttft ours ms", "miss base ms",
            "miss ours ms")  # fmt: skip
 
 
@@ -80,7 +81,7 @@ def workload_rows(
         cov = {"ours": coverage(waves, chunk)}
         if "restart" in ran:
             cov["restart"] = coverage(ran["restart"]["workloads"][name]["waves"], chunk, waves)
-        for engine in ("vllm", "nodraft"):
+        for engine in ("vllm", "nodraft", "vllm_nodraft"):
             if engine in ran:
                 cov[engine] = coverage(ran[engine]["workloads"][name]["waves"], chunk)
         row["coverage"] = cov
@@ -151,8 +152,8 @@ def plots(path: Path, rows: Sequence[dict[str, Any]]) -> list[Path]:
         value = row.get(f"{engine} %", 0.0)
         return value if isinstance(value, float | int) else 0.0
 
-    series = {e: [share(r, e) for r in rows] for e in ("ours", "restart", "vllm", "nodraft") if any(
-        f"{e} %" in r for r in rows)}
+    engines = ("ours", "restart", "vllm", "nodraft", "vllm_nodraft")
+    series = {e: [share(r, e) for r in rows] for e in engines if any(f"{e} %" in r for r in rows)}
     out = path.with_suffix(".png")
     bar_plot(out, "share of the reusable prefix served (%)", labels, series, "% of reusable tokens")
     return [out]
