@@ -327,8 +327,8 @@ MTP_ARCHS = ("qwen3_next",)
 
 def _write_mtp_weights(config: Any, out_dir: Path, seed: int) -> None:
     """``mtp.*`` weights (``mtp.safetensors``) for vLLM's Qwen3-Next MTP drafter: per MTP layer
-    a full-attention decoder layer (a copy of the model's first one, so that drafts are not
-    noise), and a seeded fc and norms."""
+    a copy of the model's first full-attention decoder layer, and a seeded fc and norms. Its
+    drafts are random: nearly all are rejected (the path a cache must get right)."""
     import torch
     from safetensors.torch import load_file, save_file
 

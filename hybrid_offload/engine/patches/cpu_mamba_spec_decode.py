@@ -54,8 +54,8 @@ def conv_update_spec(
     """``causal_conv1d_update`` of a spec-decode step: ``x`` is ``(tokens, dim)`` (varlen by
     ``query_start_loc``), ``conv_state`` ``(lines, dim, state_len)``; per request the window
     starts at column ``num_accepted - 1`` of its line (``conv_state_indices``, or its first
-    column), and the line
-    becomes the window's last ``width - 2`` columns followed by the request's tokens."""
+    column), and the line becomes the window's last ``width - 2`` columns followed by the
+    request's tokens."""
     import torch
     import torch.nn.functional as F
 
@@ -176,10 +176,10 @@ def spec_aware_ssu(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def call(self: Any, state: Any, x: Any, dt: Any, A: Any, B: Any, C: Any, D: Any,
-                 dt_bias: Any, z: Any = None, dt_softplus: bool = False,
-                 state_batch_indices: Any = None, dst_state_batch_indices: Any = None,
-                 null_block_id: int = 0, out: Any = None, num_accepted_tokens: Any = None,
-                 cu_seqlens: Any = None, **kwargs: Any) -> None:
+             dt_bias: Any, z: Any = None, dt_softplus: bool = False,
+             state_batch_indices: Any = None, dst_state_batch_indices: Any = None,
+             null_block_id: int = 0, out: Any = None, num_accepted_tokens: Any = None,
+             cu_seqlens: Any = None, **kwargs: Any) -> None:
         if num_accepted_tokens is None or cu_seqlens is None or state_batch_indices is None:
             return original(self, state, x, dt, A, B, C, D, dt_bias, z, dt_softplus,
                             state_batch_indices, dst_state_batch_indices, null_block_id, out,
