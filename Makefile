@@ -9,7 +9,7 @@ PORT ?= 8000
 SERVE_HOST ?= 127.0.0.1
 VLLM_ARGS ?=
 
-.PHONY: setup demo test lint clean serve
+.PHONY: setup demo test lint clean serve gpu-check
 
 setup:
 	@bash scripts/setup.sh
@@ -24,6 +24,10 @@ test: setup
 serve: setup
 	$(PY) -m hybrid_offload serve --config $(CONFIG) $(if $(MODEL),--model $(MODEL)) \
 		--host $(SERVE_HOST) --port $(PORT) $(if $(VLLM_ARGS),-- $(VLLM_ARGS))
+
+# On a GPU machine with torch (no vLLM needed): data-path tests on cuda, `bench gpu`, GDS probe.
+gpu-check:
+	bash scripts/gpu_check.sh
 
 lint: setup
 	$(PY) -m ruff check .

@@ -87,6 +87,29 @@ def check_versions(*packages: str, what: str = "hybrid-offload") -> None:
 
 
 # ---- vLLM -----------------------------------------------------------------------------------
+def connector_metadata_bases() -> tuple[type, type, type]:
+    """vLLM's ``KVConnectorHandshakeMetadata``, ``KVConnectorMetadata`` and
+    ``KVConnectorWorkerMetadata``; plain stand-ins where vLLM is not installed, so that the data
+    path (worker, staging, layouts) runs with torch alone, as on a GPU machine without vLLM."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1 import base
+    except ImportError:
+        return _HandshakeMetadata, _Metadata, _WorkerMetadata
+    return base.KVConnectorHandshakeMetadata, base.KVConnectorMetadata, base.KVConnectorWorkerMetadata
+
+
+class _HandshakeMetadata:
+    """Stand-in for vLLM's ``KVConnectorHandshakeMetadata`` (no vLLM installed)."""
+
+
+class _Metadata:
+    """Stand-in for vLLM's ``KVConnectorMetadata`` (no vLLM installed)."""
+
+
+class _WorkerMetadata:
+    """Stand-in for vLLM's ``KVConnectorWorkerMetadata`` (no vLLM installed)."""
+
+
 def cpu_attention_reshape_and_cache() -> Callable[..., None]:
     """``vllm._custom_ops.cpu_attn_reshape_and_cache`` (private op; vLLM 0.32)."""
     from vllm import _custom_ops

@@ -9,6 +9,7 @@ for the next taker, bounded in bytes; the oldest go first. Thread-safe.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -25,11 +26,12 @@ class MemoryPool:
 
     ``take(n)`` returns the smallest free block of at least ``n`` bytes, else a new one;
     ``give(block)`` hands back a block nothing reads or writes any more (one larger than
-    ``max_bytes`` is not kept).
+    ``max_bytes`` is not kept). ``allocate(n)`` makes a new block (pinned memory, say).
     """
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, allocate: Callable[[int], torch.Tensor] | None = None) -> None:
         self.max_bytes = max_bytes
+        self._allocate = allocate or (lambda n: torch.empty(n, dtype=torch.uint8))
         self._by_size: dict[int, list[torch.Tensor]] = {}
         self._order: dict[int, torch.Tensor] = {}  # id(block) -> block, oldest first
         self._bytes = 0
@@ -43,7 +45,7 @@ class MemoryPool:
                 del self._order[id(block)]
                 self._bytes -= size
                 return block
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return self._allocate(nbytes)
 
     def give(self, block: torch.Tensor) -> None:
         size = block.numel()

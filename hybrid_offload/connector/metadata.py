@@ -10,11 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorHandshakeMetadata,
-    KVConnectorMetadata,
-    KVConnectorWorkerMetadata,
-)
+from hybrid_offload.compat import connector_metadata_bases
+
+KVConnectorHandshakeMetadata, KVConnectorMetadata, KVConnectorWorkerMetadata = connector_metadata_bases()
 
 
 @dataclass(frozen=True)

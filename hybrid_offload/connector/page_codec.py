@@ -17,10 +17,11 @@ from dataclasses import dataclass
 import torch
 
 from hybrid_offload.connector.metadata import PageJob
+from hybrid_offload.connector.state_maps import StateMap, byte_map, flat_buffer
 from hybrid_offload.core.page_format import CHUNK_HASH_LEN, PageHeader, PageTemplate, header_len, page_len
 from hybrid_offload.core.spec import GroupSpec, ModelSpec
 from hybrid_offload.core.tp_shards import Transfer, read_plan, shards_read, shards_written, transfers
-from hybrid_offload.engine.kv_layout import AttentionGroupLayout, MambaGroupLayout, TokenIndex
+from hybrid_offload.engine.kv_layout import AttentionGroupLayout, LayoutError, MambaGroupLayout, TokenIndex
 
 Layout = AttentionGroupLayout | MambaGroupLayout
 
@@ -69,6 +70,7 @@ class PageCodec:
         read_runs = {s: self._runs(s, [plan[s] for plan in plans]) for s in read_shards}
         self.read_runs = {p: read_runs[p % shards] for p in self.read}
         self._subsets: dict[tuple[int, int], tuple[Layout, Layout]] = {}
+        self._maps: dict[tuple[int, int, int], tuple[Layout, list[StateMap]]] = {}
 
     def _layout(self, layout: Layout, piece: int) -> Layout:
         """``layout`` (the group's layers on this worker) narrowed to ``piece``'s part."""
@@ -79,6 +81,26 @@ class PageCodec:
         known = self._subsets.get(key)
         if known is None or known[0] is not layout:
             known = self._subsets[key] = (layout, layout.subset(positions))
+        return known[1]
+
+    def _state_maps(self, layout: MambaGroupLayout, piece: int, runs: list[Run]) -> list[StateMap]:
+        """The element maps of ``piece`` over ``layout`` (a piece's part) for ``runs``: one per
+        buffer its layers live in (vLLM allocates one for all)."""
+        key = (id(layout), piece, id(runs))
+        known = self._maps.get(key)
+        if known is None or known[0] is not layout:
+            strides = {raw.stride(0) for raw in layout.layers}
+            if len(strides) != 1:
+                raise LayoutError(f"group {self.group.index}: Mamba layers' blocks are not equally spaced")
+            stride, maps = strides.pop(), []
+            buffers = {raw.untyped_storage().data_ptr(): raw for raw in layout.layers}
+            for ptr, first in buffers.items():
+                bases = [raw.storage_offset() if raw.untyped_storage().data_ptr() == ptr else None
+                         for raw in layout.layers]  # fmt: skip
+                src, dst = byte_map(self.group, self.tensors[piece], runs, bases)
+                maps.append(StateMap(src, dst, flat_buffer(first), stride,
+                                     self.page_lens[piece] - self.header_lens[piece]))  # fmt: skip
+            known = self._maps[key] = (layout, maps)
         return known[1]
 
     def _runs(self, shard: int, per_tensor: list[list[Transfer]]) -> list[Run]:
@@ -122,33 +144,6 @@ class PageCodec:
             offset += size
         return views
 
-    def _state_views(self, piece: int, payload: torch.Tensor) -> list[list[torch.Tensor]]:
-        """Per layer, the piece's state parts (in ``page_tensors`` order) as typed tensors."""
-        tensors, offset, out = self.tensors[piece], 0, []
-        layers = len(self.positions[piece // self.group.shards])
-        per_layer = len(tensors) // layers
-        for layer in range(layers):
-            parts = []
-            for t in tensors[layer * per_layer : (layer + 1) * per_layer]:
-                parts.append(payload[offset : offset + t.nbytes].view(_dtype(t.dtype)).view(t.shape))
-                offset += t.nbytes
-            out.append(parts)
-        return out
-
-    def _rank_states(self, raw: torch.Tensor) -> list[torch.Tensor]:
-        """One layer's state bytes in vLLM's block as typed tensors of this rank's shapes (the
-        conv state of a DS engine, kept ``(dim, state_len)``, as a transposed SD view)."""
-        out, offset = [], 0
-        typed_shapes = zip(self.group.state_shapes, self.group.state_dtypes, strict=True)
-        for i, (shape, dtype) in enumerate(typed_shapes):
-            torch_dtype = _dtype(dtype)
-            n = torch.Size(shape).numel() * torch_dtype.itemsize
-            typed = raw[offset : offset + n].view(torch_dtype)
-            ds = i == 0 and self.group.conv_layout == "DS"
-            out.append(typed.view(shape[::-1]).t() if ds else typed.view(shape))
-            offset += n
-        return out
-
     # ---- copies -----------------------------------------------------------------------
     def gather(self, layout: AttentionGroupLayout | MambaGroupLayout, page: PageJob,
                piece: int, payload: torch.Tensor) -> None:
@@ -160,13 +155,8 @@ class PageCodec:
             index = layout.token_index(list(page.block_ids), page.first_token, self.chunk_tokens, heads)
             layout.gather(index, self._attention_views(piece, payload))
             return
-        block = page.block_ids[0]
-        for raw, parts in zip(layout.layers, self._state_views(piece, payload), strict=True):
-            states = self._rank_states(raw[block])
-            for run in runs:
-                parts[run.part].narrow(run.axis, run.part_start, run.length).copy_(
-                    states[run.tensor].narrow(run.axis, run.rank_start, run.length)
-                )
+        for smap in self._state_maps(layout, piece, runs):
+            smap.gather(payload, page.block_ids[0])
 
     def scatter_pages(self, layout: AttentionGroupLayout | MambaGroupLayout,
                       pages: list[tuple[PageJob, int, torch.Tensor]]) -> None:
@@ -212,7 +202,6 @@ class PageCodec:
         layout = self._layout(layout, piece)
         if not isinstance(layout, AttentionGroupLayout) or layout.views is None or not pages:
             return None
-        assert not any(p.skip_tokens for p in pages)
         itemsize = _dtype(tensors[0].dtype).itemsize
         if rows.stride(0) % itemsize or (rows.storage_offset() + hlen) % itemsize:
             return None
@@ -225,6 +214,23 @@ class PageCodec:
             offset += size
         return per_layer
 
+    def _row_stack(self, layout: AttentionGroupLayout | MambaGroupLayout, piece: int,
+                   rows: torch.Tensor, pages: Sequence[PageJob]) -> torch.Tensor | None:
+        """The K/V of ``piece`` pages that are the rows of ``rows`` as one ``(2, pages, tokens,
+        layers, heads, head_size)`` view, where the layout stacks its layers (one copy per K
+        and V for all of them); else None."""
+        sub = self._layout(layout, piece)
+        if not isinstance(sub, AttentionGroupLayout) or sub.stacked is None:
+            return None
+        per_layer = self._row_layers(layout, piece, rows, pages)
+        if per_layer is None:
+            return None
+        first = per_layer[0]  # (2, pages, tokens, heads, head_size)
+        step = per_layer[1].storage_offset() - first.storage_offset() if len(per_layer) > 1 else 0
+        kv, p, t, h, d = first.stride()
+        shape = (*first.shape[:3], len(per_layer), *first.shape[3:])
+        return first.as_strided(shape, (kv, p, t, step, h, d), first.storage_offset())
+
     def gather_rows(self, layout: AttentionGroupLayout | MambaGroupLayout, piece: int,
                     rows: torch.Tensor, pages: Sequence[PageJob]) -> bool:
         """Copy the payloads of ``pages``' ``piece`` (one this rank writes) into the rows of
@@ -234,30 +240,53 @@ class PageCodec:
         per_layer = self._row_layers(layout, piece, rows, pages)
         if per_layer is None:
             return False
-        layout = self._layout(layout, piece)
+        whole, layout = layout, self._layout(layout, piece)
         assert isinstance(layout, AttentionGroupLayout)
         at = layout.token_rows([(p.block_ids, p.first_token) for p in pages], self.chunk_tokens)
         (run,) = self.write_runs[piece]  # a written piece's heads are one run of this rank's heads
-        layout.gather(TokenIndex(at.kblocks, at.slots, slice(run.rank_start, run.rank_start + run.length)),
-                      per_layer)  # fmt: skip
+        index = TokenIndex(at.kblocks, at.slots, slice(run.rank_start, run.rank_start + run.length))
+        stack = self._row_stack(whole, piece, rows, pages)
+        if stack is not None:
+            layout.gather_stacked(index, stack)
+        else:
+            layout.gather(index, per_layer)
         return True
 
+    def row_index(self, layout: AttentionGroupLayout | MambaGroupLayout, piece: int,
+                  rows: torch.Tensor, pages: Sequence[PageJob]) -> TokenIndex | None:
+        """Where the tokens of ``pages`` go, on the host (any thread may build it), for
+        :meth:`scatter_rows` of those rows; None where the layout or the rows' alignment does not
+        allow writing them as rows (then :meth:`scatter_pages`)."""
+        if any(p.skip_tokens for p in pages) or self._row_layers(layout, piece, rows, pages) is None:
+            return None
+        sub = self._layout(layout, piece)
+        assert isinstance(sub, AttentionGroupLayout)
+        return sub.token_rows([(p.block_ids, p.first_token) for p in pages], self.chunk_tokens, host=True)
+
     def scatter_rows(self, layout: AttentionGroupLayout | MambaGroupLayout, piece: int,
-                     rows: torch.Tensor, pages: Sequence[PageJob]) -> bool:
+                     rows: torch.Tensor, pages: Sequence[PageJob], at: TokenIndex | None = None) -> bool:
         """Write ``pages`` (none skipping tokens), whose verified ``piece`` pages are the rows of
-        ``rows`` ((len(pages), page length) uint8), with one copy per layer, K/V and head run
-        reading the rows in place. False, writing nothing, where the layout or the page's
-        alignment does not allow it (then :meth:`scatter_pages`)."""
+        ``rows`` ((len(pages), page length) uint8), with one copy per K/V and head run (per layer
+        too where the layout does not stack them) reading the rows in place; ``at``: their
+        :meth:`row_index`, if built already. False, writing nothing, where the layout or the
+        page's alignment does not allow it (then :meth:`scatter_pages`)."""
         per_layer = self._row_layers(layout, piece, rows, pages)
         if per_layer is None:
             return False
-        layout = self._layout(layout, piece)
+        whole, layout = layout, self._layout(layout, piece)
         assert isinstance(layout, AttentionGroupLayout)
-        at = layout.token_rows([(p.block_ids, p.first_token) for p in pages], self.chunk_tokens)
+        if at is None:
+            at = layout.token_rows([(p.block_ids, p.first_token) for p in pages], self.chunk_tokens)
+        else:
+            at = layout.on_device(at)
+        stack = self._row_stack(whole, piece, rows, pages)
         for run in self.read_runs[piece]:
             parts = slice(run.part_start, run.part_start + run.length)
-            heads = slice(run.rank_start, run.rank_start + run.length)
-            layout.scatter(TokenIndex(at.kblocks, at.slots, heads), [v[:, :, :, parts] for v in per_layer])
+            index = TokenIndex(at.kblocks, at.slots, slice(run.rank_start, run.rank_start + run.length))
+            if stack is not None:
+                layout.scatter_stacked(index, stack[:, :, :, :, parts])
+            else:
+                layout.scatter(index, [v[:, :, :, parts] for v in per_layer])
         return True
 
     def scatter(self, layout: AttentionGroupLayout | MambaGroupLayout, page: PageJob,
@@ -275,10 +304,5 @@ class PageCodec:
                 layout.scatter(index, [v[:, skip:, run.part_start : run.part_start + run.length]
                                        for v in views])
             return
-        for raw, parts in zip(layout.layers, self._state_views(piece, payload), strict=True):
-            for block in page.block_ids:
-                states = self._rank_states(raw[block])
-                for run in runs:
-                    states[run.tensor].narrow(run.axis, run.rank_start, run.length).copy_(
-                        parts[run.part].narrow(run.axis, run.part_start, run.length)
-                    )
+        for smap in self._state_maps(layout, piece, runs):
+            smap.scatter(payload, page.block_ids)

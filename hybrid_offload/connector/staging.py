@@ -27,10 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
+from hybrid_offload.connector.device import DeviceTransfers
 from hybrid_offload.connector.memory_pool import MemoryPool
 from hybrid_offload.connector.metadata import PageJob, StoreJob
 from hybrid_offload.connector.page_codec import PageCodec
-from hybrid_offload.engine.kv_layout import AttentionGroupLayout, MambaGroupLayout
+from hybrid_offload.engine.kv_layout import AttentionGroupLayout, MambaGroupLayout, TokenIndex, host_to_device
 
 
 @dataclass(frozen=True)
@@ -92,63 +93,142 @@ def stage_reads(
     return reads, block
 
 
-def write_pages(
-    decoded: Iterable[Decoded], layouts: Mapping[int, AttentionGroupLayout | MambaGroupLayout]
-) -> None:
-    """Write verified shards into vLLM's KV cache (model-runner thread): per (group, shard),
-    the staged rows from the first on in one batch, the others page by page."""
-    batches: dict[tuple[int, int], list[ShardRead]] = {}
-    loose: dict[int, list[tuple[PageJob, int, torch.Tensor]]] = {}
+def _end(view: torch.Tensor) -> int:
+    """One past the last storage element ``view`` reaches."""
+    reach = sum((n - 1) * st for n, st in zip(view.shape, view.stride(), strict=True))
+    return view.storage_offset() + reach + 1
+
+
+def _mirror(view: torch.Tensor, host: torch.Tensor, device: torch.Tensor) -> torch.Tensor:
+    """``view`` (of uint8 block ``host``) at the same place in ``device``, a copy of ``host``'s
+    first bytes on the device."""
+    offset = view.storage_offset() - host.storage_offset()
+    return device.as_strided(view.shape, view.stride(), device.storage_offset() + offset)
+
+
+@dataclass
+class WritePlan:
+    """A verified load, ready to be written: every per-page step done on the load thread
+    (:func:`plan_writes`), so that :func:`write_pages` on the model-runner thread only enqueues
+    one copy to the device and per (group, shard) one scatter per K/V and head run."""
+
+    #: per (group, shard) written as rows: its codec, the rows (a view of the staging block),
+    #: their pages and where their tokens go (on the host)
+    batches: list[tuple[PageCodec, int, int, torch.Tensor, list[PageJob], TokenIndex]]
+    #: per group, pages written one by one: (page, shard, payload, whether it is staged)
+    loose: dict[int, list[tuple[PageJob, int, torch.Tensor, bool]]]
+    codecs: dict[int, PageCodec]
+    #: bytes of the staging block that hold rows
+    used: int
+
+
+def plan_writes(
+    decoded: Iterable[Decoded], layouts: Mapping[int, AttentionGroupLayout | MambaGroupLayout],
+    staging: torch.Tensor | None = None,
+) -> WritePlan:  # fmt: skip
+    """Sort a load's verified shards into batches of rows and loose pages (any thread)."""
+    grouped: dict[tuple[int, int], list[ShardRead]] = {}
+    loose: dict[int, list[tuple[PageJob, int, torch.Tensor, bool]]] = {}
     codecs: dict[int, PageCodec] = {}
+    used = 0
     for d in decoded:
         read = d.read
         codecs[read.page.group] = read.codec
+        if d.staged:
+            used = max(used, _end(read.rows) - (0 if staging is None else staging.storage_offset()))
         if d.staged and not read.page.skip_tokens:
-            batches.setdefault((read.page.group, read.shard), []).append(read)
+            grouped.setdefault((read.page.group, read.shard), []).append(read)
+        elif d.staged:
+            row = read.rows[read.row, read.codec.header_lens[read.shard] :]
+            loose.setdefault(read.page.group, []).append((read.page, read.shard, row, True))
         else:
-            loose.setdefault(read.page.group, []).append(
-                (read.page, read.shard, torch.frombuffer(d.payload, dtype=torch.uint8))
-            )
-    for (group, shard), reads in batches.items():
+            payload = torch.frombuffer(d.payload, dtype=torch.uint8)
+            loose.setdefault(read.page.group, []).append((read.page, read.shard, payload, False))
+    batches = []
+    for (group, shard), reads in grouped.items():
         reads.sort(key=lambda r: r.row)
-        codec, rows = reads[0].codec, reads[0].rows
-        if not (
-            all(r.row == i for i, r in enumerate(reads))
-            and codec.scatter_rows(layouts[group], shard, rows[: len(reads)], [r.page for r in reads])
-        ):
+        codec, rows, pages = reads[0].codec, reads[0].rows[: len(reads)], [r.page for r in reads]
+        at = codec.row_index(layouts[group], shard, rows, pages) if all(
+            r.row == i for i, r in enumerate(reads)) else None  # fmt: skip
+        if at is None:
             hlen = codec.header_lens[shard]
-            loose.setdefault(group, []).extend((r.page, shard, rows[r.row, hlen:]) for r in reads)
-    for group, pages in loose.items():
-        codecs[group].scatter_pages(layouts[group], pages)
+            loose.setdefault(group, []).extend((r.page, shard, r.rows[r.row, hlen:], True) for r in reads)
+        else:
+            batches.append((codec, group, shard, rows, pages, at))
+    return WritePlan(batches, loose, codecs, used)
+
+
+def write_pages(
+    plan: WritePlan | Iterable[Decoded], layouts: Mapping[int, AttentionGroupLayout | MambaGroupLayout],
+    staging: torch.Tensor | None = None, transfers: DeviceTransfers | None = None,
+) -> None:  # fmt: skip
+    """Write a load's verified shards into vLLM's KV cache (model-runner thread), as planned
+    by :func:`plan_writes` (given the shards, plans first).
+
+    ``staging`` is the load's staging block (every staged row is a view of it); on a device
+    with its own memory its used bytes go there in one copy first, and the writes read that
+    copy. Call inside ``transfers.loading()``: on CUDA the work is only enqueued."""
+    transfers = transfers or DeviceTransfers()
+    if not isinstance(plan, WritePlan):
+        plan = plan_writes(plan, layouts, staging)
+    on_device = None
+    if staging is not None and transfers.is_cuda:  # elsewhere the rows are read where they are
+        on_device = transfers.load_copy(staging[: plan.used])
+
+    def placed(view: torch.Tensor, staged: bool) -> torch.Tensor:
+        if staged and staging is not None and on_device is not None:
+            return _mirror(view, staging, on_device)
+        return host_to_device(view, transfers.device)
+
+    for codec, group, shard, rows, pages, at in plan.batches:
+        written = codec.scatter_rows(layouts[group], shard, placed(rows, True), pages, at)
+        assert written  # planned: row_index allowed it
+    for group, items in plan.loose.items():
+        plan.codecs[group].scatter_pages(layouts[group], [(page, shard, placed(payload, staged))
+                                                          for page, shard, payload, staged in items])
 
 
 def gather_rows(
     jobs: Sequence[StoreJob], codecs: Mapping[int, PageCodec],
     layouts: Mapping[int, AttentionGroupLayout | MambaGroupLayout], pool: MemoryPool | None,
+    transfers: DeviceTransfers | None = None,
 ) -> tuple[list[tuple[StoreJob, int, memoryview]], list[torch.Tensor]]:  # fmt: skip
     """Copy the shards this rank writes of ``jobs``' pages out of vLLM's KV cache (model-runner
-    thread), per (group, shard) into the rows of one block from ``pool`` (None: new blocks).
+    thread), per (group, shard) into rows of one host block from ``pool`` (None: a new block).
     Returns (job, shard, page buffer: a row, header not yet sealed) in job order and shard
-    order, and the blocks: give them back once no backend reads the buffers."""
+    order, and the blocks: give them back once no backend reads the buffers.
+
+    On a device with its own memory the rows are gathered into a device block and copied to the
+    host block on the store stream: wait for ``transfers.stored()`` before reading them."""
+    transfers = transfers or DeviceTransfers()
     by_group: dict[int, list[int]] = {}
     for i, job in enumerate(jobs):
         by_group.setdefault(job.page.group, []).append(i)
-    buffers: dict[tuple[int, int], memoryview] = {}
-    blocks = []
+    places: list[tuple[int, list[int], int, int]] = []  # (group, jobs, shard, row width)
+    total = 0
     for group, idxs in by_group.items():
+        for shard in codecs[group].written:
+            width = -(-codecs[group].page_lens[shard] // ALIGN) * ALIGN
+            places.append((group, idxs, shard, width))
+            total += len(idxs) * width
+    if not total:
+        return [], []
+    host = pool.take(total) if pool is not None else torch.empty(total, dtype=torch.uint8)
+    gathered = transfers.gather_block(host, total)
+    buffers: dict[tuple[int, int], memoryview] = {}
+    whole = memoryview(host.numpy()).cast("B")  # rows are slices of it (one view, not one per row)
+    offset = 0
+    for group, idxs, shard, width in places:
         codec, layout, pages = codecs[group], layouts[group], [jobs[i].page for i in idxs]
-        for shard in codec.written:
-            plen, hlen = codec.page_lens[shard], codec.header_lens[shard]
-            width = -(-plen // ALIGN) * ALIGN
-            n = len(idxs) * width
-            block = pool.take(n) if pool is not None else torch.empty(n, dtype=torch.uint8)
-            blocks.append(block)
-            rows = block[:n].view(len(idxs), width)[:, :plen]
-            if not codec.gather_rows(layout, shard, rows, pages):
-                for row, page in zip(rows, pages, strict=True):
-                    codec.gather(layout, page, shard, row[hlen:])
-            for i, row in zip(idxs, rows, strict=True):
-                buffers[(i, shard)] = memoryview(row.numpy()).cast("B")
+        plen, hlen, n = codec.page_lens[shard], codec.header_lens[shard], len(idxs) * width
+        rows = gathered[offset : offset + n].view(len(idxs), width)[:, :plen]
+        if not codec.gather_rows(layout, shard, rows, pages):
+            for row, page in zip(rows, pages, strict=True):
+                codec.gather(layout, page, shard, row[hlen:])
+        for k, i in enumerate(idxs):
+            buffers[(i, shard)] = whole[offset + k * width : offset + k * width + plen]
+        offset += n
+    transfers.store_copy(gathered[:total], host)
     entries = [(job, shard, buffers[(i, shard)]) for i, job in enumerate(jobs)
                for shard in codecs[job.page.group].written]  # fmt: skip
-    return entries, blocks
+    return entries, [host]

@@ -34,8 +34,9 @@ import torch
 from hybrid_offload.backends.base import Backend, BackendError
 from hybrid_offload.backends.wrappers import BackendSkippedError
 from hybrid_offload.connector.config import Tier
+from hybrid_offload.connector.device import DeviceTransfers, Ready
 from hybrid_offload.connector.held import HeldCopies
-from hybrid_offload.connector.memory_pool import LOAD_POOL_BYTES, STORE_POOL_BYTES, MemoryPool
+from hybrid_offload.connector.memory_pool import LOAD_POOL_BYTES, STORE_POOL_BYTES
 from hybrid_offload.connector.metadata import (
     ClearRange,
     CommitJob,
@@ -48,7 +49,15 @@ from hybrid_offload.connector.metadata import (
     TouchJob,
 )
 from hybrid_offload.connector.page_codec import PageCodec
-from hybrid_offload.connector.staging import Decoded, ShardRead, gather_rows, stage_reads, write_pages
+from hybrid_offload.connector.staging import (
+    Decoded,
+    ShardRead,
+    WritePlan,
+    gather_rows,
+    plan_writes,
+    stage_reads,
+    write_pages,
+)
 from hybrid_offload.connector.switch_interval import LoadSwitchInterval
 from hybrid_offload.connector.tiers import OpenTier, WorkerRecorder, open_tier, write_model_card
 from hybrid_offload.core.metrics import Locked, WorkerCounters
@@ -76,6 +85,8 @@ class LoadRun:
     #: the staging memory of the load, and whether a failed read may still write into it
     staging: torch.Tensor | None = None
     tainted: bool = False
+    #: the writes of the verified shards, planned on the load thread
+    plan: WritePlan | None = None
 
 
 #: one shard's sealed-to-be page buffer, queued for the store thread
@@ -94,12 +105,15 @@ class OffloadWorker:
         *,
         load_switch_interval_s: float = 0.0,
         page_key: bytes | None = None,
+        staging_pool_bytes: int = LOAD_POOL_BYTES,
         clock: Callable[[], float] = time.monotonic,
         timer: Callable[[], float] = time.perf_counter,
     ) -> None:
         """``page_key``: pages are signed with it and must verify under it (see ``page_format``).
-        ``clock`` drives the backends' backoff; ``timer`` times the phases of loads."""
+        ``clock`` drives the backends' backoff; ``timer`` times the phases of loads;
+        ``staging_pool_bytes``: free load staging memory kept for the next loads."""
         self.spec = spec
+        self._staging_pool_bytes = staging_pool_bytes
         self._timer = timer
         self.planner = planner
         self._page_key = page_key
@@ -128,17 +142,33 @@ class OffloadWorker:
         self._store_thread.start()
         threading.Thread(target=self._prepare_data_paths, name="hybrid-offload-prepare", daemon=True).start()
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="hybrid-offload-load")
-        self._staging = MemoryPool(LOAD_POOL_BYTES)
-        self._store_rows = MemoryPool(STORE_POOL_BYTES)
+        self._use_device(DeviceTransfers("cpu"))
         self._loads: dict[str, Future] = {}
+        #: loads whose writes are enqueued on the device and not complete yet
+        self._writing: dict[str, tuple[Ready, LoadRun, float, float]] = {}
         self._clears: dict[str, tuple[ClearRange, ...]] = {}
         self._preempted: set[str] = set()
         self._switch = LoadSwitchInterval(load_switch_interval_s)
         self._bad_page_logged: set[str] = set()
         self._namespace_checked = False
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.layouts = build_layouts(self.spec.groups, kv_caches, self.spec.num_blocks)
+    def register_kv_caches(
+        self, kv_caches: dict[str, torch.Tensor], attention_format: str | None = None
+    ) -> None:
+        """Address the tensors vLLM registered (``attention_format``: see ``build_layouts``)."""
+        self.layouts = build_layouts(self.spec.groups, kv_caches, self.spec.num_blocks, attention_format)
+        devices = {t.device for t in kv_caches.values()}
+        if len(devices) == 1:
+            (device,) = devices
+            if device != self.transfers.device:
+                self._use_device(DeviceTransfers(device))
+
+    def _use_device(self, transfers: DeviceTransfers) -> None:
+        """Move bytes to and from ``transfers.device`` (host pools pinned where it has them)."""
+        self.transfers = transfers
+        self._staging = transfers.host_pool(self._staging_pool_bytes)
+        self._store_rows = transfers.host_pool(STORE_POOL_BYTES)
+        self._hold_rows = transfers.host_pool(0)  # held copies are kept outside the pool
 
     def _prepare_data_paths(self) -> None:
         """Backends' one-time transfer setup, off the forward path, so the first store or load
@@ -185,7 +215,8 @@ class OffloadWorker:
             if not self._admit(job, size, nbytes):
                 continue
             if job.hold:  # kept for steps: rows of a block of its own, not from the pool
-                page, (entries, _) = job.page, gather_rows([job], self.codecs, self.layouts, None)
+                page = job.page
+                entries, _ = gather_rows([job], self.codecs, self.layouts, self._hold_rows, self.transfers)
                 shards = [(shard, buf) for _, shard, buf in entries]
                 newest_only = not codec.group.is_attention  # the newest state replaces older ones
                 self._held.hold((job.req_id, page.group, page.chunk_index), shards, newest_only=newest_only)
@@ -193,7 +224,7 @@ class OffloadWorker:
                 queued.append(job)
                 nbytes += size
         if queued:
-            batch, blocks = gather_rows(queued, self.codecs, self.layouts, self._store_rows)
+            batch, blocks = gather_rows(queued, self.codecs, self.layouts, self._store_rows, self.transfers)
             self._queue(batch, nbytes, blocks)
         elapsed = self._timer() - started
         with self.stats.lock:
@@ -230,12 +261,13 @@ class OffloadWorker:
         self._queue(batch, nbytes)
 
     def _queue(self, batch: list[QueuedShard], nbytes: int, blocks: Sequence[torch.Tensor] = ()) -> None:
-        """Queue ``batch``; ``blocks`` (its buffers' memory) go back to the pool once stored."""
+        """Queue ``batch``; ``blocks`` (its buffers' memory) go back to the pool once stored. The
+        store thread starts on it once every copy out of the device enqueued so far is done."""
         if not batch:
             return
         with self._lock:
             self._pending_bytes += nbytes
-        self._store_queue.put((batch, nbytes, blocks))
+        self._store_queue.put((batch, nbytes, blocks, self.transfers.stored()))
         with self.stats.lock:
             self.stats.counters.pages_copied_out += len(batch)
             self.stats.counters.bytes_copied_out += nbytes
@@ -259,8 +291,9 @@ class OffloadWorker:
                 finally:
                     self._store_queue.task_done()
                 continue
-            batch, nbytes, blocks = item
+            batch, nbytes, blocks, ready = item
             try:
+                ready.wait()
                 self._store_batch(batch)
                 for block in blocks:
                     self._store_rows.give(block)  # put_batch copied what it keeps
@@ -353,6 +386,8 @@ class OffloadWorker:
         """
         run = LoadRun(submitted=submitted, started=self._timer())
         run.decoded = self._load_pages(job, run)
+        if run.decoded is not None:
+            run.plan = plan_writes(run.decoded, self.layouts, run.staging)
         run.finished = self._timer()
         return run
 
@@ -455,6 +490,9 @@ class OffloadWorker:
         such a request (vLLM does not preempt requests waiting for KV, so this is defensive)
         is reported as failed without writing into blocks it no longer owns."""
         for req_id in req_ids:
+            writing = self._writing.get(req_id)
+            if writing is not None:
+                writing[0].wait()  # its blocks must be written before vLLM reuses them
             if req_id in self._loads:
                 self._preempted.add(req_id)
                 logger.warning("request %s preempted with a load in flight; its load is dropped", req_id)
@@ -477,16 +515,17 @@ class OffloadWorker:
         """
         recving: set[str] = set()
         failed: set[str] = set()
-        if wait_s > 0 and self._loads and not any(f.done() for f in self._loads.values()):
+        self._written(recving)
+        if wait_s > 0 and not recving and self._loads and not any(f.done() for f in self._loads.values()):
             wait(self._loads.values(), timeout=wait_s, return_when=FIRST_COMPLETED)
         for req_id, future in list(self._loads.items()):
             if not future.done():
                 continue
             del self._loads[req_id]
-            recving.add(req_id)
             clears = self._clears.pop(req_id, ())
             if req_id in self._preempted:
                 self._preempted.discard(req_id)
+                recving.add(req_id)
                 failed.add(req_id)
                 continue
             try:
@@ -494,37 +533,65 @@ class OffloadWorker:
                 decoded = run.decoded
                 if decoded is not None:
                     writing = self._timer()
-                    self._write_into_kv_cache(decoded, clears)
-                    self._record_phases(run, writing)
-                if run.staging is not None and not run.tainted:
+                    with self.transfers.loading():
+                        self._write_into_kv_cache(run.plan or decoded, clears, run.staging)
+                        ready = self.transfers.loaded()
+                    enqueued = self._timer()
+                    if ready.done():  # CPU: written already
+                        self._report_written(run, writing, enqueued, enqueued, recving, req_id)
+                    else:
+                        self._writing[req_id] = (ready, run, writing, enqueued)
+                elif run.staging is not None and not run.tainted:
                     self._staging.give(run.staging)
             except Exception:
                 logger.exception("hybrid-offload load of request %s failed", req_id)
                 decoded = None
             if decoded is None:
+                recving.add(req_id)
                 failed.add(req_id)
-        self._switch.loading(bool(self._loads))
+        self._written(recving)
+        if wait_s > 0 and not recving and self._writing:
+            next(iter(self._writing.values()))[0].wait()  # an idle step: only this copy is left
+            self._written(recving)
+        self._switch.loading(bool(self._loads or self._writing))
         return recving, failed
 
-    def _record_phases(self, run: LoadRun, writing: float) -> None:
-        """Count a written load and where its time went (``load_*_seconds`` counters)."""
-        written = self._timer()
+    def _written(self, recving: set[str]) -> None:
+        """Add the loads whose writes completed on the device to ``recving``; their staging
+        memory goes back to the pool (no copy reads it any more)."""
+        for req_id, (ready, run, writing, enqueued) in list(self._writing.items()):
+            if not ready.done():
+                continue
+            del self._writing[req_id]
+            self._report_written(run, writing, enqueued, self._timer(), recving, req_id)
+
+    def _report_written(
+        self, run: LoadRun, writing: float, enqueued: float, written: float, recving: set[str], req_id: str
+    ) -> None:
+        """A load's writes are complete: report it, give its staging back, count its phases
+        (``load_*_seconds``): ``write`` is the model-runner thread's part (writing on CPU,
+        enqueuing the copies on CUDA), ``total`` ends when the writes were seen complete."""
+        recving.add(req_id)
+        if run.staging is not None and not run.tainted:
+            self._staging.give(run.staging)
         phases = {
             "queued": run.started - run.submitted,
             "prepare": run.finished - run.started - run.read_s - run.verify_s,
             "read": run.read_s,
             "verify": run.verify_s,
             "ready": writing - run.finished,
-            "write": written - writing,
+            "write": enqueued - writing,
             "total": written - run.submitted,
         }
         with self.stats.lock:
             self.stats.counters.record_load(phases)
 
-    def _write_into_kv_cache(self, decoded: list[Decoded], clears: Iterable[ClearRange]) -> None:
+    def _write_into_kv_cache(
+        self, decoded: WritePlan | list[Decoded], clears: Iterable[ClearRange], staging: torch.Tensor | None
+    ) -> None:
         """Scatter a load's verified pages into vLLM's KV cache, then zero the parts of its last
-        attention blocks that it did not fill."""
-        write_pages(decoded, self.layouts)
+        attention blocks that it did not fill (enqueued only, on a device with streams)."""
+        write_pages(decoded, self.layouts, staging, self.transfers)
         self._clear(clears)
 
     def _clear(self, clears: Iterable[ClearRange]) -> None:

@@ -7,6 +7,11 @@ marked K/V through vLLM's own cache-write op once and records where every
 ``(k|v, token, head, dim)`` element lands. Gathers and scatters then use that index map, so
 pages are always ``[token][head][dim]`` whatever the kernel does.
 
+On a GPU (and wherever the format is ``"logical"``) attention tensors are vLLM's logical
+``[blocks, kv_heads, block_size, 2 * head_size]`` views (K then V in the last axis), in any
+physical order of :mod:`.vllm_layouts`: copies address them through their strides, which also
+works for per-layer views into a cross-layer buffer.
+
 Mamba/GDN layers arrive as int8 page views ``(num_blocks, 1, 1, state_bytes)``; the state
 tensors are packed in the spec's order at the start of each block, padding after them.
 """
@@ -14,6 +19,7 @@ tensors are packed in the spec's order at the start of each block, padding after
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +33,15 @@ logger = logging.getLogger(__name__)
 
 # bf16 has too few mantissa bits to hold indices: mark with bit patterns in the normal range.
 _BF16_MARK_BASE = 0x3F80
+
+
+def host_to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``values`` (on the host) on ``device``, copied asynchronously on the current stream: from
+    pinned memory (an async copy from pageable memory can wait for the stream's earlier
+    copies). On the host, ``values`` itself."""
+    if device.type == "cpu":
+        return values
+    return values.pin_memory().to(device, non_blocking=True)
 
 
 class LayoutError(RuntimeError):
@@ -115,6 +130,45 @@ class AttentionGroupLayout:
         views = None if self.views is None else [self.views[i] for i in positions]
         return dataclasses.replace(self, layers=[self.layers[i] for i in positions], views=views)
 
+    @functools.cached_property
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """K and V of every layer as one ``(kernel blocks, kernel_block, layers, heads, dim)``
+        view each, where the layers' views are equally spaced in one buffer (vLLM allocates a
+        group's layers so): one copy moves a token's K (or V) of every layer. None otherwise."""
+        if self.views is None:
+            return None
+        out = []
+        for kv in (0, 1):
+            views = [v[kv] for v in self.views]
+            first = views[0]
+            step = views[1].storage_offset() - first.storage_offset() if len(views) > 1 else 0
+            storage = first.untyped_storage().data_ptr()
+            for i, v in enumerate(views):
+                if v.stride() != first.stride() or v.untyped_storage().data_ptr() != storage:
+                    return None
+                if v.storage_offset() != first.storage_offset() + i * step:
+                    return None
+            b, t, h, d = first.stride()
+            shape = (*first.shape[:2], len(views), *first.shape[2:])
+            out.append(first.as_strided(shape, (b, t, step, h, d), first.storage_offset()))
+        return out[0], out[1]
+
+    def gather_stacked(self, index: TokenIndex, out: torch.Tensor) -> None:
+        """Copy K/V at ``index`` of every layer into ``out`` (shape (2, *index shape, layers,
+        heads, dim)); needs :attr:`stacked`."""
+        assert self.stacked is not None
+        at = (index.kblocks, index.slots)
+        for kv, view in enumerate(self.stacked):
+            out[kv].copy_(view[:, :, :, index.heads][at])
+
+    def scatter_stacked(self, index: TokenIndex, src: torch.Tensor) -> None:
+        """Copy ``src`` (shape (2, *index shape, layers, heads, dim)) into every layer at
+        ``index``; needs :attr:`stacked`."""
+        assert self.stacked is not None
+        at = (index.kblocks, index.slots)
+        for kv, view in enumerate(self.stacked):
+            view[:, :, :, index.heads].index_put_(at, src[kv])
+
     def token_index(
         self, block_ids: list[int], first_token: int, num_tokens: int, heads: slice = slice(None)
     ) -> TokenIndex:
@@ -126,25 +180,40 @@ class AttentionGroupLayout:
         kblock = table[pos // bs] * self.kernel_blocks_per_block + (pos % bs) // self.kernel_block
         slots = pos % self.kernel_block
         if self.views is not None:
-            return TokenIndex(kblock, slots, heads)
+            return TokenIndex(self._on_device(kblock), self._on_device(slots), heads)
         offset = self.perm[:, :, heads][:, slots]  # (2, T, h, D)
         return TokenIndex(kblock, slots, heads, kblock.view(1, -1, 1, 1) * self.block_elems + offset)
 
     def token_rows(
-        self, pages: Sequence[tuple[Sequence[int], int]], num_tokens: int, heads: slice = slice(None)
-    ) -> TokenIndex:
+        self, pages: Sequence[tuple[Sequence[int], int]], num_tokens: int, heads: slice = slice(None),
+        host: bool = False,
+    ) -> TokenIndex:  # fmt: skip
         """As :meth:`token_index` for several (block table, first token) at once, ``num_tokens``
-        each: ``kblocks`` and ``slots`` are (pages, num_tokens). Strided layouts only."""
+        each: ``kblocks`` and ``slots`` are (pages, num_tokens). Strided layouts only. ``host``:
+        left on the host (:meth:`on_device` moves it later)."""
         assert self.views is not None
         bs = self.group.block_size
         firsts = torch.tensor([first for _, first in pages], dtype=torch.int64)
         pos = firsts[:, None] + torch.arange(num_tokens)
         width = (int(firsts.max()) + num_tokens - 1) // bs + 1
-        table = torch.tensor(
-            [(*ids[:width], *(0,) * (width - len(ids[:width]))) for ids, _ in pages], dtype=torch.int64
-        )
+        if width == 1:  # every page inside one block (the chunk divides the block)
+            table = torch.tensor([ids[0] for ids, _ in pages], dtype=torch.int64).view(-1, 1)
+        else:
+            table = torch.tensor(
+                [(*ids[:width], *(0,) * (width - len(ids[:width]))) for ids, _ in pages], dtype=torch.int64
+            )
         kblock = table.gather(1, pos // bs) * self.kernel_blocks_per_block + (pos % bs) // self.kernel_block
-        return TokenIndex(kblock, pos % self.kernel_block, heads)
+        index = TokenIndex(kblock, pos % self.kernel_block, heads)
+        return index if host else self.on_device(index)
+
+    def on_device(self, index: TokenIndex) -> TokenIndex:
+        """``index`` (built on the host) where the KV cache is."""
+        kblocks, slots = self._on_device(index.kblocks), self._on_device(index.slots)
+        return dataclasses.replace(index, kblocks=kblocks, slots=slots)
+
+    def _on_device(self, index: torch.Tensor) -> torch.Tensor:
+        """An index built on the host, where the KV cache is (ordered on the current stream)."""
+        return host_to_device(index, self.layers[0].device)
 
     def gather(self, index: TokenIndex, out: list[torch.Tensor]) -> None:
         """Copy K/V at ``index`` of every layer into ``out[layer]`` (shape (2, T, h, D))."""
@@ -183,7 +252,7 @@ class AttentionGroupLayout:
         at = (index.kblocks, index.slots)
         for kv_views in self.views:
             for view in kv_views:
-                view[:, :, index.heads].index_put_(at, torch.zeros((), dtype=view.dtype))
+                view[:, :, index.heads].index_put_(at, torch.zeros((), dtype=view.dtype, device=view.device))
 
 
 def _strides(perm: torch.Tensor) -> list[tuple[int, int, int, int]] | None:
@@ -211,6 +280,39 @@ class MambaGroupLayout:
     def subset(self, positions: Sequence[int]) -> MambaGroupLayout:
         """This layout over the layers at ``positions`` only (a layer part's)."""
         return MambaGroupLayout(self.group, [self.layers[i] for i in positions])
+
+
+def _logical_attention_layout(
+    group: GroupSpec, tensors: list[torch.Tensor], num_blocks: int
+) -> AttentionGroupLayout:
+    """vLLM's logical ``[blocks, kv_heads, block_size, 2 * head_size]`` per-layer views, any
+    strides: K and V are strided views of them, no probe and no contiguity needed."""
+    first = tensors[0]
+    heads, dim = group.num_kv_heads, group.head_size
+    if first.dim() != 4 or first.shape[1] != heads or first.shape[3] != dim + group.head_size_v:
+        raise LayoutError(
+            f"group {group.index}: attention KV tensor shape {tuple(first.shape)} is not vLLM's "
+            f"[blocks, {heads} kv heads, block size, {dim + group.head_size_v}]"
+        )
+    kblock = first.shape[2]
+    if first.shape[0] % num_blocks or group.block_size % kblock:
+        raise LayoutError(
+            f"group {group.index}: {first.shape[0]} kernel blocks of {kblock} tokens do not tile "
+            f"{num_blocks} blocks of {group.block_size} tokens"
+        )
+    for t in tensors:
+        if t.shape != first.shape or t.stride() != first.stride() or t.dtype != first.dtype:
+            raise LayoutError(f"group {group.index}: layers' KV views differ in shape, strides or dtype")
+    views = [(t[..., :dim].transpose(1, 2), t[..., dim:].transpose(1, 2)) for t in tensors]
+    return AttentionGroupLayout(
+        group=group,
+        layers=list(tensors),
+        perm=torch.empty(0, dtype=torch.int64),
+        kernel_block=kblock,
+        kernel_blocks_per_block=first.shape[0] // num_blocks,
+        block_elems=first[0].numel(),
+        views=views,  # type: ignore[arg-type]
+    )
 
 
 def _attention_layout(group: GroupSpec, tensors: list[torch.Tensor], num_blocks: int) -> AttentionGroupLayout:
@@ -273,9 +375,14 @@ def _mamba_layout(group: GroupSpec, tensors: list[torch.Tensor]) -> MambaGroupLa
 
 
 def build_layouts(
-    groups: tuple[GroupSpec, ...], kv_caches: dict[str, torch.Tensor], num_blocks: int
-) -> dict[int, AttentionGroupLayout | MambaGroupLayout]:
-    """Layouts per group index from the tensors vLLM passes to ``register_kv_caches``."""
+    groups: tuple[GroupSpec, ...], kv_caches: dict[str, torch.Tensor], num_blocks: int,
+    attention_format: str | None = None,
+) -> dict[int, AttentionGroupLayout | MambaGroupLayout]:  # fmt: skip
+    """Layouts per group index from the tensors vLLM passes to ``register_kv_caches``.
+
+    ``attention_format``: ``"cpu"`` (vLLM's CPU attention kernels, which keep their own order
+    inside a block: probed) or ``"logical"`` (vLLM's logical views, as on GPUs); default: by
+    the tensors' device."""
     layouts: dict[int, AttentionGroupLayout | MambaGroupLayout] = {}
     for group in groups:
         if not group.layer_names:
@@ -285,7 +392,10 @@ def build_layouts(
             raise LayoutError(f"group {group.index}: no KV tensor registered for layers {missing}")
         tensors = [kv_caches[n] for n in group.layer_names]
         if group.is_attention:
-            layouts[group.index] = _attention_layout(group, tensors, num_blocks)
+            form = attention_format or ("cpu" if tensors[0].device.type == "cpu" else "logical")
+            logical = form == "logical"
+            build = _logical_attention_layout if logical else _attention_layout
+            layouts[group.index] = build(group, tensors, num_blocks)
         else:
             layouts[group.index] = _mamba_layout(group, tensors)
         logger.info("group %d (%s): %d layers addressed", group.index, group.kind.value, len(tensors))

@@ -1,4 +1,4 @@
-"""`hybrid-offload bench {backends,e2e,load,workloads}`: each benchmark module registers its own flags
+"""`hybrid-offload bench {backends,e2e,gpu,load,workloads}`: each benchmark module registers its own flags
 with ``add_arguments(parser)`` and runs with ``run(args) -> int``."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from typing import Any
 
 BENCHMARKS = {
     "backends": "store/load GB/s and latency per backend vs physical ceilings and LMCache",
+    "gpu": "the data path on a GPU (Qwen3-Next-80B-shaped cache): load/store GB/s vs PCIe ceilings",
     "e2e": "TTFT and prefill throughput per prompt length: cold, vLLM hit, our tiers",
     "load": "concurrency load against `vllm serve` by connector configuration",
     "workloads": "share of the reusable prefix served on chat, agent, RAG and random traffic",
