@@ -127,7 +127,7 @@ def test_stored_pages_decode_to_the_blocks_contents_in_canonical_order(
     w = world(chunk=chunk)
     if recycled:  # store rows given back by earlier steps hold other pages' bytes: all overwritten
         for size in (1 << 10, 1 << 14, 1 << 16, 1 << 20):
-            w.worker._store_rows.give(torch.full((size,), 0xA5, dtype=torch.uint8))
+            w.worker.stores.store_rows.give(torch.full((size,), 0xA5, dtype=torch.uint8))
     table, mamba_table = [3, 7, 5], [4, 9, 2]
     written = w.cache.write_tokens(table, 0, 24)
     w.cache.fill_states(mamba_table)
@@ -165,7 +165,7 @@ def test_stored_pages_decode_to_the_blocks_contents_in_canonical_order(
     assert counters["stores_dropped"] == 0
     assert counters["copy_out_seconds"] > 0
     lengths = sum(w.worker.codecs[p.group].page_lens[0] for p in pages)
-    assert w.worker._store_rows.free_bytes >= lengths  # given back once stored, for the next steps
+    assert w.worker.stores.store_rows.free_bytes >= lengths  # given back once stored, for the next steps
 
 
 def test_copy_out_before_kv_caches_are_registered_is_a_no_op() -> None:
@@ -621,14 +621,14 @@ def test_staging_memory_a_failed_read_was_given_is_never_reused(world) -> None:
     job = load_job(pages_dst, "flaky", "fell-back")
     w.worker.start_loads([LoadJob(job.req_id, job.segments, ("cpu",))])
     assert w.finish("fell-back") == ({"fell-back"}, set())
-    assert w.worker._staging.free_bytes == 0
+    assert w.worker.loads.staging.free_bytes == 0
     w.worker.start_loads([load_job(pages_dst, "cpu", "clean")])
     assert w.finish("clean") == ({"clean"}, set())
-    kept = w.worker._staging.free_bytes
+    kept = w.worker.loads.staging.free_bytes
     assert kept > 0
     w.worker.start_loads([load_job(pages_dst, "cpu", "again")])
     assert w.finish("again") == ({"again"}, set())
-    assert w.worker._staging.free_bytes == kept
+    assert w.worker.loads.staging.free_bytes == kept
 
 
 def test_unavailable_backend_while_deleting_a_corrupt_page(world) -> None:
@@ -720,7 +720,7 @@ def test_down_backend_is_skipped_while_backing_off_then_probed(world) -> None:
 def test_switch_interval_is_lowered_only_while_a_load_is_in_flight(world) -> None:
     default = sys.getswitchinterval()
     w, _, _ = stored_world(world)
-    w.worker._switch.interval_s = 0.0005
+    w.worker.loads.switch.interval_s = 0.0005
     opened = gate(w.backend("cpu"), "get_into")
     w.worker.start_loads([load_job((w.attn_page(0, [11, 6, 13]),))])
     assert sys.getswitchinterval() == 0.0005  # the load thread waits in the gate

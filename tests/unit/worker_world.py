@@ -143,7 +143,7 @@ class World:
     def wait_loaded(self, req_id: str, timeout: float = 60.0) -> None:
         """Block until the load thread is done with ``req_id``'s load (``timeout`` only fires
         on a hang)."""
-        future = self.worker._loads.get(req_id)
+        future = self.worker.loads.in_flight(req_id)
         assert future is not None, f"no load of {req_id} in flight"
         wait([future], timeout)
         assert future.done(), f"load of {req_id} did not finish"

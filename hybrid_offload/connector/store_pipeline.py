@@ -1,0 +1,244 @@
+"""The worker's store pipeline: copy a step's pages out of vLLM's KV cache, seal and put them.
+
+Worker side. The model-runner thread calls :meth:`StorePipeline.copy_out` in ``wait_for_save``
+(after the forward): the only synchronous work is copying this step's completed chunks and
+boundary states out of the KV cache into page buffers (on a GPU: enqueuing the gathers and the
+copy to pinned memory, see :mod:`.device`). Pages the scheduler cannot key yet are *held* (kept
+by request, group and chunk) until a commit names their key, or dropped when their request is
+released. Sealing (checksums) and backend puts run on the store thread, which reports every page
+set it finished (``settled``) so that lookups waiting for it go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from hybrid_offload.backends.base import BackendError
+from hybrid_offload.connector.device import DeviceTransfers
+from hybrid_offload.connector.held import HeldCopies
+from hybrid_offload.connector.memory_pool import STORE_POOL_BYTES
+from hybrid_offload.connector.metadata import CommitJob, StoreJob, TouchJob
+from hybrid_offload.connector.staging import gather_rows
+from hybrid_offload.connector.worker_context import WorkerContext
+from hybrid_offload.core.page_format import seal_page
+
+logger = logging.getLogger(__name__)
+
+_STOP = object()
+
+#: one shard's sealed-to-be page buffer, queued for the store thread
+QueuedShard = tuple[StoreJob, int, bytearray | memoryview]
+
+
+class StorePipeline:
+    """Copies out (model-runner thread), holds, commits, and the store thread."""
+
+    def __init__(self, ctx: WorkerContext, max_pending_store_bytes: int) -> None:
+        self.ctx = ctx
+        self._max_pending = max_pending_store_bytes
+        self._pending_bytes = 0
+        self._held = HeldCopies()
+        self._lock = threading.Lock()
+        self._namespace_checked = False
+        self._store_queue: queue.Queue = queue.Queue()
+        self.use_device(ctx.transfers)
+        self._store_thread = threading.Thread(
+            target=self._store_loop, name="hybrid-offload-store", daemon=True
+        )
+        self._store_thread.start()
+
+    def use_device(self, transfers: DeviceTransfers) -> None:
+        """Host rows for ``transfers.device`` (pinned where it has them)."""
+        self.store_rows = transfers.host_pool(STORE_POOL_BYTES)
+        self._hold_rows = transfers.host_pool(0)  # held copies are kept outside the pool
+
+    def release(self, req_id: str) -> None:
+        """Drop what a released request still holds."""
+        self._held.release(req_id)
+
+    def touch(self, job: TouchJob) -> None:
+        """Queue a recency refresh (after the puts queued before it)."""
+        self._store_queue.put(job)
+
+    def copy_out(self, stores: list[StoreJob]) -> None:
+        """Copy this step's pages (this rank's shards of them) out of the KV cache: stores are
+        queued for the store thread, holds kept until committed (timed: ``copy_out_seconds``)."""
+        stores = [job for job in stores if self.ctx.codecs[job.page.group].written]  # others: not ours
+        if not stores or not self.ctx.layouts:
+            self.ctx.outbox.settle([job.page.key for job in stores if not job.hold])
+            return
+        started = self.ctx.timer()
+        queued: list[StoreJob] = []
+        nbytes = 0
+        for job in stores:
+            codec = self.ctx.codecs[job.page.group]
+            size = sum(codec.page_lens[p] for p in codec.written)
+            if not self._admit(job, size, nbytes):
+                continue
+            if job.hold:  # kept for steps: rows of a block of its own, not from the pool
+                page = job.page
+                entries, _ = gather_rows([job], self.ctx.codecs, self.ctx.layouts, self._hold_rows,
+                                         self.ctx.transfers)  # fmt: skip
+                shards = [(shard, buf) for _, shard, buf in entries]
+                newest_only = not codec.group.is_attention  # the newest state replaces older ones
+                self._held.hold((job.req_id, page.group, page.chunk_index), shards, newest_only=newest_only)
+            else:
+                queued.append(job)
+                nbytes += size
+        if queued:
+            batch, blocks = gather_rows(queued, self.ctx.codecs, self.ctx.layouts, self.store_rows,
+                                        self.ctx.transfers)  # fmt: skip
+            self._queue(batch, nbytes, blocks)
+        elapsed = self.ctx.timer() - started
+        with self.ctx.stats.lock:
+            self.ctx.stats.counters.copy_out_seconds += elapsed
+
+    def _admit(self, job: StoreJob, size: int, queued: int) -> bool:
+        """Whether the pending-bytes budget takes ``size`` more bytes (holds have a budget of
+        their own); a dropped store is counted and settled."""
+        with self._lock:
+            used = self._held.nbytes if job.hold else self._pending_bytes + queued
+            if used + size <= self._max_pending:
+                return True
+        with self.ctx.stats.lock:
+            self.ctx.stats.counters.stores_dropped += 1
+        if not job.hold:
+            self.ctx.outbox.settle([job.page.key])
+        return False
+
+    def commit(self, commits: list[CommitJob]) -> None:
+        """Queue held pages under the keys the scheduler knows now (a page no longer held,
+        e.g. dropped for the budget, is settled as it is)."""
+        batch: list[QueuedShard] = []
+        nbytes = 0
+        for commit in commits:
+            if not self.ctx.codecs[commit.page.group].written:
+                continue  # a group this worker writes no piece of (another stage's layers)
+            shards = self._held.take((commit.req_id, commit.page.group, commit.page.chunk_index))
+            if shards is None:
+                self.ctx.outbox.settle([commit.page.key])
+                continue
+            job = StoreJob(commit.page, commit.backends, commit.req_id)
+            batch.extend((job, shard, buf) for shard, buf in shards)
+            nbytes += sum(len(buf) for _, buf in shards)
+        self._queue(batch, nbytes)
+
+    def _queue(self, batch: list[QueuedShard], nbytes: int, blocks: Sequence[torch.Tensor] = ()) -> None:
+        """Queue ``batch``; ``blocks`` (its buffers' memory) go back to the pool once stored. The
+        store thread starts on it once every copy out of the device enqueued so far is done."""
+        if not batch:
+            return
+        with self._lock:
+            self._pending_bytes += nbytes
+        self._store_queue.put((batch, nbytes, blocks, self.ctx.transfers.stored()))
+        with self.ctx.stats.lock:
+            self.ctx.stats.counters.pages_copied_out += len(batch)
+            self.ctx.stats.counters.bytes_copied_out += nbytes
+
+    def _store_loop(self) -> None:
+        while True:
+            item = self._store_queue.get()
+            if item is _STOP:
+                self._store_queue.task_done()  # or a later flush() would wait for it forever
+                return
+            if isinstance(item, TouchJob):
+                try:
+                    self._touch(item)
+                except Exception:  # the store thread must survive anything a backend does
+                    logger.exception("hybrid-offload touch failed")
+                finally:
+                    self._store_queue.task_done()
+                continue
+            batch, nbytes, blocks, ready = item
+            try:
+                ready.wait()
+                self._store_batch(batch)
+                for block in blocks:
+                    self.store_rows.give(block)  # put_batch copied what it keeps
+            except Exception:  # the store thread must survive anything a backend does
+                logger.exception("hybrid-offload store batch failed")
+                with self.ctx.stats.lock:
+                    self.ctx.stats.counters.store_batch_errors += 1
+            finally:
+                with self._lock:
+                    self._pending_bytes -= nbytes
+                self.ctx.outbox.settle(list(dict.fromkeys(job.page.key for job, _, _ in batch)))
+                self._store_queue.task_done()
+
+    def _check_namespace(self, key: str) -> None:
+        """Once: the scheduler's keys must carry this worker's fingerprint, or pages stored now
+        would never be found by an engine whose scheduler agrees with its workers."""
+        if self._namespace_checked:
+            return
+        self._namespace_checked = True
+        if not key.startswith(self.ctx.spec.fingerprint + "-"):
+            logger.error(
+                "hybrid-offload: the scheduler keys pages under %s but this worker's model "
+                "fingerprint is %s; pages stored now are not shared with other engines",
+                key.partition("-")[0],
+                self.ctx.spec.fingerprint,
+            )
+
+    def _store_batch(self, batch: list[QueuedShard]) -> None:
+        per_backend: dict[str, list[tuple[str, bytearray]]] = {}
+        if batch:
+            self._check_namespace(batch[0][0].page.key)
+        # Deepest page first: a backend's LRU then keeps a prefix more recent than the pages
+        # that need it (a state needs every chunk before it), and evicts from the deep end.
+        for job, shard, buf in reversed(batch):
+            seal_page(buf, self.ctx.codecs[job.page.group].header(job.page, shard), self.ctx.page_key)
+            key = self.ctx.planner.piece_key(job.page.key, job.page.group, shard)
+            for name in job.backends:
+                per_backend.setdefault(name, []).append((key, buf))
+        for name, items in per_backend.items():
+            try:
+                results = self.ctx.backends[name].put_batch(items)
+            except BackendError:
+                with self.ctx.stats.lock:
+                    self.ctx.stats.counters.backend(name).store_failures += len(items)
+                continue
+            stored = [key for (key, _), ok in zip(items, results, strict=True) if ok]
+            self.ctx.outbox.add_stored(name, stored)
+            with self.ctx.stats.lock:
+                counters = self.ctx.stats.counters.backend(name)
+                counters.stored_pages += len(stored)
+                counters.stored_bytes += sum(len(b) for (k, b), ok in zip(items, results, strict=True) if ok)
+                counters.store_failures += len(items) - len(stored)
+
+    def _touch(self, job: TouchJob) -> None:
+        """Store thread: refresh this rank's shards of ``job.pages`` in order."""
+        keys = [
+            self.ctx.planner.piece_key(key, group, shard)
+            for key, group in job.pages
+            for shard in self.ctx.codecs[group].written
+        ]
+        for name in job.backends:
+            backend = self.ctx.backends.get(name)
+            if backend is None or not backend.touch_refreshes or not keys:
+                continue
+            try:
+                backend.touch_batch(keys)
+            except BackendError:
+                continue  # counted by the tier's wrappers; recency is best effort
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until queued stores are written (used at shutdown and by tests)."""
+        done = threading.Event()
+        threading.Thread(target=lambda: (self._store_queue.join(), done.set()), daemon=True).start()
+        done.wait(timeout)
+
+    @property
+    def running(self) -> bool:
+        """Whether the store thread runs (until :meth:`shutdown`)."""
+        return self._store_thread.is_alive()
+
+    def shutdown(self, timeout: float) -> None:
+        if self._store_thread.is_alive():  # idempotent: a second call must not wait on the queue
+            self.flush(timeout)
+            self._store_queue.put(_STOP)
+            self._store_thread.join(timeout)
