@@ -33,8 +33,8 @@ from hybrid_offload.connector.config import (
 )
 from hybrid_offload.connector.metadata import OffloadMetadata, StageLayers
 from hybrid_offload.connector.prometheus import HybridOffloadPromMetrics, HybridOffloadStats
-from hybrid_offload.connector.scheduler import OffloadScheduler
-from hybrid_offload.connector.worker import OffloadWorker
+from hybrid_offload.connector.scheduler.offload_scheduler import OffloadScheduler
+from hybrid_offload.connector.worker.offload_worker import OffloadWorker
 from hybrid_offload.core.layer_parts import LayerPartError
 from hybrid_offload.core.metrics import StatsDelta
 from hybrid_offload.core.planner import HybridOffloadPlanner, LayerMapError, PlannerConfigError

@@ -88,7 +88,7 @@ class BackendCounters:
             self.group_hit_tokens[group] = self.group_hit_tokens.get(group, 0) + tokens
 
 
-#: why reusable tokens were not served (see ``hybrid_offload.connector.coverage``)
+#: why reusable tokens were not served (see ``hybrid_offload.connector.scheduler.coverage``)
 LOSS_REASONS = ("no_state", "evicted", "not_stored", "backend_down")
 
 

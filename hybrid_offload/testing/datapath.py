@@ -19,7 +19,7 @@ import torch
 from hybrid_offload.backends import BackendConfig
 from hybrid_offload.connector.config import DEFAULT_LOAD_SWITCH_INTERVAL_S, Tier, TierPolicy
 from hybrid_offload.connector.metadata import LoadJob, LoadSegment, PageJob, StoreJob
-from hybrid_offload.connector.worker import OffloadWorker
+from hybrid_offload.connector.worker.offload_worker import OffloadWorker
 from hybrid_offload.core.planner import HybridOffloadPlanner
 from hybrid_offload.core.spec import GroupKind, GroupSpec, ModelSpec, make_model_spec
 from hybrid_offload.core.tp_shards import Component, TensorSplit

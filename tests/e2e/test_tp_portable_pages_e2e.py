@@ -30,7 +30,7 @@ from vllm.distributed.utils import get_pp_indices
 from hybrid_offload.backends.base import BackendConfig
 from hybrid_offload.backends.registry import create_backend
 from hybrid_offload.connector.metadata import PageJob
-from hybrid_offload.connector.page_codec import PageCodec
+from hybrid_offload.connector.worker.page_codec import PageCodec
 from hybrid_offload.core.layer_parts import LayerGrid
 from hybrid_offload.core.model_card import is_card_key
 from hybrid_offload.core.page_format import decode_page, seal_page

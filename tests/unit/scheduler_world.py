@@ -13,7 +13,7 @@ from hybrid_offload.backends import BackendConfig, create_backend, register_back
 from hybrid_offload.backends.disk import DiskBackend
 from hybrid_offload.connector.config import Tier, TierPolicy
 from hybrid_offload.connector.metadata import LoadJob, OffloadMetadata, OffloadWorkerMetadata
-from hybrid_offload.connector.scheduler import OffloadScheduler
+from hybrid_offload.connector.scheduler.offload_scheduler import OffloadScheduler
 from hybrid_offload.core.planner import HybridOffloadPlanner
 from hybrid_offload.core.spec import GroupKind, GroupSpec, ModelSpec, make_model_spec
 

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scheduler_world import ATTN, FakeRequest, make_spec, new_req, prompt, step
 
-from hybrid_offload.connector.scope import AdapterIdentities, request_scope
+from hybrid_offload.connector.scheduler.scope import AdapterIdentities, request_scope
 
 TOKENS = prompt(20)  # 2 chunks of 8
 

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hybrid_offload.connector.coverage import Coverage, coverage
-from hybrid_offload.connector.pending import PendingStores
+from hybrid_offload.connector.scheduler.coverage import Coverage, coverage
+from hybrid_offload.connector.scheduler.pending import PendingStores
 from hybrid_offload.core.planner import prefill_checkpoints
 
 

@@ -27,8 +27,8 @@ from worker_world import make_spec as make_worker_spec
 from hybrid_offload.backends import BackendConfig, BackendUnavailableError
 from hybrid_offload.connector import HybridOffloadConnector
 from hybrid_offload.connector.metadata import StoreJob
-from hybrid_offload.connector.page_codec import PageCodec
 from hybrid_offload.connector.prometheus import HybridOffloadPromMetrics, HybridOffloadStats
+from hybrid_offload.connector.worker.page_codec import PageCodec
 from hybrid_offload.core.metrics import ERROR_KINDS, StatsDelta
 from hybrid_offload.testing.session import kv_transfer_config
 

@@ -54,9 +54,9 @@ from hybrid_offload.connector.metadata import (
     StoreJob,
     TouchJob,
 )
-from hybrid_offload.connector.page_codec import PageCodec
-from hybrid_offload.connector.switch_interval import LoadSwitchInterval
-from hybrid_offload.connector.worker import OffloadWorker
+from hybrid_offload.connector.worker.offload_worker import OffloadWorker
+from hybrid_offload.connector.worker.page_codec import PageCodec
+from hybrid_offload.connector.worker.switch_interval import LoadSwitchInterval
 from hybrid_offload.core.metrics import LOAD_PHASES
 from hybrid_offload.core.page_format import decode_page
 from hybrid_offload.core.planner import HybridOffloadPlanner

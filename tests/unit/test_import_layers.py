@@ -166,7 +166,7 @@ def test_the_tests_check_catches_an_imported_test_module(tmp_path: Path) -> None
 @pytest.mark.parametrize("module", [
     f"{PACKAGE}.tools.cli.cache",  # `hybrid-offload cache ...` runs where no engine does
     f"{PACKAGE}.connector.config",  # the cache CLI reads connector configs
-    f"{PACKAGE}.connector.policy",
+    f"{PACKAGE}.connector.scheduler.policy",
 ])
 def test_modules_that_need_no_vllm_import_none(module: str) -> None:
     """The import contract sees module-level imports; this one what importing really loads (the

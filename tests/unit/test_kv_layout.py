@@ -193,7 +193,7 @@ def test_ds_conv_states_make_the_pages_of_sd_and_load_back_transposed() -> None:
     import dataclasses
 
     from hybrid_offload.connector.metadata import PageJob
-    from hybrid_offload.connector.page_codec import PageCodec
+    from hybrid_offload.connector.worker.page_codec import PageCodec
     from hybrid_offload.core.spec import ModelSpec
 
     sd = GroupSpec(0, GroupKind.MAMBA, BLOCK, ("m0", "m1"), 4096, state_shapes=((3, 40), (4, 4)),

@@ -23,7 +23,7 @@ from scheduler_world import (
 )
 
 from hybrid_offload.connector.metadata import OffloadWorkerMetadata
-from hybrid_offload.connector.policy import (
+from hybrid_offload.connector.scheduler.policy import (
     BackendMatch,
     LoadCostModel,
     RangedPolicy,

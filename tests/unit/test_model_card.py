@@ -241,7 +241,7 @@ register_backend("test_card_down", DownDisk)
 
 def start_worker(spec: ModelSpec, backends: tuple[BackendConfig | Tier, ...]) -> Any:
     """An OffloadWorker, once its start-up thread (data paths, model card) is done."""
-    from hybrid_offload.connector.worker import OffloadWorker
+    from hybrid_offload.connector.worker.offload_worker import OffloadWorker
 
     tiers = tuple(b if isinstance(b, Tier) else Tier(b) for b in backends)
     worker = OffloadWorker(spec, HybridOffloadPlanner(spec, 16), tiers, 1 << 30)

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from hybrid_offload.connector.request_state import LoadEvent, LoadPhase, RequestState
+from hybrid_offload.connector.scheduler.request_state import LoadEvent, LoadPhase, RequestState
 
 A, D, S, F, X = (LoadEvent.ADMITTED, LoadEvent.DROPPED, LoadEvent.SENT, LoadEvent.FINISHED,
                  LoadEvent.FAILED)

@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 import torch
 
-from hybrid_offload.connector.memory_pool import MemoryPool
 from hybrid_offload.connector.metadata import PageJob, StoreJob
-from hybrid_offload.connector.page_codec import PageCodec
-from hybrid_offload.connector.staging import Decoded, ShardRead, gather_rows, stage_reads, write_pages
+from hybrid_offload.connector.worker.memory_pool import MemoryPool
+from hybrid_offload.connector.worker.page_codec import PageCodec
+from hybrid_offload.connector.worker.staging import Decoded, ShardRead, gather_rows, stage_reads, write_pages
 from hybrid_offload.core.spec import GroupKind, GroupSpec, ModelSpec, make_model_spec
 from hybrid_offload.engine.kv_layout import AttentionGroupLayout, build_layouts
 

@@ -19,8 +19,8 @@ from hybrid_offload.backends.wrappers import unwrap
 from hybrid_offload.compat import cpu_attention_isa, cpu_attention_reshape_and_cache
 from hybrid_offload.connector.config import Tier
 from hybrid_offload.connector.metadata import LoadJob, LoadSegment, PageJob, StoreJob
-from hybrid_offload.connector.page_codec import PageCodec
-from hybrid_offload.connector.worker import OffloadWorker
+from hybrid_offload.connector.worker.offload_worker import OffloadWorker
+from hybrid_offload.connector.worker.page_codec import PageCodec
 from hybrid_offload.core.planner import HybridOffloadPlanner
 from hybrid_offload.core.spec import GroupKind, GroupSpec, ModelSpec, make_model_spec
 

@@ -20,7 +20,7 @@ would be stored only where steps happen to end. The patch therefore also wraps
 Mamba layers, the split is called in every mode, and outside ``align`` it applies the
 connector's stops only (vLLM's block alignment is an ``align``-mode rule). The connector also
 uses it to end decoding steps with draft tokens before a chunk boundary's last position
-(:meth:`~hybrid_offload.connector.store_plan.StorePlanner.decode_stop`).
+(:meth:`~hybrid_offload.connector.scheduler.store_plan.StorePlanner.decode_stop`).
 """
 
 from __future__ import annotations

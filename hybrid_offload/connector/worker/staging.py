@@ -27,10 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
-from hybrid_offload.connector.device import DeviceTransfers
-from hybrid_offload.connector.memory_pool import MemoryPool
 from hybrid_offload.connector.metadata import PageJob, StoreJob
-from hybrid_offload.connector.page_codec import PageCodec
+from hybrid_offload.connector.worker.device import DeviceTransfers
+from hybrid_offload.connector.worker.memory_pool import MemoryPool
+from hybrid_offload.connector.worker.page_codec import PageCodec
 from hybrid_offload.engine.kv_layout import AttentionGroupLayout, MambaGroupLayout, TokenIndex, host_to_device
 
 

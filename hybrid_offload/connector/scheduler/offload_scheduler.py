@@ -33,7 +33,6 @@ from hybrid_offload.backends.health import BackendHealth
 from hybrid_offload.backends.registry import backend_class
 from hybrid_offload.backends.wrappers import BackendSkippedError
 from hybrid_offload.connector.config import DEFAULT_ADAPTIVE_FORGET_S, Tier
-from hybrid_offload.connector.coverage import coverage
 from hybrid_offload.connector.metadata import (
     ClearRange,
     LoadJob,
@@ -42,11 +41,18 @@ from hybrid_offload.connector.metadata import (
     OffloadWorkerMetadata,
     PageJob,
 )
-from hybrid_offload.connector.pending import DEFAULT_PENDING_STORE_WAIT_S, PendingStores
-from hybrid_offload.connector.policy import BackendMatch, LoadChoice, make_policy, presence_matrix
-from hybrid_offload.connector.request_state import LoadEvent, LoadPhase, RequestState, extend_keys, page_job
-from hybrid_offload.connector.scope import AdapterIdentities, ScopeError, request_scope
-from hybrid_offload.connector.store_plan import StorePlanner
+from hybrid_offload.connector.scheduler.coverage import coverage
+from hybrid_offload.connector.scheduler.pending import DEFAULT_PENDING_STORE_WAIT_S, PendingStores
+from hybrid_offload.connector.scheduler.policy import BackendMatch, LoadChoice, make_policy, presence_matrix
+from hybrid_offload.connector.scheduler.request_state import (
+    LoadEvent,
+    LoadPhase,
+    RequestState,
+    extend_keys,
+    page_job,
+)
+from hybrid_offload.connector.scheduler.scope import AdapterIdentities, ScopeError, request_scope
+from hybrid_offload.connector.scheduler.store_plan import StorePlanner
 from hybrid_offload.connector.tiers import SchedulerRecorder, open_tier
 from hybrid_offload.core.drafting import Drafting
 from hybrid_offload.core.metrics import Locked, SchedulerCounters

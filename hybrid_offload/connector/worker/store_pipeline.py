@@ -19,12 +19,12 @@ from collections.abc import Sequence
 import torch
 
 from hybrid_offload.backends.base import BackendError
-from hybrid_offload.connector.device import DeviceTransfers
-from hybrid_offload.connector.held import HeldCopies
-from hybrid_offload.connector.memory_pool import STORE_POOL_BYTES
 from hybrid_offload.connector.metadata import CommitJob, StoreJob, TouchJob
-from hybrid_offload.connector.staging import gather_rows
-from hybrid_offload.connector.worker_context import WorkerContext
+from hybrid_offload.connector.worker.context import WorkerContext
+from hybrid_offload.connector.worker.device import DeviceTransfers
+from hybrid_offload.connector.worker.held import HeldCopies
+from hybrid_offload.connector.worker.memory_pool import STORE_POOL_BYTES
+from hybrid_offload.connector.worker.staging import gather_rows
 from hybrid_offload.core.page_format import seal_page
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 import torch
 
-from hybrid_offload.connector.memory_pool import MemoryPool
+from hybrid_offload.connector.worker.memory_pool import MemoryPool
 
 __all__ = ["DeviceTransfers", "Ready"]
 

@@ -13,9 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hybrid_offload.backends.base import Backend
-from hybrid_offload.connector.device import DeviceTransfers
 from hybrid_offload.connector.metadata import LoadSample
-from hybrid_offload.connector.page_codec import PageCodec
+from hybrid_offload.connector.worker.device import DeviceTransfers
+from hybrid_offload.connector.worker.page_codec import PageCodec
 from hybrid_offload.core.metrics import Locked, WorkerCounters
 from hybrid_offload.core.planner import HybridOffloadPlanner
 from hybrid_offload.core.spec import ModelSpec

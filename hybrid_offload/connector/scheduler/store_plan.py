@@ -39,14 +39,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from hybrid_offload.connector.metadata import CommitJob, OffloadMetadata, PageJob, StoreJob, TouchJob
-from hybrid_offload.connector.pending import PendingStores
-from hybrid_offload.connector.request_state import RequestState, extend_keys, page_job
+from hybrid_offload.connector.scheduler.pending import PendingStores
+from hybrid_offload.connector.scheduler.request_state import RequestState, extend_keys, page_job
 from hybrid_offload.core.drafting import Drafting, next_decode_stop
 from hybrid_offload.core.planner import HybridOffloadPlanner, prefill_checkpoints
 from hybrid_offload.core.spec import GroupKind
 
 if TYPE_CHECKING:
-    from hybrid_offload.connector.scheduler import BackendView, ChunkSightings
+    from hybrid_offload.connector.scheduler.offload_scheduler import BackendView, ChunkSightings
 
 
 class StorePlanner:

@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
 
-from hybrid_offload.connector.coverage import Coverage
 from hybrid_offload.connector.metadata import PageJob
-from hybrid_offload.connector.policy import LoadChoice
+from hybrid_offload.connector.scheduler.coverage import Coverage
+from hybrid_offload.connector.scheduler.policy import LoadChoice
 from hybrid_offload.core.planner import GroupPlan, HybridOffloadPlanner
 from hybrid_offload.core.spec import GroupKind
 

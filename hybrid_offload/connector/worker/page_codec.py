@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from hybrid_offload.connector.metadata import PageJob
-from hybrid_offload.connector.state_maps import StateMap, byte_map, flat_buffer
+from hybrid_offload.connector.worker.state_maps import StateMap, byte_map, flat_buffer
 from hybrid_offload.core.page_format import CHUNK_HASH_LEN, PageHeader, PageTemplate, header_len, page_len
 from hybrid_offload.core.spec import GroupSpec, ModelSpec
 from hybrid_offload.core.tp_shards import Transfer, read_plan, shards_read, shards_written, transfers

@@ -26,14 +26,14 @@ import torch
 
 from hybrid_offload.backends.base import BackendError
 from hybrid_offload.connector.config import Tier
-from hybrid_offload.connector.device import DeviceTransfers
-from hybrid_offload.connector.load_pipeline import LoadPipeline, LoadRun
-from hybrid_offload.connector.memory_pool import LOAD_POOL_BYTES
 from hybrid_offload.connector.metadata import LoadJob, OffloadMetadata, OffloadWorkerMetadata, StoreJob
-from hybrid_offload.connector.page_codec import PageCodec
-from hybrid_offload.connector.store_pipeline import StorePipeline
 from hybrid_offload.connector.tiers import OpenTier, WorkerRecorder, open_tier, write_model_card
-from hybrid_offload.connector.worker_context import WorkerContext
+from hybrid_offload.connector.worker.context import WorkerContext
+from hybrid_offload.connector.worker.device import DeviceTransfers
+from hybrid_offload.connector.worker.load_pipeline import LoadPipeline, LoadRun
+from hybrid_offload.connector.worker.memory_pool import LOAD_POOL_BYTES
+from hybrid_offload.connector.worker.page_codec import PageCodec
+from hybrid_offload.connector.worker.store_pipeline import StorePipeline
 from hybrid_offload.core.metrics import Locked, WorkerCounters
 from hybrid_offload.core.planner import HybridOffloadPlanner
 from hybrid_offload.core.spec import ModelSpec

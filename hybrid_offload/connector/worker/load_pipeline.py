@@ -23,10 +23,11 @@ import torch
 
 from hybrid_offload.backends.base import Backend, BackendError
 from hybrid_offload.backends.wrappers import BackendSkippedError
-from hybrid_offload.connector.device import DeviceTransfers, Ready
 from hybrid_offload.connector.metadata import ClearRange, LoadJob, PageJob
-from hybrid_offload.connector.page_codec import PageCodec
-from hybrid_offload.connector.staging import (
+from hybrid_offload.connector.worker.context import WorkerContext
+from hybrid_offload.connector.worker.device import DeviceTransfers, Ready
+from hybrid_offload.connector.worker.page_codec import PageCodec
+from hybrid_offload.connector.worker.staging import (
     Decoded,
     ShardRead,
     WritePlan,
@@ -34,8 +35,7 @@ from hybrid_offload.connector.staging import (
     stage_reads,
     write_pages,
 )
-from hybrid_offload.connector.switch_interval import LoadSwitchInterval
-from hybrid_offload.connector.worker_context import WorkerContext
+from hybrid_offload.connector.worker.switch_interval import LoadSwitchInterval
 from hybrid_offload.core.page_format import PageFormatError, verify_page
 from hybrid_offload.engine.kv_layout import AttentionGroupLayout
 

@@ -21,7 +21,6 @@ from typing import Protocol
 import torch
 
 from hybrid_offload.core.spec import DTYPE_SIZES, GroupSpec, TensorSpec
-from hybrid_offload.engine.kv_layout import host_to_device
 
 _UNITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
@@ -130,11 +129,9 @@ class StateMap:
         values = payload.view(dtype)
         if src is not None:
             values = values.index_select(0, src)
-        index = dst if len(blocks) == 1 and blocks[0] == 0 else (
-            dst + host_to_device(torch.tensor(list(blocks), dtype=torch.int64), dst.device)
-            .mul_(self.block_stride // unit).view(-1, 1)).flatten()  # fmt: skip
-        values = values if len(blocks) == 1 else values.repeat(len(blocks))
-        self.buffer.view(dtype).index_copy_(0, index, values)
+        buffer, stride = self.buffer.view(dtype), self.block_stride // unit
+        for block in blocks:  # one block but in Mamba cache mode "all"
+            buffer.index_copy_(0, dst.add(block * stride) if block else dst, values)
 
     def gather(self, payload: torch.Tensor, block: int) -> None:
         """Copy block ``block``'s states of the piece into ``payload`` (uint8)."""
