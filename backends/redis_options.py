@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import re
 from typing import Any
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 from redis.cluster import ClusterNode
 
@@ -59,18 +59,24 @@ COMMON_DEFAULTS: dict[str, Any] = {
 }
 
 
+#: query keys that carry credentials (redis-py's ``from_url`` reads ``password`` there)
+_CREDENTIAL_KEYS = ("pass", "auth", "token", "secret", "key")
+
+
 def redact_url(url: str) -> str:
-    """``url`` with its password (if any) replaced by ``***``."""
+    """``url`` with its password (if any) and its query string (if any) replaced by ``***``."""
     try:
         parts = urlsplit(url)
         password = parts.password
     except ValueError:
         return "<unparsable url>"
-    if password is None:
-        return url
-    user = parts.username or ""
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    if parts.query:
+        parts = parts._replace(query="***")
+    if password is not None:
+        user = parts.username or ""
+        host = parts.netloc.rpartition("@")[2]
+        parts = parts._replace(netloc=f"{user}:***@{host}")
+    return urlunsplit(parts)
 
 
 def bad_option(key: str, why: str) -> BackendConfigError:
@@ -93,6 +99,15 @@ def check_url(url: Any, *, cluster_only: bool) -> bool:
             f"{redact_url(url)!r} holds a password, which would be visible on command lines and in "
             "logs: give it with 'password_file' (a file holding it) or 'password_env' (the name of "
             "an environment variable holding it); a user name may stay in the url",
+        )
+    credentials = sorted({k for k, _ in parse_qsl(parts.query, keep_blank_values=True)
+                          if any(c in k.lower() for c in _CREDENTIAL_KEYS)})  # fmt: skip
+    if credentials:
+        raise bad_option(
+            "url",
+            f"{redact_url(url)!r} holds credentials in its query ({', '.join(credentials)}), which "
+            "would be visible on command lines and in logs: give the password with 'password_file' "
+            "or 'password_env'",
         )
     if parts.scheme not in _SCHEMES:
         raise bad_option("url", f"scheme must be one of {sorted(_SCHEMES)}, got {parts.scheme!r}")

@@ -321,7 +321,12 @@ class PeerServer:
             self._send(conn, p.Error(p.ErrorCode.HELLO_REQUIRED, "first message must be HELLO"), request_id)
             return False
         if not hmac.compare_digest(request.token, self._token):
-            logger.warning("client %s (%s): wrong token; closing", conn.address, request.client_name)
+            # the name is the unauthenticated client's: escaped and cut, and the warning is the
+            # rate-limited report of closed connections (a flood of HELLOs must not flood the log)
+            name = ascii(request.client_name[:64])
+            logger.debug("client %s (%s): wrong token; closing", conn.address, name)
+            self._note_dropped("wrong token")
+            self._report_dropped()
             self._send(conn, p.Error(p.ErrorCode.AUTH_FAILED, "wrong token"), request_id)
             return False
         logger.debug("client %s is %s", conn.address, request.client_name)

@@ -408,3 +408,27 @@ def test_tokens_from_file_or_env_never_literal_and_never_logged(
         clients([peer.address], token_file=str(tmp_path / "missing"))
     assert secret not in repr(by_file.__dict__)
     assert secret not in peer.log
+
+
+def test_wrong_tokens_neither_flood_nor_forge_the_peer_log(peers: PeerFactory) -> None:
+    """Issue 31 M3: a client that is not authenticated controls its HELLO's name. 300 wrong
+    HELLOs, each naming itself with a newline, a forged log line and 60 KiB of filler, must not
+    write that name into the log (no forged line, no megabytes): they are counted into the
+    rate-limited report of closed connections instead."""
+    peer = peers(token="the-right-token")
+    before = len(peer.log)
+    forged = "WARNING hybrid_offload forged: all pages verified"
+    name = "x\n" + forged + "\n" + "y" * (60 * KiB)
+    for _ in range(300):
+        sock = _connect(peer.address)
+        try:
+            p.send_message(sock, p.Hello(b"not-the-token", name), 1)
+            reply, _ = p.recv_message(sock)
+            assert isinstance(reply, p.Error) and reply.code == p.ErrorCode.AUTH_FAILED
+        finally:
+            sock.close()
+    wait_until(lambda: "wrong token" in peer.log[before:], timeout_s=15, what="the wrong-token report")
+    grown = peer.log[before:]
+    assert forged not in grown.splitlines()
+    assert not any(line.startswith("WARNING hybrid_offload forged") for line in grown.splitlines())
+    assert len(grown) < 20 * KiB, f"{len(grown)} bytes of log for 300 wrong HELLOs"

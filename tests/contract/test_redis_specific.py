@@ -226,6 +226,23 @@ def test_password_in_url_or_literal_is_refused(tmp_path: Path) -> None:
         make_redis("redis://127.0.0.1:6379/0", password_env="HOP_TEST_SURELY_UNSET_VARIABLE")
 
 
+def test_a_password_in_the_url_query_is_refused_and_never_shown(
+    own_server: Callable[..., RedisServer],
+) -> None:
+    """Issue 31 L1: redis-py reads ``?password=`` from a url, so a password there is as visible
+    as one in the netloc; refused naming 'url' without showing it, and query strings are
+    redacted wherever a url is shown."""
+    srv = own_server("--requirepass", "pw-in-query")
+    for url in (f"{srv.url}?password=pw-in-query", f"{srv.url}?socket_timeout=5&Password=pw-in-query"):
+        with pytest.raises(BackendConfigError, match=r"'url'.*credentials") as info:
+            make_redis(url)
+        assert "pw-in-query" not in str(info.value) and "password_file" in str(info.value)
+    from hybrid_offload.backends.redis_options import redact_url
+
+    assert "pw-in-query" not in redact_url(f"{srv.url}?password=pw-in-query")
+    assert redact_url("redis://alice:pw@h:1/0?x=1") == "redis://alice:***@h:1/0?***"
+
+
 def test_acl_user_in_url_password_from_file(own_server: Callable[..., RedisServer], tmp_path: Path) -> None:
     srv = own_server("--user", "default", "off", "--user", "alice", "on", ">pw1", "~*", "+@all")
     alice = srv.url.replace("redis://", "redis://alice@")
