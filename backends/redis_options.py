@@ -59,8 +59,9 @@ COMMON_DEFAULTS: dict[str, Any] = {
 }
 
 
-#: query keys that carry credentials (redis-py's ``from_url`` reads ``password`` there)
-_CREDENTIAL_KEYS = ("pass", "auth", "token", "secret", "key")
+#: query keys that carry credentials (redis-py's ``from_url`` reads ``password`` there); not
+#: e.g. ``ssl_keyfile``, a path
+_CREDENTIAL_KEYS = ("password", "passwd", "pwd", "auth", "token", "secret")
 
 
 def redact_url(url: str) -> str:

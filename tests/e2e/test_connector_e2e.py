@@ -83,7 +83,7 @@ def test_cpu_then_disk_after_restart(
 ZEROING_CHILD = """
 import sys
 import torch
-from hybrid_offload.connector import page_codec
+from hybrid_offload.connector.worker import page_codec
 from hybrid_offload.engine.kv_layout import MambaGroupLayout
 real_scatter = page_codec.PageCodec.scatter
 def zero_scatter(self, layout, page, shard, payload):
