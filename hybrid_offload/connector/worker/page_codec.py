@@ -12,32 +12,17 @@ ones overlapping it (``read``), so a set written at any PP x TP layout loads at 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from hybrid_offload.connector.metadata import PageJob
-from hybrid_offload.connector.worker.state_maps import StateMap, byte_map, flat_buffer
+from hybrid_offload.connector.worker.state_maps import Run, StateMap, byte_map, flat_buffer
 from hybrid_offload.core.page_format import CHUNK_HASH_LEN, PageHeader, PageTemplate, header_len, page_len
 from hybrid_offload.core.spec import GroupSpec, ModelSpec
 from hybrid_offload.core.tp_shards import Transfer, read_plan, shards_read, shards_written, transfers
 from hybrid_offload.engine.kv_layout import AttentionGroupLayout, LayoutError, MambaGroupLayout, TokenIndex
 
 Layout = AttentionGroupLayout | MambaGroupLayout
-
-
-@dataclass(frozen=True)
-class Run:
-    """Copy ``length`` indices along ``axis`` of state tensor ``tensor``: this rank's tensor
-    from ``rank_start``, the shard's part ``part`` (its index in the shard's layer parts) from
-    ``part_start``."""
-
-    tensor: int
-    axis: int
-    part: int
-    part_start: int
-    rank_start: int
-    length: int
 
 
 def _dtype(name: str) -> torch.dtype:

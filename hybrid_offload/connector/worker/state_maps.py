@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Protocol
+from dataclasses import dataclass
 
 import torch
 
@@ -25,9 +25,11 @@ from hybrid_offload.core.spec import DTYPE_SIZES, GroupSpec, TensorSpec
 _UNITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
-class Run(Protocol):
-    """Copy ``length`` indices along ``axis`` of state tensor ``tensor``: the rank's from
-    ``rank_start``, the payload part ``part`` from ``part_start`` (``page_codec.Run``)."""
+@dataclass(frozen=True)
+class Run:
+    """Copy ``length`` indices along ``axis`` of state tensor ``tensor``: this rank's tensor
+    from ``rank_start``, the shard's part ``part`` (its index in the shard's layer parts) from
+    ``part_start``. (Attention pieces use it for runs of KV heads: ``tensor`` 0, the head axis.)"""
 
     tensor: int
     axis: int
