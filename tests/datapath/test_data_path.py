@@ -69,6 +69,20 @@ def loaded_tokens(world: KVWorld, n: int) -> int:
     return n // world.chunk * world.chunk
 
 
+def round_trip(writer: KVWorld, reader: KVWorld, tier: str, n: int, seed: int) -> None:
+    """Random KV and states in ``writer``; a request of ``n`` tokens stored from one block table
+    and loaded by ``reader`` into another: the loaded tokens and states are bit-identical."""
+    blocks = writer.spec.num_blocks
+    fill_random(writer.raw, seed)
+    tokens = tokens_of(n, seed)
+    src, dst = tables(writer, n)
+    writer.store(writer.pages(tokens, src, blocks - 2), [tier])
+    assert reader.load(reader.pages(tokens, dst, blocks - 1), tier)
+    assert_same_kv(writer, src, reader, dst, loaded_tokens(writer, n))
+    for g in writer.spec.groups[1:]:
+        assert torch.equal(writer.state_bytes(g.index, blocks - 2), reader.state_bytes(g.index, blocks - 1))
+
+
 @pytest.fixture
 def worlds(tmp_path: Path) -> Iterator[list[KVWorld]]:
     made: list[KVWorld] = []
@@ -113,14 +127,7 @@ def test_pages_written_in_one_layout_load_in_another(
     a = KVWorld(SMALL, blocks, writer, device, tiers("disk", tmp_path))
     b = KVWorld(SMALL, blocks, reader, device, tiers("disk", tmp_path))  # another engine, same disk
     worlds.extend([a, b])
-    fill_random(a.raw, 2)
-    tokens = tokens_of(n, 1)
-    src, dst = tables(a, n)
-    a.store(a.pages(tokens, src, blocks - 2), ["disk"])
-    assert b.load(b.pages(tokens, dst, blocks - 1), "disk")
-    assert_same_kv(a, src, b, dst, loaded_tokens(a, n))
-    for g in a.spec.groups[1:]:
-        assert torch.equal(a.state_bytes(g.index, blocks - 2), b.state_bytes(g.index, blocks - 1))
+    round_trip(a, b, "disk", n, 1)
 
 
 def _tp1_state(shape: HybridShape, ranks: list[torch.Tensor]) -> torch.Tensor:
@@ -196,11 +203,4 @@ def test_a_long_request_of_a_qwen3_next_shaped_cache(device: str, n: int, tmp_pa
     blocks = blocks_for(shape, n)
     w = KVWorld(shape, blocks, "LBNHC", device, tiers("cpu", tmp_path), staging_pool_bytes=4 << 30)
     worlds.append(w)
-    fill_random(w.raw, 3)
-    tokens = tokens_of(n, 3)
-    src, dst = tables(w, n)
-    w.store(w.pages(tokens, src, blocks - 2), ["cpu"])
-    assert w.load(w.pages(tokens, dst, blocks - 1), "cpu")
-    assert_same_kv(w, src, w, dst, loaded_tokens(w, n))
-    for g in w.spec.groups[1:]:
-        assert torch.equal(w.state_bytes(g.index, blocks - 2), w.state_bytes(g.index, blocks - 1))
+    round_trip(w, w, "cpu", n, 3)
