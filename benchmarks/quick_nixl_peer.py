@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from hybrid_offload.backends import BackendConfig, create_backend
-from hybrid_offload.backends.nixl_peer import protocol as p
+from hybrid_offload.backends.nixl_peer.auth import raw_handshake
 from hybrid_offload.compat import nixl_api
 from hybrid_offload.testing.services import start_peer
 
@@ -42,9 +42,7 @@ def best(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
 def raw_nixl(address: str, total: int, page: int, batch: int, repeats: int) -> dict[str, float]:
     host, port = address.split(":")
     with socket.create_connection((host, int(port))) as sock:
-        p.send_message(sock, p.Hello(b"", "bench-raw"), 1)
-        hello, _ = p.recv_message(sock)
-    assert isinstance(hello, p.HelloReply)
+        hello = raw_handshake(sock, b"", "bench-raw")
     api = nixl_api()
     agent = api.nixl_agent(f"bench-{uuid.uuid4().hex}", api.nixl_agent_config(False, backends=["UCX"]))
     buf = np.ones(total, dtype=np.uint8)

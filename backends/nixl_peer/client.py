@@ -37,8 +37,10 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
   ``nixlRemoteDisconnectError``) marks that peer down for the backoff, counts ``stats.errors``
   and turns its keys into misses / refused puts (counted in ``put_refused``). When every
   configured peer is down the call raises :class:`BackendUnavailableError`. A peer that answers
-  again is re-handshaken. Construction never contacts a peer. A wrong token is refused by the
-  peer and reported as down with the reason ("wrong token").
+  again is re-handshaken. Construction never contacts a peer. The handshake proves the token
+  both ways without sending it (:mod:`.auth`): a wrong token is refused by the peer, and a
+  process at the peer's address that cannot prove the token is refused by the client; both
+  are reported as down with the reason.
 * **Threading.** One lock per peer serializes its control socket; the data path's lock the
   NIXL agent and the staging buffer. Counters have their own lock.
 * **Listing.** ``scan`` pages through each peer with SCAN; ``mtime`` is the peer's last commit
@@ -188,7 +190,7 @@ class NixlPeerBackend(Backend):
                 fresh = peer.sock is None
                 try:
                     if fresh:
-                        peer.connect(p.Hello(self._token.value, self.agent_name), self._timeout)
+                        peer.connect(self._token.value, self.agent_name, self._timeout)
                     reply = peer.exchange(request, wait=wait)
                     if not wait:
                         return None, peer.hello  # type: ignore[return-value]

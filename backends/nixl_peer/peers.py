@@ -9,12 +9,9 @@ import threading
 
 from ..health import BackendHealth
 from . import protocol as p
+from .auth import client_handshake
 
 logger = logging.getLogger(__name__)
-
-#: why a peer refused HELLO, by error code
-_REFUSALS = {p.ErrorCode.AUTH_FAILED: "wrong token", p.ErrorCode.BUSY: "peer busy"}
-
 
 def parse_address(address: object) -> tuple[str, int]:
     """``"host:port"`` -> ``(host, port)``; ValueError if malformed."""
@@ -78,25 +75,19 @@ class PeerState:
                 raise p.ProtocolError(p.ErrorCode.MALFORMED, f"reply to request {request_id}")
             return reply
 
-    def connect(self, hello: p.Hello, timeout: float) -> None:
-        """Connect and handshake; raises OSError / ProtocolError (ConnectionRefusedError naming
-        the reason when the peer refuses HELLO)."""
+    def connect(self, token: bytes, name: str, timeout: float) -> None:
+        """Connect and run the handshake (:mod:`.auth`); raises OSError / ProtocolError
+        (ConnectionRefusedError naming the reason when the peer refuses or fails to prove the
+        token)."""
         sock = socket.create_connection((self.host, self.port), timeout=timeout)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(timeout)
             self.sock = sock
-            reply = self.exchange(hello)
+            reply = client_handshake(self.exchange, token, name)
         except BaseException:
             self.disconnect()
             raise
-        if isinstance(reply, p.Error):
-            self.disconnect()
-            what = _REFUSALS.get(reply.code, "handshake refused")  # type: ignore[call-overload]
-            raise ConnectionRefusedError(f"peer refused the connection ({what}): {reply.message}")
-        if not isinstance(reply, p.HelloReply):
-            self.disconnect()
-            raise p.ProtocolError(p.ErrorCode.MALFORMED, f"HELLO answered by {type(reply).__name__}")
         if self.hello is None or self.hello.agent_name != reply.agent_name:
             logger.info("nixl peer %s is agent %s", self.address, reply.agent_name)
         self.hello = reply

@@ -14,7 +14,8 @@ Requests and their replies (reply type = request type | 0x80; any request may ge
 :class:`Error` instead):
 
 =========  ==================================  =============================================
-HELLO      token, client name                  peer agent name, NIXL metadata, pool info
+HELLO      client nonce, client name           CHALLENGE: peer nonce, peer proof
+PROVE      client proof                        peer agent name, NIXL metadata, pool info, MAC
 LOOKUP     keys                                present bitmap (no LRU refresh)
 GET        keys                                lease id, per key (offset, length) or miss
 RELEASE    lease id                            ack
@@ -25,6 +26,8 @@ USED       -                                   used, reserved and free pool byte
 SCAN       key prefix, after key, limit        up to limit (key, size, idle ms) in key order
                                                after ``after``, and whether more may follow
 =========  ==================================  =============================================
+
+The handshake (HELLO, PROVE) is :mod:`.auth`'s: the token never crosses the wire.
 
 Versioning: :data:`VERSION` changes only when the framing or an existing body changes. New
 request types are added without a bump (SCAN was): a peer that predates one answers
@@ -66,6 +69,7 @@ __all__ = [
     "VERSION",
     "Alloc",
     "AllocReply",
+    "Challenge",
     "Commit",
     "CommitReply",
     "Delete",
@@ -80,6 +84,7 @@ __all__ = [
     "LookupReply",
     "Message",
     "ProtocolError",
+    "Prove",
     "Release",
     "ReleaseReply",
     "Scan",
@@ -94,14 +99,15 @@ __all__ = [
 ]
 
 MAGIC = b"HOPP"
-VERSION = 1
+VERSION = 2  # 2: the handshake proves the token instead of sending it
 HEADER = struct.Struct("!4sBBHII")  # magic, version, type, flags, request id, body length
 MAX_BODY = 16 << 20
 MISS = (1 << 64) - 1  # offset meaning "no such page" / "refused"
 #: entries per SCAN reply at most (a reply then stays below ~2.5 MiB, far under MAX_BODY)
 SCAN_MAX_ENTRIES = 16384
 _REPLY = 0x80
-#: the largest HELLO body (two 16-bit length-prefixed fields): all a peer reads before HELLO
+#: the largest HELLO body (two 16-bit length-prefixed fields): all a peer reads before the
+#: handshake is done (PROVE is smaller)
 MAX_HELLO_BODY = 2 * (2 + 0xFFFF)
 
 # -- messages ---------------------------------------------------------------------------------
@@ -122,12 +128,14 @@ class Message:
 
 @dataclass(frozen=True)
 class Hello(Message):
+    """Opens the handshake (:mod:`.auth`): the client's nonce, never its token."""
+
     TYPE: ClassVar[int] = 1
-    token: bytes
+    nonce: bytes
     client_name: str
 
     def body(self) -> bytes:
-        return blob16_field(self.token) + blob16_field(self.client_name.encode())
+        return blob16_field(self.nonce) + blob16_field(self.client_name.encode())
 
     @classmethod
     def parse(cls, reader: Reader) -> Hello:
@@ -135,22 +143,62 @@ class Hello(Message):
 
 
 @dataclass(frozen=True)
-class HelloReply(Message):
+class Challenge(Message):
+    """The peer's nonce and its proof that it holds the token."""
+
     TYPE: ClassVar[int] = 1 | _REPLY
+    nonce: bytes
+    proof: bytes
+
+    def body(self) -> bytes:
+        return blob16_field(self.nonce) + blob16_field(self.proof)
+
+    @classmethod
+    def parse(cls, reader: Reader) -> Challenge:
+        return cls(reader.blob16(), reader.blob16())
+
+
+@dataclass(frozen=True)
+class Prove(Message):
+    """The client's proof that it holds the token."""
+
+    TYPE: ClassVar[int] = 10
+    proof: bytes
+
+    def body(self) -> bytes:
+        return blob16_field(self.proof)
+
+    @classmethod
+    def parse(cls, reader: Reader) -> Prove:
+        return cls(reader.blob16())
+
+
+@dataclass(frozen=True)
+class HelloReply(Message):
+    """What a client needs from its peer, after both proved the token; ``mac`` binds these
+    fields to the handshake (:func:`.auth.welcome_mac`)."""
+
+    TYPE: ClassVar[int] = 10 | _REPLY
     agent_name: str
     metadata: bytes
     pool_base: int
     pool_size: int
     capacity: int
+    mac: bytes = b""
 
-    def body(self) -> bytes:
+    def fields(self) -> bytes:
+        """The body without the MAC: what the MAC covers."""
         meta = U32.pack(len(self.metadata)) + self.metadata
         nums = u64s_field([self.pool_base, self.pool_size, self.capacity])
         return blob16_field(self.agent_name.encode()) + meta + nums
 
+    def body(self) -> bytes:
+        return self.fields() + blob16_field(self.mac)
+
     @classmethod
     def parse(cls, reader: Reader) -> HelloReply:
-        return cls(reader.text16(), reader.blob32(), reader.u64(), reader.u64(), reader.u64())
+        name, metadata = reader.text16(), reader.blob32()
+        return cls(name, metadata, reader.u64(), reader.u64(), reader.u64(), reader.blob16())
 
 
 @dataclass(frozen=True)
@@ -418,7 +466,7 @@ class Error(Message):
 _TYPES: dict[int, type[Message]] = {
     cls.TYPE: cls
     for cls in (
-        Hello, HelloReply, Lookup, LookupReply, Get, GetReply, Release, ReleaseReply, Alloc,
+        Hello, Challenge, Prove, HelloReply, Lookup, LookupReply, Get, GetReply, Release, ReleaseReply, Alloc,
         AllocReply, Commit, CommitReply, Delete, DeleteReply, Used, UsedReply, Scan, ScanReply,
         Error,
     )

@@ -9,7 +9,8 @@ protocol (:mod:`.protocol`) and keeps the index (:mod:`.pool`).
   initiators would otherwise get connection refused). The pool is one ``numpy.uint8`` array,
   registered once; HELLO replies carry the agent metadata and the pool's base address.
 * **Control channel.** A thread per connection (blocking sockets); one lock guards the index.
-  The first message must be HELLO with the right token, else ERROR and the connection closes.
+  The handshake (HELLO, PROVE: :mod:`.auth`) must come first and prove the token, else ERROR
+  and the connection closes.
   A malformed or oversized message gets ERROR and closes that connection only. Before HELLO a
   frame may be no larger than HELLO can be; bodies are read as they arrive.
 * **Untrusted clients** (:mod:`.connections`): connections are capped in all and before HELLO,
@@ -31,8 +32,8 @@ protocol (:mod:`.protocol`) and keeps the index (:mod:`.pool`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
-import hmac
 import logging
 import resource
 import signal
@@ -50,6 +51,7 @@ from hybrid_offload.compat import check_versions, nixl_agent
 from hybrid_offload.core.secrets import Secret
 
 from . import protocol as p
+from .auth import challenge, check_client, welcome_mac
 from .connections import Connection, ConnectionTable, Limits
 from .exposure import check_bind, ucx_env
 from .pool import ALIGN, NotOwnedError, PageIndex, PendingLimitError, scan_pages
@@ -281,17 +283,28 @@ class PeerServer:
 
     def _serve(self, conn: Connection) -> None:
         greeted = False
+        nonces: tuple[bytes, bytes] | None = None  # (client's, ours) once HELLO was answered
         try:
             while not self._stop.is_set():
                 try:
                     max_body = p.MAX_BODY if greeted else p.MAX_HELLO_BODY
                     request, request_id = p.recv_message(conn.sock, max_body)
+                    if nonces is None:
+                        nonces = self._challenge(conn, request, request_id)
+                        if nonces is None:
+                            return
+                        continue
                 except p.ProtocolError as exc:
-                    logger.warning("client %s: %s; closing", conn.address, exc)
+                    if greeted:
+                        logger.warning("client %s: %s; closing", conn.address, exc)
+                    else:  # unauthenticated: counted into the rate-limited report
+                        logger.debug("client %s: %s; closing", conn.address, exc)
+                        self._note_dropped("malformed handshake")
+                        self._report_dropped()
                     self._send(conn, p.Error(exc.code, str(exc)), 0)
                     return
                 if not greeted:
-                    greeted = self._greet(conn, request, request_id)
+                    greeted = self._greet(conn, request, request_id, nonces)
                     if not greeted:
                         return
                     continue
@@ -316,20 +329,33 @@ class PeerServer:
         with contextlib.suppress(OSError):
             p.send_message(conn.sock, message, request_id)
 
-    def _greet(self, conn: Connection, request: p.Message, request_id: int) -> bool:
+    def _challenge(
+        self, conn: Connection, request: p.Message, request_id: int
+    ) -> tuple[bytes, bytes] | None:
+        """Answer HELLO with our nonce and proof: ``(client nonce, our nonce)``, or None when
+        the first message is not HELLO (answered with ERROR)."""
         if not isinstance(request, p.Hello):
             self._send(conn, p.Error(p.ErrorCode.HELLO_REQUIRED, "first message must be HELLO"), request_id)
+            return None
+        reply, nonce = challenge(self._token, request)
+        self._send(conn, reply, request_id)
+        return request.nonce, nonce
+
+    def _greet(
+        self, conn: Connection, request: p.Message, request_id: int, nonces: tuple[bytes, bytes]
+    ) -> bool:
+        if not isinstance(request, p.Prove):
+            out_of_turn = p.Error(p.ErrorCode.HELLO_REQUIRED, "HELLO must be followed by PROVE")
+            self._send(conn, out_of_turn, request_id)
             return False
-        if not hmac.compare_digest(request.token, self._token):
-            # the name is the unauthenticated client's: escaped and cut, and the warning is the
-            # rate-limited report of closed connections (a flood of HELLOs must not flood the log)
-            name = ascii(request.client_name[:64])
-            logger.debug("client %s (%s): wrong token; closing", conn.address, name)
+        if not check_client(self._token, *nonces, request):
+            # no client-controlled text is logged, and the warning is the rate-limited report of
+            # closed connections (a flood of handshakes must not flood the log)
+            logger.debug("client %s: wrong token; closing", conn.address)
             self._note_dropped("wrong token")
             self._report_dropped()
             self._send(conn, p.Error(p.ErrorCode.AUTH_FAILED, "wrong token"), request_id)
             return False
-        logger.debug("client %s is %s", conn.address, request.client_name)
         self._table.greeted(conn)  # before the reply: the client may connect again at once
         reply = p.HelloReply(
             self.agent_name,
@@ -338,6 +364,7 @@ class PeerServer:
             int(self._pool.nbytes),
             self.options.capacity_bytes,
         )
+        reply = dataclasses.replace(reply, mac=welcome_mac(self._token, *nonces, reply))
         self._send(conn, reply, request_id)
         return True
 

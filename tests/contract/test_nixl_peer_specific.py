@@ -4,6 +4,7 @@ reservations of dead clients, the control channel's defences, and the peer's poo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import random
 import socket
@@ -24,6 +25,7 @@ from hybrid_offload.backends import (
     create_backend,
 )
 from hybrid_offload.backends.nixl_peer import protocol as p
+from hybrid_offload.backends.nixl_peer.auth import NONCE_BYTES, challenge, raw_handshake, welcome_mac
 from hybrid_offload.backends.nixl_peer.connections import Connection, ConnectionTable, Limits
 from hybrid_offload.backends.nixl_peer.exposure import check_bind, interface_of, is_loopback
 from hybrid_offload.backends.nixl_peer.pool import ALIGN, ExtentAllocator, NotOwnedError, PageIndex
@@ -33,11 +35,10 @@ MiB = 1 << 20
 FAST = {"timeout_s": 1.0, "retry_backoff_s": 0.05, "max_backoff_s": 0.2}
 
 
-def _raw_client(address: str, token: str = "") -> tuple[socket.socket, p.Message]:
+def _raw_client(address: str) -> tuple[socket.socket, p.HelloReply]:
     host, port = address.split(":")
     sock = socket.create_connection((host, int(port)), timeout=5)
-    p.send_message(sock, p.Hello(token.encode(), "raw-test-client"), 1)
-    return sock, p.recv_message(sock)[0]
+    return sock, raw_handshake(sock, b"", "raw-test-client")
 
 
 def _usage(address: str) -> p.UsedReply:
@@ -323,8 +324,12 @@ def test_wrong_token_refused_clearly(peers: PeerFactory, clients: Any, tmp_path:
         backend = clients([peer.address], **token, **FAST)
         with pytest.raises(BackendUnavailableError, match="wrong token"):
             backend.put_batch([(key(1), b"x")])
-    sock, reply = _raw_client(peer.address, "nope")
-    with sock:
+    host, port = peer.address.split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        p.send_message(sock, p.Hello(bytes(NONCE_BYTES), "raw-test-client"), 1)
+        assert isinstance(p.recv_message(sock)[0], p.Challenge)
+        p.send_message(sock, p.Prove(b"a guess".ljust(32)), 2)
+        reply = p.recv_message(sock)[0]
         assert isinstance(reply, p.Error) and reply.code == p.ErrorCode.AUTH_FAILED
         assert sock.recv(1) == b""  # and the connection is closed
     good = clients([peer.address], token_file=str(tmp_path / "right"))
@@ -337,10 +342,11 @@ def test_wrong_token_refused_clearly(peers: PeerFactory, clients: Any, tmp_path:
 _CHILD = """
 import socket, sys
 from hybrid_offload.backends.nixl_peer import protocol as p
+from hybrid_offload.backends.nixl_peer.auth import raw_handshake
 host, port = sys.argv[1].split(":")
 sock = socket.create_connection((host, int(port)))
-p.send_message(sock, p.Hello(b"", "dying"), 1); p.recv_message(sock)
-p.send_message(sock, p.Alloc(["5eed0001-00000000000000000000000000000001"], [8 << 20]), 2)
+raw_handshake(sock, b"", "dying")
+p.send_message(sock, p.Alloc(["5eed0001-00000000000000000000000000000001"], [8 << 20]), 3)
 reply, _ = p.recv_message(sock)
 assert reply.offsets[0] is not None
 print("allocated", flush=True)
@@ -573,8 +579,14 @@ def test_scan_on_a_peer_without_scan_is_reported(clients: Any) -> None:
     def old_peer() -> None:
         conn, _ = listener.accept()
         with conn:
+            hello, rid = p.recv_message(conn)
+            assert isinstance(hello, p.Hello)
+            reply, nonce = challenge(b"", hello)
+            p.send_message(conn, reply, rid)
             _, rid = p.recv_message(conn)
-            p.send_message(conn, p.HelloReply("old-peer", b"", 0, 1 << 20, 1 << 20), rid)
+            welcome = p.HelloReply("old-peer", b"", 0, 1 << 20, 1 << 20)
+            mac = welcome_mac(b"", hello.nonce, nonce, welcome)
+            p.send_message(conn, dataclasses.replace(welcome, mac=mac), rid)
             header = conn.recv(p.HEADER.size)
             msg_type = p.HEADER.unpack(header)[2]
             p.send_message(conn, p.Error(p.ErrorCode.MALFORMED, f"unknown message type {msg_type}"), 0)

@@ -9,11 +9,13 @@ Real peer processes (``hybrid_offload.testing.services.peer``), real sockets; th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from deadlines import wait_until
 
 from hybrid_offload.backends import BackendConfig, BackendConfigError, BackendUnavailableError, create_backend
 from hybrid_offload.backends.nixl_peer import protocol as p
+from hybrid_offload.backends.nixl_peer.auth import NONCE_BYTES, raw_handshake
 from hybrid_offload.testing.services import PeerFactory
 from hybrid_offload.testing.services.peer import READY
 
@@ -37,9 +40,7 @@ def _connect(address: str) -> socket.socket:
 
 def _hello(address: str, token: str = "") -> socket.socket:
     sock = _connect(address)
-    p.send_message(sock, p.Hello(token.encode(), "trust-test"), 1)
-    reply, _ = p.recv_message(sock)
-    assert isinstance(reply, p.HelloReply), reply
+    raw_handshake(sock, token.encode(), "trust-test")
     return sock
 
 
@@ -422,7 +423,9 @@ def test_wrong_tokens_neither_flood_nor_forge_the_peer_log(peers: PeerFactory) -
     for _ in range(300):
         sock = _connect(peer.address)
         try:
-            p.send_message(sock, p.Hello(b"not-the-token", name), 1)
+            p.send_message(sock, p.Hello(os.urandom(NONCE_BYTES), name), 1)
+            assert isinstance(p.recv_message(sock)[0], p.Challenge)
+            p.send_message(sock, p.Prove(b"a guess at the token's proof".ljust(32)), 2)
             reply, _ = p.recv_message(sock)
             assert isinstance(reply, p.Error) and reply.code == p.ErrorCode.AUTH_FAILED
         finally:
@@ -432,3 +435,111 @@ def test_wrong_tokens_neither_flood_nor_forge_the_peer_log(peers: PeerFactory) -
     assert forged not in grown.splitlines()
     assert not any(line.startswith("WARNING hybrid_offload forged") for line in grown.splitlines())
     assert len(grown) < 20 * KiB, f"{len(grown)} bytes of log for 300 wrong HELLOs"
+
+
+class _Impostor:
+    """A process holding an address clients expect their peer at (bound while the peer
+    restarted), without the token: it records every byte clients send and answers as a peer
+    would, handing out metadata of its own choosing to anyone who gets that far."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.received = bytearray()
+        self.proved = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                sock, _ = self.listener.accept()
+                with sock:
+                    self._answer(sock)
+
+    def _answer(self, sock: socket.socket) -> None:
+        with contextlib.suppress(OSError, ConnectionError, p.ProtocolError):
+            while True:
+                header = sock.recv(p.HEADER.size, socket.MSG_WAITALL)
+                msg_type, request_id, length = p.decode_header(header)
+                body = sock.recv(length, socket.MSG_WAITALL) if length else b""
+                self.received += header + body
+                if msg_type == p.Hello.TYPE:
+                    reply: p.Message = p.Challenge(os.urandom(NONCE_BYTES), os.urandom(32))
+                else:
+                    self.proved += 1
+                    metadata = b"attacker-chosen nixl metadata"
+                    reply = p.HelloReply("impostor", metadata, 0, 1 << 30, 1 << 30, b"")
+                p.send_message(sock, reply, request_id)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_the_token_never_crosses_the_wire_and_an_impostor_is_refused(clients: Any, tmp_path: Path) -> None:
+    """Issue 31 M2: whoever holds the peer's address learns nothing from a client and gets no
+    further than HELLO: the client checks the peer's proof before it sends its own and before it
+    uses anything the peer sent."""
+    secret = "tok-4b1d-the-real-one"
+    (tmp_path / "token").write_text(secret)
+    impostor = _Impostor()
+    try:
+        backend = clients([impostor.address], token_file=str(tmp_path / "token"), **FAST)
+        with pytest.raises(BackendUnavailableError, match="did not prove our token"):
+            backend.get_batch([key(1)])
+        with pytest.raises(BackendUnavailableError):
+            backend.put_batch([(key(2), b"x")])
+        wait_until(lambda: len(impostor.received) > 0, timeout_s=5, what="the client's HELLO")
+        assert secret.encode() not in impostor.received
+        assert impostor.proved == 0
+    finally:
+        impostor.close()
+
+
+def _relay(target: str, tamper: Callable[[p.Message], p.Message]) -> tuple[str, socket.socket]:
+    """A machine in the middle between a client and ``target``: frames pass through, each reply
+    through ``tamper``."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def pipe(client: socket.socket) -> None:
+        broken = (OSError, ConnectionError, p.ProtocolError)
+        with client, _connect(target) as upstream, contextlib.suppress(*broken):
+            while True:
+                request, request_id = p.recv_message(client)
+                p.send_message(upstream, request, request_id)
+                reply, reply_id = p.recv_message(upstream)
+                p.send_message(client, tamper(reply), reply_id)
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                threading.Thread(target=pipe, args=(listener.accept()[0],), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return f"127.0.0.1:{listener.getsockname()[1]}", listener
+
+
+def test_peer_metadata_altered_in_transit_is_never_loaded(
+    peers: PeerFactory, clients: Any, tmp_path: Path
+) -> None:
+    """Issue 31 M2: the HELLO reply (the NIXL metadata the client loads into its agent) is bound
+    to the handshake by a MAC: a relay that rewrites it is refused; one that does not is served."""
+    peer = peers(token="tok-relay")
+    (tmp_path / "token").write_text("tok-relay")
+
+    def swap_metadata(reply: p.Message) -> p.Message:
+        if isinstance(reply, p.HelloReply):
+            return dataclasses.replace(reply, metadata=reply.metadata[:-1] + b"\x00")
+        return reply
+
+    for tamper, served in ((lambda reply: reply, True), (swap_metadata, False)):
+        address, listener = _relay(peer.address, tamper)
+        try:
+            backend = clients([address], token_file=str(tmp_path / "token"), **FAST)
+            if served:
+                assert backend.put_batch([(key(1), b"through the relay")]) == [True]
+                assert backend.get_batch([key(1)]) == [b"through the relay"]
+            else:
+                with pytest.raises(BackendUnavailableError, match="altered in transit"):
+                    backend.get_batch([key(1)])
+        finally:
+            listener.close()

@@ -1,4 +1,4 @@
-"""Weights identity (issue 14 H3): what names the weights in the fingerprint."""
+"""Weights identity (issue 14 H3, issue 31 M1): what names the weights in the fingerprint."""
 
 from __future__ import annotations
 
@@ -6,6 +6,9 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
+from hybrid_offload.core.file_digest import CACHE_ENV
 from hybrid_offload.engine.model_identity import adapter_identity, hub_commit, weights_identity
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -17,7 +20,19 @@ def safetensors(path: Path, values: bytes, shape: int | None = None) -> None:
     path.write_bytes(len(header).to_bytes(8, "little") + header + values)
 
 
-def test_local_weights_identity_changes_with_any_rewrite(tmp_path: Path) -> None:
+@pytest.fixture(autouse=True)
+def digest_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    root = tmp_path_factory.mktemp("cache-home")
+    monkeypatch.setenv(CACHE_ENV, str(root))
+    return root
+
+
+def normalized(path: Path, mtime_ns: int = 1_700_000_000 * 10**9) -> None:
+    """What an image build does to file times."""
+    os.utime(path, ns=(mtime_ns, mtime_ns))
+
+
+def test_local_weights_identity_is_their_content(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     safetensors(tmp_path / "model-00001.safetensors", bytes(32))
     safetensors(tmp_path / "model-00002.safetensors", bytes(32))
@@ -29,16 +44,72 @@ def test_local_weights_identity_changes_with_any_rewrite(tmp_path: Path) -> None
     assert weights_identity(str(tmp_path)) == base
     shard = tmp_path / "model-00002.safetensors"
     st = shard.stat()
-    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # rewritten in place: a new mtime
-    assert weights_identity(str(tmp_path)) != base
-    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a copy without -p: same bytes
     assert weights_identity(str(tmp_path)) == base
     safetensors(shard, b"\x01" * 32)  # same size, header and mtime (a normalized image): new values
     os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert weights_identity(str(tmp_path)) != base  # the sample of its bytes
-    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert weights_identity(str(tmp_path)) != base
     safetensors(shard, bytes(32), shape=16)  # another header, same size and mtime
     os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert weights_identity(str(tmp_path)) != base
+    safetensors(shard, bytes(32))  # the original bytes again
+    assert weights_identity(str(tmp_path)) == base
+
+
+def partial_fine_tune(root: Path, *, retrained: set[int] | None = None, layers: int = 32,
+                      tensor_bytes: int = 16384) -> None:
+    """A 32-layer checkpoint (q/k/v/o per layer); the ``v_proj`` of the ``retrained`` layers
+    holds other values. File times normalized, as image builds do."""
+    root.mkdir()
+    header: dict[str, object] = {}
+    values = bytearray()
+    for layer in range(layers):
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            seed = layer * 4 + ("q_proj", "k_proj", "v_proj", "o_proj").index(name)
+            if name == "v_proj" and retrained and layer in retrained:
+                seed += 1000
+            block = bytes((seed * 31 + i * 7) % 251 for i in range(256)) * (tensor_bytes // 256)
+            header[f"model.layers.{layer}.self_attn.{name}.weight"] = {
+                "dtype": "BF16", "shape": [tensor_bytes // 2],
+                "data_offsets": [len(values), len(values) + len(block)]}
+            values += block
+    raw = json.dumps(header).encode()
+    (root / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw + values)
+    normalized(root / "model.safetensors")
+
+
+def test_a_partial_fine_tune_has_its_own_identity(tmp_path: Path) -> None:
+    """Issue 31 M1: two images of one model path, file times normalized, one retrained the
+    ``v_proj`` of 28 of 32 layers (22 % of the bytes). The former identity (name, size, mtime,
+    header and 16 evenly spread 4 KiB samples) gave both the same identity: the retrained
+    layers here are those no sample touched."""
+    partial_fine_tune(tmp_path / "probe")
+    size = (tmp_path / "probe" / "model.safetensors").stat().st_size
+    header_end = 8 + int.from_bytes((tmp_path / "probe" / "model.safetensors").read_bytes()[:8], "little")
+    sampled = {((size - 4096) * i // 15 + d - header_end) // 16384 for i in range(16) for d in (0, 4095)}
+    untouched = [layer for layer in range(32) if layer * 4 + 2 not in sampled]
+    assert len(untouched) >= 28
+    partial_fine_tune(tmp_path / "base")
+    partial_fine_tune(tmp_path / "tuned", retrained=set(untouched[:28]))
+    base, tuned = (tmp_path / "base" / "model.safetensors"), (tmp_path / "tuned" / "model.safetensors")
+    assert base.stat().st_size == tuned.stat().st_size and base.read_bytes() != tuned.read_bytes()
+    assert weights_identity(str(tmp_path / "base")) != weights_identity(str(tmp_path / "tuned"))
+    # ... and a byte anywhere (a quantization scale, one row) too
+    data = bytearray(base.read_bytes())
+    data[len(data) // 2 + 4096 * 3] ^= 1
+    tuned.write_bytes(bytes(data))
+    normalized(tuned)
+    assert weights_identity(str(tmp_path / "base")) != weights_identity(str(tmp_path / "tuned"))
+
+
+def test_model_code_is_part_of_the_identity(tmp_path: Path) -> None:
+    """``trust_remote_code`` runs the directory's Python files: other code, other KV."""
+    safetensors(tmp_path / "model.safetensors", bytes(64))
+    (tmp_path / "modeling_x.py").write_text("SCALE = 1.0\n")
+    base = weights_identity(str(tmp_path))
+    assert [f["name"] for f in base["code"]] == ["modeling_x.py"]
+    (tmp_path / "modeling_x.py").write_text("SCALE = 2.0\n")
+    normalized(tmp_path / "modeling_x.py")
     assert weights_identity(str(tmp_path)) != base
 
 
@@ -66,26 +137,6 @@ def test_adapter_identity_covers_its_config_content(tmp_path: Path) -> None:
     (tmp_path / "adapter_config.json").write_text('{"r": 9}')
     os.utime(tmp_path / "adapter_config.json", ns=(st.st_atime_ns, st.st_mtime_ns))
     assert adapter_identity(str(tmp_path)) != base  # content, not only metadata
-
-
-def test_large_weight_files_are_sampled_not_read_whole(tmp_path: Path) -> None:
-    """A fine-tune of the same shapes changes every sampled block; the file is read only in
-    ``SAMPLES`` blocks (a byte between them is the documented limit, with the mtime kept)."""
-    from hybrid_offload.engine.model_identity import SAMPLE_BYTES, SAMPLES
-
-    size = SAMPLES * SAMPLE_BYTES * 64
-    weights = tmp_path / "model.safetensors"
-    safetensors(weights, bytes(size))
-    st = weights.stat()
-    base = weights_identity(str(tmp_path))
-    data = bytearray(weights.read_bytes())
-    data[len(data) // 2 + SAMPLE_BYTES * 3] ^= 1  # between two sampled blocks
-    weights.write_bytes(bytes(data))
-    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert weights_identity(str(tmp_path)) == base
-    safetensors(weights, bytes(range(256)) * (size // 256))  # other values throughout
-    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert weights_identity(str(tmp_path)) != base
 
 
 def test_a_single_gguf_file_is_identified(tmp_path: Path) -> None:

@@ -13,9 +13,11 @@ K1 = "5eed0001-" + "ab" * 16
 K2 = "0123abcd-" + "0" * 64
 
 MESSAGES: list[p.Message] = [
-    p.Hello(b"secret", "client-1"),
+    p.Hello(b"n" * 32, "client-1"),
     p.Hello(b"", ""),
-    p.HelloReply("peer-x", b"\x00metadata\xff" * 100, 0x7F0000001000, 1 << 30, 1 << 29),
+    p.Challenge(b"n" * 32, b"p" * 32),
+    p.Prove(b"c" * 32),
+    p.HelloReply("peer-x", b"\x00metadata\xff" * 100, 0x7F0000001000, 1 << 30, 1 << 29, b"m" * 32),
     p.Lookup([K1, K2, K1]),
     p.Lookup([]),
     p.LookupReply([True, False, True, True, False, False, False, False, True]),
@@ -51,10 +53,10 @@ def test_round_trip(message: p.Message) -> None:
 
 
 def test_reply_types_are_request_types_with_high_bit() -> None:
-    pairs = [(p.Hello, p.HelloReply), (p.Lookup, p.LookupReply), (p.Get, p.GetReply),
+    pairs = [(p.Hello, p.Challenge), (p.Prove, p.HelloReply), (p.Lookup, p.LookupReply), (p.Get, p.GetReply),
              (p.Release, p.ReleaseReply), (p.Alloc, p.AllocReply), (p.Commit, p.CommitReply),
              (p.Delete, p.DeleteReply), (p.Used, p.UsedReply)]  # fmt: skip
-    assert len({req.TYPE for req, _ in pairs} | {rep.TYPE for _, rep in pairs}) == 16
+    assert len({req.TYPE for req, _ in pairs} | {rep.TYPE for _, rep in pairs}) == 18
     for request, reply in pairs:
         assert reply.TYPE == request.TYPE | 0x80
 
@@ -73,7 +75,8 @@ def _header(magic: bytes = p.MAGIC, version: int = p.VERSION, msg_type: int = 2,
     ("header", "code"),
     [
         (_header(magic=b"HTTP"), p.ErrorCode.MALFORMED),
-        (_header(version=2), p.ErrorCode.UNSUPPORTED_VERSION),
+        (_header(version=1), p.ErrorCode.UNSUPPORTED_VERSION),  # sent the token in HELLO
+        (_header(version=p.VERSION + 1), p.ErrorCode.UNSUPPORTED_VERSION),
         (_header(msg_type=99), p.ErrorCode.MALFORMED),
         (_header(flags=1), p.ErrorCode.MALFORMED),
         (_header(length=p.MAX_BODY + 1), p.ErrorCode.TOO_LARGE),

@@ -170,15 +170,12 @@ class RawNixl:
     """
 
     def __init__(self, address: str) -> None:
-        from hybrid_offload.backends.nixl_peer import protocol as p
+        from hybrid_offload.backends.nixl_peer.auth import raw_handshake
         from hybrid_offload.compat import nixl_agent
 
         host, port = address.rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=10) as sock:
-            p.send_message(sock, p.Hello(b"", "bench-raw"), 1)
-            hello, _ = p.recv_message(sock)
-        if not isinstance(hello, p.HelloReply):
-            raise RuntimeError(f"peer answered {hello!r} to HELLO")
+            hello = raw_handshake(sock, b"", "bench-raw")
         self.hello = hello
         self.agent = nixl_agent(f"bench-raw-{uuid.uuid4().hex}", progress_thread=False)
         self.agent.add_remote_agent(hello.metadata)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hybrid_offload.core.file_digest import cache_home
 from hybrid_offload.testing.services.vllm_server import API_SERVER_MODULE
 
 logger = logging.getLogger(__name__)
@@ -104,12 +105,8 @@ def _parse_text(text: str, path: Path) -> Any:
 
 
 def model_cache_dir() -> Path:
-    """Where embedded models are cached: ``$HYBRID_OFFLOAD_CACHE`` or ``~/.cache/hybrid-offload``."""
-    root = os.environ.get("HYBRID_OFFLOAD_CACHE")
-    if root:
-        return Path(root)
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg, "hybrid-offload")
+    """Where embedded models are cached: :func:`~hybrid_offload.core.file_digest.cache_home`."""
+    return cache_home()
 
 
 def embedded_model(arch: str, cache: Path | None = None) -> Path:
