@@ -1,7 +1,14 @@
 """The cache peer's page index and pool allocator (pure bookkeeping: no sockets, no NIXL).
 
-* :class:`ExtentAllocator` hands out 64-byte aligned extents of the pool, first fit over a
-  sorted list of free extents, coalescing neighbours on free.
+* :class:`ExtentAllocator` hands out 64-byte aligned extents of the pool from free extents
+  kept by size class and by both ends: an allocation looks at a bounded number of candidates,
+  a free coalesces with its neighbours in O(1).
+* **Bounded work under the lock** (the server holds one lock for the index): an ALLOC spends
+  at most ``WORK_PER_MESSAGE + WORK_PER_KEY x keys`` :class:`Work` steps (candidate extents,
+  evictions, pinned pages skipped); past that its remaining keys are refused. A page takes at
+  least ``MIN_PAGE_BYTES`` of the capacity, so a pool holds at most ``capacity /
+  MIN_PAGE_BYTES`` pages and a commit evicts at most its size / ``MIN_PAGE_BYTES`` of them.
+  Every other message costs O(its keys).
 * :class:`PageIndex` maps keys to extents with LRU order (by last commit or GET; an
   :class:`~hybrid_offload.backends.lru_index.LruIndex`), bounded by ``capacity`` counted in
   page bytes (not aligned extent bytes). The pool is sized with slack
@@ -27,7 +34,6 @@ Not thread-safe by itself: the server calls it under one lock.
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import itertools
 import time
@@ -39,16 +45,27 @@ from ..lru_index import Entry, LruIndex
 
 __all__ = [
     "ALIGN",
+    "MIN_PAGE_BYTES",
+    "WORK_PER_KEY",
+    "WORK_PER_MESSAGE",
     "Extent",
     "ExtentAllocator",
     "NotOwnedError",
+    "OutOfWorkError",
     "PageIndex",
     "PendingLimitError",
     "PoolStats",
+    "Work",
     "scan_pages",
 ]
 
 ALIGN = 64
+#: the capacity a page takes at least: bounds the pages a pool holds (capacity / this), and so
+#: the evictions one commit can cause (its size / this)
+MIN_PAGE_BYTES = 4096
+#: the work (:class:`Work` steps) one ALLOC may do under the lock: this, plus per key
+WORK_PER_MESSAGE = 4096
+WORK_PER_KEY = 16
 
 
 def _align(n: int) -> int:
@@ -65,60 +82,111 @@ class Extent:
     dead: bool = False  # no longer indexed: free it once unpinned
 
 
+class OutOfWorkError(Exception):
+    """A message used up its :class:`Work` budget: the rest of it is refused, not served."""
+
+
+class Work:
+    """What one message may spend under the server lock: ``steps`` candidate extents looked
+    at, pages evicted and pinned pages skipped, together. Each spends one step."""
+
+    def __init__(self, steps: int) -> None:
+        self.left = steps
+
+    def spend(self, steps: int = 1) -> None:
+        """Raises :class:`OutOfWorkError` once the budget is gone."""
+        if self.left < steps:
+            self.left = 0
+            raise OutOfWorkError
+        self.left -= steps
+
+
+#: candidates looked at in an extent's own size class before taking one from a larger class
+_CLASS_PROBES = 8
+
+
 class ExtentAllocator:
-    """First-fit allocator over ``[0, size)`` with coalescing of free neighbours."""
+    """Free extents of ``[0, size)`` by size class (a power of two) and by both ends, so an
+    allocation looks at a bounded number of candidates, and a free coalesces with its
+    neighbours in O(1), however fragmented the pool is."""
 
     def __init__(self, size: int) -> None:
         self.size = size - size % ALIGN
-        self._starts: list[int] = [0] if self.size else []  # sorted free extent offsets
-        self._lengths: dict[int, int] = {0: self.size} if self.size else {}
-        self.free_bytes = self.size
+        self._by_start: dict[int, int] = {}  # free extent start -> length
+        self._by_end: dict[int, int] = {}  # free extent end -> start
+        self._classes: list[dict[int, None]] = [{} for _ in range(max(1, self.size.bit_length()))]
+        self._allocated: dict[int, int] = {}  # extent start -> length, of extents handed out
+        self.free_bytes = 0
+        if self.size:
+            self._add(0, self.size)
+            self.free_bytes = self.size
 
-    def alloc(self, nbytes: int) -> Extent | None:
-        """An extent of at least ``nbytes`` (aligned), or None if no free extent is large enough."""
+    def _add(self, start: int, length: int) -> None:
+        self._by_start[start] = length
+        self._by_end[start + length] = start
+        self._classes[length.bit_length() - 1][start] = None
+
+    def _remove(self, start: int) -> int:
+        length = self._by_start.pop(start)
+        del self._by_end[start + length]
+        del self._classes[length.bit_length() - 1][start]
+        return length
+
+    def alloc(self, nbytes: int, work: Work | None = None) -> Extent | None:
+        """An extent of at least ``nbytes`` (aligned), or None if no free extent is large
+        enough. Looks at most ``_CLASS_PROBES`` extents of the request's size class, then takes
+        one from the smallest larger class; each candidate spends a step of ``work``."""
         need = _align(nbytes)
         if need == 0:
             return Extent(0, 0)
-        for i, start in enumerate(self._starts):
-            length = self._lengths[start]
-            if length < need:
-                continue
-            del self._lengths[start]
-            if length == need:
-                del self._starts[i]
-            else:
-                self._starts[i] = start + need
-                self._lengths[start + need] = length - need
-            self.free_bytes -= need
-            return Extent(start, need)
-        return None
+        cls = need.bit_length() - 1
+        if cls >= len(self._classes):
+            return None
+        found = None
+        for i, start in enumerate(self._classes[cls]):
+            if work is not None:
+                work.spend()
+            if self._by_start[start] >= need:
+                found = start
+                break
+            if i + 1 >= _CLASS_PROBES:
+                break
+        if found is None:
+            for bucket in self._classes[cls + 1 :]:
+                if bucket:
+                    if work is not None:
+                        work.spend()
+                    found = next(iter(bucket))
+                    break
+        if found is None:
+            return None
+        length = self._remove(found)
+        if length > need:
+            self._add(found + need, length - need)
+        self.free_bytes -= need
+        self._allocated[found] = need
+        return Extent(found, need)
 
     def free(self, extent: Extent) -> None:
         if extent.size == 0:
             return
         start, length = extent.offset, extent.size
-        i = bisect.bisect_left(self._starts, start)
-        if i < len(self._starts) and self._starts[i] < start + length:
+        end = start + length
+        if self._allocated.get(start) != length:
             raise RuntimeError(f"double free of pool extent at {start}")
+        del self._allocated[start]
         self.free_bytes += length
-        # merge with the following free extent
-        if i < len(self._starts) and self._starts[i] == start + length:
-            length += self._lengths.pop(self._starts[i])
-            del self._starts[i]
-        # merge with the preceding free extent
-        if i > 0:
-            prev = self._starts[i - 1]
-            if prev + self._lengths[prev] == start:
-                self._lengths[prev] += length
-                return
-            if prev + self._lengths[prev] > start:
-                raise RuntimeError(f"double free of pool extent at {start}")
-        self._starts.insert(i, start)
-        self._lengths[start] = length
+        if end in self._by_start:  # merge with the following free extent
+            length += self._remove(end)
+        if start in self._by_end:  # merge with the preceding free extent
+            prev = self._by_end[start]
+            length += self._remove(prev)
+            start = prev
+        self._add(start, length)
 
     @property
     def free_extents(self) -> int:
-        return len(self._starts)
+        return len(self._by_start)
 
 
 @dataclass
@@ -171,9 +239,11 @@ class PageIndex:
         lease_timeout_s: float = 30.0,
         alloc_timeout_s: float = 30.0,
         max_pending: int = 64,
+        min_page_bytes: int = MIN_PAGE_BYTES,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.allocator = ExtentAllocator(pool_size)
+        self.min_page_bytes = min_page_bytes
         size = self.allocator.size
         #: reserved bytes beyond which ALLOC refuses instead of evicting committed pages
         self.reserve_limit = max(size - capacity, size // 8)
@@ -214,21 +284,31 @@ class PageIndex:
             self._retire(entry.value.extent)
         return entry is not None
 
-    def _physical_alloc(self, size: int, reservation: _Reservation) -> Extent | None:
+    def _charged(self, size: int) -> int:
+        """The capacity a page of ``size`` bytes takes: at least :attr:`min_page_bytes`."""
+        return max(size, self.min_page_bytes)
+
+    def _physical_alloc(self, size: int, reservation: _Reservation, work: Work) -> Extent | None:
         """A free extent; else evict LRU (unpinned) pages for it, but only while all
-        reservations stay within :attr:`reserve_limit` (see the module docstring)."""
+        reservations stay within :attr:`reserve_limit` (see the module docstring). Raises
+        :class:`OutOfWorkError` when ``work`` runs out (nothing is half done)."""
+
+        def unpinned(entry: Entry[_Page]) -> bool:
+            work.spend()
+            return entry.value.extent.pins == 0
+
         while True:
-            extent = self.allocator.alloc(size)
+            extent = self.allocator.alloc(size, work)
             if extent is not None:
                 return extent
             if self._reserved + _align(size) > self.reserve_limit:
                 return None
-            evicted = self._pages.evict(_unpinned)
+            evicted = self._pages.evict(unpinned)
             if evicted is None:
                 return None
             self._retire(evicted.value.extent)
             reservation.evictions += 1
-            reservation.evicted_bytes += evicted.size
+            reservation.evicted_bytes += evicted.value.size
 
     # -- reads ------------------------------------------------------------------------------
 
@@ -285,8 +365,14 @@ class PageIndex:
             )
         res = _Reservation(owner, self._clock() + self.alloc_timeout_s, [])
         offsets: list[int | None] = []
+        work = Work(WORK_PER_MESSAGE + WORK_PER_KEY * len(keys))
         for key, size in zip(keys, sizes, strict=True):
-            extent = self._physical_alloc(size, res) if size <= self.capacity else None
+            extent = None
+            if self._charged(size) <= self.capacity and work.left:
+                try:
+                    extent = self._physical_alloc(size, res, work)
+                except OutOfWorkError:
+                    extent = None
             res.items.append((key, size, extent))
             offsets.append(None if extent is None else extent.offset)
             if extent is not None:
@@ -318,11 +404,12 @@ class PageIndex:
                 self.allocator.free(extent)
                 continue
             self._drop(key)  # replacing an older version is not an eviction
-            for evicted in self._pages.make_room(size):  # pinned pages too: freed on release
+            charged = self._charged(size)
+            for evicted in self._pages.make_room(charged):  # pinned pages too: freed on release
                 self._retire(evicted.value.extent)
                 evictions += 1
-                evicted_bytes += evicted.size
-            self._pages.insert(key, size, _Page(size, extent, now))
+                evicted_bytes += evicted.value.size
+            self._pages.insert(key, charged, _Page(size, extent, now))
             committed += 1
         return committed, evictions, evicted_bytes
 
@@ -369,10 +456,6 @@ class PageIndex:
     def scan(self, prefix: str, after: str, limit: int) -> tuple[list[tuple[str, int, float]], bool]:
         """:func:`scan_pages` over the pages now."""
         return scan_pages(self.pages_snapshot(), prefix, after, limit, self._clock())
-
-
-def _unpinned(entry: Entry[_Page]) -> bool:
-    return entry.value.extent.pins == 0
 
 
 def _uncount(counter: Counter[object], owner: object) -> None:

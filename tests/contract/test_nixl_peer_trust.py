@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -543,3 +544,41 @@ def test_peer_metadata_altered_in_transit_is_never_loaded(
                     backend.get_batch([key(1)])
         finally:
             listener.close()
+
+
+def test_one_alloc_holds_the_peer_lock_for_bounded_time(peers: PeerFactory) -> None:
+    """Issue 31 M4: an authenticated client fills a 16 MiB pool with 64-byte pages, deletes
+    every other one and asks for one large page. Finding room used to evict a page and rescan
+    the free list, all under the peer's lock: 44.5 s for that one ALLOC while every other
+    client waited. Now its work is bounded, and another client is answered meanwhile."""
+    peer = peers(16 * MiB, extra_args=["--pool-bytes", str(16 * MiB)])
+    attacker, bystander = _hello(peer.address), _hello(peer.address)
+    keys = [key(i) for i in range(16 * MiB // 64)]
+    for start in range(0, len(keys), p.MAX_KEYS):
+        batch = keys[start : start + p.MAX_KEYS]
+        reply = _ask(attacker, p.Alloc(batch, [64] * len(batch)))
+        assert isinstance(reply, p.AllocReply)
+        stored = [o is not None for o in reply.offsets]
+        assert isinstance(_ask(attacker, p.Commit(reply.alloc_id, stored)), p.CommitReply)
+    for start in range(0, len(keys), 2 * p.MAX_KEYS):
+        assert isinstance(_ask(attacker, p.Delete(keys[start : start + 2 * p.MAX_KEYS : 2])), p.DeleteReply)
+    answered: list[float] = []
+
+    def lookups() -> None:
+        began = time.monotonic()
+        while not answered or time.monotonic() - began < 1.0:
+            t = time.monotonic()
+            assert isinstance(_ask(bystander, p.Lookup([key(1)])), p.LookupReply)
+            answered.append(time.monotonic() - t)
+
+    watcher = threading.Thread(target=lookups)
+    began = time.monotonic()
+    watcher.start()
+    reply = _ask(attacker, p.Alloc([key(1 << 30)], [8 * MiB]))
+    took = time.monotonic() - began
+    watcher.join(timeout=60)
+    assert isinstance(reply, p.AllocReply)
+    assert took < 2.0, f"one 1-key ALLOC took {took:.1f} s"
+    assert max(answered) < 2.0, f"a LOOKUP waited {max(answered):.1f} s behind it"
+    _ask(attacker, p.Commit(reply.alloc_id, [reply.offsets[0] is not None]))
+    assert isinstance(_ask(bystander, p.Used()), p.UsedReply)  # and the peer still serves
