@@ -5,8 +5,9 @@ page of the pool (NIXL READ/WRITE address the whole registered pool), so the tok
 gate, and it only protects the control port; the NIXL/UCX data path needs the peer's agent
 metadata, which HELLO hands out after the token check.
 
-* :func:`check_bind`: a peer listening on anything but loopback must have a token, unless the
-  operator says ``--insecure`` explicitly.
+* :func:`check_bind`: a peer must have a token, unless the operator says ``--insecure``
+  explicitly: off loopback anyone who reaches the port, on loopback every local user, could
+  otherwise read and write every page.
 * :func:`ucx_env`: UCX listens for the data path on every network interface by default
   (measured here: the control port on 127.0.0.1, UCX on 127.0.0.1 *and* the Ethernet address).
   ``UCX_NET_DEVICES`` set to the interface of the listen address confines it there (UCX's TCP
@@ -50,14 +51,15 @@ def is_wildcard(host: str) -> bool:
 
 
 def check_bind(listen: str, host: str, *, has_token: bool, insecure: bool) -> None:
-    """Raise ValueError (naming the options) if ``host`` is off loopback with no token and no
-    explicit ``insecure``."""
-    if has_token or insecure or is_loopback(host):
+    """Raise ValueError (naming the options) without a token and without an explicit
+    ``insecure``."""
+    if has_token or insecure:
         return
+    who = "every local user" if is_loopback(host) else "anyone who can reach it"
     raise ValueError(
-        f"--listen {listen} is not a loopback address: anyone who can reach it could read and "
-        "write every page. Give a token with --token-file PATH or --token-env VAR, or pass "
-        "--insecure to serve without one on a trusted network"
+        f"--listen {listen} without a token: {who} could read and write every page. Give a "
+        "token with --token-file PATH (created if absent) or --token-env VAR, or pass --insecure "
+        "to serve without one where every user is trusted"
     )
 
 

@@ -7,6 +7,8 @@ anything is stored or loaded.
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 import re
 from collections.abc import Collection, Mapping
@@ -18,6 +20,9 @@ from hybrid_offload.backends.registry import backend_class, create_backend
 from hybrid_offload.core.secrets import Secret, SecretError, secret_from_options
 
 ROOT = "kv_connector_extra_config"
+#: backend types other users or hosts can write: without a cache secret, they can forge pages
+SHARED_TIER_TYPES = frozenset({"redis", "redis-cluster", "nixl_peer", "lmcache"})
+logger = logging.getLogger(__name__)
 DEFAULT_CAPACITY_BYTES = 1 << 30
 DEFAULT_MAX_PENDING_STORE_BYTES = 256 << 20
 #: the worker process's GIL switch interval while a load is in flight (Python's default: 5 ms)
@@ -303,6 +308,9 @@ def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
         secret = secret_from_options(extra, "secret", what=ROOT)
     except SecretError as exc:
         raise ConfigError(str(exc)) from None
+    shared = tuple(sorted(t.name for t in backends if t.backend.type in SHARED_TIER_TYPES))
+    if secret is None and shared:
+        _warn_shared_without_secret(shared)
     return OffloadConfig(
         backends=backends,
         chunk_tokens=chunk,
@@ -319,6 +327,18 @@ def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
         model_version=version,
         accept_weights_version=accept_version,
         secret=secret,
+    )
+
+
+@functools.cache
+def _warn_shared_without_secret(names: tuple[str, ...]) -> None:
+    logger.warning(
+        "tier(s) %s can be shared and %s has no secret (secret_file / secret_env): whoever can "
+        "write them (another user of this host, another client of the service) can store pages "
+        "this engine will load as its own KV for a prompt they can guess, and can tell which "
+        "prompts are cached. Set secret_file (hybrid-offload serve creates it); reading pages "
+        "is gated only by the tier's own authentication (Redis AUTH, the peer's token).",
+        ", ".join(names), ROOT,
     )
 
 

@@ -12,6 +12,7 @@ Pure: no vLLM, no torch.
 
 from __future__ import annotations
 
+import errno
 import hmac
 import logging
 import os
@@ -22,7 +23,17 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Secret", "SecretError", "literal_secret_error", "read_secret", "secret_from_options"]
+#: a secret file longer than this is refused (a token or key is tens of bytes)
+MAX_SECRET_BYTES = 4096
+_CREATE_HINT = (
+    " (hybrid-offload serve and hybrid-offload peer create a missing one; by hand: "
+    "umask 077; openssl rand -hex 32 > FILE)"
+)
+
+__all__ = [
+    "Secret", "SecretError", "create_secret_file", "literal_secret_error", "read_secret",
+    "secret_from_options",
+]
 
 
 class SecretError(ValueError):
@@ -60,26 +71,31 @@ def literal_secret_error(what: str, option: str) -> SecretError:
 
 
 def read_secret(*, file: str | None = None, env: str | None = None, what: str) -> Secret | None:
-    """The secret from ``file`` or from the variable named ``env`` (None when neither is given).
+    """The secret from ``file`` (a leading ``~`` expanded) or from the variable named ``env``
+    (None when neither is given).
 
-    Raises :class:`SecretError` naming ``what`` when both are given, the file is missing, not a
-    regular file, world-writable or empty, or the variable is unset or empty.
+    Raises :class:`SecretError` naming ``what`` when both are given, the variable is unset or
+    empty, or the file is missing, empty, not a regular file, owned by a user other than this
+    one or root, or writable by group or others (whoever can write it chooses the secret). A
+    file readable by others is accepted with a warning: Kubernetes mounts secrets 0644 by
+    default (set ``defaultMode: 0400``). A symlink is followed (Kubernetes secret files are
+    symlinks); the checks apply to the file it names, as opened.
     """
     if file is not None and env is not None:
         raise SecretError(f"{what}: give a file or an environment variable, not both")
     if file is not None:
+        path = os.path.expanduser(file)
         try:
-            st = os.stat(file)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as exc:
-            raise SecretError(f"{what}: cannot read secret file {file!r}: {exc.strerror}") from None
-        if not stat.S_ISREG(st.st_mode):
-            raise SecretError(f"{what}: secret file {file!r} is not a regular file")
-        if st.st_mode & stat.S_IWOTH:
-            raise SecretError(f"{what}: secret file {file!r} is world-writable")
-        if st.st_mode & stat.S_IROTH:
-            logger.warning("%s: secret file %r is readable by every user (chmod 600 it)", what, file)
-        with open(file, "rb") as f:
-            value = f.read()
+            hint = _CREATE_HINT if exc.errno == errno.ENOENT else ""
+            raise SecretError(f"{what}: cannot read secret file {file!r}: {exc.strerror}{hint}") from None
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(fd)
+            _check_secret_file(file, st, what)
+            value = f.read(MAX_SECRET_BYTES + 1)
+        if len(value) > MAX_SECRET_BYTES:
+            raise SecretError(f"{what}: secret file {file!r} is larger than {MAX_SECRET_BYTES} bytes")
         value = value[:-1] if value.endswith(b"\n") else value
         value = value[:-1] if value.endswith(b"\r") else value
         if not value:
@@ -91,6 +107,37 @@ def read_secret(*, file: str | None = None, env: str | None = None, what: str) -
             raise SecretError(f"{what}: environment variable {env!r} is unset or empty")
         return Secret(value_s.encode())
     return None
+
+
+def _check_secret_file(file: str, st: os.stat_result, what: str) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise SecretError(f"{what}: secret file {file!r} is not a regular file")
+    if st.st_uid not in (os.geteuid(), 0):
+        raise SecretError(
+            f"{what}: secret file {file!r} belongs to uid {st.st_uid}: a secret file must belong to "
+            "the user running hybrid-offload (or root)"
+        )
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise SecretError(f"{what}: secret file {file!r} is writable by group or others (chmod 600 it)")
+    if st.st_mode & stat.S_IROTH:
+        logger.warning("%s: secret file %r is readable by every user (chmod 600 it)", what, file)
+
+
+def create_secret_file(file: str) -> bool:
+    """Create ``file`` (a leading ``~`` expanded) holding a new random secret (32 bytes, hex),
+    mode 0600, in a directory created 0700, unless it exists; whether it was created. Two
+    processes racing get the same file. Raises :class:`SecretError` when it cannot."""
+    path = os.path.expanduser(file)
+    try:
+        os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        return False
+    except OSError as exc:
+        raise SecretError(f"cannot create secret file {file!r}: {exc.strerror}") from None
+    with os.fdopen(fd, "w") as f:
+        f.write(os.urandom(32).hex() + "\n")
+    return True
 
 
 def secret_from_options(options: Mapping[str, Any], option: str, *, what: str) -> Secret | None:

@@ -340,9 +340,25 @@ def _refused(*args: str) -> str:
     return out
 
 
-def test_off_loopback_bind_needs_a_token_or_insecure(tmp_path: Path) -> None:
+def test_a_peer_needs_a_token_or_insecure_on_loopback_too(tmp_path: Path) -> None:
+    """Issue 31 M5: on loopback every local user can connect; a peer without a token lets each
+    of them read and write every page. ``--token-file`` creates a missing token (0600)."""
     out = _refused("--listen", "0.0.0.0:0")
     assert "--listen 0.0.0.0:0" in out and "--token-file" in out and "--insecure" in out
+    out = _refused("--listen", "127.0.0.1:0")
+    assert "every local user" in out and "--token-file" in out and "--insecure" in out
+    token = tmp_path / "secrets" / "peer-token"
+    proc = _peer_cli("--listen", "127.0.0.1:0", "--token-file", str(token))
+    try:
+        assert proc.stdout is not None
+        lines = []
+        while not lines or not (READY.search(lines[-1]) or lines[-1] == ""):  # the ready line, or EOF
+            lines.append(proc.stdout.readline())
+        assert READY.search(lines[-1]), lines
+        assert oct(token.stat().st_mode & 0o777) == "0o600" and len(token.read_text().strip()) == 64
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
     literal = _refused("--listen", "127.0.0.1:0", "--token", "s3cret")
     assert "--token-file" in literal and "--token-env" in literal and "s3cret" not in literal
     assert "--max-connections must be > 0" in _refused("--listen", "127.0.0.1:0", "--max-connections", "0")

@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 from engine_runs import CHUNK_TOKENS, VOCAB
 
+from hybrid_offload.core.secrets import create_secret_file
 from hybrid_offload.testing.services import (
     Metrics,
     ServeProcess,
@@ -71,8 +72,10 @@ def test_every_config_is_covered() -> None:
 
 
 @pytest.mark.parametrize("stem", STEMS)
-def test_yaml_twin_loads_like_json(stem: str) -> None:
-    assert load_config_file(CONFIGS / f"{stem}.yaml") == load_config_file(CONFIGS / f"{stem}.json")
+def test_yaml_twin_loads_like_json(stem: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))  # where the shared tiers' secrets are created
+    yaml_config = load_config_file(CONFIGS / f"{stem}.yaml", create_secrets=True)
+    assert yaml_config == load_config_file(CONFIGS / f"{stem}.json")
 
 
 # ---- external services, only the fields that name them rewritten ----------------------------
@@ -82,8 +85,11 @@ def test_yaml_twin_loads_like_json(stem: str) -> None:
 def localized_config(stem: str, tmp_path: Path) -> Iterator[tuple[Path, dict[str, Any]]]:
     """A copy of ``configs/<stem>.json`` whose services run here; yields (path, config)."""
     config = json.loads((CONFIGS / f"{stem}.json").read_text())
+    extra = config["kv_connector_extra_config"]
+    if "secret_file" in extra:  # serve creates it (checked here)
+        extra["secret_file"] = str(tmp_path / "secrets" / "cache-secret")
     with contextlib.ExitStack() as stack:
-        for backend in config["kv_connector_extra_config"]["backends"]:
+        for backend in extra["backends"]:
             _localize_backend(backend, tmp_path, stack)
         path = tmp_path / f"{stem}.json"
         path.write_text(json.dumps(config, indent=2))
@@ -109,9 +115,12 @@ def _localize_backend(backend: dict[str, Any], tmp_path: Path, stack: contextlib
         if "startup_nodes" in backend:
             backend["startup_nodes"] = list(cluster.startup_nodes)
     elif kind == "nixl_peer":
+        backend["token_file"] = str(tmp_path / "secrets" / "peer-token")
+        create_secret_file(backend["token_file"])
+        token = Path(backend["token_file"]).read_text().strip()
         addresses = []
         for _ in backend["peers"]:
-            peer = start_peer(PEER_CAPACITY)
+            peer = start_peer(PEER_CAPACITY, token)
             stack.callback(peer.kill)
             addresses.append(peer.address)
         backend["peers"] = addresses

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -314,5 +316,48 @@ def test_model_version_and_secret(tmp_path, monkeypatch: pytest.MonkeyPatch, cap
         parse_offload_config({**good(), "secret_file": str(path)})
     assert "readable by every user" in caplog.text and "hunter2" not in caplog.text
     path.chmod(0o666)
-    with pytest.raises(ConfigError, match="world-writable"):
+    with pytest.raises(ConfigError, match="writable by group or others"):
         parse_offload_config({**good(), "secret_file": str(path)})
+
+
+def test_secret_files_only_their_owner_can_choose(tmp_path: Path) -> None:
+    """Issue 31 L6: whoever can write a secret file chooses the secret. Refused: group-writable,
+    another user's, not a regular file (a FIFO would block the reader), oversized. Accepted: a
+    symlink to a good file (Kubernetes mounts secrets as symlinks), ``~`` expanded."""
+    from hybrid_offload.core.secrets import SecretError, create_secret_file, read_secret
+
+    path = tmp_path / "secret"
+    path.write_text("hunter2\n")
+    path.chmod(0o620)
+    with pytest.raises(SecretError, match="writable by group or others"):
+        read_secret(file=str(path), what="t")
+    path.chmod(0o600)
+    if os.geteuid() == 0:  # only root can give a file away
+        os.chown(path, 65534, 65534)
+        with pytest.raises(SecretError, match="belongs to uid 65534"):
+            read_secret(file=str(path), what="t")
+        os.chown(path, 0, 0)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o600)
+    with pytest.raises(SecretError, match="not a regular file"):
+        read_secret(file=str(fifo), what="t")
+    (tmp_path / "..data").mkdir()
+    (tmp_path / "..data" / "token").write_text("k8s")
+    (tmp_path / "..data" / "token").chmod(0o400)
+    (tmp_path / "token").symlink_to(tmp_path / "..data" / "token")
+    assert read_secret(file=str(tmp_path / "token"), what="t").value == b"k8s"  # type: ignore[union-attr]
+    (tmp_path / "big").write_bytes(b"x" * 5000)
+    (tmp_path / "big").chmod(0o600)
+    with pytest.raises(SecretError, match="larger than"):
+        read_secret(file=str(tmp_path / "big"), what="t")
+    home = tmp_path / "home"
+    home.mkdir()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HOME", str(home))
+        assert create_secret_file("~/.config/hybrid-offload/cache-secret")
+        assert not create_secret_file("~/.config/hybrid-offload/cache-secret")  # kept as it is
+        created = home / ".config" / "hybrid-offload" / "cache-secret"
+        assert oct(created.stat().st_mode & 0o777) == "0o600"
+        assert oct(created.parent.stat().st_mode & 0o777) == "0o700"
+        secret = read_secret(file="~/.config/hybrid-offload/cache-secret", what="t")
+        assert secret is not None and len(secret.value) == 64

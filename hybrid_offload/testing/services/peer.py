@@ -72,6 +72,8 @@ class PeerProcess(Service):
                     f.write(self.token)
                 self.token_path = Path(name)
             cmd += ["--token-file", str(self.token_path)]
+        else:
+            cmd += ["--insecure"]  # a peer without a token must say so
         if self.lease_timeout_s is not None:
             cmd += ["--lease-timeout-s", str(self.lease_timeout_s)]
         if self.alloc_timeout_s is not None:

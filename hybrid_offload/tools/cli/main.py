@@ -100,7 +100,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
     """Run a nixl_peer cache peer until SIGTERM/SIGINT; prints a ready line once it serves.
     Bad options (a literal --token, off-loopback without a token, ...) raise ValueError."""
     from hybrid_offload.backends.nixl_peer.server import PeerOptions, run_peer
-    from hybrid_offload.core.secrets import SecretError, read_secret
+    from hybrid_offload.core.secrets import SecretError, create_secret_file, read_secret
 
     if args.token is not None:
         raise SecretError(
@@ -108,6 +108,11 @@ def cmd_peer(args: argparse.Namespace) -> int:
             "give --token-file PATH (a file holding it) or --token-env VAR (an environment variable)"
         )
     what = "--token-file" if args.token_file is not None else "--token-env"
+    if args.token_file is not None and create_secret_file(args.token_file):
+        logging.getLogger(__name__).warning(
+            "created a new peer token in %s (mode 0600): clients need the same file as token_file",
+            args.token_file,
+        )
     token = read_secret(file=args.token_file, env=args.token_env, what=what)
     host, port = args.listen
     options = PeerOptions(
@@ -159,7 +164,8 @@ def _add_peer(subparsers: Subparsers) -> None:
     p.add_argument(
         "--insecure",
         action="store_true",
-        help="allow a non-loopback --listen without a token (anyone reaching it reads and writes every page)",
+        help="serve without a token (anyone who can connect reads and writes every page): only for a "
+        "host and network where every user is trusted",
     )
     p.add_argument(
         "--pool-bytes",

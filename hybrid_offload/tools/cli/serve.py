@@ -55,8 +55,10 @@ class ServeCommand:
         return shlex.join(self.argv)
 
 
-def load_config_file(path: Path) -> dict[str, Any]:
-    """A ``kv_transfer_config`` dict from a JSON or YAML file, extra config validated.
+def load_config_file(path: Path, *, create_secrets: bool = False) -> dict[str, Any]:
+    """A ``kv_transfer_config`` dict from a JSON or YAML file, extra config validated; with
+    ``create_secrets``, the secret files it names that :func:`create_secret_files` creates are
+    created first.
 
     Raises ValueError (``ConfigError`` for the extra config) with the file and key in the message.
     """
@@ -81,6 +83,8 @@ def load_config_file(path: Path) -> dict[str, Any]:
         )
     if not config.get("kv_connector") or not config.get("kv_connector_module_path"):
         raise ValueError(f"{path}: kv_connector and kv_connector_module_path must be set")
+    if create_secrets:
+        create_secret_files(config["kv_connector_extra_config"])
     try:
         parsed = parse_offload_config(config["kv_connector_extra_config"])
         if config["kv_connector"] == CONNECTOR_NAME:
@@ -88,6 +92,23 @@ def load_config_file(path: Path) -> dict[str, Any]:
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from exc
     return config
+
+
+def create_secret_files(extra: Mapping[str, Any]) -> list[str]:
+    """Create the secrets a config names that a new random value can serve, where absent: the
+    cache secret (``secret_file``) and nixl_peer tokens (``token_file``; the peer creates or
+    reads the same file). Not Redis passwords: those must match the server's. Returns the files
+    created (each logged)."""
+    from hybrid_offload.core.secrets import create_secret_file
+
+    files = [extra.get("secret_file")]
+    files += [b.get("token_file") for b in extra.get("backends") or [] if isinstance(b, Mapping)
+              and b.get("type") == "nixl_peer"]  # fmt: skip
+    created = [f for f in files if isinstance(f, str) and f and create_secret_file(f)]
+    for file in created:
+        logger.warning("created a new secret in %s (mode 0600): every engine and peer sharing "
+                       "this tier needs the same file", file)  # fmt: skip
+    return created
 
 
 def _parse_text(text: str, path: Path) -> Any:
@@ -172,7 +193,7 @@ def serve_command(
 
     if model is not None and arch is not None:
         raise ValueError("give --model or --arch, not both")
-    config = load_config_file(config_path)
+    config = load_config_file(config_path, create_secrets=True)
     extra = list(vllm_args)
     for flag in ("--model", "--host", "--port", "--kv-transfer-config"):
         if _has_flag(extra, flag):
