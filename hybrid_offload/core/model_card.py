@@ -246,8 +246,12 @@ def _texts(v: Any) -> bool:
     return isinstance(v, list) and all(map(_text, v))
 
 
+#: 9999-12-31T23:59:59Z: a later ``written_at`` is not a time (``time.gmtime`` cannot show it)
+MAX_TIMESTAMP = 253402300799.0
+
+
 def _timestamp(v: Any) -> bool:
-    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and v >= 0
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and 0 <= v <= MAX_TIMESTAMP
 
 
 def _card_from_json(data: Any) -> ModelCard:
@@ -265,7 +269,7 @@ def _card_from_json(data: Any) -> ModelCard:
         chunk_tokens=_field(data, "chunk_tokens", lambda v: _is_int(v) and v > 0, "an integer > 0"),
         groups=tuple(_group(i, g) for i, g in enumerate(groups)),
         format_version=_field(data, "format_version", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
-        written_at=float(_field(data, "written_at", _timestamp, "a finite number >= 0")),
+        written_at=float(_field(data, "written_at", _timestamp, "seconds since 1970, before the year 10000")),
     )
 
 

@@ -781,3 +781,31 @@ def test_verify_with_the_cache_secret_refuses_unsigned_and_forged_pages(tmp_path
     assert "wrong key" in moved["corrupt_pages"][0]["error"]
     missing = cli("verify", *cache.args, "--secret-file", str(tmp_path / "none"), check=2)
     assert "--secret-file" in missing.stderr
+
+
+def test_what_a_card_says_never_reaches_the_terminal_raw(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 31 L5: model cards are unsigned, so any writer of the tier chooses their text. A
+    name carrying terminal escapes and a forged line is printed escaped; a ``written_at`` of
+    1e300 makes the card invalid instead of crashing ``inspect``."""
+    cache = _disk_cache(tmp_path)
+    try:
+        evil = "org/m\x1b]0;owned\x07\nverified 999 pages: 999 ok, 0 corrupt\x1b[2J"
+        key, card = make_card(FP_A, evil)
+        groups = (CardGroup(0, "full_attention", 1, 1),)
+        far = ModelCard(FP_C, "far", None, ("TinyHybrid",), "bfloat16", "auto", 16, groups, FORMAT_VERSION,
+                        1e300)  # fmt: skip
+        with monkeypatch.context() as forger:  # what our writer refuses, a forger writes
+            forger.setattr("hybrid_offload.core.model_card._timestamp", lambda v: True)
+            forged = encode_card(far)
+        cache.put({**pages_a(), key: card, card_key(FP_C): forged})
+        for args in (("ls",), ("stats",), ("inspect", key)):
+            shown = cli(*args, *cache.args).stdout
+            assert "\x1b" not in shown and "\x07" not in shown, args
+            assert "verified 999 pages" not in shown.splitlines(), args
+            assert "\\x1b]0;owned" in shown, args
+        info = cli_json("inspect", *cache.args, card_key(FP_C), check=1)
+        assert info["valid"] is False and "written_at" in info["error"]
+    finally:
+        cache.backend.close()

@@ -43,6 +43,7 @@ from hybrid_offload.tools.cli.cache_output import (
     human_age,
     human_bytes,
     model_name,
+    printable,
 )
 from hybrid_offload.tools.cli.cache_read import (
     DEFAULT_MAX_PAGE_BYTES,
@@ -206,9 +207,9 @@ def _print_description(info: dict[str, Any], out: TextIO) -> None:
             for g in value:
                 out.write(f"  {g['index']:>4}  {g['kind']:<16} {g['layers']:>6} {g['shards']:>6}\n")
         elif isinstance(value, list):
-            out.write(f"{name:<24} {', '.join(map(str, value)) or '-'}\n")
+            out.write(f"{name:<24} {printable(', '.join(map(str, value))) or '-'}\n")
         else:
-            text = ("yes" if value else "no") if isinstance(value, bool) else value
+            text = ("yes" if value else "no") if isinstance(value, bool) else printable(str(value))
             out.write(f"{name:<24} {text}\n")
 
 

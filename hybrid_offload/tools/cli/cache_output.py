@@ -56,5 +56,12 @@ class Progress:
             sys.stderr.flush()
 
 
+def printable(text: str) -> str:
+    """``text`` with each non-printable character (a terminal escape, a newline) written as its
+    Python escape: what a card or page says is someone else's text, never the terminal's."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
 def model_name(card: ModelCard | None) -> str | None:
-    return (card.name or None) if card is not None else None
+    """The model a card names, printable (cards are unsigned: any writer of the tier wrote it)."""
+    return (printable(card.name) or None) if card is not None else None
