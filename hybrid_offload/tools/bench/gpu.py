@@ -12,25 +12,16 @@ bf16) in vLLM 0.32's GPU layouts, per request length:
   step work, then a sync, as vLLM's steps end) while loads and stores run.
 
 Runs on ``cpu`` too (``--device cpu``: no ceilings, no streams), for a smoke run. Torch alone:
-``scripts/gpu_check.sh`` runs it on the GPU machine, which has no vLLM.
+``scripts/gpu_check.sh`` runs it on the GPU machine, which has no vLLM. The measurements are
+:mod:`.gpu_cases`, imported by :func:`run` only.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-import torch
-
-from hybrid_offload.backends import BackendConfig
-from hybrid_offload.testing.datapath import QWEN3_NEXT_80B, HybridShape, KVWorld, fill_random, kv_bytes_at
 from hybrid_offload.tools.bench.common import bar_plot, format_table, write_results
-
-GB = 1e9
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,228 +32,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed loads per case (the median is reported)")
 
 
-def _timed(fn: Callable[[], Any], device: torch.device, repeats: int = 5) -> float:
-    """Median seconds of ``fn`` (synchronized on CUDA), after one warm-up."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def ceilings(device: torch.device, nbytes: int = 1 << 30) -> dict[str, float]:
-    """Pinned H2D and D2H GB/s of one ``nbytes`` copy."""
-    if device.type != "cuda":
-        return {}
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    h2d = _timed(lambda: dev.copy_(host, non_blocking=True), device)
-    d2h = _timed(lambda: host.copy_(dev, non_blocking=True), device)
-    d2d_dst = torch.empty_like(dev)
-    d2d = _timed(lambda: d2d_dst.copy_(dev), device)
-    return {"h2d_gbps": nbytes / h2d / GB, "d2h_gbps": nbytes / d2h / GB, "d2d_gbps": 2 * nbytes / d2d / GB}
-
-
-def enqueue_probe(device: torch.device, nbytes: int = 1 << 30) -> dict[str, float]:
-    """Milliseconds the calling thread spends enqueuing: one large pinned copy to the device,
-    then a small index copy from pageable and from pinned memory behind it on the same stream."""
-    if device.type != "cuda":
-        return {}
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    small = torch.arange(4096, dtype=torch.int64)
-    out = {}
-    for name, move in (("pageable", lambda: small.to(device, non_blocking=True)),
-                       ("pinned", lambda: small.pin_memory().to(device, non_blocking=True))):  # fmt: skip
-        move()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        big = host.to(device, non_blocking=True)
-        enqueued = time.perf_counter()
-        move()
-        done = time.perf_counter()
-        torch.cuda.synchronize()
-        out["large_h2d_enqueue_ms"] = (enqueued - start) * 1e3
-        out[f"small_{name}_after_large_ms"] = (done - enqueued) * 1e3
-        del big
-    return out
-
-
-def _counters(world: KVWorld) -> dict[str, float]:
-    return dict(world.worker.stats.snapshot())
-
-
-def _delta(after: dict[str, Any], before: dict[str, Any], key: str) -> float:
-    return float(after.get(key, 0)) - float(before.get(key, 0))
-
-
-def _one_load(world: KVWorld, pages: list, req: str) -> tuple[float, float]:  # type: ignore[type-arg]
-    """Load ``pages`` as the model-runner thread does; (wall seconds, its CPU seconds)."""
-    cpu = 0.0
-    start = time.perf_counter()
-    world.worker.start_loads([_load_job(pages, req)])
-    while time.perf_counter() - start < 120:
-        c0 = time.thread_time()
-        recving, failed = world.worker.write_finished_loads(wait_s=0.005)  # an idle engine's step
-        cpu += time.thread_time() - c0
-        if req in recving:
-            if req in failed:
-                raise RuntimeError(f"load {req} failed")
-            return time.perf_counter() - start, cpu
-    raise TimeoutError(f"load {req} did not finish in 120 s")
-
-
-def _load_job(pages: list, req: str):  # type: ignore[no-untyped-def,type-arg]
-    from hybrid_offload.connector.metadata import LoadJob, LoadSegment
-
-    return LoadJob(req, (LoadSegment("cpu", tuple(pages)),))
-
-
-def transfer_case(shape: HybridShape, layout: str, tokens: int, device: str, repeats: int) -> dict[str, Any]:
-    """Store then load one request of ``tokens`` tokens; GB/s and phases."""
-    blocks = 2 * -(-tokens // shape.block_size()) + 3
-    world = KVWorld(shape, blocks, layout, device, [BackendConfig("cpu", "cpu", 1 << 36)],
-                    staging_pool_bytes=8 << 30)  # fmt: skip
-    try:
-        fill_random(world.raw, 7)
-        ids = torch.randperm(blocks - 3, generator=torch.Generator().manual_seed(tokens)) + 1
-        need = -(-tokens // world.block_size)
-        src, dst = ids[:need].tolist(), ids[need : 2 * need].tolist()
-        toks = torch.randint(0, 50_000, (tokens,), generator=torch.Generator().manual_seed(1)).tolist()
-        store_pages = world.pages(toks, src, blocks - 2)
-        load_pages = world.pages(toks, dst, blocks - 1)
-        sync = torch.cuda.synchronize if world.device.type == "cuda" else (lambda: None)
-
-        stores = []
-        for _ in range(repeats + 1):  # the first pins the store rows (then pooled)
-            before = _counters(world)
-            sync()
-            start = time.perf_counter()
-            c0 = time.thread_time()
-            world.worker.copy_out([_store_job(p) for p in store_pages])
-            copy_cpu, copy_wall = time.thread_time() - c0, time.perf_counter() - start
-            world.worker.transfers.stored().wait()
-            device_s = time.perf_counter() - start
-            world.worker.flush(600)
-            stores.append({"s": time.perf_counter() - start, "device_s": device_s, "cpu": copy_cpu,
-                           "wall": copy_wall, "bytes": _delta(_counters(world), before, "bytes_copied_out")})
-        stores = stores[1:]
-
-        def smed(key: str) -> float:
-            return statistics.median(r[key] for r in stores)
-
-        stored, store_s, device_s = smed("bytes"), smed("s"), smed("device_s")
-        copy_cpu, copy_wall = smed("cpu"), smed("wall")
-
-        runs = []
-        for r in range(repeats + 1):  # the first warms the pools
-            before = _counters(world)
-            wall, cpu = _one_load(world, load_pages, f"load-{r}")
-            after = _counters(world)
-            names = ("queued", "prepare", "read", "verify", "ready", "write", "total")
-            phases = {p: _delta(after, before, f"load_{p}_seconds") for p in names}
-            device_part = phases["total"] - sum(phases[p] for p in names[:5])
-            runs.append({"wall_s": wall, "runner_cpu_s": cpu, "device_s": device_part, **phases,
-                         "bytes": _delta(after, before, "bytes_loaded")})  # fmt: skip
-        runs = runs[1:]
-        m = len(world.planner.chunk_hashes(toks)) * world.chunk
-        name = world.spec.groups[0].layer_names[0]
-        identical = torch.equal(kv_bytes_at(world.views[name], src, world.block_size, range(m)),
-                                kv_bytes_at(world.views[name], dst, world.block_size, range(m)))  # fmt: skip
-
-        def med(key: str) -> float:
-            return statistics.median(r[key] for r in runs)
-
-        loaded = med("bytes")
-        return {
-            "layout": layout, "tokens": tokens, "identical": identical,
-            "store_bytes": stored, "store_s": store_s, "store_gbps": stored / store_s / GB,
-            "store_device_s": device_s, "store_device_gbps": stored / device_s / GB,
-            "store_runner_cpu_ms": copy_cpu * 1e3, "store_runner_wall_ms": copy_wall * 1e3,
-            "load_bytes": loaded, "load_s": med("wall_s"), "load_gbps": loaded / med("wall_s") / GB,
-            "load_read_s": med("read"), "load_verify_s": med("verify"),
-            "load_read_gbps": loaded / med("read") / GB, "load_verify_gbps": loaded / med("verify") / GB,
-            "load_device_s": med("device_s"), "load_device_gbps": loaded / med("device_s") / GB,
-            "load_runner_cpu_ms": med("runner_cpu_s") * 1e3, "load_enqueue_ms": med("write") * 1e3,
-        }  # fmt: skip
-    finally:
-        world.close()
-
-
-def _store_job(page):  # type: ignore[no-untyped-def]
-    from hybrid_offload.connector.metadata import StoreJob
-
-    return StoreJob(page, ("cpu",))
-
-
-def interference(
-    shape: HybridShape, layout: str, tokens: int, device: str, steps: int = 60
-) -> dict[str, Any]:
-    """A matmul loop (one step: ~10 ms of bf16 matmuls, the connector's step work, a sync) alone
-    and while a ``tokens``-token load runs back to back and every step stores a chunk's pages."""
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return {}
-    blocks = 2 * -(-tokens // shape.block_size()) + 3
-    world = KVWorld(shape, blocks, layout, device, [BackendConfig("cpu", "cpu", 1 << 36)],
-                    staging_pool_bytes=8 << 30)  # fmt: skip
-    try:
-        fill_random(world.raw, 9)
-        need = -(-tokens // world.block_size)
-        toks = torch.randint(0, 50_000, (tokens,), generator=torch.Generator().manual_seed(2)).tolist()
-        src, dst = list(range(1, need + 1)), list(range(need + 1, 2 * need + 1))
-        world.store(world.pages(toks, src, blocks - 2), ["cpu"])
-        load_pages = world.pages(toks, dst, blocks - 1)
-        step_pages = [p for p in world.pages(toks, src, blocks - 2) if p.group == 0]
-        a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
-        b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
-
-        def loop(loading: bool, storing: bool) -> tuple[float, int]:
-            loads = 0
-            inflight: str | None = None
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for step in range(steps):
-                for _ in range(8):
-                    torch.mm(a, b)
-                if loading:
-                    if inflight is None:
-                        inflight = f"bg-{step}"
-                        world.worker.start_loads([_load_job(load_pages, inflight)])
-                    recving, _ = world.worker.write_finished_loads()
-                    if inflight in recving:
-                        loads, inflight = loads + 1, None
-                if storing:
-                    chunk = step_pages[(step * 16) % len(step_pages) :][:16]
-                    world.worker.copy_out([_store_job(p) for p in chunk])
-                torch.cuda.synchronize()
-            elapsed = time.perf_counter() - start
-            while inflight is not None:  # drain
-                recving, _ = world.worker.write_finished_loads(wait_s=0.01)
-                if inflight in recving:
-                    inflight = None
-            world.worker.flush(600)
-            return elapsed, loads
-
-        loop(False, False)  # warm-up
-        loop(True, True)
-        alone = min(loop(False, False)[0] for _ in range(2))
-        loads_s, _ = loop(True, False)
-        stores_s, _ = loop(False, True)
-        both_s, both = loop(True, True)
-        return {"layout": layout, "tokens": tokens, "steps": steps, "alone_s": alone,
-                "loads_s": loads_s, "stores_s": stores_s, "both_s": both_s,
-                "slowdown_loads": loads_s / alone - 1, "slowdown_stores": stores_s / alone - 1,
-                "slowdown": both_s / alone - 1, "loads_during": both}  # fmt: skip
-    finally:
-        world.close()
-
-
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from hybrid_offload.testing.datapath import QWEN3_NEXT_80B, HybridShape
+    from hybrid_offload.tools.bench.gpu_cases import ceilings, enqueue_probe, interference, transfer_case
+
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("bench gpu: no CUDA device here (use --device cpu for a smoke run)")
