@@ -3,12 +3,11 @@
 * :class:`ExtentAllocator` hands out 64-byte aligned extents of the pool from free extents
   kept by size class and by both ends: an allocation looks at a bounded number of candidates,
   a free coalesces with its neighbours in O(1).
-* **Bounded work under the lock** (the server holds one lock for the index): an ALLOC spends
-  at most ``WORK_PER_MESSAGE + WORK_PER_KEY x keys`` :class:`Work` steps (candidate extents,
-  evictions, pinned pages skipped); past that its remaining keys are refused. A page takes at
-  least ``MIN_PAGE_BYTES`` of the capacity, so a pool holds at most ``capacity /
-  MIN_PAGE_BYTES`` pages and a commit evicts at most its size / ``MIN_PAGE_BYTES`` of them.
-  Every other message costs O(its keys).
+* **Bounded work under the lock** (the server holds one lock for the index): an ALLOC or a
+  COMMIT spends at most ``WORK_PER_MESSAGE + WORK_PER_KEY x keys`` :class:`Work` steps
+  (candidate extents, evictions, pinned pages skipped); past that its remaining keys are
+  refused (not stored), and the room made so far stays made, so a later message goes on from
+  there. Every other message costs O(its keys).
 * :class:`PageIndex` maps keys to extents with LRU order (by last commit or GET; an
   :class:`~hybrid_offload.backends.lru_index.LruIndex`), bounded by ``capacity`` counted in
   page bytes (not aligned extent bytes). The pool is sized with slack
@@ -45,7 +44,6 @@ from ..lru_index import Entry, LruIndex
 
 __all__ = [
     "ALIGN",
-    "MIN_PAGE_BYTES",
     "WORK_PER_KEY",
     "WORK_PER_MESSAGE",
     "Extent",
@@ -60,10 +58,7 @@ __all__ = [
 ]
 
 ALIGN = 64
-#: the capacity a page takes at least: bounds the pages a pool holds (capacity / this), and so
-#: the evictions one commit can cause (its size / this)
-MIN_PAGE_BYTES = 4096
-#: the work (:class:`Work` steps) one ALLOC may do under the lock: this, plus per key
+#: the work (:class:`Work` steps) one ALLOC or COMMIT may do under the lock: this, plus per key
 WORK_PER_MESSAGE = 4096
 WORK_PER_KEY = 16
 
@@ -239,11 +234,9 @@ class PageIndex:
         lease_timeout_s: float = 30.0,
         alloc_timeout_s: float = 30.0,
         max_pending: int = 64,
-        min_page_bytes: int = MIN_PAGE_BYTES,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.allocator = ExtentAllocator(pool_size)
-        self.min_page_bytes = min_page_bytes
         size = self.allocator.size
         #: reserved bytes beyond which ALLOC refuses instead of evicting committed pages
         self.reserve_limit = max(size - capacity, size // 8)
@@ -283,10 +276,6 @@ class PageIndex:
         if entry is not None:
             self._retire(entry.value.extent)
         return entry is not None
-
-    def _charged(self, size: int) -> int:
-        """The capacity a page of ``size`` bytes takes: at least :attr:`min_page_bytes`."""
-        return max(size, self.min_page_bytes)
 
     def _physical_alloc(self, size: int, reservation: _Reservation, work: Work) -> Extent | None:
         """A free extent; else evict LRU (unpinned) pages for it, but only while all
@@ -368,7 +357,7 @@ class PageIndex:
         work = Work(WORK_PER_MESSAGE + WORK_PER_KEY * len(keys))
         for key, size in zip(keys, sizes, strict=True):
             extent = None
-            if self._charged(size) <= self.capacity and work.left:
+            if size <= self.capacity and work.left:
                 try:
                     extent = self._physical_alloc(size, res, work)
                 except OutOfWorkError:
@@ -395,6 +384,7 @@ class PageIndex:
         _uncount(self._open_allocs, res.owner)
         committed, evictions, evicted_bytes = 0, res.evictions, res.evicted_bytes
         now = self._clock()
+        work = Work(WORK_PER_MESSAGE + WORK_PER_KEY * len(res.items))
         flags = list(success) + [False] * (len(res.items) - len(success))
         for (key, size, extent), ok in zip(res.items, flags, strict=False):
             if extent is None:
@@ -404,12 +394,18 @@ class PageIndex:
                 self.allocator.free(extent)
                 continue
             self._drop(key)  # replacing an older version is not an eviction
-            charged = self._charged(size)
-            for evicted in self._pages.make_room(charged):  # pinned pages too: freed on release
+            while self._pages.used + size > self.capacity and work.left:  # pinned too: freed on release
+                work.left -= 1
+                evicted = self._pages.evict()
+                if evicted is None:
+                    break
                 self._retire(evicted.value.extent)
                 evictions += 1
-                evicted_bytes += evicted.value.size
-            self._pages.insert(key, charged, _Page(size, extent, now))
+                evicted_bytes += evicted.size
+            if self._pages.used + size > self.capacity:  # out of work: not stored, room made so far kept
+                self.allocator.free(extent)
+                continue
+            self._pages.insert(key, size, _Page(size, extent, now))
             committed += 1
         return committed, evictions, evicted_bytes
 

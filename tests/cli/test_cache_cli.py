@@ -138,7 +138,7 @@ def peer_server() -> Iterator[InProcessPeer]:
     now = [1000.0]
     never = 10 * AGED_S  # moving the clock must not expire connections, leases or reservations
     options = PeerOptions(host="127.0.0.1", port=0, capacity_bytes=64 * MiB, lease_timeout_s=never,
-                          alloc_timeout_s=never, idle_timeout_s=never)  # fmt: skip
+                          alloc_timeout_s=never, idle_timeout_s=never, insecure=True)  # fmt: skip
     server = PeerServer(options, clock=lambda: now[0])
     server.start()
     thread = threading.Thread(target=server.serve_forever, daemon=True)

@@ -469,7 +469,7 @@ def test_allocator_first_fit_and_coalescing() -> None:
 
 
 def test_index_pins_survive_eviction_and_commits_evict_lru() -> None:
-    index = PageIndex(capacity=4 * ALIGN, pool_size=6 * ALIGN, min_page_bytes=ALIGN)
+    index = PageIndex(capacity=4 * ALIGN, pool_size=6 * ALIGN)
     owner = object()
     k = [key(i) for i in range(8)]
     for i in range(4):
@@ -491,7 +491,7 @@ def test_index_pins_survive_eviction_and_commits_evict_lru() -> None:
 
 
 def test_index_reservations_beyond_the_slack_are_refused_not_evicting() -> None:
-    index = PageIndex(capacity=2 * ALIGN, pool_size=4 * ALIGN, min_page_bytes=ALIGN)  # reserve limit: 2 ALIGN
+    index = PageIndex(capacity=2 * ALIGN, pool_size=4 * ALIGN)  # reserve limit: 2 * ALIGN
     a, b = object(), object()
     for i in range(2):
         alloc_id, _ = index.alloc([key(i)], [ALIGN], a)
@@ -641,4 +641,6 @@ def test_exposure_loopback_and_interfaces() -> None:
     with pytest.raises(ValueError, match="--insecure"):
         check_bind("0.0.0.0:1", "0.0.0.0", has_token=False, insecure=False)
     check_bind("0.0.0.0:1", "0.0.0.0", has_token=True, insecure=False)
-    check_bind("127.0.0.1:1", "127.0.0.1", has_token=False, insecure=False)
+    with pytest.raises(ValueError, match="every local user"):  # issue 31 M5: loopback too
+        check_bind("127.0.0.1:1", "127.0.0.1", has_token=False, insecure=False)
+    check_bind("127.0.0.1:1", "127.0.0.1", has_token=False, insecure=True)

@@ -218,7 +218,8 @@ def test_handshake_and_idle_timeouts_with_injected_clock() -> None:
 
     now = [1000.0]
     options = PeerOptions(
-        host="127.0.0.1", port=0, capacity_bytes=MiB, handshake_timeout_s=5.0, idle_timeout_s=60.0
+        host="127.0.0.1", port=0, capacity_bytes=MiB, handshake_timeout_s=5.0, idle_timeout_s=60.0,
+        insecure=True,
     )
     server = PeerServer(options, clock=lambda: now[0])
     server.start()
@@ -564,9 +565,10 @@ def test_peer_metadata_altered_in_transit_is_never_loaded(
 
 def test_one_alloc_holds_the_peer_lock_for_bounded_time(peers: PeerFactory) -> None:
     """Issue 31 M4: an authenticated client fills a 16 MiB pool with 64-byte pages, deletes
-    every other one and asks for one large page. Finding room used to evict a page and rescan
+    every other one and asks for a 1 MiB page. Finding room used to evict one page and rescan
     the free list, all under the peer's lock: 44.5 s for that one ALLOC while every other
-    client waited. Now its work is bounded, and another client is answered meanwhile."""
+    client waited. Now each message's work is bounded (what it cannot finish is refused), the
+    room it made stays made, and a few ALLOCs later the page fits."""
     peer = peers(16 * MiB, extra_args=["--pool-bytes", str(16 * MiB)])
     attacker, bystander = _hello(peer.address), _hello(peer.address)
     keys = [key(i) for i in range(16 * MiB // 64)]
@@ -579,22 +581,31 @@ def test_one_alloc_holds_the_peer_lock_for_bounded_time(peers: PeerFactory) -> N
     for start in range(0, len(keys), 2 * p.MAX_KEYS):
         assert isinstance(_ask(attacker, p.Delete(keys[start : start + 2 * p.MAX_KEYS : 2])), p.DeleteReply)
     answered: list[float] = []
+    done = threading.Event()
 
     def lookups() -> None:
-        began = time.monotonic()
-        while not answered or time.monotonic() - began < 1.0:
+        while not done.is_set():
             t = time.monotonic()
             assert isinstance(_ask(bystander, p.Lookup([key(1)])), p.LookupReply)
             answered.append(time.monotonic() - t)
 
     watcher = threading.Thread(target=lookups)
-    began = time.monotonic()
     watcher.start()
-    reply = _ask(attacker, p.Alloc([key(1 << 30)], [8 * MiB]))
-    took = time.monotonic() - began
-    watcher.join(timeout=60)
-    assert isinstance(reply, p.AllocReply)
-    assert took < 2.0, f"one 1-key ALLOC took {took:.1f} s"
-    assert max(answered) < 2.0, f"a LOOKUP waited {max(answered):.1f} s behind it"
-    _ask(attacker, p.Commit(reply.alloc_id, [reply.offsets[0] is not None]))
-    assert isinstance(_ask(bystander, p.Used()), p.UsedReply)  # and the peer still serves
+    took: list[float] = []
+    try:
+        for _ in range(50):
+            began = time.monotonic()
+            reply = _ask(attacker, p.Alloc([key(1 << 30)], [MiB]))
+            took.append(time.monotonic() - began)
+            assert isinstance(reply, p.AllocReply)
+            granted = reply.offsets[0] is not None
+            _ask(attacker, p.Commit(reply.alloc_id, [granted]))
+            if granted:
+                break
+    finally:
+        done.set()
+        watcher.join(timeout=60)
+    assert granted, f"no room after {len(took)} ALLOCs"
+    assert max(took) < 1.0, f"one 1-key ALLOC took {max(took):.1f} s"
+    assert answered and max(answered) < 1.0, f"a LOOKUP waited {max(answered):.1f} s behind them"
+    assert _ask(bystander, p.Lookup([key(1 << 30)])) == p.LookupReply([True])

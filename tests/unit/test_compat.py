@@ -71,7 +71,7 @@ def test_the_metrics_refuse_before_they_register(monkeypatch: pytest.MonkeyPatch
 def test_the_cache_peer_refuses_before_it_binds(monkeypatch: pytest.MonkeyPatch) -> None:
     from hybrid_offload.backends.nixl_peer.server import PeerOptions, PeerServer
 
-    server = PeerServer(PeerOptions("127.0.0.1", 0, capacity_bytes=1 << 20))
+    server = PeerServer(PeerOptions("127.0.0.1", 0, capacity_bytes=1 << 20, insecure=True))
     installed_as(monkeypatch, nixl="0.1.0")
     with pytest.raises(UntestedVersionError, match=r"^hybrid-offload peer: nixl 0\.1\.0"):
         server.start()
