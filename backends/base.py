@@ -26,6 +26,8 @@ Contract (every backend, checked by ``tests/contract``):
 * **Threading.** All methods are thread-safe; a backend may be used from several threads.
 * **Ownership.** ``put_batch`` copies what it needs before returning: the caller may reuse
   its buffers at once. ``get_into`` writes into caller-owned buffers and keeps no reference.
+  The one exception is a call that raises :class:`BuffersInUseError`: its buffers may still be
+  read or written, and the caller must never reuse them.
 * **Visibility across processes.** ``shared_index`` says whether another process (vLLM's
   scheduler process) opening the same backend config sees the pages this process put. When
   it is False (the in-process cpu pool), the connector mirrors the index from worker reports.
@@ -77,6 +79,12 @@ class InvalidKeyError(BackendError, ValueError):
 
 class BackendUnavailableError(BackendError):
     """The medium or server cannot be reached or failed; the call's pages are misses."""
+
+
+class BuffersInUseError(BackendUnavailableError):
+    """The call failed and a transfer of it could not be stopped: the buffers it was given
+    (``put_batch``'s pages, ``get_into``'s destinations) may still be read or written. The
+    caller must never reuse them (the ownership clause cannot hold for this call)."""
 
 
 class BackendClosedError(BackendError):

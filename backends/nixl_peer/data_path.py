@@ -34,7 +34,7 @@ import numpy as np
 
 from hybrid_offload.compat import check_versions, nixl_agent
 
-from ..base import BackendUnavailableError
+from ..base import BackendUnavailableError, BuffersInUseError
 from . import protocol as p
 from . import rounds
 from .peers import PeerState
@@ -183,8 +183,8 @@ class DataPath:
 
     def move(self, op: str, pieces: list[Piece]) -> set[int]:
         """Move all pieces (READ: pool -> views, WRITE: views -> pool); returns failed peers.
-        Raises BackendUnavailableError where NIXL cannot be used, or a failed READ into the
-        caller's buffers did not stop."""
+        Raises BackendUnavailableError where NIXL cannot be used, BuffersInUseError where a
+        failed transfer straight from or into the caller's buffers did not stop."""
         failed: set[int] = set()
         if not pieces:
             return failed
@@ -255,11 +255,10 @@ class DataPath:
                 self._max_regions = 0  # no more memory kept for this client: staging from now on
                 logger.warning("nixl_peer %r: a failed transfer did not stop; its buffers are kept "
                                "and transfers go through staging from now on", self.name)  # fmt: skip
-        if not stopped and op == "READ":
-            raise BackendUnavailableError(
-                f"nixl_peer {self.name!r}: a failed READ did not stop; its destination buffers "
-                "may still be written"
-            )
+        if not stopped:
+            what = "destination buffers may still be written" if op == "READ" else (
+                "source buffers may still be read")
+            raise BuffersInUseError(f"nixl_peer {self.name!r}: a failed {op} did not stop; its {what}")
         return True
 
     def close(self, timeout: float) -> None:

@@ -41,8 +41,10 @@ from hybrid_offload.backends import (
     BackendClosedError,
     BackendConfig,
     BackendUnavailableError,
+    BuffersInUseError,
     create_backend,
 )
+from hybrid_offload.backends.wrappers import FaultInjectingBackend
 from hybrid_offload.connector.config import Tier
 from hybrid_offload.connector.metadata import (
     ClearRange,
@@ -166,6 +168,25 @@ def test_stored_pages_decode_to_the_blocks_contents_in_canonical_order(
     assert counters["copy_out_seconds"] > 0
     lengths = sum(w.worker.codecs[p.group].page_lens[0] for p in pages)
     assert w.worker.stores.store_rows.free_bytes >= lengths  # given back once stored, for the next steps
+
+
+def test_rows_a_backend_may_still_read_are_never_reused(world) -> None:
+    """Issue 31 L3: a put whose transfer could not be stopped (BuffersInUseError) may still
+    read its pages' rows after it returns: they are retired, not given back for the next step;
+    after an ordinary failure they are given back."""
+    w = world(chunk=BS)
+    faulty = FaultInjectingBackend(w.worker.ctx.backends["cpu"])
+    w.worker.ctx.backends["cpu"] = faulty
+    table = [3, 7, 5]
+    w.cache.write_tokens(table, 0, 24)
+    for error, given_back in ((BuffersInUseError("a WRITE did not stop"), False),
+                              (BackendUnavailableError("down"), True)):  # fmt: skip
+        free = w.worker.stores.store_rows.free_bytes
+        faulty.fail("put_batch", error=error)
+        w.worker.copy_out([StoreJob(w.attn_page(c, table), ("cpu",)) for c in range(3)])
+        w.worker.flush(10)
+        assert (w.worker.stores.store_rows.free_bytes > free) is given_back, error
+        assert w.counters()["backends"]["cpu"]["store_failures"] > 0
 
 
 def test_copy_out_before_kv_caches_are_registered_is_a_no_op() -> None:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hybrid_offload.backends.base import BackendError
+from hybrid_offload.backends.base import BackendError, BuffersInUseError
 from hybrid_offload.connector.metadata import CommitJob, StoreJob, TouchJob
 from hybrid_offload.connector.worker.context import WorkerContext
 from hybrid_offload.connector.worker.device import DeviceTransfers
@@ -157,9 +157,9 @@ class StorePipeline:
             batch, nbytes, blocks, ready = item
             try:
                 ready.wait()
-                self._store_batch(batch)
-                for block in blocks:
-                    self.store_rows.give(block)  # put_batch copied what it keeps
+                if self._store_batch(batch):
+                    for block in blocks:
+                        self.store_rows.give(block)  # put_batch copied what it keeps
             except Exception:  # the store thread must survive anything a backend does
                 logger.exception("hybrid-offload store batch failed")
                 with self.ctx.stats.lock:
@@ -184,7 +184,10 @@ class StorePipeline:
                 self.ctx.spec.fingerprint,
             )
 
-    def _store_batch(self, batch: list[QueuedShard]) -> None:
+    def _store_batch(self, batch: list[QueuedShard]) -> bool:
+        """Seal and put ``batch``; whether its buffers may be reused (False: a backend could not
+        stop a transfer reading them, :class:`BuffersInUseError`: they are retired)."""
+        reusable = True
         per_backend: dict[str, list[tuple[str, bytearray]]] = {}
         if batch:
             self._check_namespace(batch[0][0].page.key)
@@ -198,7 +201,8 @@ class StorePipeline:
         for name, items in per_backend.items():
             try:
                 results = self.ctx.backends[name].put_batch(items)
-            except BackendError:
+            except BackendError as exc:
+                reusable = reusable and not isinstance(exc, BuffersInUseError)
                 with self.ctx.stats.lock:
                     self.ctx.stats.counters.backend(name).store_failures += len(items)
                 continue
@@ -209,6 +213,7 @@ class StorePipeline:
                 counters.stored_pages += len(stored)
                 counters.stored_bytes += sum(len(b) for (k, b), ok in zip(items, results, strict=True) if ok)
                 counters.store_failures += len(items) - len(stored)
+        return reusable
 
     def _touch(self, job: TouchJob) -> None:
         """Store thread: refresh this rank's shards of ``job.pages`` in order."""
