@@ -92,8 +92,15 @@ from .base import (
     Buffer,
 )
 from .lmcache_expiry import EXPIRY_SCHEMES, make_expiry
-from .lmcache_options import OPTION_DEFAULTS, check_remote_url, validate_lmcache_options
+from .lmcache_options import (
+    OPTION_DEFAULTS,
+    check_remote_url,
+    lmcache_password,
+    validate_lmcache_options,
+    with_password,
+)
 from .local_index import LocalIndexBackend
+from .redis_options import redact_url
 
 # LMCache's loggers attach opentelemetry-sdk's deprecated LoggingHandler (one warning each).
 with warnings.catch_warnings():
@@ -195,6 +202,7 @@ class LMCacheBackend(LocalIndexBackend[None]):
         self._close_timeout = options["close_timeout_s"]
         self._namespace = options["namespace"]
         self._url = check_remote_url(options["remote_url"], self._op_timeout)
+        self._connect_url = with_password(self._url, lmcache_password(options))  # never shown
         self._expiry = make_expiry(self._url, options["ttl_s"], self._namespace)
         self._can_remove = True  # until the connector says NotImplementedError
 
@@ -280,7 +288,7 @@ class LMCacheBackend(LocalIndexBackend[None]):
                 try:
                     building.set_result(
                         CreateConnector(
-                            self._url, self._loop, self._allocator, self._lm_config, self._lm_metadata
+                            self._connect_url, self._loop, self._allocator, self._lm_config, self._lm_metadata
                         )
                     )
                 except BaseException as exc:
@@ -299,7 +307,8 @@ class LMCacheBackend(LocalIndexBackend[None]):
             self._building = None
             if "No adapter found" in str(exc):
                 raise BackendConfigError(
-                    f"backend {self.name!r}: option 'remote_url': LMCache has no connector for {self._url!r}"
+                    f"backend {self.name!r}: option 'remote_url': LMCache has no connector for "
+                    f"{redact_url(self._url)!r}"
                 ) from exc
             self._connect_failed(exc)
         except Exception as exc:

@@ -3,7 +3,11 @@
 Options, each checked with a :class:`BackendConfigError` naming the key:
 
 * ``remote_url`` (required): an LMCache remote URL, e.g. ``redis://127.0.0.1:6379`` or
-  ``fs://localhost:0/var/cache/pages``. ``resp://`` is refused (that connector reads fixed
+  ``fs://localhost:0/var/cache/pages``, without credentials (refused: they would show on
+  command lines and in logs; shown URLs are redacted).
+* ``password_file`` / ``password_env``: the password of a Redis remote (``redis``, ``rediss``,
+  ``redis-sentinel``, ``redis-cluster``), from a file or an environment variable; a literal
+  ``password`` is refused. ``resp://`` is refused (that connector reads fixed
   full-chunk-size values; pages vary in size). For ``redis``/``rediss``/``unix`` URLs without
   them, ``socket_timeout`` and ``socket_connect_timeout`` (= ``op_timeout_s``) are added so a
   hung server fails a call instead of blocking LMCache's I/O loop.
@@ -24,14 +28,38 @@ from __future__ import annotations
 
 import re
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
+
+from hybrid_offload.core.secrets import Secret
 
 from .base import BackendConfigError
+from .redis_options import redact_url, redis_password, refuse_url_credentials
 
-__all__ = ["OPTION_DEFAULTS", "check_remote_url", "validate_lmcache_options"]
+__all__ = [
+    "OPTION_DEFAULTS", "check_remote_url", "lmcache_password", "validate_lmcache_options", "with_password",
+]
 
 _NAMESPACE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _REDIS_SCHEMES = ("redis", "rediss", "unix")
+#: remotes whose LMCache connector reads a password from the URL's user info
+_PASSWORD_SCHEMES = ("redis", "rediss", "redis-sentinel", "redis-cluster")
+
+
+def lmcache_password(options: dict[str, Any]) -> Secret | None:
+    """The remote's password from ``password_file`` / ``password_env`` (a literal ``password``
+    is refused), as the redis backend reads its own."""
+    return redis_password(options)
+
+
+def with_password(url: str, password: Secret | None) -> str:
+    """``url`` with ``password`` in its user info (what LMCache's Redis connectors read); the
+    result is passed to LMCache only, never shown."""
+    if password is None:
+        return url
+    parts = urlsplit(url)
+    user = quote(parts.username or "", safe="")
+    netloc = f"{user}:{quote(password.text(), safe='')}@{parts.netloc.rpartition('@')[2]}"
+    return urlunsplit(parts._replace(netloc=netloc))
 
 OPTION_DEFAULTS: dict[str, Any] = {
     "remote_url": None,
@@ -40,6 +68,10 @@ OPTION_DEFAULTS: dict[str, Any] = {
     "close_timeout_s": 2.0,
     # values expire this long after their last put or get (Redis, fs): see lmcache_expiry
     "ttl_s": 86400.0,
+    # the remote's password (redis, rediss, redis-sentinel, redis-cluster): a file or a variable
+    "password": None,
+    "password_file": None,
+    "password_env": None,
 }
 
 
@@ -50,12 +82,14 @@ def _positive_number(name: str, value: Any) -> float:
 
 
 def check_remote_url(url: Any, op_timeout_s: float) -> str:
-    """Validate ``remote_url``; return it with socket timeouts added for Redis URLs."""
+    """Validate ``remote_url`` (no credentials in it: ``password_file`` / ``password_env``);
+    return it with socket timeouts added for Redis URLs."""
     if not isinstance(url, str) or "://" not in url:
         raise BackendConfigError(
             f"option 'remote_url' must be an LMCache remote URL such as "
-            f"'redis://127.0.0.1:6379' or 'fs://localhost:0/path', got {url!r}"
+            f"'redis://127.0.0.1:6379' or 'fs://localhost:0/path', got {redact_url(str(url))!r}"
         )
+    refuse_url_credentials("remote_url", url)
     parts = urlsplit(url)
     scheme = parts.scheme
     if scheme == "resp":
@@ -67,10 +101,11 @@ def check_remote_url(url: Any, op_timeout_s: float) -> str:
         try:
             port = parts.port
         except ValueError as exc:
-            raise BackendConfigError(f"option 'remote_url': bad port in {url!r}") from exc
+            raise BackendConfigError(f"option 'remote_url': bad port in {redact_url(url)!r}") from exc
         if scheme != "unix" and (not parts.hostname or port is None):
             raise BackendConfigError(
-                f"option 'remote_url' needs host and port, e.g. redis://127.0.0.1:6379, got {url!r}"
+                "option 'remote_url' needs host and port, e.g. redis://127.0.0.1:6379, got "
+                f"{redact_url(url)!r}"
             )
         query = dict(parse_qsl(parts.query))
         query.setdefault("socket_timeout", f"{op_timeout_s:g}")
@@ -82,7 +117,7 @@ def check_remote_url(url: Any, op_timeout_s: float) -> str:
         parse_remote_url(url)
     except (AssertionError, ValueError) as exc:
         raise BackendConfigError(
-            f"option 'remote_url': LMCache cannot parse {url!r} (it wants "
+            f"option 'remote_url': LMCache cannot parse {redact_url(url)!r} (it wants "
             f"scheme://host:port[/path], e.g. fs://localhost:0/path): {exc}"
         ) from exc
     return url
@@ -99,6 +134,12 @@ def validate_lmcache_options(merged: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
         raise BackendConfigError(f"option 'namespace' must match {_NAMESPACE.pattern}, got {namespace!r}")
     check_remote_url(merged["remote_url"], op_timeout)
+    password = lmcache_password(merged)
+    if password is not None and urlsplit(merged["remote_url"]).scheme not in _PASSWORD_SCHEMES:
+        raise BackendConfigError(
+            f"option 'password_file' / 'password_env': only {', '.join(_PASSWORD_SCHEMES)} remotes "
+            f"take a password, not {urlsplit(merged['remote_url']).scheme}://"
+        )
     if merged["ttl_s"] is not None:
         merged["ttl_s"] = _positive_number("ttl_s", merged["ttl_s"])
     return merged

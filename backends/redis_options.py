@@ -84,19 +84,17 @@ def bad_option(key: str, why: str) -> BackendConfigError:
     return BackendConfigError(f"option {key!r}: {why}")
 
 
-def check_url(url: Any, *, cluster_only: bool) -> bool:
-    """Validate ``url`` (no password in it); return whether it selects cluster mode."""
-    if not isinstance(url, str) or not url:
-        raise bad_option("url", f"must be a non-empty string, got {url!r}")
+def refuse_url_credentials(key: str, url: str) -> None:
+    """BackendConfigError naming option ``key`` if ``url`` holds a password (in its user info
+    or a credential query key): it would be visible on command lines and in logs."""
     try:
         parts = urlsplit(url)
-        port = parts.port
         password = parts.password
     except ValueError as exc:
-        raise bad_option("url", f"cannot parse {redact_url(url)!r}: {exc}") from exc
+        raise bad_option(key, f"cannot parse {redact_url(url)!r}: {exc}") from exc
     if password is not None:
         raise bad_option(
-            "url",
+            key,
             f"{redact_url(url)!r} holds a password, which would be visible on command lines and in "
             "logs: give it with 'password_file' (a file holding it) or 'password_env' (the name of "
             "an environment variable holding it); a user name may stay in the url",
@@ -105,11 +103,23 @@ def check_url(url: Any, *, cluster_only: bool) -> bool:
                           if any(c in k.lower() for c in _CREDENTIAL_KEYS)})  # fmt: skip
     if credentials:
         raise bad_option(
-            "url",
+            key,
             f"{redact_url(url)!r} holds credentials in its query ({', '.join(credentials)}), which "
             "would be visible on command lines and in logs: give the password with 'password_file' "
             "or 'password_env'",
         )
+
+
+def check_url(url: Any, *, cluster_only: bool) -> bool:
+    """Validate ``url`` (no password in it); return whether it selects cluster mode."""
+    if not isinstance(url, str) or not url:
+        raise bad_option("url", f"must be a non-empty string, got {url!r}")
+    refuse_url_credentials("url", url)
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise bad_option("url", f"cannot parse {redact_url(url)!r}: {exc}") from exc
     if parts.scheme not in _SCHEMES:
         raise bad_option("url", f"scheme must be one of {sorted(_SCHEMES)}, got {parts.scheme!r}")
     if not parts.hostname:

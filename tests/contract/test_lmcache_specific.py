@@ -425,3 +425,38 @@ def test_missing_lmcache_raises_clear_import_error() -> None:
     assert "scripts/install_lmcache.sh" in result.stdout
     assert "[lmcache]" in result.stdout
     assert "CAUSE: ImportError" in result.stdout  # chained, not swallowed
+
+
+def test_the_remote_password_comes_from_a_file_and_is_never_shown(tmp_path: Path) -> None:
+    """Issue 31 L2: a Redis remote with AUTH. A password in ``remote_url`` (user info or query)
+    is refused naming the key without showing it; ``password_file`` / ``password_env`` work, and
+    no error shows the password."""
+    srv = start_redis_server(tmp_path / "redis", "--requirepass", "lm-s3cret")
+    try:
+        host_port = srv.url.removeprefix("redis://").split("/")[0]
+        for url in (f"redis://:lm-s3cret@{host_port}", f"redis://{host_port}?password=lm-s3cret"):
+            with pytest.raises(BackendConfigError, match="remote_url") as info:
+                make(url)
+            assert "lm-s3cret" not in str(info.value) and "password_file" in str(info.value)
+        with pytest.raises(BackendConfigError, match="'password'"):
+            make(f"redis://{host_port}", password="lm-s3cret")
+        secret = tmp_path / "pw"
+        secret.write_text("lm-s3cret\n")
+        secret.chmod(0o600)
+        backend = make(f"redis://{host_port}", password_file=str(secret))
+        try:
+            assert backend.put_batch([(key(1), b"behind AUTH")]) == [True]
+            assert backend.get_batch([key(1)]) == [b"behind AUTH"]
+            assert "lm-s3cret" not in repr(backend.__dict__.get("_url"))
+        finally:
+            backend.close()
+        secret.write_text("wrong\n")
+        backend = make(f"redis://{host_port}", password_file=str(secret))
+        try:
+            with pytest.raises(BackendUnavailableError) as failed:
+                backend.put_batch([(key(2), b"x")])
+            assert "wrong" not in str(failed.value) and "lm-s3cret" not in str(failed.value)
+        finally:
+            backend.close()
+    finally:
+        srv.stop()
