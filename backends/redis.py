@@ -34,7 +34,8 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
   ``volatile-ttl``) with ``ttl_s`` set: only pages carry a TTL, so the server never evicts
   the index. Under ``allkeys-*`` policies it may evict an index key; the scripts then rebuild
   ``used``, or repair it and let the next put rebuild it from a SCAN of the pages (adopting
-  those still stored, evicting down to the capacity). With ``noeviction``,
+  those still stored, evicting down to the capacity), at most once per ``REBUILD_EVERY_S`` (60
+  s) per process: any writer of the server can raise the rebuild flag. With ``noeviction``,
   a full server refuses puts (``False``).
 * **Batches.** Every call pipelines its commands (in a cluster: one pipeline per node,
   redis-py's ``ClusterPipeline``) in chunks of at most ``max_batch_bytes`` of values. A get is
@@ -114,6 +115,8 @@ logger = logging.getLogger(__name__)
 
 _MAX_KEYS_PER_PIPELINE = 4096
 _SCAN_COUNT = 1000  # keys per SCAN round trip and per round of size/idle-time queries
+#: a process rebuilds the index from a scan at most this often (see ``_rebuild_due``)
+REBUILD_EVERY_S = 60.0
 #: bytes per socket read of a reply. Inside an engine the load thread competes for the GIL with
 #: vLLM's busy step loop, and every read gives the GIL up for up to the switch interval (5 ms):
 #: redis-py's 64 KiB default read 2 MiB pages at ~20 MB/s there, 4 MiB reads at ~280 MB/s.
@@ -153,6 +156,9 @@ class RedisBackend(Backend):
         self._password = redis_password(opts)
         self._prefix: str = opts["prefix"]
         self._index = RedisIndex(self._prefix)
+        #: clock of the rebuild rate limit (tests inject one); when this process last rebuilt
+        self.clock = time.monotonic
+        self._last_rebuild: float | None = None
         ttl = opts["ttl_s"]
         self._ttl_ms: int | None = None if ttl is None else max(1, round(ttl * 1000))
         self._orphan_ttl_ms: int = max(1, round(opts["orphan_ttl_s"] * 1000))
@@ -341,9 +347,16 @@ class RedisBackend(Backend):
             evictions=len(victims),
             evicted_bytes=sum(size for _, size in victims),
         )
-        if rebuild and self._index.claim_rebuild(client):
+        if rebuild and self._rebuild_due() and self._index.claim_rebuild(client):
+            self._last_rebuild = self.clock()
             self._rebuild_index(client)
         return len(batch) - len(stored)
+
+    def _rebuild_due(self) -> bool:
+        """At most one rebuild per ``REBUILD_EVERY_S`` in this process: any writer of the
+        server can raise the flag, and a rebuild scans every page (210 ms at 50k pages). The
+        flag stays raised meanwhile, for the first put after the interval."""
+        return self._last_rebuild is None or self.clock() - self._last_rebuild >= REBUILD_EVERY_S
 
     def _rebuild_index(self, client: Any) -> None:
         """Rebuild the index from a scan of the pages (write lock held; module docstring)."""

@@ -401,6 +401,39 @@ def test_an_index_mismatch_rebuilds_the_index_from_a_scan(server: RedisServer, d
         admin.close()
 
 
+def test_a_writer_raising_the_rebuild_flag_costs_one_scan_a_minute(
+    server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 31 L4: any writer of the server can raise the index's rebuild flag before every put;
+    each put then rebuilt the index from a scan of every page (0.3 -> 210 ms a put at 50k
+    pages). Now a process rebuilds at most once per REBUILD_EVERY_S (injected clock); the flag
+    waits for the first put after that."""
+    from hybrid_offload.backends.redis import REBUILD_EVERY_S
+
+    with make_redis(server.url, capacity=MiB) as backend:
+        now = [1000.0]
+        backend.clock = lambda: now[0]
+        admin = redis.Redis.from_url(server.url)
+        assert backend.put_batch([(key(i), page(i, KiB)) for i in range(200)]) == [True] * 200
+        admin.delete(backend._index.size)  # a real mismatch first: rebuilt at the next put
+
+        def puts(first: int, n: int) -> int:
+            caplog.clear()
+            with caplog.at_level("WARNING", logger="hybrid_offload.backends.redis"):
+                for i in range(first, first + n):
+                    admin.set(backend._index.rebuild_flag, 1)  # the hostile writer, every time
+                    assert backend.put_batch([(key(i), page(i, KiB))]) == [True]
+            return caplog.text.count("rebuilt it from a scan")
+
+        assert puts(1000, 20) == 1
+        now[0] += REBUILD_EVERY_S / 2
+        assert puts(2000, 20) == 0
+        now[0] += REBUILD_EVERY_S
+        assert puts(3000, 20) == 1
+        assert backend.used_bytes() == page_bytes_held(admin, backend.config.options["prefix"])
+        admin.close()
+
+
 _DIES_BEFORE_ACCOUNTING = """
 import os, sys
 sys.path.insert(0, sys.argv[1])
