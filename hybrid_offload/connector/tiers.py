@@ -119,13 +119,16 @@ class SchedulerRecorder:
         return  # the scheduler reports availability and capacity only (refresh_gauges)
 
 
-def write_model_card(spec: ModelSpec, chunk_tokens: int, tiers: dict[str, OpenTier]) -> None:
+def write_model_card(
+    spec: ModelSpec, chunk_tokens: int, tiers: dict[str, OpenTier], page_key: bytes | None = None
+) -> None:
     """This model's card (:mod:`hybrid_offload.core.model_card`) into every writable tier another
     process can list, so ``hybrid-offload cache`` can name the model of this fingerprint. Best
-    effort, once per engine (one worker). Not a page: never reported to the scheduler."""
+    effort, once per engine (one worker). Not a page: never reported to the scheduler. Signed
+    under ``page_key`` (the cache secret's page subkey) where the engine has a secret."""
     try:
         key = card_key(spec.fingerprint)
-        card = encode_card(card_from_spec(spec, chunk_tokens))
+        card = encode_card(card_from_spec(spec, chunk_tokens), page_key)
     except ModelCardError as exc:
         logger.warning("hybrid-offload: no model card written: %s", exc)
         return

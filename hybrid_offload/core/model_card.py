@@ -15,6 +15,12 @@ Layout (little-endian)::
     json_len   u32      length of the JSON that follows
     json       canonical JSON of the card (sorted keys, no spaces, UTF-8)
     checksum   u64      xxh3-64 of everything above
+    signature  32 bytes HMAC-SHA256 of everything above under the cache secret's page subkey
+                        (only where the engine has a cache secret)
+
+Cards are written by every engine of a tier, so without a signature a card says what its
+writer chose: a reader with the secret (``cache --secret-file``) trusts only signed cards; a
+reader without it shows what cards say escaped.
 
 A card is at most :data:`MAX_CARD_BYTES`; decoding checks every size and field before using it
 and raises :class:`ModelCardError` naming what is wrong. No pickle, no eval. JSON keys a reader
@@ -23,6 +29,7 @@ does not know are ignored (a later writer may add fields without a new card vers
 
 from __future__ import annotations
 
+import hmac
 import json
 import math
 import re
@@ -58,6 +65,7 @@ __all__ = [
 CARD_MAGIC = b"HOMC"
 CARD_VERSION = 1
 MAX_CARD_BYTES = 64 << 10
+_SIGNATURE_BYTES = 32
 #: the digest half of every card key
 CARD_DIGEST = "0" * 32
 
@@ -148,9 +156,9 @@ def card_from_spec(spec: ModelSpec, chunk_tokens: int, written_at: float | None 
     )
 
 
-def encode_card(card: ModelCard) -> bytes:
-    """The card's bytes (module docstring); ModelCardError if a field is invalid or the card
-    would exceed :data:`MAX_CARD_BYTES`."""
+def encode_card(card: ModelCard, key: bytes | None = None) -> bytes:
+    """The card's bytes (module docstring), signed under ``key`` (the page subkey) if given;
+    ModelCardError if a field is invalid or the card would exceed :data:`MAX_CARD_BYTES`."""
     data = card.to_json()
     _card_from_json(data)  # what decode_card would refuse is never written
     try:
@@ -159,15 +167,17 @@ def encode_card(card: ModelCard) -> bytes:
         ).encode("utf-8")
     except (TypeError, ValueError) as exc:
         raise ModelCardError(f"model card is not JSON-serializable: {exc}") from exc
-    size = _HEAD.size + len(blob) + _CHECKSUM.size
+    size = _HEAD.size + len(blob) + _CHECKSUM.size + (0 if key is None else _SIGNATURE_BYTES)
     if size > MAX_CARD_BYTES:
         raise ModelCardError(f"model card would be {size} bytes, more than {MAX_CARD_BYTES}")
     body = _HEAD.pack(CARD_MAGIC, CARD_VERSION, len(blob)) + blob
-    return body + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
+    body += _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
+    return body if key is None else body + hmac.digest(key, body, "sha256")
 
 
-def decode_card(data: bytes | bytearray | memoryview) -> ModelCard:
-    """Verify and parse a card; ModelCardError says what is wrong with it."""
+def decode_card(data: bytes | bytearray | memoryview, key: bytes | None = None) -> ModelCard:
+    """Verify and parse a card; ModelCardError says what is wrong with it. With ``key`` (the
+    page subkey) a card must be signed under it; without, a signature is not checked."""
     view = memoryview(data).cast("B")
     if len(view) > MAX_CARD_BYTES:
         raise ModelCardError(f"model card is {len(view)} bytes, more than {MAX_CARD_BYTES}")
@@ -178,11 +188,18 @@ def decode_card(data: bytes | bytearray | memoryview) -> ModelCard:
         raise ModelCardError("bad magic: not a hybrid-offload model card")
     if version != CARD_VERSION:
         raise ModelCardError(f"model card format version {version}, expected {CARD_VERSION}")
-    if _HEAD.size + json_len + _CHECKSUM.size != len(view):
+    unsigned = _HEAD.size + json_len + _CHECKSUM.size
+    if len(view) not in (unsigned, unsigned + _SIGNATURE_BYTES):
         raise ModelCardError(
             f"model card length mismatch: header says {json_len} JSON bytes, "
             f"the card holds {len(view) - _HEAD.size - _CHECKSUM.size}"
         )
+    if key is not None:
+        if len(view) == unsigned:
+            raise ModelCardError("model card is not signed (the cache secret requires it)")
+        if not hmac.compare_digest(hmac.digest(key, view[:unsigned], "sha256"), view[unsigned:]):
+            raise ModelCardError("model card signature does not match the cache secret")
+    view = view[:unsigned]
     end = len(view) - _CHECKSUM.size
     (stored,) = _CHECKSUM.unpack_from(view, end)
     if xxhash.xxh3_64_intdigest(view[:end]) != stored:
@@ -194,10 +211,11 @@ def decode_card(data: bytes | bytearray | memoryview) -> ModelCard:
     return _card_from_json(parsed)
 
 
-def card_problem(key: str, data: bytes) -> str | None:
-    """Why the card stored under ``key`` is not valid, or None if it is (for ``verify``)."""
+def card_problem(key: str, data: bytes, secret_key: bytes | None = None) -> str | None:
+    """Why the card stored under ``key`` is not valid (with ``secret_key``: not signed under
+    it), or None if it is (for ``verify``)."""
     try:
-        card = decode_card(data)
+        card = decode_card(data, secret_key)
     except ModelCardError as exc:
         return str(exc)
     namespace = key.partition("-")[0]
@@ -273,8 +291,9 @@ def _card_from_json(data: Any) -> ModelCard:
     )
 
 
-def describe_card(key: str, data: bytes) -> dict[str, Any]:
-    """Every field of the card stored under ``key`` and its verdict (``cache inspect``)."""
+def describe_card(key: str, data: bytes, secret_key: bytes | None = None) -> dict[str, Any]:
+    """Every field of the card stored under ``key`` and its verdict (``cache inspect``; with
+    ``secret_key``, only a card signed under it is valid)."""
     info: dict[str, Any] = {"key": key, "size": len(data), "type": "model card"}
     try:
         card = decode_card(data)
@@ -283,7 +302,9 @@ def describe_card(key: str, data: bytes) -> dict[str, Any]:
     info.update(card.to_json())
     info["written_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(card.written_at))
     info["fingerprint_matches_key"] = card.fingerprint == key.partition("-")[0]
-    problem = card_problem(key, data)
+    unsigned = _HEAD.size + _HEAD.unpack_from(data, 0)[2] + _CHECKSUM.size
+    info["signed"] = len(data) == unsigned + _SIGNATURE_BYTES
+    problem = card_problem(key, data, secret_key)
     info["valid"] = problem is None
     if problem is not None:
         info["error"] = problem

@@ -11,6 +11,7 @@ pages by their mtimes).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -807,5 +808,31 @@ def test_what_a_card_says_never_reaches_the_terminal_raw(
             assert "\\x1b]0;owned" in shown, args
         info = cli_json("inspect", *cache.args, card_key(FP_C), check=1)
         assert info["valid"] is False and "written_at" in info["error"]
+    finally:
+        cache.backend.close()
+
+
+def test_with_the_secret_only_signed_cards_name_a_model(tmp_path: Path) -> None:
+    """Issue 31 L5: with ``--secret-file`` a card must be signed under the engines' secret to
+    name its model (``ls``, ``stats``) and to verify; without it both cards are read."""
+    from hybrid_offload.core.secrets import Secret
+
+    cache = _disk_cache(tmp_path)
+    try:
+        (tmp_path / "secret").write_text("engines-secret\n")
+        (tmp_path / "secret").chmod(0o600)
+        signed = ModelCard(FP_A, "org/real", None, ("TinyHybrid",), "bfloat16", "auto", 16,
+                           (CardGroup(0, "full_attention", 1, 1),), FORMAT_VERSION, time.time())  # fmt: skip
+        forged = dataclasses.replace(signed, fingerprint=FP_C, name="org/forged")
+        cache.put({card_key(FP_A): encode_card(signed, Secret(b"engines-secret").subkey("page")),
+                   card_key(FP_C): encode_card(forged)})  # fmt: skip
+        secret = ("--secret-file", str(tmp_path / "secret"))
+        models = {r["fingerprint"]: r["model"] for r in cli_json("ls", *cache.args, *secret)["fingerprints"]}
+        assert models == {FP_A: "org/real", FP_C: None}
+        models = {r["fingerprint"]: r["model"] for r in cli_json("ls", *cache.args)["fingerprints"]}
+        assert models == {FP_A: "org/real", FP_C: "org/forged"}
+        checked = cli_json("verify", *cache.args, *secret, check=1)
+        assert (checked["cards_ok"], checked["cards_corrupt"]) == (1, 1)
+        assert cli_json("verify", *cache.args)["cards_ok"] == 2
     finally:
         cache.backend.close()

@@ -35,6 +35,7 @@ from hybrid_offload.core.model_card import (
     is_card_key,
 )
 from hybrid_offload.core.planner import HybridOffloadPlanner
+from hybrid_offload.core.secrets import Secret
 from hybrid_offload.core.spec import GroupKind, GroupSpec, ModelSpec, make_model_spec
 
 FP = "3f" * 16
@@ -145,7 +146,7 @@ CORRUPT: dict[str, tuple[bytes, str]] = {
     "group shards": (seal(card_json(groups=[{"index": 0, "kind": "mamba", "layers": 1, "shards": 0}])),
                      "field 'groups[0].shards' must be an integer >= 1"),
     "format_version": (seal(card_json(format_version=-1)), "'format_version' must be an integer >= 0"),
-    "written_at": (seal(card_json(written_at="yesterday")), "'written_at' must be a finite number >= 0"),
+    "written_at": (seal(card_json(written_at="yesterday")), "'written_at' must be seconds since 1970"),
     "too large": (GOOD + bytes(MAX_CARD_BYTES), f"more than {MAX_CARD_BYTES}"),
 }  # fmt: skip
 
@@ -211,8 +212,10 @@ def test_size_bound_on_encode_and_decode() -> None:
 def test_encode_refuses_what_decode_would_refuse() -> None:
     with pytest.raises(ModelCardError, match="'chunk_tokens' must be an integer > 0"):
         encode_card(dataclasses.replace(CARD, chunk_tokens=0))
-    with pytest.raises(ModelCardError, match="'written_at' must be a finite number"):
+    with pytest.raises(ModelCardError, match="'written_at' must be seconds since 1970"):
         encode_card(dataclasses.replace(CARD, written_at=float("inf")))
+    with pytest.raises(ModelCardError, match="before the year 10000"):  # time.gmtime cannot show it
+        encode_card(dataclasses.replace(CARD, written_at=1e300))
 
 
 # ---- the worker writes its card ---------------------------------------------------------------
@@ -239,12 +242,14 @@ class DownDisk(DiskBackend):
 register_backend("test_card_down", DownDisk)
 
 
-def start_worker(spec: ModelSpec, backends: tuple[BackendConfig | Tier, ...]) -> Any:
+def start_worker(
+    spec: ModelSpec, backends: tuple[BackendConfig | Tier, ...], page_key: bytes | None = None
+) -> Any:
     """An OffloadWorker, once its start-up thread (data paths, model card) is done."""
     from hybrid_offload.connector.worker.offload_worker import OffloadWorker
 
     tiers = tuple(b if isinstance(b, Tier) else Tier(b) for b in backends)
-    worker = OffloadWorker(spec, HybridOffloadPlanner(spec, 16), tiers, 1 << 30)
+    worker = OffloadWorker(spec, HybridOffloadPlanner(spec, 16), tiers, 1 << 30, page_key=page_key)
     for thread in threading.enumerate():
         if thread.name == "hybrid-offload-prepare":
             thread.join(30)
@@ -278,6 +283,27 @@ def test_worker_writes_its_card_to_shared_writable_backends_only(tmp_path: Path)
                                                                             "float32", 16)  # fmt: skip
     assert card.groups == (CardGroup(0, "full_attention", 2, 1), CardGroup(1, "mamba", 2, 1))
     assert held_card(read_only, spec.fingerprint) is None
+
+
+def test_cards_are_signed_under_the_cache_secret(tmp_path: Path) -> None:
+    """Issue 31 L5: every engine of a tier writes cards, so an unsigned card says what its
+    writer chose. An engine with a cache secret signs its card with the page subkey; a reader
+    with the secret trusts only cards signed under it; one without it still reads them."""
+    ours, theirs = Secret(b"engines").subkey("page"), Secret(b"forger").subkey("page")
+    signed = encode_card(CARD, ours)
+    assert len(signed) == len(encode_card(CARD)) + 32
+    assert decode_card(signed, ours) == CARD and decode_card(signed) == CARD
+    for data, why in ((encode_card(CARD), "not signed"), (encode_card(CARD, theirs), "signature")):
+        with pytest.raises(ModelCardError, match=why):
+            decode_card(data, ours)
+        assert card_problem(card_key(CARD.fingerprint), data, ours) is not None
+    assert describe_card(card_key(CARD.fingerprint), signed, ours)["signed"] is True
+    assert describe_card(card_key(CARD.fingerprint), encode_card(CARD))["signed"] is False
+    spec = model_spec({"name": "/models/tiny", "architectures": ["TinyHybrid"], "dtype": "float32"})
+    writable = disk(tmp_path, "rw")
+    start_worker(spec, (writable,), page_key=ours).shutdown(10)
+    data = held_card(writable, spec.fingerprint)
+    assert data is not None and decode_card(data, ours).name == "/models/tiny"
 
 
 def test_only_tp_rank_0_writes_the_card(tmp_path: Path) -> None:

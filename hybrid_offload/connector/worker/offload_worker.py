@@ -117,7 +117,7 @@ class OffloadWorker:
             except Exception:  # best effort: the first put or get sets it up as well
                 logger.exception("backend %s: preparing the data path failed", name)
         if self.spec.tp_rank == 0 and self.spec.pp_size == 1:  # a stage cannot describe the model
-            write_model_card(self.spec, self.planner.chunk_tokens, self.tiers)
+            write_model_card(self.spec, self.planner.chunk_tokens, self.tiers, self.ctx.page_key)
 
     # ---- stores -----------------------------------------------------------------------
     def save(self, meta: OffloadMetadata) -> None:

@@ -84,7 +84,7 @@ def check_page(key: str, data: bytes, secret: Secret | None = None) -> str | Non
     from hybrid_offload.core.planner import key_digest
 
     if is_card_key(key):
-        return card_problem(key, data)
+        return card_problem(key, data, None if secret is None else secret.subkey("page"))
     try:
         header, _ = decode_page(data, key=None if secret is None else secret.subkey("page"))
     except PageFormatError as exc:
@@ -122,7 +122,7 @@ def cmd_ls(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
         if info.mtime is not None:
             row["oldest"] = info.mtime if row["oldest"] is None else min(row["oldest"], info.mtime)
             row["newest"] = info.mtime if row["newest"] is None else max(row["newest"], info.mtime)
-    cards = read_cards(backend, card_infos, args.max_page_bytes)
+    cards = read_cards(backend, card_infos, args.max_page_bytes, args.secret)
     listing = [
         {"fingerprint": fp, "pages": row["pages"], "bytes": row["bytes"],
          "oldest_age_s": _age(now, row["oldest"]), "newest_age_s": _age(now, row["newest"]),
@@ -237,7 +237,10 @@ def cmd_inspect(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
     data = next(read_pages(backend, [info]))[1]
     if data is None:
         raise missing
-    described = describe_card(key, data) if is_card_key(key) else describe_page(key, data, args.secret)
+    if is_card_key(key):
+        described = describe_card(key, data, None if args.secret is None else args.secret.subkey("page"))
+    else:
+        described = describe_page(key, data, args.secret)
     if args.json:
         emit_json(described, out)
     else:

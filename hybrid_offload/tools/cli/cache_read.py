@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator
 
 from hybrid_offload.backends import Backend, PageInfo
 from hybrid_offload.core.model_card import ModelCard, card_problem, decode_card
+from hybrid_offload.core.secrets import Secret
 
 __all__ = [
     "BATCH_BYTES",
@@ -103,13 +104,15 @@ def read_headers(backend: Backend, infos: Iterable[PageInfo]) -> Iterator[tuple[
 
 
 def read_cards(
-    backend: Backend, infos: Iterable[PageInfo], max_page_bytes: int
+    backend: Backend, infos: Iterable[PageInfo], max_page_bytes: int, secret: Secret | None = None
 ) -> dict[str, ModelCard | None]:
-    """Fingerprint -> its model card, or None where the card vanished, is not valid or is
-    listed larger than ``max_page_bytes`` (not read)."""
+    """Fingerprint -> its model card, or None where the card vanished, is not valid (with the
+    cache ``secret``: not signed under it) or is listed larger than ``max_page_bytes`` (not
+    read)."""
+    key = None if secret is None else secret.subkey("page")
     fits, large = split_too_large(infos, max_page_bytes)
     cards: dict[str, ModelCard | None] = {namespace(info.key): None for info in large}
     for info, data in read_pages(backend, fits):
-        ok = data is not None and card_problem(info.key, data) is None
+        ok = data is not None and card_problem(info.key, data, key) is None
         cards[namespace(info.key)] = decode_card(data) if ok and data is not None else None
     return cards

@@ -76,11 +76,12 @@ def format_shards(seen: Iterable[tuple[int, int]]) -> str:
 
 
 def gather_stats(
-    backend: Backend, infos: list[PageInfo], progress: Progress, max_page_bytes: int
+    backend: Backend, infos: list[PageInfo], progress: Progress, max_page_bytes: int,
+    card_key: bytes | None = None,
 ) -> dict[str, Any]:
-    """Per fingerprint (model name from its card) and KV cache group (from page headers, the
-    only part of a page read; sizes from the listing): pages, bytes, shards seen, complete and
-    incomplete page sets."""
+    """Per fingerprint (model name from its card, signed under ``card_key`` where given) and
+    KV cache group (from page headers, the only part of a page read; sizes from the listing):
+    pages, bytes, shards seen, complete and incomplete page sets."""
     from hybrid_offload.core.page_format import PageFormatError, decode_header
 
     groups: dict[tuple[str, int, str], dict[str, Any]] = {}
@@ -99,7 +100,7 @@ def gather_stats(
             vanished += 1
             continue
         if is_card_key(info.key):
-            problem = card_problem(info.key, data)
+            problem = card_problem(info.key, data, card_key)
             if problem is not None:
                 unreadable.append({"key": info.key, "error": problem})
             models[namespace(info.key)] = None if problem else model_name(decode_card(data))
@@ -140,7 +141,8 @@ def cmd_stats(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
     cache group."""
     infos = list_pages(backend, args.fingerprint)
     show = sys.stderr.isatty() if args.progress is None else args.progress
-    stats = gather_stats(backend, infos, Progress(len(infos), "read", show), args.max_page_bytes)
+    card_key = None if args.secret is None else args.secret.subkey("page")
+    stats = gather_stats(backend, infos, Progress(len(infos), "read", show), args.max_page_bytes, card_key)
     if args.json:
         emit_json(stats, out)
         return EXIT_OK

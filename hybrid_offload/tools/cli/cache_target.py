@@ -89,7 +89,9 @@ def target_arguments() -> argparse.ArgumentParser:
     signatures = parent.add_argument_group("page signatures (a cache with a secret)")
     signing = signatures.add_mutually_exclusive_group()
     signing.add_argument(
-        "--secret-file", metavar="PATH", help="the engines' cache secret: verify and inspect check signatures"
+        "--secret-file", metavar="PATH",
+        help="the engines' cache secret: signatures of pages and model cards are checked "
+        "(an unsigned card names no model)",
     )
     signing.add_argument("--secret-env", metavar="VAR", help="environment variable holding the cache secret")
     parent.add_argument("--json", action="store_true", help="machine-readable output")
