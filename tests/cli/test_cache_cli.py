@@ -836,3 +836,24 @@ def test_with_the_secret_only_signed_cards_name_a_model(tmp_path: Path) -> None:
         assert cli_json("verify", *cache.args)["cards_ok"] == 2
     finally:
         cache.backend.close()
+
+
+@pytest.mark.xdist_group("cache-cli-redis")
+def test_a_page_cannot_hide_behind_a_forged_index_size(redis_server: RedisServer) -> None:
+    """Issue 31 L5: Redis listings take sizes from the shared index, which any client of the
+    server can write. A page listed smaller than it is reads as a miss; ``verify`` used to
+    count it as vanished (a corrupt page hid behind it); now it is corrupt, named."""
+    cache = _redis_cache(redis_server)
+    try:
+        pages = pages_a()
+        cache.put(pages)
+        hidden = min(pages)
+        admin = redis.Redis.from_url(redis_server.url)
+        admin.hset(cache.backend._index.size, hidden, 10)  # type: ignore[attr-defined]
+        admin.close()
+        report = cli_json("verify", *cache.args, check=1)
+        assert (report["ok"], report["corrupt"], report["vanished"]) == (len(pages) - 1, 1, 0)
+        assert report["corrupt_pages"][0]["key"] == hidden
+        assert "listing says" in report["corrupt_pages"][0]["error"]
+    finally:
+        cache.backend.close()

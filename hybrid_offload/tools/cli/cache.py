@@ -251,6 +251,21 @@ def cmd_inspect(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
 # -- verify -----------------------------------------------------------------------------------
 
 
+def _listed_wrong(backend: Backend, unread: list[PageInfo], bad: list[dict[str, Any]],
+                  out: TextIO | None) -> int:  # fmt: skip
+    """Pages read as None: gone since the listing (counted, returned), or still there and
+    longer than listed: corrupt (a listing's size comes from what the tier keeps, e.g. Redis's
+    shared index, which any client of the server can write; a page must not hide behind it)."""
+    present = backend.contains_batch([info.key for info in unread]) if unread else []
+    for info, there in zip(unread, present, strict=True):
+        if there:
+            error = f"stored larger than the {info.size} bytes the listing says (the tier's index disagrees)"
+            bad.append({"key": info.key, "size": info.size, "error": error, "card": is_card_key(info.key)})
+            if out is not None:
+                out.write(f"corrupt {info.key}: {error}\n")
+    return len(unread) - sum(present)
+
+
 def cmd_verify(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
     """Read and fully verify every page; exit 1 if any is corrupt (``--delete-bad``: delete).
     Counts the page sets of the valid pages, complete or lacking a layer part or shard."""
@@ -263,7 +278,8 @@ def cmd_verify(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
     progress = Progress(len(fits), "verified", show)
     bad: list[dict[str, Any]] = []
     sets = PageSets()
-    ok = vanished = cards_ok = 0
+    ok = cards_ok = 0
+    unread: list[PageInfo] = []
     if not args.json:
         for item in too_large:
             out.write(
@@ -272,7 +288,7 @@ def cmd_verify(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
     for done, (info, data) in enumerate(read_pages(backend, fits), 1):
         card = is_card_key(info.key)
         if data is None:
-            vanished += 1
+            unread.append(info)
         elif (error := check_page(info.key, data, args.secret)) is not None:
             bad.append({"key": info.key, "size": len(data), "error": error, "card": card})
             if not args.json:
@@ -284,6 +300,7 @@ def cmd_verify(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
             sets.add(namespace(info.key), decode_header(data)[0])
         progress.update(done)
     progress.close()
+    vanished = _listed_wrong(backend, unread, bad, out if not args.json else None)
     deleted = _delete_still_bad(backend, bad, args) if args.delete_bad and bad else 0
     pages = [i for i in infos if not is_card_key(i.key)]
     bad_cards = sum(1 for b in bad if b["card"])
