@@ -21,7 +21,7 @@ from hybrid_offload.core.secrets import Secret, SecretError, secret_from_options
 
 ROOT = "kv_connector_extra_config"
 #: backend types other users or hosts can write: without a cache secret, they can forge pages
-SHARED_TIER_TYPES = frozenset({"redis", "redis-cluster", "nixl_peer", "lmcache"})
+SHARED_TYPES = frozenset({"redis", "redis-cluster", "nixl_peer", "lmcache"})
 logger = logging.getLogger(__name__)
 DEFAULT_CAPACITY_BYTES = 1 << 30
 DEFAULT_MAX_PENDING_STORE_BYTES = 256 << 20
@@ -308,9 +308,8 @@ def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
         secret = secret_from_options(extra, "secret", what=ROOT)
     except SecretError as exc:
         raise ConfigError(str(exc)) from None
-    shared = tuple(sorted(t.name for t in backends if t.backend.type in SHARED_TIER_TYPES))
-    if secret is None and shared:
-        _warn_shared_without_secret(shared)
+    if secret is None:
+        _warn_shared_without_secret(tuple(sorted(t.name for t in backends if t.backend.type in SHARED_TYPES)))
     return OffloadConfig(
         backends=backends,
         chunk_tokens=chunk,
@@ -332,6 +331,9 @@ def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
 
 @functools.cache
 def _warn_shared_without_secret(names: tuple[str, ...]) -> None:
+    """Once per process and set of tiers: what shared ``names`` without a secret allow."""
+    if not names:
+        return
     logger.warning(
         "tier(s) %s can be shared and %s has no secret (secret_file / secret_env): whoever can "
         "write them (another user of this host, another client of the service) can store pages "

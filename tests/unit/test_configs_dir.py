@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from hybrid_offload.connector.config import (
-    SHARED_TIER_TYPES,
+    SHARED_TYPES,
     _warn_shared_without_secret,
     parse_offload_config,
 )
@@ -59,7 +59,7 @@ def test_shared_tiers_ship_with_a_secret(path: Path, home: Path, caplog: pytest.
     peer's token); serve creates them 0600 in a 0700 directory of the user's."""
     extra = load(path)["kv_connector_extra_config"]
     kinds = {b["type"] for b in extra["backends"]}
-    if not kinds & SHARED_TIER_TYPES:
+    if not kinds & SHARED_TYPES:
         assert "secret_file" not in extra
         return
     assert extra["secret_file"] == "~/.config/hybrid-offload/cache-secret"
