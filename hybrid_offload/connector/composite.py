@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -31,8 +32,9 @@ from hybrid_offload.connector.children import (
     HybridWorkerMetadata,
     choose_source,
 )
-from hybrid_offload.connector.config import ROOT, ConfigError, parse_offload_config
+from hybrid_offload.connector.config import parse_offload_config
 from hybrid_offload.connector.facade import ACTIVE_CONNECTORS, HybridOffloadConnector
+from hybrid_offload.connector.metadata import StageLayers
 
 if TYPE_CHECKING:
     import torch
@@ -64,12 +66,6 @@ class HybridMultiConnector(KVConnectorBase_V1, SupportsHMA):
         """Raise ConfigError naming the key when the config, a child or our side is unusable."""
         super().__init__(vllm_config, role, kv_cache_config)
         config = parse_offload_config(self._kv_transfer_config.kv_connector_extra_config)
-        pp_size = vllm_config.parallel_config.pipeline_parallel_size
-        if config.connectors and pp_size > 1:
-            raise ConfigError(
-                f"{ROOT}.connectors with pipeline_parallel_size={pp_size}: child connectors are "
-                "composed at pipeline_parallel_size=1 only (our pages need the stages' handshake)"
-            )
         # children first: a child that cannot be built stops us before any backend is opened
         self.children = ForeignConnectors(config.connectors, vllm_config, role, kv_cache_config)
         try:
@@ -165,22 +161,28 @@ class HybridMultiConnector(KVConnectorBase_V1, SupportsHMA):
         return None if meta.is_empty() else meta
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        """Ours (none) or the first child's that is not None."""
-        ours = self.native.get_handshake_metadata()
-        return ours if ours is not None else self.children.handshake_metadata()
+        """Ours (a pipeline stage's layers) and the first child's that is not None, each
+        delivered to its side (:class:`ComposedHandshake` where both have one)."""
+        ours, theirs = self.native.get_handshake_metadata(), self.children.handshake_metadata()
+        if ours is not None and theirs is not None:
+            return ComposedHandshake(ours, theirs)
+        return ours if ours is not None else theirs
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
-        self.native.set_xfer_handshake_metadata(metadata)
-        self.children.set_xfer_handshake_metadata(metadata)
+        ours, theirs = _split_handshakes(metadata)
+        self.native.set_xfer_handshake_metadata(ours)
+        self.children.set_xfer_handshake_metadata(theirs)
 
     def set_xfer_handshake_metadata_pp_aware(
         self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
     ) -> None:
-        """Pipeline-parallel engines have no children (refused at start-up): ours only."""
-        if self.children.connectors:
-            super().set_xfer_handshake_metadata_pp_aware(metadata)
-        else:
-            self.native.set_xfer_handshake_metadata_pp_aware(metadata)
+        """Every stage's layers to our side; the children's metadata to each child (as vLLM
+        would give it to that child alone)."""
+        ours, theirs = _split_handshakes(metadata)
+        self.native.set_xfer_handshake_metadata_pp_aware(ours)
+        for child in self.children.connectors:
+            if theirs:
+                child.set_xfer_handshake_metadata_pp_aware(theirs)
 
     def shutdown(self) -> None:
         """Our side, then every child (also when ours fails; a failure is re-raised)."""
@@ -296,6 +298,34 @@ class HybridMultiConnector(KVConnectorBase_V1, SupportsHMA):
         ours = self.native.reset_cache()
         theirs = self.children.reset_cache()
         return ours is not False and theirs
+
+
+@dataclass(frozen=True)
+class ComposedHandshake(KVConnectorHandshakeMetadata):
+    """A worker's handshake metadata of both sides: ``ours`` (:class:`StageLayers`) and the
+    children's."""
+
+    ours: KVConnectorHandshakeMetadata
+    children: KVConnectorHandshakeMetadata
+
+
+_K = TypeVar("_K")
+
+
+def _split_handshakes(
+    metadata: dict[_K, KVConnectorHandshakeMetadata],
+) -> tuple[dict[_K, KVConnectorHandshakeMetadata], dict[_K, KVConnectorHandshakeMetadata]]:
+    """(ours, the children's) of each worker's metadata."""
+    ours: dict[_K, KVConnectorHandshakeMetadata] = {}
+    theirs: dict[_K, KVConnectorHandshakeMetadata] = {}
+    for key, meta in metadata.items():
+        if isinstance(meta, ComposedHandshake):
+            ours[key], theirs[key] = meta.ours, meta.children
+        elif isinstance(meta, StageLayers):
+            ours[key] = meta
+        else:
+            theirs[key] = meta
+    return ours, theirs
 
 
 def _merge_params(ours: dict[str, Any] | None, theirs: dict[str, Any] | None) -> dict[str, Any] | None:

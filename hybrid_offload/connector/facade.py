@@ -10,6 +10,7 @@ then delegates every call to :class:`OffloadScheduler` (scheduler role) or
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -34,10 +35,16 @@ from hybrid_offload.connector.config import (
 from hybrid_offload.connector.metadata import OffloadMetadata, StageLayers
 from hybrid_offload.connector.prometheus import HybridOffloadPromMetrics, HybridOffloadStats
 from hybrid_offload.connector.scheduler.offload_scheduler import OffloadScheduler
+from hybrid_offload.connector.tiers import write_model_card
 from hybrid_offload.connector.worker.offload_worker import OffloadWorker
 from hybrid_offload.core.layer_parts import LayerPartError
 from hybrid_offload.core.metrics import StatsDelta
-from hybrid_offload.core.planner import HybridOffloadPlanner, LayerMapError, PlannerConfigError
+from hybrid_offload.core.planner import (
+    HybridOffloadPlanner,
+    LayerMapError,
+    PlannerConfigError,
+    whole_model_layers,
+)
 from hybrid_offload.core.spec import UnidentifiableModelError
 from hybrid_offload.core.tp_shards import ShardLayoutError
 from hybrid_offload.engine.translate import drafting_from_vllm, model_spec_from_vllm
@@ -118,6 +125,7 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             raise ConfigError(f"{ROOT}.chunk_tokens: {exc}") from exc
         self.scheduler: OffloadScheduler | None = None
         self.worker: OffloadWorker | None = None
+        self._page_key = config.page_key
         if role == KVConnectorRole.SCHEDULER:
             self._require_recompute_on_failure()
             self.scheduler = OffloadScheduler(
@@ -149,7 +157,7 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         logger.debug("hybrid-offload fingerprint %s covers %s", spec.fingerprint, spec.fingerprint_fields)
         logger.info(
             "hybrid-offload %s (TP rank %d of %d, PP rank %d of %d): fingerprint=%s, chunk_tokens=%d, "
-            "layer parts=%d, groups (kind, block, shards)=%s, backends=%s",
+            "layer parts=%s, groups (kind, block, shards)=%s, backends=%s",
             role.name.lower(),
             spec.tp_rank,
             spec.tp_size,
@@ -157,7 +165,7 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             spec.pp_size,
             spec.fingerprint,
             self.planner.chunk_tokens,
-            spec.grid.parts,
+            spec.grid.layout,
             [(g.kind.value, g.block_size, g.shards) for g in spec.groups],
             [b.name for b in config.backends],
         )
@@ -204,7 +212,7 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert self.worker is not None and isinstance(meta, OffloadMetadata)
-        self.worker.start_loads(meta.loads)
+        self.worker.start_loads(meta.loads, meta.model_layers)
 
     def handle_preemptions(self, preempted: Any) -> None:
         """Both vLLM signatures: ``(kv_connector_metadata)`` (vLLM >= 0.15) and
@@ -259,13 +267,21 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             return
         stages = {m.pp_rank: m.groups for m in metadata.values() if isinstance(m, StageLayers)}
         try:
-            self.planner.set_stage_layers(stages)
+            model = whole_model_layers(self.planner.spec, stages)
+            self.planner.set_model_layers(model, [stages[r] for r in sorted(stages)])
         except LayerMapError as exc:
             logger.error("hybrid-offload: the pipeline stages' layers do not fit together (%s); "
                          "requests skip the cache", exc)
             return
         logger.info("hybrid-offload: layers of %d pipeline stages known; pieces per group %s",
                     len(stages), [len(self.planner.pieces(p.index)) for p in self.planner.plans])
+        # the model card (written by a PP=1 engine's worker): no stage can describe the model
+        spec = self.planner.spec
+        groups = tuple(dataclasses.replace(g, layer_names=model.groups[g.index]) for g in spec.groups)
+        whole = dataclasses.replace(spec, groups=groups)
+        assert self.scheduler is not None
+        opened = {v.name: v.opened for v in self.scheduler.views if v.opened is not None}
+        write_model_card(whole, self.planner.chunk_tokens, opened, self._page_key)
 
     def shutdown(self) -> None:
         if self.worker is not None:

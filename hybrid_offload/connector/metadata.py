@@ -41,6 +41,8 @@ class PageJob:
     block_ids: tuple[int, ...]
     first_token: int = 0
     skip_tokens: int = 0
+    #: a load: the layout (layer-part bounds) to read the set in; () this engine's own
+    layout: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,9 @@ class OffloadMetadata(KVConnectorMetadata):
     #: no token is scheduled this step (the engine only waits, e.g. for loads): the worker
     #: may block briefly on its loads instead of returning at once (see ``idle_load_wait_s``)
     idle: bool = False
+    #: the whole model's layers per group, for pipeline stages reading another layout's parts
+    #: (sent with the loads that do)
+    model_layers: tuple[tuple[str, ...], ...] | None = None
 
 
 #: one measured load call: (bytes read, seconds, succeeded)

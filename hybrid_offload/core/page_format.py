@@ -49,7 +49,7 @@ _CODE_DTYPES = {code: name for name, code in _DTYPE_CODES.items()}
 _KIND_CODES = {GroupKind.FULL_ATTENTION: 1, GroupKind.SLIDING_WINDOW: 2, GroupKind.MAMBA: 3}
 _CODE_KINDS = {code: kind for kind, code in _KIND_CODES.items()}
 
-# magic, version, header_len, fingerprint, chunk_hash, group, kind, shard, shards, part, parts,
+# magic, version, header_len, fingerprint, chunk_hash, group, kind, shard, shards, layer_start, layer_end,
 # layers, chunk_index, num_tokens, n_tensors, payload_len, payload_checksum, mac
 _FIXED = struct.Struct("<4sHI16s32sHBHHHH16sIIHQQ32s")
 MAC_LEN = 32
@@ -70,7 +70,8 @@ class PageHeader:
 
     ``shard`` of ``shards``: which tensor-parallel-portable piece of its (chunk, group) page set
     the page holds (see ``hybrid_offload.core.tp_shards``); 0 of 1 when the set is one page.
-    ``part`` of ``parts``: the layer part (``hybrid_offload.core.layer_parts``), and ``layers``
+    ``[layer_start, layer_end)``: the layer part's decoder layers
+    (``hybrid_offload.core.layer_parts``), and ``layers``
     the digest of its layer names.
     ``signed``: (decoded pages) the page carries a MAC; whether it verifies is checked by
     :func:`decode_page` with the key.
@@ -85,8 +86,8 @@ class PageHeader:
     tensors: tuple[TensorSpec, ...]
     shard: int = 0
     shards: int = 1
-    part: int = 0
-    parts: int = 1
+    layer_start: int = 0
+    layer_end: int = 0
     layers: bytes = bytes(LAYERS_LEN)
     signed: bool = False
 
@@ -143,8 +144,8 @@ def seal_page(buf: bytearray | memoryview, header: PageHeader, key: bytes | None
     payload_checksum = xxhash.xxh3_64_intdigest(view[hlen:])
     fixed = _FIXED.pack(
         MAGIC, FORMAT_VERSION, hlen, header.fingerprint, header.chunk_hash,
-        header.group_index, _KIND_CODES[header.kind], header.shard, header.shards, header.part,
-        header.parts, header.layers, header.chunk_index, header.num_tokens, len(header.tensors), plen,
+        header.group_index, _KIND_CODES[header.kind], header.shard, header.shards, header.layer_start,
+        header.layer_end, header.layers, header.chunk_index, header.num_tokens, len(header.tensors), plen,
         payload_checksum,
         _NO_MAC,
     )
@@ -202,7 +203,7 @@ def decode_header(data: bytes | bytearray | memoryview) -> tuple[PageHeader, int
     if not (_FIXED.size + _CHECKSUM.size <= hlen <= min(MAX_HEADER_BYTES, len(view))):
         raise PageFormatError(f"bad header length {hlen}")
     if n_tensors > MAX_TENSORS or kind not in _CODE_KINDS or plen > MAX_PAYLOAD_BYTES or not (
-        0 <= shard < shards and 0 <= part < parts
+        0 <= shard < shards and 0 <= part <= parts
     ):
         raise PageFormatError("header fields out of range")
     (stored,) = _CHECKSUM.unpack_from(view, hlen - _CHECKSUM.size)
@@ -250,8 +251,8 @@ class PageTemplate:
     num_tokens: int
     shard: int
     shards: int
-    part: int
-    parts: int
+    layer_start: int
+    layer_end: int
     layers: bytes
     hlen: int
     plen: int
@@ -263,7 +264,7 @@ class PageTemplate:
         """The template of ``header`` (its chunk hash and index are the per-page parts)."""
         tensors = header.tensors
         return cls(header.fingerprint, header.group_index, header.kind, header.num_tokens, header.shard,
-                   header.shards, header.part, header.parts, header.layers, header_len(tensors),
+                   header.shards, header.layer_start, header.layer_end, header.layers, header_len(tensors),
                    header.payload_len, len(tensors),
                    _tensor_table(tensors))  # fmt: skip
 
@@ -301,7 +302,7 @@ def verify_page(
     got = (fingerprint, got_hash, group, _CODE_KINDS.get(kind), got_index, num_tokens, shard, shards,
            part, parts, layers)  # fmt: skip
     want = (template.fingerprint, chunk_hash, template.group_index, template.kind, chunk_index,
-            template.num_tokens, template.shard, template.shards, template.part, template.parts,
+            template.num_tokens, template.shard, template.shards, template.layer_start, template.layer_end,
             template.layers)  # fmt: skip
     if got != want:
         for name, g, w in zip(_IDENTITY, got, want, strict=True):
@@ -311,7 +312,7 @@ def verify_page(
 
 
 _IDENTITY = ("fingerprint", "chunk_hash", "group_index", "kind", "chunk_index", "num_tokens", "shard",
-             "shards", "part", "parts", "layers")  # fmt: skip
+             "shards", "layer_start", "layer_end", "layers")  # fmt: skip
 
 
 def _check_mac(view: memoryview, hlen: int, payload: memoryview, key: bytes) -> None:

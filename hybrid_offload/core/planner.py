@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hybrid_offload.core.layer_parts import LAYERS_DIGEST_LEN
+from hybrid_offload.core.layer_parts import LAYERS_DIGEST_LEN, LayerPartError, ModelLayers, layers_digest
 from hybrid_offload.core.spec import GroupKind, GroupSpec, ModelSpec
 from hybrid_offload.core.tp_shards import shards_written
 
@@ -168,33 +168,79 @@ def _set_digest(chunk_hash: bytes, group_index: int) -> str:
     return _short_digest(chunk_hash + group_index.to_bytes(2, "little"))
 
 
-def _piece_digest(set_digest: str, part: int, parts: int, layers: bytes, shard: int, shards: int) -> str:
-    """A one-part grid keys a set of one shard by the set's own digest, and shards by their
-    numbers; several parts also by the part's number and layers."""
-    if parts == 1 and shards == 1:
+def _piece_digest(
+    set_digest: str, start: int, end: int, layers: bytes, shard: int, shards: int, whole: bool
+) -> str:
+    """A piece's digest. The whole model in one part (``whole``): the set's own digest for one
+    shard, else with the shard's number; a layer part: with its range and layers too. (The
+    header binds the layers of every piece: a reader whose model groups its layers otherwise
+    refuses the page.)"""
+    if whole and shards == 1:
         return set_digest
     tail = shard.to_bytes(2, "little") + shards.to_bytes(2, "little")
-    if parts > 1:
-        tail = b"".join(n.to_bytes(2, "little") for n in (part, parts)) + layers + tail
+    if not whole:
+        tail = layers + b"".join(n.to_bytes(2, "little") for n in (start, end)) + tail
     return _short_digest(bytes.fromhex(set_digest) + tail)
 
 
 def key_digest(
-    chunk_hash: bytes, group_index: int, shard: int = 0, shards: int = 1, part: int = 0, parts: int = 1,
-    layers: bytes = bytes(LAYERS_DIGEST_LEN),
+    chunk_hash: bytes, group_index: int, shard: int = 0, shards: int = 1, start: int = 0, end: int = 0,
+    layers: bytes = bytes(LAYERS_DIGEST_LEN), whole: bool = True,
 ) -> str:  # fmt: skip
     """The digest half of a page's key (``<fingerprint>-<digest>``), a function of fields in
     the page's header: a page stored under another key than its own can be told. ``layers``:
-    the layer part's :func:`~hybrid_offload.core.layer_parts.layers_digest`."""
-    return _piece_digest(_set_digest(chunk_hash, group_index), part, parts, layers, shard, shards)
+    the layer part's :func:`~hybrid_offload.core.layer_parts.layers_digest`; ``whole``: the
+    part ``[start, end)`` is the whole model (a header does not say: see :func:`key_matches`)."""
+    return _piece_digest(_set_digest(chunk_hash, group_index), start, end, layers, shard, shards, whole)
+
+
+def key_matches(
+    digest: str, chunk_hash: bytes, group_index: int, shard: int, shards: int, start: int, end: int,
+    layers: bytes,
+) -> bool:
+    """Whether ``digest`` (a key's digest half) is that of a page with these header fields, its
+    part the whole model or not."""
+    return any(digest == key_digest(chunk_hash, group_index, shard, shards, start, end, layers, whole)
+               for whole in ({True, False} if start == 0 else {False}))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One page of a (chunk, group) page set: layer part ``[start, end)`` (``digest``: the
+    :func:`~hybrid_offload.core.layer_parts.layers_digest` of the group's layers in it) and
+    TP shard ``shard``."""
+
+    start: int
+    end: int
+    digest: bytes
+    shard: int
 
 
 #: page-set keys whose piece keys a planner remembers (~250 bytes each with 4 pieces)
 MAX_MEMO_KEYS = 1 << 16
+#: how many times a lookup looks for other layouts' pages where its own layout's end
+LAYOUT_ROUNDS = 2
+#: state sets of a batch asked in other layouts where this engine's layout lacks them
+STATE_SAMPLES = 4
 
 
 class LayerMapError(ValueError):
-    """The pipeline stages' layers do not make up whole layer parts of one model."""
+    """The pipeline stages' layers do not make up one model's."""
+
+
+def whole_model_layers(spec: ModelSpec, stages: dict[int, Sequence[Sequence[str]]]) -> ModelLayers:
+    """The whole model's layers from each pipeline stage's (by PP rank, per group, as its
+    workers report them): per group, the stages' layers in stage order (vLLM groups the whole
+    model's layers so, and gives each stage its own). Raises :class:`LayerMapError` unless
+    every stage of ``spec.pp_size`` reported, each with every group."""
+    if sorted(stages) != list(range(spec.pp_size)):
+        raise LayerMapError(f"layers of stages {sorted(stages)}, expected 0..{spec.pp_size - 1}")
+    for rank, groups in stages.items():
+        if len(groups) != len(spec.groups):
+            raise LayerMapError(f"stage {rank}: {len(groups)} groups, expected {len(spec.groups)}")
+    ranks = sorted(stages)
+    groups = tuple(tuple(n for rank in ranks for n in stages[rank][g]) for g in range(len(spec.groups)))
+    return ModelLayers(spec.grid.num_layers, groups, spec.grid.indexed)
 
 
 class HybridOffloadPlanner:
@@ -212,14 +258,18 @@ class HybridOffloadPlanner:
         self.namespace = spec.fingerprint
         self._key = key
         #: piece keys by page-set key: lookups ask every tier, and again each step a request waits
-        self._piece_keys: dict[tuple[str, int], list[str]] = {}
-        #: per group, the layers digest of each layer part holding some of its layers: this
-        #: process's (a pipeline stage's) until :meth:`set_stage_layers` gives the whole model's
-        self._parts = [spec.grid.digests(g.layer_names) for g in spec.groups]
+        self._piece_keys: dict[tuple[str, int, tuple[int, ...]], list[str]] = {}
+        self._pieces: dict[tuple[int, tuple[int, ...]], list[Piece]] = {}
+        #: the whole model's layers (a pipeline stage's scheduler: once every stage reported)
+        self.model: ModelLayers | None = None
+        self.layouts: list[tuple[int, ...]] = []
         self._stages = [1 for _ in spec.groups]
-        #: whether ``_parts`` covers the whole model (always at PP=1): only then do lookups and
-        #: stores make sense in the scheduler
-        self.whole_model = spec.pp_size == 1
+        #: whether the whole model's layers are known (always at PP=1): only then do lookups
+        #: and stores make sense in the scheduler
+        self.whole_model = False
+        if spec.pp_size == 1:
+            self.set_model_layers(ModelLayers(spec.grid.num_layers, tuple(g.layer_names for g in spec.groups),
+                                              spec.grid.indexed))  # fmt: skip
 
     # ---- keys -------------------------------------------------------------------------
     def scope_seed(self, scope: bytes = b"") -> bytes:
@@ -244,50 +294,59 @@ class HybridOffloadPlanner:
         return [[self.page_key(h, p.index) for h in chunk_hashes] for p in self.plans]
 
     # ---- pieces: layer parts x TP shards ------------------------------------------------
-    def pieces(self, group_index: int) -> list[int]:
-        """The pieces of a page set of ``group_index``: of every part holding some of its layers
-        (those this planner knows), every shard, in order."""
-        shards = self.plans[group_index].group.shards
-        return [part * shards + s for part in sorted(self._parts[group_index]) for s in range(shards)]
-
-    def piece_key(self, page_key: str, group_index: int, piece: int) -> str:
-        """Backend key of one piece of a page set (part and shard independent of PP and TP
-        sizes)."""
-        shards = self.plans[group_index].group.shards
-        part, shard = divmod(piece, shards)
-        namespace, _, digest = page_key.partition("-")
-        layers = self._parts[group_index][part]
-        return f"{namespace}-{_piece_digest(digest, part, self.spec.grid.parts, layers, shard, shards)}"
-
-    def piece_keys(self, page_key: str, group_index: int) -> list[str]:
-        """Backend keys of every piece of a page set, in :meth:`pieces` order."""
-        known = self._piece_keys.get((page_key, group_index))
+    def pieces(self, group_index: int, layout: tuple[int, ...] | None = None) -> list[Piece]:
+        """The pieces of a page set of ``group_index`` in ``layout`` (default: this engine's):
+        of every part holding some of the group's layers, every shard, in order. Needs the
+        whole model's layers."""
+        assert self.model is not None, "the whole model's layers are not known"
+        layout = layout or self.spec.grid.layout
+        known = self._pieces.get((group_index, layout))
         if known is None:
-            known = [self.piece_key(page_key, group_index, p) for p in self.pieces(group_index)]
+            shards = self.plans[group_index].group.shards
+            known = self._pieces[(group_index, layout)] = [
+                Piece(start, end, layers_digest(self.model.names(group_index, (start, end))), s)
+                for start, end in self.model.ranges(group_index, layout)
+                for s in range(shards)
+            ]
+        return known
+
+    def piece_key(self, page_key: str, group_index: int, piece: Piece) -> str:
+        """Backend key of one piece of a page set (the same at every PP and TP size)."""
+        shards = self.plans[group_index].group.shards
+        namespace, _, digest = page_key.partition("-")
+        whole = (piece.start, piece.end) == (0, self.spec.grid.num_layers)
+        tail = _piece_digest(digest, piece.start, piece.end, piece.digest, piece.shard, shards, whole)
+        return f"{namespace}-{tail}"
+
+    def piece_keys(self, page_key: str, group_index: int, layout: tuple[int, ...] | None = None) -> list[str]:
+        """Backend keys of every piece of a page set in ``layout``, in :meth:`pieces` order."""
+        layout = layout or self.spec.grid.layout
+        known = self._piece_keys.get((page_key, group_index, layout))
+        if known is None:
+            known = [self.piece_key(page_key, group_index, p) for p in self.pieces(group_index, layout)]
             if len(self._piece_keys) >= MAX_MEMO_KEYS:
                 self._piece_keys.clear()  # a bound, not an LRU: single dict ops are thread-safe
-            self._piece_keys[(page_key, group_index)] = known
+            self._piece_keys[(page_key, group_index, layout)] = known
         return list(known)
 
-    def set_stage_layers(self, stages: dict[int, Sequence[Sequence[str]]]) -> None:
-        """The whole model's layers, as each pipeline stage (by PP rank) holds them per group:
-        from then on page sets cover every stage's parts. Raises :class:`LayerMapError`
-        (changing nothing) unless every stage of ``pp_size`` reported, each with every group,
-        and no part is split between stages."""
-        if sorted(stages) != list(range(self.spec.pp_size)):
-            raise LayerMapError(f"layers of stages {sorted(stages)}, expected 0..{self.spec.pp_size - 1}")
-        parts: list[dict[int, bytes]] = [{} for _ in self.plans]
-        holders = [0 for _ in self.plans]
-        for rank in sorted(stages):
-            if len(stages[rank]) != len(self.plans):
-                raise LayerMapError(f"stage {rank}: {len(stages[rank])} groups, expected {len(self.plans)}")
-            for g, names in enumerate(stages[rank]):
-                mine = self.spec.grid.digests(names)
-                if set(mine) & set(parts[g]):
-                    raise LayerMapError(f"group {g}: parts {sorted(set(mine) & set(parts[g]))} span stages")
-                parts[g].update(mine)
-                holders[g] += bool(mine)
-        self._parts, self._stages = parts, [max(1, n) for n in holders]
+    def set_model_layers(self, model: ModelLayers, stages: Sequence[Sequence[Sequence[str]]] = ()) -> None:
+        """The whole model's layers (``stages``: each pipeline stage's, per group, to count the
+        stages writing each group): from then on page sets cover every stage's parts and other
+        layouts' pages are looked for. Raises :class:`LayerMapError` (changing nothing) where
+        a layer cannot be placed, or ``model`` has another number of groups."""
+        if len(model.groups) != len(self.plans):
+            raise LayerMapError(f"{len(model.groups)} groups, expected {len(self.plans)}")
+        try:
+            layouts = model.layouts(self.spec.grid.layout)
+            for g in range(len(self.plans)):
+                for layout in layouts:
+                    model.ranges(g, layout)
+        except LayerPartError as exc:
+            raise LayerMapError(str(exc)) from None
+        self.model, self.layouts = model, layouts
+        if stages:
+            self._stages = [max(1, sum(bool(stage[g]) for stage in stages)) for g in range(len(self.plans))]
+        self._pieces: dict[tuple[int, tuple[int, ...]], list[Piece]] = {}
         self._piece_keys.clear()
         self.whole_model = True
 
@@ -299,17 +358,60 @@ class HybridOffloadPlanner:
         return max(1, ranks) * self._stages[group_index]
 
     def sets_contain(
-        self, keys: Sequence[Sequence[str]], contains: Callable[[list[str]], list[bool]]
+        self,
+        keys: Sequence[Sequence[str]],
+        contains: Callable[[list[str]], list[bool]],
+        chosen: dict[str, tuple[int, ...]] | None = None,
     ) -> Callable[[list[str]], list[bool]]:
         """Wrap a per-backend-key ``contains`` into one over page-set keys of ``keys`` (per
-        group lists): a set is present when all of its pieces are."""
-        group_of = {key: g for g, group_keys in enumerate(keys) for key in group_keys}
+        group lists): a set is present when all of its pieces in one layout are.
 
-        def contains_sets(set_keys: list[str]) -> list[bool]:
-            expanded = [self.piece_keys(k, group_of[k]) for k in set_keys]
+        This engine's layout is asked first. For the sets missing there, the first piece of the
+        first of each group (of a state group, up to :data:`STATE_SAMPLES`: states are stored at
+        some boundaries only) is asked in every other candidate layout; the layouts where one is
+        found are then asked for every piece of the rest (up to :data:`LAYOUT_ROUNDS` times): a
+        cold miss costs one more call, of a key per sample and layout. ``chosen`` receives the
+        layout of each set found in another layout."""
+        group_of = {key: g for g, group_keys in enumerate(keys) for key in group_keys}
+        own = self.spec.grid.layout
+        others = [layout for layout in self.layouts if layout != own]
+
+        def ask(wanted: list[tuple[str, tuple[int, ...]]], first: bool = False) -> list[bool]:
+            """Whether every piece (``first``: the first piece) of each set is present."""
+            expanded = [self.piece_keys(k, group_of[k], layout)[: 1 if first else None]
+                        for k, layout in wanted]  # fmt: skip
             flat = [k for pieces in expanded for k in pieces]
             answers = iter(contains(flat) if flat else [])
             return [bool(pieces) and all([next(answers) for _ in pieces]) for pieces in expanded]
+
+        def contains_sets(set_keys: list[str]) -> list[bool]:
+            present = dict(zip(set_keys, ask([(k, own) for k in set_keys]), strict=True))
+            if chosen is not None:
+                for k in (k for k in set_keys if present[k]):
+                    chosen.pop(k, None)
+            for _ in range(LAYOUT_ROUNDS):
+                missing = [k for k in set_keys if not present[k]]
+                if not missing or not others:
+                    break
+                samples: dict[int, list[str]] = {}
+                for k in missing:
+                    g = group_of[k]
+                    wanted = STATE_SAMPLES if self.plans[g].kind is GroupKind.MAMBA else 1
+                    if len(samples.setdefault(g, [])) < wanted:
+                        samples[g].append(k)
+                probes = [(k, layout) for sample in samples.values() for k in sample for layout in others]
+                hits = ask(probes, first=True)
+                found = [layout for (_, layout), hit in zip(probes, hits, strict=True) if hit]
+                if not found:
+                    break
+                for layout in dict.fromkeys(found):
+                    rest = [k for k in set_keys if not present[k]]
+                    for k, hit in zip(rest, ask([(k, layout) for k in rest]), strict=True):
+                        if hit:
+                            present[k] = True
+                            if chosen is not None:
+                                chosen[k] = layout
+            return [present[k] for k in set_keys]
 
         return contains_sets
 

@@ -294,12 +294,13 @@ def make_model_spec(
     pp_size: int = 1,
 ) -> ModelSpec:
     """Build a ModelSpec whose fingerprint covers the model, the group layouts (at TP=1, with
-    their shard counts), the layer-part ``grid`` and our format version.
+    their shard counts) and our format version.
 
-    Neither the TP nor the PP size nor the ranks are part of the fingerprint: engines at any
-    TP size share pages (each rank writes and reads its shards of a page set), and at any PP
-    size whose stages hold whole parts of ``grid`` (``groups`` hold this stage's layers; each
-    stage writes and reads its parts). With ``max_shards``, every
+    Neither the TP nor the PP size nor the ranks nor the layer-part ``grid`` (the layout this
+    engine writes) are part of the fingerprint: engines at any TP size share pages (each rank
+    writes and reads its shards of a page set), and at any PP layout (``groups`` hold this
+    stage's layers; each stage writes the parts of its layers and reads any layout's parts
+    that hold them). With ``max_shards``, every
     group's shard count is chosen (:func:`~hybrid_offload.core.tp_shards.shard_count`); raises
     ShardLayoutError (a ValueError) when a group cannot be split ``tp_size`` ways into its shards.
     """
@@ -309,10 +310,9 @@ def make_model_spec(
         g.check_tp(tp_size)
     fields = {
         "model": model_fields,
-        # several layer parts: a pipeline stage knows only its own layers; they key each
-        # part's pages instead (``layer_parts``)
-        "groups": [g.layout_fields(layers=not grid.bounds) for g in groups],
-        "layer_grid": list(grid.bounds),
+        # no layer names: a pipeline stage knows only its own; they key each part's pages
+        # instead (core/layer_parts.py), so engines at any PP layout share a fingerprint
+        "groups": [g.layout_fields(layers=False) for g in groups],
         "format_version": FORMAT_VERSION,
     }
     return ModelSpec(

@@ -9,14 +9,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hybrid_offload.compat import mamba_rank_dims
 from hybrid_offload.core.drafting import Drafting
-from hybrid_offload.core.layer_parts import WHOLE_MODEL, LayerGrid, LayerPartError, part_bounds, stage_parts
+from hybrid_offload.core.layer_parts import LayerGrid, LayerPartError, layout_bounds
 from hybrid_offload.core.spec import (
     DTYPE_SIZES,
     GroupKind,
@@ -287,40 +286,47 @@ def _ranks(tp_size: int, pp_size: int) -> tuple[int, int]:
     return tp_rank, pp_rank
 
 
+#: architectures whose KV layer names do not carry their decoder layer (Zamba2 names its shared
+#: attention blocks' layers by hybrid-layer ordinal); vLLM runs none of them pipeline parallel
+_UNINDEXED_ARCHS = frozenset({"Zamba2ForCausalLM"})
+
+
 def layer_grid(vllm_config: VllmConfig, layer_parts: int | None) -> LayerGrid:
-    """The layer-part grid (``layer_parts``; None: the engine's PP size). Raises LayerPartError
-    naming the setting when a pipeline stage of this engine would not hold whole parts (its
-    layers as vLLM places them, ``VLLM_PP_LAYER_PARTITION`` included)."""
+    """The layout this engine writes (core/layer_parts.py): its pipeline stages as vLLM places
+    them (``VLLM_PP_LAYER_PARTITION`` included) and, with ``layer_parts``, vLLM's default
+    partition at that PP size. Raises LayerPartError where the model's layer names do not
+    tell their decoder layers and the layout has several parts."""
     from vllm.distributed.utils import get_pp_indices
 
     pp_size = vllm_config.parallel_config.pipeline_parallel_size
-    parts = layer_parts or pp_size
-    if parts == 1 and pp_size == 1:
-        return WHOLE_MODEL
     num_layers = vllm_config.model_config.get_total_num_hidden_layers()
-    bounds = part_bounds(num_layers, parts)
-    what = f"layer_parts={parts} with pipeline_parallel_size={pp_size}"
-    if os.environ.get("VLLM_PP_LAYER_PARTITION"):
-        what += f" and VLLM_PP_LAYER_PARTITION={os.environ['VLLM_PP_LAYER_PARTITION']}"
-    for rank in range(pp_size):
-        stage_parts(bounds, *get_pp_indices(num_layers, rank, pp_size), what)
-    return LayerGrid.of(num_layers, parts)
+    archs = set(getattr(vllm_config.model_config.hf_config, "architectures", None) or ())
+    indexed = not archs & _UNINDEXED_ARCHS
+    stages = [get_pp_indices(num_layers, rank, pp_size) for rank in range(pp_size)]
+    bounds = layout_bounds(num_layers, stages, layer_parts)
+    if len(bounds) == 2:
+        return LayerGrid(num_layers, (), indexed)
+    if not indexed:
+        raise LayerPartError(
+            f"layer_parts={layer_parts}: {sorted(archs)[0]} names its KV layers without their decoder "
+            "layers, so its page sets cannot be split into layer parts"
+        )
+    return LayerGrid(num_layers, bounds, indexed)
 
 
 def _check_stage(grid: LayerGrid, groups: tuple[GroupSpec, ...], pp_rank: int, pp_size: int) -> None:
-    """LayerPartError unless every layer of this stage falls in a part the stage holds (a
+    """LayerPartError unless every layer of this stage falls in this stage's decoder layers (a
     layer whose decoder layer its name does not tell would be keyed in another stage's part)."""
     from vllm.distributed.utils import get_pp_indices
 
-    start, end = get_pp_indices(grid.bounds[-1], pp_rank, pp_size)
-    held = stage_parts(grid.bounds, start, end, f"pipeline stage {pp_rank}")
+    start, end = get_pp_indices(grid.num_layers, pp_rank, pp_size)
     for g in groups:
-        for part, positions in grid.positions(g.layer_names).items():
-            if part not in held:
+        for (s, e), positions in grid.ranges(g.layer_names).items():
+            if not start <= s < e <= end:
                 names = [g.layer_names[i] for i in positions]
                 raise LayerPartError(
-                    f"KV cache group {g.index}: layers {names} fall in layer part {part}, outside "
-                    f"pipeline stage {pp_rank} (decoder layers [{start}, {end}), parts {list(held)})"
+                    f"KV cache group {g.index}: layers {names} fall in decoder layers [{s}, {e}), "
+                    f"outside pipeline stage {pp_rank} (decoder layers [{start}, {end}))"
                 )
 
 
@@ -342,7 +348,7 @@ def model_spec_from_vllm(
     pp_size = vllm_config.parallel_config.pipeline_parallel_size
     tp_rank, pp_rank = _ranks(shape.tp_size, pp_size)
     grid = layer_grid(vllm_config, layer_parts)
-    if grid.bounds:
+    if pp_size > 1:
         _check_stage(grid, groups, pp_rank, pp_size)
     return make_model_spec(
         groups,

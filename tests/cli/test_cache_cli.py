@@ -54,15 +54,17 @@ MiB = 1 << 20
 
 def page_key(header: PageHeader) -> str:
     """The key an engine stores the page under (``cache verify`` checks it)."""
-    digest = key_digest(header.chunk_hash, header.group_index, header.shard, header.shards, header.part,
-                        header.parts, header.layers)  # fmt: skip
+    whole = (header.layer_start, header.layer_end) == (0, 2)  # these pages' model has 2 layers
+    digest = key_digest(header.chunk_hash, header.group_index, header.shard, header.shards,
+                        header.layer_start, header.layer_end, header.layers, whole)  # fmt: skip
     return f"{header.fingerprint.hex()}-{digest}"
 
 
 def make_page(
     fp: str, group: int, chunk: int, shard: int = 0, shards: int = 1, part: int = 0, parts: int = 1
 ) -> tuple[str, bytes]:
-    """A valid page and its key ``<fp>-<digest>``."""
+    """A valid page and its key ``<fp>-<digest>``, of a model of 2 decoder layers: in one part
+    (``parts`` 1) or two (a PP=2 engine's)."""
     if group == 0:
         heads = 2 // shards
         tensors = tuple(TensorSpec(f"L0.{kv}", (16, heads, 32), "bfloat16") for kv in "kv")
@@ -73,8 +75,9 @@ def make_page(
     seed = f"{fp}/{group}/{chunk}/{part}/{shard}".encode()
     chunk_hash = hashlib.blake2b(f"{fp}/{chunk}".encode(), digest_size=32).digest()  # a set's shards share it
     layers = layers_digest([f"model.layers.{part}.mixer"]) if parts > 1 else bytes(16)
-    header = PageHeader(bytes.fromhex(fp), chunk_hash, group, kind, chunk, 16, tensors, shard, shards, part,
-                        parts, layers)  # fmt: skip
+    start, end = (part, part + 1) if parts > 1 else (0, 2)
+    header = PageHeader(bytes.fromhex(fp), chunk_hash, group, kind, chunk, 16, tensors, shard, shards, start,
+                        end, layers)  # fmt: skip
     payload = random.Random(seed).randbytes(sum(t.nbytes for t in tensors))
     return page_key(header), encode_page(header, payload)
 
@@ -389,7 +392,7 @@ def test_stats_per_fingerprint_and_group(cache: Cache) -> None:
     assert stats["unreadable"] == [] and stats["vanished"] == 0
     text = cli("stats", *cache.args, "--fingerprint", FP_B).stdout
     row = next(line for line in text.splitlines() if line.startswith(FP_B))
-    assert row.split() == [FP_B, "0", "full_attention", "4", str(sizes(b)), "2/2", "0/1", "0-1/2"]
+    assert row.split() == [FP_B, "0", "full_attention", "4", str(sizes(b)), "2/2", "0-2", "0-1/2"]
     assert FP_A not in text and "page sets lack" not in text
 
 
@@ -419,8 +422,8 @@ def test_stats_and_verify_count_page_sets_that_lack_a_pipeline_stages_part(cache
     del pages[lost]
     cache.put(pages)
     [group] = cli_json("stats", *cache.args)["fingerprints"][0]["groups"]
-    assert (group["parts"], group["sets_complete"], group["sets_incomplete"]) == ([[0, 2], [1, 2]], 2, 1)
-    assert cli("stats", *cache.args).stdout.split("\n")[1].split()[5:7] == ["2/3", "0-1/2"]
+    assert (group["parts"], group["sets_complete"], group["sets_incomplete"]) == ([[0, 1], [1, 2]], 2, 1)
+    assert cli("stats", *cache.args).stdout.split("\n")[1].split()[5:7] == ["2/3", "0-1,1-2"]
     report = cli_json("verify", *cache.args)  # every page under its own key, layers and part included
     assert [report[k] for k in ("ok", "corrupt", "sets_complete", "sets_incomplete")] == [5, 0, 2, 1]
 
@@ -474,7 +477,7 @@ def test_stats_reads_page_headers_only(cache: Cache) -> None:
     [fp] = stats["fingerprints"]
     assert (fp["pages"], fp["bytes"]) == (4, sizes(pages))
     assert fp["groups"] == [{"group_index": 0, "kind": "full_attention", "pages": 4, "bytes": sizes(pages),
-                             "shards": [[0, 1]], "parts": [[0, 1]], "sets_complete": 4,
+                             "shards": [[0, 1]], "parts": [[0, 0]], "sets_complete": 4,
                              "sets_incomplete": 0}]  # fmt: skip
     assert stats["unreadable"] == [] and stats["vanished"] == 0
     if cache.kind == "redis":

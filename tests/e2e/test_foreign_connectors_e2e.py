@@ -8,6 +8,7 @@ offline vLLM engine (CPU, tiny Falcon-H1, vLLM's prefix cache reset before every
 (b) a pure vLLM MultiConnector config (``kv_connector: "MultiConnector"``, only ``connectors``)
     switched to ours by the module path: it runs and hits.
 (c) a child without HMA support fails at startup with our error naming the child.
+(d) at PP=2 our side and our own connector as a child each get every stage's layers.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_runs import CHUNK_TOKENS, shared_prefix_prompts, tokens
+from engine_runs import CHUNK_TOKENS, shared_prefix_prompts, tokens, two_core_env
 
 from hybrid_offload.testing.session import CONNECTOR_MODULE, kv_transfer_config, run_session_subprocess
 
@@ -138,3 +139,20 @@ def test_child_without_hma_support_is_rejected_naming_it(model_dir, tmp_path: Pa
     message = str(info.value)
     assert "kv_connector_extra_config.connectors[0] ('recorder')" in message, message[-3000:]
     assert "NonHmaRecordingConnector does not support" in message
+
+
+def test_a_pipeline_parallel_composition_hands_each_side_its_handshake(model_dir, tmp_path: Path) -> None:
+    """PP=2: our side and its child (our own connector, which needs the stages' layers too)
+    each learn every stage's layers through the one handshake vLLM carries; the child's pages
+    load in the second pass, with the first pass's tokens (float32)."""
+    base = {**base_spec(model_dir), "llm_kwargs": {"pipeline_parallel_size": 2, "dtype": "float32",
+                                                  "distributed_executor_backend": "mp"}}  # fmt: skip
+    extra = {
+        "backends": [{"type": "cpu", "name": "cpu", "capacity_bytes": "256MiB", "load_weight": 1.0}],
+        "connectors": [our_child("ours", tmp_path / "disk", 2.0)],
+    }
+    env = {**ENV, **two_core_env("the PP=2 stages")}
+    result = run_session_subprocess({**base, "connector": extra, "passes": 2}, env=env)
+    assert result["log"].count("layers of 2 pipeline stages known") == 2  # ours and the child
+    assert child_hit_rate(result, 1, "ours") >= 0.95
+    assert tokens(result, 1) == tokens(result, 0)

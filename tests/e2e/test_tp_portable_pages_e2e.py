@@ -31,7 +31,7 @@ from hybrid_offload.backends.base import BackendConfig
 from hybrid_offload.backends.registry import create_backend
 from hybrid_offload.connector.metadata import PageJob
 from hybrid_offload.connector.worker.page_codec import PageCodec
-from hybrid_offload.core.layer_parts import LayerGrid
+from hybrid_offload.core.layer_parts import LayerGrid, ModelLayers, decoder_layer, layout_bounds, stage_layers
 from hybrid_offload.core.model_card import is_card_key
 from hybrid_offload.core.page_format import decode_page, seal_page
 from hybrid_offload.core.planner import HybridOffloadPlanner
@@ -61,7 +61,6 @@ class Captured:
     tensors: dict[int, list[Any]]
     chunk_tokens: int
     hf: dict[str, Any]
-    layer_parts: int = 1
 
 
 def _full_tensors(group: GroupSpec, payload: memoryview, tokens: int) -> list[Any]:
@@ -132,8 +131,14 @@ def num_layers(cap: Captured) -> int:
     return cap.hf.get("num_hidden_layers") or len(cap.hf["layers_block_type"])
 
 
-def grid(cap: Captured) -> LayerGrid:
-    return LayerGrid.of(num_layers(cap), cap.layer_parts)
+def grid(cap: Captured, pp: int) -> LayerGrid:
+    """The layout a PP=``pp`` engine writes: its stages."""
+    layers = num_layers(cap)
+    return LayerGrid(layers, layout_bounds(layers, stage_layers(layers, pp)) if pp > 1 else ())
+
+
+def model_layers(cap: Captured) -> ModelLayers:
+    return ModelLayers(num_layers(cap), tuple(g.layer_names for g in cap.groups))
 
 
 def stage_positions(cap: Captured, group: GroupSpec, pp: int, stage: int) -> list[int]:
@@ -141,7 +146,8 @@ def stage_positions(cap: Captured, group: GroupSpec, pp: int, stage: int) -> lis
     if pp == 1:
         return list(range(len(group.layer_names)))
     start, end = get_pp_indices(num_layers(cap), stage, pp)
-    return [i for i, name in enumerate(group.layer_names) if start <= grid(cap).decoder_layer(name) < end]
+    layers = num_layers(cap)
+    return [i for i, name in enumerate(group.layer_names) if start <= decoder_layer(name, layers) < end]
 
 
 def rank_spec(cap: Captured, t: int, r: int, pp: int = 1, stage: int = 0) -> ModelSpec:
@@ -161,7 +167,7 @@ def rank_spec(cap: Captured, t: int, r: int, pp: int = 1, stage: int = 0) -> Mod
         splits = mamba_splits(g.mamba_type, shapes, ModelShape(t, 0, n_groups))
         groups.append(dataclasses.replace(g, state_shapes=shapes, state_splits=splits, shards=1))
     return make_model_spec(tuple(groups), FIELDS, tp_size=t, tp_rank=r, max_shards=MAX_SHARDS,
-                           grid=grid(cap), pp_rank=stage, pp_size=pp)  # fmt: skip
+                           grid=grid(cap, pp), pp_rank=stage, pp_size=pp)  # fmt: skip
 
 
 # ---- a rank's KV cache, laid out as vLLM's ---------------------------------------------------
@@ -255,9 +261,11 @@ def write(cap: Captured, layout: tuple[int, int], backend: Any) -> dict[int, str
     return set_keys
 
 
-def read_and_check(cap: Captured, layout: tuple[int, int], backend: Any, set_keys: dict[int, str]) -> None:
-    """Every worker of ``layout`` reads its pieces into an empty cache: vLLM's view, bit for
-    bit; the workers together reassemble the full tensors."""
+def read_and_check(cap: Captured, layout: tuple[int, int], backend: Any, set_keys: dict[int, str],
+                   written: tuple[int, ...]) -> None:  # fmt: skip
+    """Every worker of ``layout`` reads its pieces of the pages written in layer-part layout
+    ``written`` into an empty cache: vLLM's view, bit for bit; the workers together reassemble
+    the full tensors."""
     rebuilt: dict[tuple[int, int], Any] = {}
     pp, t = layout
     for stage, r in workers(layout):
@@ -267,8 +275,9 @@ def read_and_check(cap: Captured, layout: tuple[int, int], backend: Any, set_key
         for g, whole in zip(spec.groups, cap.groups, strict=True):
             codec = PageCodec(spec, g, cap.chunk_tokens)
             job = cache.job(g, set_keys[g.index])
-            pages = backend.get_batch([planner.piece_key(job.key, g.index, p) for p in codec.read])
-            for piece, data in zip(codec.read, pages, strict=True):
+            read = codec.read if written == spec.grid.layout else codec.foreign(written, model_layers(cap))
+            pages = backend.get_batch([planner.piece_key(job.key, g.index, p) for p in read])
+            for piece, data in zip(read, pages, strict=True):
                 assert data is not None, f"group {g.index} piece {piece} missing"
                 _, payload = decode_page(data, codec.header(job, piece))
                 codec.scatter(cache.layouts[g.index], job, piece,
@@ -302,15 +311,16 @@ def test_pages_written_at_one_pp_x_tp_layout_load_at_every_other(
 ) -> None:
     pp_sizes = (1, 2) if arch in PP_ARCHS else (1,)
     cap = capture(model_dir(arch, hidden=ARCHS[arch]), tmp_path / "tp1-run")
-    cap = dataclasses.replace(cap, layer_parts=max(pp_sizes))
     layouts = [(pp, t) for pp in pp_sizes for t in TP_SIZES]
     fingerprints = {rank_spec(cap, t, r, pp, stage).fingerprint for pp, t in layouts
                     for stage, r in workers((pp, t))}  # fmt: skip
     assert len(fingerprints) == 1, "neither the TP nor the PP size is part of the fingerprint"
     whole = HybridOffloadPlanner(rank_spec(cap, 1, 0), cap.chunk_tokens)
     assert any(g.shards > 1 for g in whole.spec.groups), [g.shards for g in whole.spec.groups]
-    parts = {piece // g.shards for g in whole.spec.groups for piece in whole.pieces(g.index)}
-    assert len(parts) == len(pp_sizes), "pages of both layer parts (PP archs), of one otherwise"
+    written = {pp: grid(cap, pp).layout for pp in pp_sizes}
+    widest = written[max(pp_sizes)]
+    parts = {(p.start, p.end) for g in whole.spec.groups for p in whole.pieces(g.index, widest)}
+    assert len(parts) == len(pp_sizes), "pages of two layer parts at PP=2 (PP archs)"
     for layout in layouts:
         path = tmp_path / f"pp{layout[0]}-tp{layout[1]}"
         config = BackendConfig("disk", path.name, 1 << 30, options={"path": str(path)})
@@ -318,6 +328,7 @@ def test_pages_written_at_one_pp_x_tp_layout_load_at_every_other(
             set_keys = write(cap, layout, backend)
             # a complete set, each piece written once (replicated ranks do not write twice)
             stored = sorted(p.name for p in path.rglob("*.page"))
-            assert len(stored) == sum(len(whole.pieces(g.index)) for g in whole.spec.groups)
+            pieces = [whole.pieces(g.index, written[layout[0]]) for g in whole.spec.groups]
+            assert len(stored) == sum(map(len, pieces))
             for other in layouts:
-                read_and_check(cap, other, backend, set_keys)
+                read_and_check(cap, other, backend, set_keys, written[layout[0]])

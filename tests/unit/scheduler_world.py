@@ -117,6 +117,7 @@ class World:
         **scheduler_kw: Any,
     ) -> None:
         self.planner = HybridOffloadPlanner(spec, chunk)
+        self._sets: dict[str, int] = {}
         self.clock = [0.0]
         tiers = as_tiers(backends)
         self.sched = OffloadScheduler(
@@ -134,7 +135,10 @@ class World:
         self.sched.update_connector_output(report, None, None)
 
     def keys(self, tokens: list[int], scope: bytes = b"") -> list[list[str]]:
-        return self.planner.group_keys(self.planner.chunk_hashes(tokens, scope))
+        """Page-set keys per group per chunk (:meth:`hold` stores their pieces)."""
+        keys = self.planner.group_keys(self.planner.chunk_hashes(tokens, scope))
+        self._sets.update((k, g) for g, group_keys in enumerate(keys) for k in group_keys)
+        return keys
 
     def chunk_keys(
         self, tokens: list[int], chunks: range, groups: tuple[int, ...] = (ATTN, MAMBA)
@@ -143,7 +147,10 @@ class World:
         return [keys[g][c] for g in groups for c in chunks]
 
     def hold(self, name: str, keys: list[str]) -> None:
-        """Make backend ``name`` hold ``keys``: a worker report for cpu, real pages for disk."""
+        """Make backend ``name`` hold ``keys`` (of page sets from :meth:`keys`: every piece of
+        the set): a worker report for cpu, real pages for disk."""
+        keys = [p for k in keys
+                for p in (self.planner.piece_keys(k, self._sets[k]) if k in self._sets else [k])]  # fmt: skip
         config = self.configs[name]
         if config.type == "cpu":
             self.sched.update_connector_output(OffloadWorkerMetadata(stored={name: keys}), None, None)

@@ -11,6 +11,7 @@ children's own rules: ``test_foreign_connectors.py``; a real facade inside a rea
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -30,6 +31,7 @@ from composition_world import (
 )
 from foreign_connectors import RecordingMetadata, RecordingWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
     supports_hma,
@@ -38,10 +40,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 import hybrid_offload.connector as connector_package
 from hybrid_offload.connector import composite, facade
 from hybrid_offload.connector.children import HybridMetadata, HybridWorkerMetadata
-from hybrid_offload.connector.composite import HybridMultiConnector
+from hybrid_offload.connector.composite import ComposedHandshake, HybridMultiConnector
 from hybrid_offload.connector.config import ROOT, ConfigError, OffloadConfig
 from hybrid_offload.connector.facade import ACTIVE_CONNECTORS, HybridOffloadConnector
-from hybrid_offload.connector.metadata import OffloadMetadata, OffloadWorkerMetadata
+from hybrid_offload.connector.metadata import OffloadMetadata, OffloadWorkerMetadata, StageLayers
 
 BACKENDS = [{"type": "cpu", "name": "cpu"}]
 
@@ -307,8 +309,8 @@ def test_handshake_prefill_stops_and_step_questions(fake_facade) -> None:
     marker = object()
     recorder(conn.children, 1).get_handshake_metadata = lambda: marker  # type: ignore[method-assign]
     assert conn.get_handshake_metadata() is marker
-    conn.set_xfer_handshake_metadata({0: marker})
-    assert ours.got("set_xfer_handshake_metadata") == [({0: marker},)]
+    conn.set_xfer_handshake_metadata({0: marker})  # a child's: ours gets none of it
+    assert ours.got("set_xfer_handshake_metadata") == [({},)]
 
     ours.answers["prefill_stop"] = lambda request, start, end: min(end, 640)
     assert conn.prefill_stop(REQ, 0, 1000) == 640 and conn.prefill_stop(REQ, 0, 500) == 500
@@ -323,19 +325,39 @@ def test_handshake_prefill_stops_and_step_questions(fake_facade) -> None:
     assert list(conn.take_events()) == []
 
 
-def test_pipeline_parallel_compositions_have_no_children_and_our_side_gets_the_stages(fake_facade) -> None:
+def test_at_pp_our_side_gets_every_stages_layers_and_each_child_its_own_metadata(fake_facade) -> None:
     """At PP > 1 our side learns the stages' layers through vLLM's handshake metadata, which a
-    child would need too: children are refused, and without them every stage's metadata is ours."""
-    config = vllm_config({"backends": BACKENDS, "connectors": [child("a")]})
-    config.parallel_config.pipeline_parallel_size = 2
-    with pytest.raises(ConfigError, match=r"connectors with pipeline_parallel_size=2"):
-        HybridMultiConnector(config, SCHED, kv_cache_config(2))
-    config = vllm_config({"backends": BACKENDS})
+    child may need too (a NIXL connector's agent metadata): each worker sends both, and each
+    side gets its own, keyed as vLLM keys them."""
+    config = vllm_config({"backends": BACKENDS, "connectors": [child("a"), child("b")]})
     config.parallel_config.pipeline_parallel_size = 2
     conn = HybridMultiConnector(config, SCHED, kv_cache_config(2))
-    stages = {(0, 0): "stage 0", (1, 0): "stage 1"}
-    conn.set_xfer_handshake_metadata_pp_aware(stages)  # type: ignore[arg-type]
-    assert conn.native.got("set_xfer_handshake_metadata_pp_aware") == [(stages,)]
+    layers = {rank: StageLayers(rank, ((f"model.layers.{rank}.attn",),)) for rank in (0, 1)}
+    theirs = {rank: RecordingHandshake(f"agent {rank}") for rank in (0, 1)}
+    conn.native.answers["get_handshake_metadata"] = layers[0]
+    recorder(conn.children, 1).get_handshake_metadata = lambda: theirs[0]  # type: ignore[method-assign]
+    delivered: list[tuple[int, Any]] = []
+    for i in (0, 1):
+        recorder(conn.children, i).set_xfer_handshake_metadata_pp_aware = (  # type: ignore[method-assign]
+            lambda meta, i=i: delivered.append((i, meta)))
+    sent = conn.get_handshake_metadata()
+    assert sent == ComposedHandshake(layers[0], theirs[0])
+    received = {(0, 0): sent, (1, 0): ComposedHandshake(layers[1], theirs[1])}
+    conn.set_xfer_handshake_metadata_pp_aware(received)  # type: ignore[arg-type]
+    ours = conn.native.got("set_xfer_handshake_metadata_pp_aware")
+    assert ours == [({(0, 0): layers[0], (1, 0): layers[1]},)]
+    assert delivered == [(i, {(0, 0): theirs[0], (1, 0): theirs[1]}) for i in (0, 1)]
+    # one side without metadata: the other side's goes alone, unwrapped
+    conn.native.answers["get_handshake_metadata"] = None
+    assert conn.get_handshake_metadata() is theirs[0]
+    conn = HybridMultiConnector(vllm_config({"backends": BACKENDS}), SCHED, kv_cache_config(2))
+    conn.native.answers["get_handshake_metadata"] = layers[0]
+    assert conn.get_handshake_metadata() is layers[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordingHandshake(KVConnectorHandshakeMetadata):
+    agent: str
 
 
 def test_shutdown_reaches_every_child_when_ours_fails(fake_facade) -> None:

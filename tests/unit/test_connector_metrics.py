@@ -21,7 +21,7 @@ from scheduler_world import (
 )
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging, KVConnectorProm
-from worker_world import MAMBA, attn_page_len, cpu, load_job, stored_world
+from worker_world import MAMBA, attn_page_len, cpu, first_page_len, load_job, stored_world
 from worker_world import make_spec as make_worker_spec
 
 from hybrid_offload.backends import BackendConfig, BackendUnavailableError
@@ -249,7 +249,7 @@ def test_scheduler_counts_lookup_errors_and_skips(worlds, tmp_path: Path) -> Non
 
 def test_worker_counts_stores_loads_latency_usage_and_evictions(world) -> None:
     spec = make_worker_spec()
-    mamba_len = PageCodec(spec, spec.groups[MAMBA], 8).page_lens[0]
+    mamba_len = first_page_len(PageCodec(spec, spec.groups[MAMBA], 8))
     small = cpu(capacity=2 * attn_page_len() + mamba_len)  # 3 attention + 1 Mamba page stored: 1 evicted
     w, pages, _ = stored_world(world, small)  # stored deepest first: the Mamba page goes first
     delta = StatsDelta(w.worker.stats)

@@ -45,6 +45,7 @@ from hybrid_offload.connector.metadata import (
     TouchJob,
 )
 from hybrid_offload.core.layer_parts import LayerGrid
+from hybrid_offload.core.planner import whole_model_layers
 from hybrid_offload.core.spec import make_model_spec
 
 
@@ -468,13 +469,14 @@ def test_a_pp_scheduler_serves_once_every_stages_layers_are_known_and_needs_ever
     groups = tuple(dataclasses.replace(g, layer_names=g.layer_names if g.index == ATTN else ())
                    for g in whole.groups)  # fmt: skip
     spec = make_model_spec(groups, {"name": "fake-hybrid"}, max_model_len=4096, num_blocks=64,
-                           grid=LayerGrid.of(2, 2), pp_size=2)  # fmt: skip
+                           grid=LayerGrid(2, (0, 1, 2)), pp_size=2)  # fmt: skip
     w = worlds(spec, 8)
     tokens = prompt(48)
     assert w.sched.get_num_new_matched_tokens(FakeRequest("early", tokens), 0) == (0, False)
     assert w.sched.stats.counters.requests == 0  # not keyed: nothing looked up, nothing stored
     names = [g.layer_names for g in whole.groups]
-    w.planner.set_stage_layers({0: (names[ATTN], ()), 1: ((), names[MAMBA])})
+    stages = {0: (names[ATTN], ()), 1: ((), names[MAMBA])}
+    w.planner.set_model_layers(whole_model_layers(spec, stages), list(stages.values()))
     keys = w.keys(tokens)
     pieces = {g: [w.planner.piece_keys(keys[g][c], g) for c in range(5)] for g in (ATTN, MAMBA)}
     assert all(len(p) == 1 for g in pieces for p in pieces[g])  # one part each (its stage), one shard

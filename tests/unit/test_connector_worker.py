@@ -32,6 +32,7 @@ from worker_world import (
     World,
     attn_page_len,
     cpu,
+    first_page_len,
     load_job,
     make_spec,
     stored_world,
@@ -151,7 +152,7 @@ def test_stored_pages_decode_to_the_blocks_contents_in_canonical_order(
     for page, data in zip(pages, stored, strict=True):
         assert data is not None, page
         codec = w.worker.codecs[page.group]
-        header, payload = decode_page(data, codec.header(page, 0))
+        header, payload = decode_page(data, codec.header(page, codec.written[0]))
         assert (header.group_index, header.chunk_index, header.num_tokens) == (
             page.group,
             page.chunk_index,
@@ -166,7 +167,7 @@ def test_stored_pages_decode_to_the_blocks_contents_in_canonical_order(
     assert counters["backends"]["cpu"]["stored_pages"] == len(pages)
     assert counters["stores_dropped"] == 0
     assert counters["copy_out_seconds"] > 0
-    lengths = sum(w.worker.codecs[p.group].page_lens[0] for p in pages)
+    lengths = sum(first_page_len(w.worker.codecs[p.group]) for p in pages)
     assert w.worker.stores.store_rows.free_bytes >= lengths  # given back once stored, for the next steps
 
 
@@ -462,7 +463,7 @@ def test_a_touched_chain_is_evicted_from_its_deep_end_across_turns(world) -> Non
     and the prefix every page needs last. Without the touch turn 1's prefix would go first,
     leaving turn 2's pages unloadable."""
     spec = make_spec()
-    lens = [PageCodec(spec, spec.groups[g], BS).page_lens[0] for g in (ATTN, MAMBA)]
+    lens = [first_page_len(PageCodec(spec, spec.groups[g], BS)) for g in (ATTN, MAMBA)]
     w = world(cpu(capacity=4 * lens[0] + 2 * lens[1]))
     table = [3, 7, 5, 9]
     w.cache.write_tokens(table, 0, 32)
@@ -517,7 +518,7 @@ def test_held_pages_are_stored_only_when_committed(world) -> None:
     assert meta is not None and sorted(meta.stored["cpu"]) == sorted([attn.key, state.key])
     assert sorted(meta.settled) == sorted([attn.key, state.key, old_state.key])
     data = w.backend("cpu").get_batch([state.key])[0]
-    _, payload = decode_page(data, w.worker.codecs[MAMBA].header(state, 0))
+    _, payload = decode_page(data, w.worker.codecs[MAMBA].header(state, w.worker.codecs[MAMBA].written[0]))
     assert bytes(payload) == expected_state
 
 

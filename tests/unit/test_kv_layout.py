@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from worker_world import first_page_len
 
 from hybrid_offload.core.spec import GroupKind, GroupSpec
 from hybrid_offload.engine import kv_layout
@@ -215,12 +216,12 @@ def test_ds_conv_states_make_the_pages_of_sd_and_load_back_transposed() -> None:
         codec = PageCodec(spec, group, 16)
         storage = blocks[group.conv_layout]
         layout = kv_layout.MambaGroupLayout(group, [storage[:, layer] for layer in range(2)])
-        payload = torch.zeros(codec.page_lens[0] - codec.header_lens[0], dtype=torch.uint8)
-        codec.gather(layout, PageJob("k", 0, 0, bytes(32), (3,)), 0, payload)
+        payload = torch.zeros(first_page_len(codec) - codec.header_lens[codec.written[0]], dtype=torch.uint8)
+        codec.gather(layout, PageJob("k", 0, 0, bytes(32), (3,)), codec.written[0], payload)
         pages[group.conv_layout] = payload
         target = torch.zeros_like(blocks[group.conv_layout])
         into = kv_layout.MambaGroupLayout(group, [target[:, layer] for layer in range(2)])
-        codec.scatter(into, PageJob("k", 0, 0, bytes(32), (1, 5)), 0, pages["SD"])
+        codec.scatter(into, PageJob("k", 0, 0, bytes(32), (1, 5)), codec.read[0], pages["SD"])
         for block in (1, 5):
             assert torch.equal(target[block], blocks[group.conv_layout][3])
     assert torch.equal(pages["DS"], pages["SD"])

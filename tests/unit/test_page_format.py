@@ -49,8 +49,8 @@ def layout(tensors: tuple[TensorSpec, ...]) -> list[tuple[tuple[int, ...], str]]
 def reseal(data: bytes, **fields: int | bytes) -> bytes:
     """Rewrite fixed-header fields and recompute the header checksum, as a forger would."""
     names = ["magic", "version", "header_len", "fingerprint", "chunk_hash", "group", "kind",
-             "shard", "shards", "part", "parts", "layers", "chunk_index", "num_tokens", "n_tensors",
-             "payload_len", "payload_checksum", "mac"]
+             "shard", "shards", "layer_start", "layer_end", "layers", "chunk_index", "num_tokens",
+             "n_tensors", "payload_len", "payload_checksum", "mac"]
     values = dict(zip(names, pf._FIXED.unpack_from(data, 0), strict=True))
     values.update(fields)
     buf = bytearray(data)
@@ -155,8 +155,8 @@ FIELD_CHANGES = {
     "num_tokens": {"num_tokens": 2 * CHUNK},
     "shard": {"shard": 0},
     "shards": {"shards": 4},
-    "part": {"part": 1, "parts": 2},  # a pipeline stage's other layer part
-    "parts": {"parts": 2},
+    "layer_start": {"layer_start": 1, "layer_end": 2},  # another layer part
+    "layer_end": {"layer_end": 2},
     "layers": {"layers": bytes(range(16))},  # the part holds other layers
 }
 
@@ -290,7 +290,7 @@ def test_forged_header_fields_out_of_range() -> None:
         {"header_len": 0}, {"header_len": 8}, {"header_len": len(data) + 64},
         {"n_tensors": 3}, {"n_tensors": 5},
         {"payload_len": 1}, {"payload_len": 2**40},
-        {"part": 2, "parts": 2}, {"parts": 0},
+        {"layer_start": 3, "layer_end": 2},
     ]
     for fields in bad:
         with pytest.raises(PageFormatError):

@@ -166,7 +166,7 @@ def cpu(name: str = "cpu", capacity: int = 1 << 30) -> BackendConfig:
 
 def attn_page_len() -> int:
     spec = make_spec()
-    return PageCodec(spec, spec.groups[ATTN], BS).page_lens[0]
+    return first_page_len(PageCodec(spec, spec.groups[ATTN], BS))
 
 
 def load_job(pages: tuple[PageJob, ...], backend: str = "cpu", req_id: str = "req") -> LoadJob:
@@ -215,3 +215,8 @@ class UnavailableBackend(CpuBackend):
 
 
 register_backend("test_unavailable", UnavailableBackend)
+
+
+def first_page_len(codec: PageCodec) -> int:
+    """The page length of the first piece ``codec`` writes (one-part, one-shard groups: the set's)."""
+    return codec.page_lens[codec.written[0]]

@@ -26,6 +26,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from hybrid_offload.backends.base import Backend, BackendError
@@ -90,6 +91,8 @@ class BackendView:
         self.hit_source = cls.hit_source
         self.touch_refreshes = cls.touch_refreshes
         opened = open_tier(tier, index, SchedulerRecorder(stats), clock) if self.shared else None
+        #: the opened tier (shared-index backends only; others are seen through the mirror)
+        self.opened = opened
         self._backend: Backend | None = None if opened is None else opened.backend
         self.health: BackendHealth | None = None if opened is None else opened.health
         self._mirror: set[str] = set()
@@ -318,7 +321,8 @@ class OffloadScheduler:
         self, view: BackendView, state: RequestState, num_tokens: int, computed: int
     ) -> tuple[BackendMatch, LoadablePrefix | None]:
         present: set[str] = set()
-        sets_contain = self.planner.sets_contain(state.keys, view.contains)
+        layouts = state.layouts.setdefault(view.name, {})
+        sets_contain = self.planner.sets_contain(state.keys, view.contains, layouts)
 
         def contains(keys: list[str]) -> list[bool]:
             answers = sets_contain(keys)
@@ -428,6 +432,10 @@ class OffloadScheduler:
         for state in self._requests.values():
             if state.load_phase is LoadPhase.PENDING:
                 meta.loads.append(self._load_job(state))
+        model = self.planner.model
+        foreign = any(p.layout for j in meta.loads for p in j.pages)
+        if self.planner.spec.pp_size > 1 and model is not None and foreign:
+            meta.model_layers = model.groups  # a stage reading another layout's parts needs them
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is None:
@@ -480,8 +488,10 @@ class OffloadScheduler:
         clears: list[ClearRange] = []
         for plan in self.planner.plans:
             for c in self.planner.needed_chunks(plan, end, start):
+                source = state.choice.sources[(plan.index, c)]
                 page = page_job(self.planner, state, plan, c, load_start=state.load_start)
-                segments.setdefault(state.choice.sources[(plan.index, c)], []).append(page)
+                layout = state.layouts.get(source, {}).get(page.key)
+                segments.setdefault(source, []).append(replace(page, layout=layout) if layout else page)
             bs = plan.group.block_size
             if plan.kind is not GroupKind.MAMBA and state.load_end % bs:
                 block = state.block_ids[plan.index][state.load_end // bs]
@@ -523,6 +533,7 @@ class OffloadScheduler:
                     state.on_load(LoadEvent.FAILED)
                     state.store_from_chunk = None
                     state.known_present.clear()
+                    state.layouts.clear()
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """Forget the request; commit what the worker holds for it (with the next step). True

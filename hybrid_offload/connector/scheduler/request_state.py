@@ -78,6 +78,8 @@ class RequestState:
     store_from_chunk: int | None = None
     next_store_chunk: int = 0
     known_present: dict[str, set[str]] = field(default_factory=dict)
+    #: per backend, the layout of each page set found in another layout than this engine's
+    layouts: dict[str, dict[str, tuple[int, ...]]] = field(default_factory=dict)
     checkpoints: tuple[int, ...] = ()
     held_attention: set[int] = field(default_factory=set)
     held_state: int | None = None

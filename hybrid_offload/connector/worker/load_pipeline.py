@@ -36,7 +36,9 @@ from hybrid_offload.connector.worker.staging import (
     write_pages,
 )
 from hybrid_offload.connector.worker.switch_interval import LoadSwitchInterval
+from hybrid_offload.core.layer_parts import LayerPartError
 from hybrid_offload.core.page_format import PageFormatError, verify_page
+from hybrid_offload.core.planner import Piece
 from hybrid_offload.engine.kv_layout import AttentionGroupLayout
 
 logger = logging.getLogger(__name__)
@@ -113,8 +115,11 @@ class LoadPipeline:
             first = len(wanted)
             for page in reversed(segment.pages):  # deepest first, as stores (LRU recency)
                 codec = self.ctx.codecs[page.group]
+                pieces = self._pieces(codec, page.layout)
+                if pieces is None:
+                    return None
                 wanted.extend((page, p, self.ctx.planner.piece_key(page.key, page.group, p), codec)
-                              for p in codec.read)  # fmt: skip
+                              for p in pieces)  # fmt: skip
             source.extend([segment.backend] * (len(wanted) - first))
             spans.append((segment.backend, range(first, len(wanted))))
         reads, run.staging = stage_reads(wanted, self.staging)
@@ -131,6 +136,20 @@ class LoadPipeline:
                 self.ctx.stats.counters.missing_pages += lost
             return None
         return [d for d in decoded if d is not None]
+
+    def _pieces(self, codec: PageCodec, layout: tuple[int, ...]) -> list[Piece] | None:
+        """The pieces to read of a page set in ``layout`` (() this engine's); None (the load
+        fails: recompute) where this worker cannot place another layout's parts."""
+        if not layout:
+            return codec.read
+        model = self.ctx.planner.model
+        try:
+            if model is None:
+                raise LayerPartError("the whole model's layers were not sent")
+            return codec.foreign(layout, model)
+        except LayerPartError as exc:
+            logger.warning("hybrid-offload: cannot read page sets of layout %s: %s", list(layout), exc)
+            return None
 
     def _read(
         self,

@@ -34,8 +34,9 @@ from hybrid_offload.connector.worker.load_pipeline import LoadPipeline, LoadRun
 from hybrid_offload.connector.worker.memory_pool import LOAD_POOL_BYTES
 from hybrid_offload.connector.worker.page_codec import PageCodec
 from hybrid_offload.connector.worker.store_pipeline import StorePipeline
+from hybrid_offload.core.layer_parts import ModelLayers
 from hybrid_offload.core.metrics import Locked, WorkerCounters
-from hybrid_offload.core.planner import HybridOffloadPlanner
+from hybrid_offload.core.planner import HybridOffloadPlanner, LayerMapError
 from hybrid_offload.core.spec import ModelSpec
 from hybrid_offload.engine.kv_layout import AttentionGroupLayout, MambaGroupLayout, build_layouts
 
@@ -139,7 +140,17 @@ class OffloadWorker:
         self.stores.flush(timeout)
 
     # ---- loads ------------------------------------------------------------------------
-    def start_loads(self, loads: list[LoadJob]) -> None:
+    def start_loads(
+        self, loads: list[LoadJob], model_layers: tuple[tuple[str, ...], ...] | None = None
+    ) -> None:
+        """Start ``loads``; ``model_layers``: the whole model's layers per group, sent by the
+        scheduler with loads of another layout's parts (a pipeline stage knows its own only)."""
+        if model_layers is not None and self.planner.model is None:
+            grid = self.spec.grid
+            try:
+                self.planner.set_model_layers(ModelLayers(grid.num_layers, model_layers, grid.indexed))
+            except LayerMapError as exc:  # such loads then fail: recompute
+                logger.warning("hybrid-offload: the model's layers sent by the scheduler do not fit: %s", exc)
         self.loads.start(loads)
 
     def write_finished_loads(self, wait_s: float = 0.0) -> tuple[set[str], set[str]]:

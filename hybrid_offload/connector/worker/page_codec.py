@@ -3,10 +3,11 @@ page set and vLLM's KV cache.
 
 Worker side; torch work runs on the model-runner thread (see ``worker``). A (chunk, group) page
 set is one page per *piece*: per layer part holding some of the group's layers
-(:mod:`hybrid_offload.core.layer_parts`) and per shard (:mod:`hybrid_offload.core.tp_shards`),
-numbered ``part * shards + shard``. This worker (a TP rank of a pipeline stage) writes, of the
-parts its stage holds, the shards inside its part of the model (``written``) and reads the
-ones overlapping it (``read``), so a set written at any PP x TP layout loads at any other.
+(:mod:`hybrid_offload.core.layer_parts`) and per shard (:mod:`hybrid_offload.core.tp_shards`).
+This worker (a TP rank of a pipeline stage) writes, of the parts of its engine's layout in its
+stage, the shards inside its part of the model (``written``) and reads the ones overlapping it
+(``read``), or those of another layout's parts holding its layers (:meth:`PageCodec.foreign`),
+so a set written at any PP x TP layout loads at any other.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ import torch
 
 from hybrid_offload.connector.metadata import PageJob
 from hybrid_offload.connector.worker.state_maps import Run, StateMap, byte_map, flat_buffer
+from hybrid_offload.core.layer_parts import LayerPartError, ModelLayers, layers_digest
 from hybrid_offload.core.page_format import CHUNK_HASH_LEN, PageHeader, PageTemplate, header_len, page_len
-from hybrid_offload.core.spec import GroupSpec, ModelSpec
+from hybrid_offload.core.planner import Piece
+from hybrid_offload.core.spec import GroupSpec, ModelSpec, TensorSpec
 from hybrid_offload.core.tp_shards import Transfer, read_plan, shards_read, shards_written, transfers
 from hybrid_offload.engine.kv_layout import AttentionGroupLayout, LayoutError, MambaGroupLayout, TokenIndex
 
@@ -31,44 +34,109 @@ def _dtype(name: str) -> torch.dtype:
 
 class PageCodec:
     """Piece geometry of one group for this worker, and the copies into and out of its pages.
-    Methods take a piece (``part * shards + shard``) of ``written`` or ``read``."""
+    Methods take a :class:`~hybrid_offload.core.planner.Piece` of ``written``, ``read`` or
+    :meth:`foreign`. A piece's page may hold more layers than this worker's (a part spanning
+    several pipeline stages): ``tensors`` and ``offsets`` say where this worker's are in it."""
 
     def __init__(self, spec: ModelSpec, group: GroupSpec, chunk_tokens: int) -> None:
         self.spec, self.group, self.chunk_tokens = spec, group, chunk_tokens
         splits, shards, t, r = group.splits, group.shards, spec.tp_size, spec.tp_rank
-        #: per layer part this stage holds layers of the group in, their positions in the group
-        self.positions = spec.grid.positions(group.layer_names)
-        self.layers = spec.grid.digests(group.layer_names)  # as the planner keys them
-        write_shards, read_shards = shards_written(splits, shards, t, r), shards_read(splits, shards, t, r)
-        self.written = [part * shards + s for part in self.positions for s in write_shards]
-        self.read = [part * shards + s for part in self.positions for s in read_shards]
-        self.tensors = {p: group.page_tensors(chunk_tokens, p % shards, len(self.positions[p // shards]))
-                        for p in {*self.written, *self.read}}  # fmt: skip
-        self.header_lens = {p: header_len(ts) for p, ts in self.tensors.items()}
-        self.page_lens = {p: page_len(ts) for p, ts in self.tensors.items()}
+        self._write_shards = shards_written(splits, shards, t, r)
+        self._read_shards = shards_read(splits, shards, t, r)
+        #: per piece: this worker's layers in it (positions in the group), their payload
+        #: tensors and byte offset, and the whole page's tensors, header and page lengths
+        self.held: dict[Piece, tuple[int, ...]] = {}
+        self.tensors: dict[Piece, tuple[TensorSpec, ...]] = {}
+        self.offsets: dict[Piece, int] = {}
+        self.page_tensors: dict[Piece, tuple[TensorSpec, ...]] = {}
+        self.header_lens: dict[Piece, int] = {}
+        self.page_lens: dict[Piece, int] = {}
         #: per piece read, what its pages share (verify_page checks a page against it)
-        self.templates = {p: PageTemplate.of(self._header(bytes(CHUNK_HASH_LEN), 0, p)) for p in self.read}
+        self.templates: dict[Piece, PageTemplate] = {}
         write_runs = {s: self._runs(s, [transfers(x, (shards, s), (t, r)) for x in splits])
-                      for s in write_shards}  # fmt: skip
-        self.write_runs = {p: write_runs[p % shards] for p in self.written}
-        plans = [read_plan(x, shards, read_shards, t, r) for x in splits]
-        read_runs = {s: self._runs(s, [plan[s] for plan in plans]) for s in read_shards}
-        self.read_runs = {p: read_runs[p % shards] for p in self.read}
-        self._subsets: dict[tuple[int, int], tuple[Layout, Layout]] = {}
-        self._maps: dict[tuple[int, int, int], tuple[Layout, list[StateMap]]] = {}
+                      for s in self._write_shards}  # fmt: skip
+        plans = [read_plan(x, shards, self._read_shards, t, r) for x in splits]
+        self._shard_read_runs = {s: self._runs(s, [plan[s] for plan in plans]) for s in self._read_shards}
+        self.write_runs: dict[Piece, list[Run]] = {}
+        self.read_runs: dict[Piece, list[Run]] = {}
+        self.written: list[Piece] = []
+        self.read: list[Piece] = []
+        for (start, end), positions in spec.grid.ranges(group.layer_names).items():
+            digest = layers_digest([group.layer_names[i] for i in positions])
+            for s in self._write_shards:
+                piece = self._add(Piece(start, end, digest, s), positions, len(positions), 0)
+                self.write_runs[piece] = write_runs[s]
+                self.written.append(piece)
+            self.read.extend(self._add_read(Piece(start, end, digest, s), positions, len(positions), 0)
+                             for s in self._read_shards)  # fmt: skip
+        self._foreign: dict[tuple[tuple[int, ...], int], tuple[ModelLayers, list[Piece]]] = {}
+        self._subsets: dict[tuple[int, tuple[int, ...]], tuple[Layout, Layout]] = {}
+        self._maps: dict[tuple[int, Piece, int], tuple[Layout, list[StateMap]]] = {}
 
-    def _layout(self, layout: Layout, piece: int) -> Layout:
+    def _add(self, piece: Piece, held: tuple[int, ...], layers: int, first: int) -> Piece:
+        if piece not in self.held:
+            per_layer = self.group.page_tensors(self.chunk_tokens, piece.shard, 1)
+            self.held[piece] = held
+            self.tensors[piece] = self.group.page_tensors(self.chunk_tokens, piece.shard, len(held))
+            self.offsets[piece] = first * sum(x.nbytes for x in per_layer)
+            self.page_tensors[piece] = self.group.page_tensors(self.chunk_tokens, piece.shard, layers)
+            self.header_lens[piece] = header_len(self.page_tensors[piece])
+            self.page_lens[piece] = page_len(self.page_tensors[piece])
+        return piece
+
+    def _add_read(self, piece: Piece, held: tuple[int, ...], layers: int, first: int) -> Piece:
+        self._add(piece, held, layers, first)
+        if piece not in self.templates:
+            self.read_runs[piece] = self._shard_read_runs[piece.shard]
+            self.templates[piece] = PageTemplate.of(self._header(bytes(CHUNK_HASH_LEN), 0, piece))
+        return piece
+
+    def foreign(self, layout: tuple[int, ...], model: ModelLayers) -> list[Piece]:
+        """The pieces this worker reads of a page set written in ``layout`` (``model``: the
+        whole model's layers): of each part holding some of this worker's layers of the group,
+        the shards it reads. Raises LayerPartError where ``model`` does not hold them."""
+        known = self._foreign.get((layout, id(model)))
+        if known is not None and known[0] is model:
+            return known[1]
+        mine = {name: i for i, name in enumerate(self.group.layer_names)}
+        pieces = []
+        for span in model.ranges(self.group.index, layout):
+            names = model.names(self.group.index, span)
+            held = tuple(mine[n] for n in names if n in mine)
+            if not held:
+                continue
+            first = names.index(self.group.layer_names[held[0]])
+            if names[first : first + len(held)] != tuple(self.group.layer_names[i] for i in held):
+                raise LayerPartError(f"group {self.group.index}: this stage's layers are not one run of "
+                                     f"part {list(span)}'s")  # fmt: skip
+            digest = layers_digest(names)
+            pieces.extend(self._add_read(Piece(*span, digest, s), held, len(names), first)
+                          for s in self._read_shards)  # fmt: skip
+        if sorted(i for p in pieces if p.shard == self._read_shards[0] for i in self.held[p]) != list(
+            range(len(self.group.layer_names))
+        ):
+            raise LayerPartError(f"group {self.group.index}: layout {list(layout)} does not hold every "
+                                 "layer of this stage")  # fmt: skip
+        self._foreign[(layout, id(model))] = (model, pieces)
+        return pieces
+
+    def _view(self, piece: Piece, payload: torch.Tensor) -> torch.Tensor:
+        """This worker's layers' bytes of ``piece``'s payload."""
+        offset, size = self.offsets[piece], sum(x.nbytes for x in self.tensors[piece])
+        return payload if not offset and size == payload.numel() else payload[offset : offset + size]
+
+    def _layout(self, layout: Layout, piece: Piece) -> Layout:
         """``layout`` (the group's layers on this worker) narrowed to ``piece``'s part."""
-        positions = self.positions[piece // self.group.shards]
+        positions = self.held[piece]
         if len(positions) == len(layout.layers):
             return layout
-        key = (id(layout), piece // self.group.shards)
+        key = (id(layout), positions)
         known = self._subsets.get(key)
         if known is None or known[0] is not layout:
             known = self._subsets[key] = (layout, layout.subset(positions))
         return known[1]
 
-    def _state_maps(self, layout: MambaGroupLayout, piece: int, runs: list[Run]) -> list[StateMap]:
+    def _state_maps(self, layout: MambaGroupLayout, piece: Piece, runs: list[Run]) -> list[StateMap]:
         """The element maps of ``piece`` over ``layout`` (a piece's part) for ``runs``: one per
         buffer its layers live in (vLLM allocates one for all)."""
         key = (id(layout), piece, id(runs))
@@ -84,7 +152,7 @@ class PageCodec:
                          for raw in layout.layers]  # fmt: skip
                 src, dst = byte_map(self.group, self.tensors[piece], runs, bases)
                 maps.append(StateMap(src, dst, flat_buffer(first), stride,
-                                     self.page_lens[piece] - self.header_lens[piece]))  # fmt: skip
+                                     sum(x.nbytes for x in self.tensors[piece])))  # fmt: skip
             known = self._maps[key] = (layout, maps)
         return known[1]
 
@@ -99,11 +167,10 @@ class PageCodec:
             part += len(split.components)
         return out
 
-    def header(self, page: PageJob, piece: int) -> PageHeader:
+    def header(self, page: PageJob, piece: Piece) -> PageHeader:
         return self._header(page.chunk_hash, page.chunk_index, piece)
 
-    def _header(self, chunk_hash: bytes, chunk_index: int, piece: int) -> PageHeader:
-        part, shard = divmod(piece, self.group.shards)
+    def _header(self, chunk_hash: bytes, chunk_index: int, piece: Piece) -> PageHeader:
         return PageHeader(
             self.spec.fingerprint_bytes,
             chunk_hash,
@@ -111,17 +178,19 @@ class PageCodec:
             self.group.kind,
             chunk_index,
             self.chunk_tokens,
-            self.tensors[piece],
-            shard,
+            self.page_tensors[piece],
+            piece.shard,
             self.group.shards,
-            part,
-            self.spec.grid.parts,
-            self.layers[part],
+            piece.start,
+            piece.end,
+            piece.digest,
         )
 
     # ---- payload views ----------------------------------------------------------------
-    def _attention_views(self, piece: int, payload: torch.Tensor) -> list[torch.Tensor]:
-        """Per layer, the piece's K and V as one ``(2, tokens, heads, head_size)`` view."""
+    def _attention_views(self, piece: Piece, payload: torch.Tensor) -> list[torch.Tensor]:
+        """Per layer of this worker's, the piece's K and V as one ``(2, tokens, heads,
+        head_size)`` view of ``payload`` (the page's whole payload)."""
+        payload = self._view(piece, payload)
         tensors, views, offset = self.tensors[piece], [], 0
         for k in tensors[::2]:
             size = 2 * k.nbytes
@@ -131,7 +200,7 @@ class PageCodec:
 
     # ---- copies -----------------------------------------------------------------------
     def gather(self, layout: AttentionGroupLayout | MambaGroupLayout, page: PageJob,
-               piece: int, payload: torch.Tensor) -> None:
+               piece: Piece, payload: torch.Tensor) -> None:
         """Copy this rank's part of ``page`` for ``piece`` (one it writes) into ``payload``."""
         runs, layout = self.write_runs[piece], self._layout(layout, piece)
         if isinstance(layout, AttentionGroupLayout):
@@ -152,7 +221,7 @@ class PageCodec:
             for page, piece, payload in pages:
                 self.scatter(layout, page, piece, payload)
             return
-        by_piece: dict[int, list[tuple[PageJob, torch.Tensor]]] = {}
+        by_piece: dict[Piece, list[tuple[PageJob, torch.Tensor]]] = {}
         for page, piece, payload in pages:
             by_piece.setdefault(piece, []).append((page, payload))
         tokens: dict[str, TokenIndex] = {}  # per page: where its tokens go (every piece alike)
@@ -178,12 +247,12 @@ class PageCodec:
                 heads = slice(run.rank_start, run.rank_start + run.length)
                 layout.scatter(TokenIndex(piece_kblocks, piece_slots, heads), data)
 
-    def _row_layers(self, layout: AttentionGroupLayout | MambaGroupLayout, piece: int,
+    def _row_layers(self, layout: AttentionGroupLayout | MambaGroupLayout, piece: Piece,
                     rows: torch.Tensor, pages: Sequence[PageJob]) -> list[torch.Tensor] | None:
         """Per layer, the K/V of ``piece`` pages that are the rows of ``rows`` ((len(pages),
         page length) uint8) as one ``(2, pages, tokens, heads, head_size)`` view; None where the
         layout or the rows' alignment does not allow copying them in one go."""
-        tensors, hlen = self.tensors[piece], self.header_lens[piece]
+        tensors, hlen = self.tensors[piece], self.header_lens[piece] + self.offsets[piece]
         layout = self._layout(layout, piece)
         if not isinstance(layout, AttentionGroupLayout) or layout.views is None or not pages:
             return None
@@ -199,7 +268,7 @@ class PageCodec:
             offset += size
         return per_layer
 
-    def _row_stack(self, layout: AttentionGroupLayout | MambaGroupLayout, piece: int,
+    def _row_stack(self, layout: AttentionGroupLayout | MambaGroupLayout, piece: Piece,
                    rows: torch.Tensor, pages: Sequence[PageJob]) -> torch.Tensor | None:
         """The K/V of ``piece`` pages that are the rows of ``rows`` as one ``(2, pages, tokens,
         layers, heads, head_size)`` view, where the layout stacks its layers (one copy per K
@@ -216,7 +285,7 @@ class PageCodec:
         shape = (*first.shape[:3], len(per_layer), *first.shape[3:])
         return first.as_strided(shape, (kv, p, t, step, h, d), first.storage_offset())
 
-    def gather_rows(self, layout: AttentionGroupLayout | MambaGroupLayout, piece: int,
+    def gather_rows(self, layout: AttentionGroupLayout | MambaGroupLayout, piece: Piece,
                     rows: torch.Tensor, pages: Sequence[PageJob]) -> bool:
         """Copy the payloads of ``pages``' ``piece`` (one this rank writes) into the rows of
         ``rows`` ((len(pages), page length) uint8; headers left to ``seal_page``) with one copy
@@ -237,7 +306,7 @@ class PageCodec:
             layout.gather(index, per_layer)
         return True
 
-    def row_index(self, layout: AttentionGroupLayout | MambaGroupLayout, piece: int,
+    def row_index(self, layout: AttentionGroupLayout | MambaGroupLayout, piece: Piece,
                   rows: torch.Tensor, pages: Sequence[PageJob]) -> TokenIndex | None:
         """Where the tokens of ``pages`` go, on the host (any thread may build it), for
         :meth:`scatter_rows` of those rows; None where the layout or the rows' alignment does not
@@ -248,7 +317,7 @@ class PageCodec:
         assert isinstance(sub, AttentionGroupLayout)
         return sub.token_rows([(p.block_ids, p.first_token) for p in pages], self.chunk_tokens, host=True)
 
-    def scatter_rows(self, layout: AttentionGroupLayout | MambaGroupLayout, piece: int,
+    def scatter_rows(self, layout: AttentionGroupLayout | MambaGroupLayout, piece: Piece,
                      rows: torch.Tensor, pages: Sequence[PageJob], at: TokenIndex | None = None) -> bool:
         """Write ``pages`` (none skipping tokens), whose verified ``piece`` pages are the rows of
         ``rows`` ((len(pages), page length) uint8), with one copy per K/V and head run (per layer
@@ -275,7 +344,7 @@ class PageCodec:
         return True
 
     def scatter(self, layout: AttentionGroupLayout | MambaGroupLayout, page: PageJob,
-                piece: int, payload: torch.Tensor) -> None:
+                piece: Piece, payload: torch.Tensor) -> None:
         """Write this rank's part of ``piece`` (one it reads) from ``payload`` into the blocks."""
         runs, layout = self.read_runs[piece], self._layout(layout, piece)
         if isinstance(layout, AttentionGroupLayout):
@@ -290,4 +359,4 @@ class PageCodec:
                                        for v in views])
             return
         for smap in self._state_maps(layout, piece, runs):
-            smap.scatter(payload, page.block_ids)
+            smap.scatter(self._view(piece, payload), page.block_ids)

@@ -1,11 +1,11 @@
 """``hybrid-offload cache stats``, and the page sets ``stats`` and ``verify`` count.
 
 A page set is the pages of one (fingerprint, KV cache group, chunk) at one shard count: one
-per layer part holding layers of the group and per shard. The engine loads it only when every
-page is there, so a set missing one (evicted, deleted, corrupt, a pipeline stage's part never
-written) is bytes that serve no hit. :class:`PageSets` counts complete and incomplete sets from
-page headers; which layer parts hold a group's layers is read from the cache too: those that
-some set of the group has.
+per layer part (a range of decoder layers) holding layers of the group and per shard, in the
+layout of the engine that wrote it. An engine loads it only when parts holding every layer are
+there, each with every shard, so a set missing one (evicted, deleted, corrupt, a pipeline
+stage's part never written) is bytes that serve no hit. :class:`PageSets` counts complete and
+incomplete sets from page headers.
 """
 
 from __future__ import annotations
@@ -30,30 +30,57 @@ from hybrid_offload.tools.cli.cache_read import (
 
 
 class PageSets:
-    """Which pieces (layer part, shard) of which page sets were seen (see the module docstring)."""
+    """Which pieces (layer part, shard) of which page sets were seen (see the module docstring).
+
+    A set is complete when some of its parts, each with every shard, cover the group's layers
+    without overlapping (any mix of layouts): as many of them as the best-covered set of its
+    fingerprint and group has (the listing knows no model; parts are measured in tensors)."""
 
     def __init__(self) -> None:
-        self._seen: dict[tuple[str, int, bytes, int, int], set[tuple[int, int]]] = defaultdict(set)
+        #: per (fingerprint, group, chunk hash, shards): per part (start, end), shards seen and
+        #: the part's tensors per shard
+        self._seen: dict[tuple[str, int, bytes, int], dict[tuple[int, int], tuple[set[int], int]]] = (
+            defaultdict(dict)
+        )
 
     def add(self, fingerprint: str, header: PageHeader) -> None:
-        at = (fingerprint, header.group_index, header.chunk_hash, header.shards, header.parts)
-        self._seen[at].add((header.part, header.shard))
+        at = (fingerprint, header.group_index, header.chunk_hash, header.shards)
+        part = (header.layer_start, header.layer_end)
+        shards, _ = self._seen[at].setdefault(part, (set(), len(header.tensors)))
+        shards.add(header.shard)
+
+    @staticmethod
+    def _cover(parts: dict[tuple[int, int], tuple[set[int], int]], shards: int) -> int:
+        """Most tensors that whole parts (every shard) not overlapping hold."""
+        whole = sorted((end, start, n) for (start, end), (held, n) in parts.items() if len(held) == shards)
+        best: dict[int, int] = {}  # best cover of parts ending at or before each end
+        top = 0
+        for end, start, n in whole:
+            before = max((v for e, v in best.items() if e <= start), default=0)
+            top = max(top, before + n)
+            best[end] = max(best.get(end, 0), top)
+        return top
 
     def counts(self) -> dict[tuple[str, int], dict[str, int]]:
         """Per (fingerprint, group): ``complete`` and ``incomplete`` sets."""
-        parts: dict[tuple[str, int, int, int], set[int]] = defaultdict(set)
-        for (fp, group, _, shards, n_parts), held in self._seen.items():
-            parts[(fp, group, shards, n_parts)].update(part for part, _ in held)
+        covers = {at: self._cover(parts, at[3]) for at, parts in self._seen.items()}
+        most: dict[tuple[str, int], int] = defaultdict(int)
+        for (fp, group, _, _), cover in covers.items():
+            most[(fp, group)] = max(most[(fp, group)], cover)
         out: dict[tuple[str, int], dict[str, int]] = defaultdict(lambda: {"complete": 0, "incomplete": 0})
-        for (fp, group, _, shards, n_parts), held in self._seen.items():
-            whole = len(parts[(fp, group, shards, n_parts)]) * shards
-            out[(fp, group)]["complete" if len(held) == whole else "incomplete"] += 1
+        for (fp, group, _, _), cover in covers.items():
+            out[(fp, group)]["complete" if cover and cover == most[(fp, group)] else "incomplete"] += 1
         return out
 
     def totals(self) -> dict[str, int]:
         """``complete`` and ``incomplete`` sets over all fingerprints and groups."""
         counts = self.counts().values()
         return {what: sum(c[what] for c in counts) for what in ("complete", "incomplete")}
+
+
+def format_parts(parts: Iterable[Iterable[int]]) -> str:
+    """``[[0, 24], [24, 48], [0, 48]]`` -> ``0-24,0-48,24-48`` (decoder layer ranges)."""
+    return ",".join(f"{a}-{b}" for a, b in sorted(tuple(p) for p in parts)) or "-"
 
 
 def format_shards(seen: Iterable[tuple[int, int]]) -> str:
@@ -115,7 +142,7 @@ def gather_stats(
         row["pages"] += 1
         row["bytes"] += info.size
         row["shards"].add((header.shard, header.shards))
-        row["parts"].add((header.part, header.parts))
+        row["parts"].add((header.layer_start, header.layer_end))
         sets.add(slot[0], header)
     progress.close()
     set_counts = sets.counts()
@@ -152,7 +179,7 @@ def cmd_stats(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
         for g in fp["groups"]:
             sets = f"{g['sets_complete']}/{g['sets_complete'] + g['sets_incomplete']}"
             out.write(f"{fp['fingerprint']:<34} {g['group_index']:>5} {g['kind']:<15} {g['pages']:>8} "
-                      f"{g['bytes']:>14} {sets:>11} {format_shards(map(tuple, g['parts'])):>7} "
+                      f"{g['bytes']:>14} {sets:>11} {format_parts(g['parts']):>7} "
                       f"{format_shards(map(tuple, g['shards']))}\n")  # fmt: skip
         out.write(f"{fp['fingerprint']:<34} {'all':>5} {'':<15} {fp['pages']:>8} {fp['bytes']:>14} "
                   f"model: {fp['model'] or '?'}\n")  # fmt: skip
