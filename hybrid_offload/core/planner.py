@@ -336,13 +336,19 @@ class HybridOffloadPlanner:
         a layer cannot be placed, or ``model`` has another number of groups."""
         if len(model.groups) != len(self.plans):
             raise LayerMapError(f"{len(model.groups)} groups, expected {len(self.plans)}")
-        try:
-            layouts = model.layouts(self.spec.grid.layout)
-            for g in range(len(self.plans)):
-                for layout in layouts:
+        own, layouts, skipped = self.spec.grid.layout, [], None
+        for layout in model.layouts(own):
+            try:
+                for g in range(len(self.plans)):
                     model.ranges(g, layout)
-        except LayerPartError as exc:
-            raise LayerMapError(str(exc)) from None
+            except LayerPartError as exc:
+                if layout == own:
+                    raise LayerMapError(str(exc)) from None
+                skipped = exc
+                continue
+            layouts.append(layout)
+        if skipped is not None:
+            logger.warning("hybrid-offload: pages of other pipeline layouts are not looked for: %s", skipped)
         self.model, self.layouts = model, layouts
         if stages:
             self._stages = [max(1, sum(bool(stage[g]) for stage in stages)) for g in range(len(self.plans))]

@@ -424,6 +424,10 @@ def test_stats_and_verify_count_page_sets_that_lack_a_pipeline_stages_part(cache
     [group] = cli_json("stats", *cache.args)["fingerprints"][0]["groups"]
     assert (group["parts"], group["sets_complete"], group["sets_incomplete"]) == ([[0, 1], [1, 2]], 2, 1)
     assert cli("stats", *cache.args).stdout.split("\n")[1].split()[5:7] == ["2/3", "0-1,1-2"]
+    part = next(k for k, data in pages.items() if decode_header(data)[0].layer_start == 1)
+    described = cli_json("inspect", *cache.args, part)
+    assert (described["decoder_layers"], described["valid"]) == ([1, 2], True)
+    assert described["layers_digest"] == layers_digest(["model.layers.1.mixer"]).hex()
     report = cli_json("verify", *cache.args)  # every page under its own key, layers and part included
     assert [report[k] for k in ("ok", "corrupt", "sets_complete", "sets_incomplete")] == [5, 0, 2, 1]
 
@@ -860,3 +864,20 @@ def test_a_page_cannot_hide_behind_a_forged_index_size(redis_server: RedisServer
         assert "listing says" in report["corrupt_pages"][0]["error"]
     finally:
         cache.backend.close()
+
+
+def test_sets_written_at_different_layouts_are_each_complete() -> None:
+    """A 2-layer model's sets: one written whole (PP=1), one in two parts (PP=2), both
+    complete; one PP=2 set lacking a part is not."""
+    from hybrid_offload.tools.cli.cache_stats import PageSets
+
+    layer = (TensorSpec("L.conv", (4, 8), "float32"), TensorSpec("L.ssm", (2, 4, 4), "float32"))
+
+    def header(chunk: int, start: int, end: int) -> PageHeader:
+        return PageHeader(bytes.fromhex(FP_B), bytes([chunk]) * 32, 1, GroupKind.MAMBA, chunk, 16,
+                          layer * (end - start), 0, 1, start, end, bytes(16))  # fmt: skip
+
+    sets = PageSets()
+    for h in (header(0, 0, 2), header(1, 0, 1), header(1, 1, 2), header(2, 1, 2)):
+        sets.add(FP_B, h)
+    assert sets.counts()[(FP_B, 1)] == {"complete": 2, "incomplete": 1}

@@ -214,3 +214,10 @@ def test_a_stage_reads_its_own_layers_out_of_wider_parts_and_refuses_what_it_can
     other = ModelLayers(8, (tuple(ATTENTION), tuple(MAMBA[:5])))  # not this stage's layers
     with pytest.raises(LayerPartError, match="every layer of this stage"):
         codec.foreign((0, 8), other)
+
+
+def test_layer_names_no_layout_can_place_leave_the_engine_its_own_layout() -> None:
+    """A PP=1 engine whose names do not tell decoder layers (a drafter's layer past the model)
+    keeps its one part and looks for no other layout, rather than failing."""
+    planner = _planner([*ATTENTION, "model.layers.20.attn"], MAMBA)
+    assert planner.whole_model and planner.layouts == [PP1.layout]

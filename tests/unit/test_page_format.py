@@ -20,6 +20,7 @@ from hybrid_offload.core import page_format as pf
 from hybrid_offload.core.page_format import (
     HEADER_ALIGN,
     MAGIC,
+    ForeignLayersError,
     PageFormatError,
     PageHeader,
     PageTemplate,
@@ -176,6 +177,10 @@ def test_each_identifying_field_is_checked(field: str) -> None:
         decode_page(encode_page(expected, payload), other)
     with pytest.raises(PageFormatError, match=field):
         verified(encode_page(expected, payload), other)
+    # only other layers in the same part is another grouping's valid page (a miss, kept)
+    with pytest.raises(PageFormatError) as caught:
+        verified(data, expected)
+    assert isinstance(caught.value, ForeignLayersError) == (field == "layers")
 
 
 @pytest.mark.parametrize(

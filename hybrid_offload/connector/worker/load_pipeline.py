@@ -37,7 +37,7 @@ from hybrid_offload.connector.worker.staging import (
 )
 from hybrid_offload.connector.worker.switch_interval import LoadSwitchInterval
 from hybrid_offload.core.layer_parts import LayerPartError
-from hybrid_offload.core.page_format import PageFormatError, verify_page
+from hybrid_offload.core.page_format import ForeignLayersError, PageFormatError, verify_page
 from hybrid_offload.core.planner import Piece
 from hybrid_offload.engine.kv_layout import AttentionGroupLayout
 
@@ -194,6 +194,9 @@ class LoadPipeline:
                     read.page.chunk_index,
                     self.ctx.page_key,
                 )
+            except ForeignLayersError:  # another grouping's valid page: a miss, left alone
+                self.ctx.stats.record_error(name, "missing_page")
+                continue
             except PageFormatError as exc:
                 with self.ctx.stats.lock:
                     self.ctx.stats.counters.bad_pages += 1
