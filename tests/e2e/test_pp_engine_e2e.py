@@ -88,3 +88,11 @@ def test_a_custom_stage_partition_writes_and_reads_its_own_layer_parts(model_dir
     result = run_session_subprocess(run, env=env, timeout=300)
     assert "layer parts=(0, 1, 4)" in result["log"]
     assert hit_rate(result, 1, "disk") >= 0.95 and tokens(result, 1) == tokens(result, 0)
+
+
+def test_vllm_does_not_run_zamba2_pipeline_parallel(model_dir) -> None:
+    """Canary for the README's layouts table: vLLM refuses Zamba2 at PP=2 (its model does not
+    implement ``SupportsPP``), so no PP layout of it can write pages. If this starts, add
+    zamba2 to test_pp_pages_e2e.py (its layer names carry no decoder layer: ``layer_grid``)."""
+    with pytest.raises(RuntimeError, match="Pipeline parallelism is not supported for this model"):
+        run_session_subprocess(spec(str(model_dir("zamba2")), PP2), env=pp2_env(), timeout=300)

@@ -5,8 +5,9 @@ Each engine writes its own layout (a PP=2 engine two layer parts, one per stage;
 and reads any layout's parts that hold its layers:
 
 * nemotron_h through disk (``configs/disk.yaml``): a TP=2 engine writes, a PP=2 engine loads it
-  (TP=2 -> PP=2) and writes more, which a TP=1 engine loads (PP=2 -> TP=1) and extends, which a
-  PP=2 engine loads (PP=1 -> PP=2; each stage reads its layers out of the one-part pages);
+  (TP=2 -> PP=2) and writes more, which a TP=2 engine (PP=2 -> TP=2) and a TP=1 engine load
+  (PP=2 -> TP=1), the TP=1 engine extends, and a PP=2 engine loads that (PP=1 -> PP=2; each
+  stage reads its layers out of the one-part pages);
 * falcon_h1 through a NIXL cache peer (``configs/nixl_peer.yaml``, its secret and token): a
   PP=2/TP=2 engine (its four workers two to a core) writes, a TP=2 engine loads (PP=2 -> TP=2).
 
@@ -82,6 +83,8 @@ def test_nemotron_h_pages_load_across_pp_and_tp_layouts_through_disk(model_dir, 
     assert "stage without attention layers" in pp2["log"]  # pp_hybrid_block_size
     assert hit_rate(pp2, 0, "disk") >= 0.95 and tokens(pp2, 0) == tokens(writer, 0)
     assert hit_rate(pp2, 1, "disk") == 0
+    tp2 = run(base, TP2, [second])  # PP=2 -> TP=2 (a PP=2 prefill engine, a TP=2 decode engine)
+    assert hit_rate(tp2, 0, "disk") >= 0.95 and tokens(tp2, 0) == tokens(pp2, 1)
     tp1 = run(base, TP1, [second, third])  # PP=2 -> TP=1
     assert hit_rate(tp1, 0, "disk") >= 0.95 and tokens(tp1, 0) == tokens(pp2, 1)
     assert hit_rate(tp1, 1, "disk") == 0
