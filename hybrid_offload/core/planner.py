@@ -168,40 +168,21 @@ def _set_digest(chunk_hash: bytes, group_index: int) -> str:
     return _short_digest(chunk_hash + group_index.to_bytes(2, "little"))
 
 
-def _piece_digest(
-    set_digest: str, start: int, end: int, layers: bytes, shard: int, shards: int, whole: bool
-) -> str:
-    """A piece's digest. The whole model in one part (``whole``): the set's own digest for one
-    shard, else with the shard's number; a layer part: with its range and layers too. (The
-    header binds the layers of every piece: a reader whose model groups its layers otherwise
-    refuses the page.)"""
-    if whole and shards == 1:
-        return set_digest
-    tail = shard.to_bytes(2, "little") + shards.to_bytes(2, "little")
-    if not whole:
-        tail = layers + b"".join(n.to_bytes(2, "little") for n in (start, end)) + tail
+def _piece_digest(set_digest: str, start: int, end: int, layers: bytes, shard: int, shards: int) -> str:
+    """A piece's digest: its set's, the layer part's layers and decoder-layer range, and the
+    shard (a model whose vLLM groups its layers otherwise names other keys: a miss)."""
+    tail = layers + b"".join(n.to_bytes(2, "little") for n in (start, end, shard, shards))
     return _short_digest(bytes.fromhex(set_digest) + tail)
 
 
 def key_digest(
     chunk_hash: bytes, group_index: int, shard: int = 0, shards: int = 1, start: int = 0, end: int = 0,
-    layers: bytes = bytes(LAYERS_DIGEST_LEN), whole: bool = True,
+    layers: bytes = bytes(LAYERS_DIGEST_LEN),
 ) -> str:  # fmt: skip
     """The digest half of a page's key (``<fingerprint>-<digest>``), a function of fields in
     the page's header: a page stored under another key than its own can be told. ``layers``:
-    the layer part's :func:`~hybrid_offload.core.layer_parts.layers_digest`; ``whole``: the
-    part ``[start, end)`` is the whole model (a header does not say: see :func:`key_matches`)."""
-    return _piece_digest(_set_digest(chunk_hash, group_index), start, end, layers, shard, shards, whole)
-
-
-def key_matches(
-    digest: str, chunk_hash: bytes, group_index: int, shard: int, shards: int, start: int, end: int,
-    layers: bytes,
-) -> bool:
-    """Whether ``digest`` (a key's digest half) is that of a page with these header fields, its
-    part the whole model or not."""
-    return any(digest == key_digest(chunk_hash, group_index, shard, shards, start, end, layers, whole)
-               for whole in ({True, False} if start == 0 else {False}))  # fmt: skip
+    the layer part's :func:`~hybrid_offload.core.layer_parts.layers_digest`."""
+    return _piece_digest(_set_digest(chunk_hash, group_index), start, end, layers, shard, shards)
 
 
 @dataclass(frozen=True)
@@ -314,8 +295,7 @@ class HybridOffloadPlanner:
         """Backend key of one piece of a page set (the same at every PP and TP size)."""
         shards = self.plans[group_index].group.shards
         namespace, _, digest = page_key.partition("-")
-        whole = (piece.start, piece.end) == (0, self.spec.grid.num_layers)
-        tail = _piece_digest(digest, piece.start, piece.end, piece.digest, piece.shard, shards, whole)
+        tail = _piece_digest(digest, piece.start, piece.end, piece.digest, piece.shard, shards)
         return f"{namespace}-{tail}"
 
     def piece_keys(self, page_key: str, group_index: int, layout: tuple[int, ...] | None = None) -> list[str]:
@@ -395,6 +375,7 @@ class HybridOffloadPlanner:
             if chosen is not None:
                 for k in (k for k in set_keys if present[k]):
                     chosen.pop(k, None)
+            tried: set[tuple[str, tuple[int, ...]]] = set()
             for _ in range(LAYOUT_ROUNDS):
                 missing = [k for k in set_keys if not present[k]]
                 if not missing or not others:
@@ -405,7 +386,9 @@ class HybridOffloadPlanner:
                     wanted = STATE_SAMPLES if self.plans[g].kind is GroupKind.MAMBA else 1
                     if len(samples.setdefault(g, [])) < wanted:
                         samples[g].append(k)
-                probes = [(k, layout) for sample in samples.values() for k in sample for layout in others]
+                probes = [(k, layout) for sample in samples.values() for k in sample for layout in others
+                          if (k, layout) not in tried]  # fmt: skip
+                tried.update(probes)
                 hits = ask(probes, first=True)
                 found = [layout for (_, layout), hit in zip(probes, hits, strict=True) if hit]
                 if not found:

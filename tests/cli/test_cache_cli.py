@@ -54,9 +54,8 @@ MiB = 1 << 20
 
 def page_key(header: PageHeader) -> str:
     """The key an engine stores the page under (``cache verify`` checks it)."""
-    whole = (header.layer_start, header.layer_end) == (0, 2)  # these pages' model has 2 layers
     digest = key_digest(header.chunk_hash, header.group_index, header.shard, header.shards,
-                        header.layer_start, header.layer_end, header.layers, whole)  # fmt: skip
+                        header.layer_start, header.layer_end, header.layers)  # fmt: skip
     return f"{header.fingerprint.hex()}-{digest}"
 
 

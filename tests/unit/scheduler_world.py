@@ -130,7 +130,8 @@ class World:
         """Report what a worker would after ``meta``: stores and commits done (cpu pages
         visible in the mirror)."""
         pages = [s.page for s in meta.stores if not s.hold] + [c.page for c in meta.commits]
-        stored = {name: [p.key for p in pages] for name in self.configs if self.configs[name].type == "cpu"}
+        pieces = [k for p in pages for k in self.planner.piece_keys(p.key, p.group)]
+        stored = {name: pieces for name in self.configs if self.configs[name].type == "cpu"}
         report = OffloadWorkerMetadata(stored=stored, settled=[p.key for p in pages])
         self.sched.update_connector_output(report, None, None)
 
@@ -145,6 +146,10 @@ class World:
     ) -> list[str]:
         keys = self.keys(tokens)
         return [keys[g][c] for g in groups for c in chunks]
+
+    def pieces(self, keys: list[str]) -> list[str]:
+        """The backend keys of page sets ``keys`` (from :meth:`keys`)."""
+        return [p for k in keys for p in self.planner.piece_keys(k, self._sets[k])]
 
     def hold(self, name: str, keys: list[str]) -> None:
         """Make backend ``name`` hold ``keys`` (of page sets from :meth:`keys`: every piece of

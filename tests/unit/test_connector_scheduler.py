@@ -256,7 +256,7 @@ def test_coverage_tells_chunks_never_stored_from_evicted_ones(worlds) -> None:
     assert run("r2")["lost_tokens"] == {"not_stored": 16}  # r1 saw it, nothing stored
     assert run("r3")["lost_tokens"] == {"not_stored": 16}  # r3 is the third: it stores
     w.sched.update_connector_output(  # everything r3 stored is evicted
-        OffloadWorkerMetadata(evicted={"cpu": w.chunk_keys(tokens, range(3))}), None, None
+        OffloadWorkerMetadata(evicted={"cpu": w.pieces(w.chunk_keys(tokens, range(3)))}), None, None
     )
     assert run("r4")["lost_tokens"] == {"evicted": 16}
 
@@ -507,9 +507,11 @@ def test_cpu_backend_is_seen_only_through_the_mirror(worlds) -> None:
     w.hold("cpu", w.chunk_keys(tokens, range(4)))
     assert w.sched.get_num_new_matched_tokens(FakeRequest("b", tokens), 0) == (32, True)
 
-    w.sched.update_connector_output(OffloadWorkerMetadata(evicted={"cpu": [keys[MAMBA][3]]}), None, None)
+    evicted = OffloadWorkerMetadata(evicted={"cpu": w.pieces([keys[MAMBA][3]])})
+    w.sched.update_connector_output(evicted, None, None)
     assert w.sched.get_num_new_matched_tokens(FakeRequest("c", tokens), 0) == (24, True)
-    w.sched.update_connector_output(OffloadWorkerMetadata(evicted={"cpu": [keys[ATTN][1]]}), None, None)
+    evicted = OffloadWorkerMetadata(evicted={"cpu": w.pieces([keys[ATTN][1]])})
+    w.sched.update_connector_output(evicted, None, None)
     assert w.sched.get_num_new_matched_tokens(FakeRequest("d", tokens), 0) == (8, True)
     # reports for other backend names do not touch this mirror; None / other objects are ignored
     w.sched.update_connector_output(OffloadWorkerMetadata(stored={"other": [keys[ATTN][1]]}), None, None)

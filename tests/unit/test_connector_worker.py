@@ -76,6 +76,7 @@ class Gate(threading.Event):
 def gate(backend: Any, method: str) -> Gate:
     """Make ``backend.<method>`` wait until the returned gate is set (30 s only on a hang)."""
     opened = Gate()
+    backend = getattr(backend, "raw", backend)  # the backend itself, not a SetKeyed view
     original = getattr(backend, method)
 
     def gated(*args: Any, **kwargs: Any) -> Any:
@@ -393,7 +394,7 @@ def test_corrupt_page_fails_the_load_and_is_deleted(world, damage: str) -> None:
     assert recving == failed == {"req"}
     assert w.counters()["bad_pages"] == 1
     assert backend.contains_batch([p.key for p in pages]) == [True, False, True, True]
-    assert w.worker.worker_meta().evicted == {"cpu": [victim.key]}  # the scheduler's mirror forgets it
+    assert w.worker.worker_meta().evicted == {"cpu": [w.piece_key(victim.key)]}  # the mirror forgets it
     assert_only_blocks_changed(before, w, {*dst, 12, 14})
 
 
@@ -515,7 +516,7 @@ def test_held_pages_are_stored_only_when_committed(world) -> None:
     ))
     w.worker.flush(10)
     meta = w.worker.worker_meta()
-    assert meta is not None and sorted(meta.stored["cpu"]) == sorted([attn.key, state.key])
+    assert meta is not None and sorted(meta.stored["cpu"]) == sorted(map(w.piece_key, [attn.key, state.key]))
     assert sorted(meta.settled) == sorted([attn.key, state.key, old_state.key])
     data = w.backend("cpu").get_batch([state.key])[0]
     _, payload = decode_page(data, w.worker.codecs[MAMBA].header(state, w.worker.codecs[MAMBA].written[0]))
@@ -580,7 +581,7 @@ def test_worker_meta_reports_stores_once_and_cpu_evictions(world, tmp_path: Path
     w = world(cpu(capacity=2 * page_len + 10), disk)
     w.cache.write_tokens([3, 7, 5], 0, 24)
     pages = [w.attn_page(c, [3, 7, 5]) for c in range(3)]
-    keys = [p.key for p in pages]
+    keys = [w.piece_key(p.key) for p in pages]
     w.worker.copy_out([StoreJob(p, ("cpu", "disk")) for p in pages[:2]])
     w.worker.copy_out([StoreJob(pages[2], ("cpu", "disk"))])
     w.worker.flush(10)
@@ -609,8 +610,8 @@ def test_unavailable_backend_never_raises_into_the_caller(world) -> None:
     assert counters["backend_errors"] >= 1
     meta = w.worker.worker_meta()
     assert meta is not None and meta.stored == {  # each batch deepest first
-        "cpu": [*(p.key for p in reversed(pages)), more.key],
-        "flaky": [p.key for p in reversed(pages)],
+        "cpu": [w.piece_key(p.key) for p in (*reversed(pages), more)],
+        "flaky": [w.piece_key(p.key) for p in reversed(pages)],
     }
 
     dst = [11, 6, 13]
@@ -692,7 +693,7 @@ def test_shutdown_flushes_pending_stores_and_closes_backends(world, tmp_path: Pa
             w.backend(name).contains_batch([pages[0].key])
     reopened = create_backend(disk)
     try:
-        assert reopened.contains_batch([p.key for p in pages]) == [True] * 3
+        assert reopened.contains_batch([w.piece_key(p.key) for p in pages]) == [True] * 3
     finally:
         reopened.close()
 

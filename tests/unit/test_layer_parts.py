@@ -116,10 +116,11 @@ def test_every_layout_keys_its_parts_alike_in_every_engine() -> None:
         assert not set(whole.piece_keys(set_key, g)) & set(scheduler.piece_keys(set_key, g))
         assert len(set(scheduler.piece_keys(set_key, g))) == n
     assert [scheduler.writers(g) for g in (0, 1)] == [2, 2]  # the one TP rank of each stage
-    # other layer names in a part: other keys (the whole model's one part: the header's layers)
+    # other layer names in a part (another vLLM grouping, e.g. a drafter's layer): other keys
     other = _planner(ATTENTION, [m.replace("mixer", "mamba") for m in MAMBA])
     assert other.namespace == whole.namespace
-    assert other.piece_keys(set_key, 1, PP2.layout) != whole.piece_keys(set_key, 1, PP2.layout)
+    for layout in (PP1.layout, PP2.layout):
+        assert other.piece_keys(set_key, 1, layout) != whole.piece_keys(set_key, 1, layout)
 
 
 def test_stage_layers_that_do_not_make_up_the_model_are_refused() -> None:

@@ -249,7 +249,7 @@ def test_output_chunks_are_stored_only_where_store_output(worlds) -> None:
 def test_preempted_request_resumes_from_offloaded_prompt_and_output(worlds) -> None:
     w = worlds(make_spec(8, 8), 8)
     req = FakeRequest("r", prompt(12))
-    keys = w.planner.group_keys(w.planner.chunk_hashes(req.prompt_token_ids + list(range(50, 62))))
+    keys = w.keys(req.prompt_token_ids + list(range(50, 62)))
     w.hold("cpu", [keys[ATTN][c] for c in range(2)] + [keys[MAMBA][1]])
     assert w.sched.get_num_new_matched_tokens(req, 0) == (0, False)  # no state at 8 tokens
     req.output_token_ids.extend(range(50, 62))  # decoded 12 tokens (their pages stored), then:

@@ -304,8 +304,8 @@ def test_keys_scoped_by_fingerprint_scope_group_and_shard() -> None:
                     assert KEY_PATTERN.fullmatch(key), key
                 check_keys(group_keys)
                 all_keys.extend({*group_keys, *shard_keys})
-    # 2 fingerprints x 4 scopes x (attention: 4 set keys + 8 shard keys; Mamba: 4 set keys)
-    assert len(set(all_keys)) == len(all_keys) == 2 * 4 * (4 + 8 + 4)
+    # 2 fingerprints x 4 scopes x (attention: 4 set keys + 8 shard keys; Mamba: 4 set + 4 piece keys)
+    assert len(set(all_keys)) == len(all_keys) == 2 * 4 * (4 + 8 + 4 + 4)
 
 
 def test_page_key_tail() -> None:
@@ -334,7 +334,8 @@ def test_keys_do_not_depend_on_tp_rank_or_size() -> None:
 def test_sets_contain_needs_every_shard() -> None:
     p = planner(dataclasses.replace(fa(0, 16), shards=2), mamba(1, 64), chunk=64)
     keys = p.group_keys(p.chunk_hashes(tokens(128)))
-    stored = {*p.piece_keys(keys[0][0], 0), p.piece_keys(keys[0][1], 0)[1], keys[1][0], keys[1][1]}
+    stored = {*p.piece_keys(keys[0][0], 0), p.piece_keys(keys[0][1], 0)[1], *p.piece_keys(keys[1][0], 1),
+              *p.piece_keys(keys[1][1], 1)}  # fmt: skip
     asked: list[list[str]] = []
 
     def contains(batch: list[str]) -> list[bool]:

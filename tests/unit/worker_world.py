@@ -137,8 +137,19 @@ class World:
         return PageJob(self.planner.page_key(self.hashes[c], MAMBA), MAMBA, c, self.hashes[c], blocks)
 
     def backend(self, name: str) -> Any:
-        """The storage backend ``name`` under the tier's wrappers (tests break it there)."""
-        return unwrap(self.worker.backends[name])
+        """The storage backend ``name`` under the tier's wrappers (tests break it there), asked
+        by page-set keys (see :class:`SetKeyed`)."""
+        return SetKeyed(unwrap(self.worker.backends[name]), self.piece_key)
+
+    def piece_key(self, key: str) -> str:
+        """The backend key of the one piece of page set ``key`` (this world's groups have one
+        shard and one layer part); other keys as they are."""
+        for group in (ATTN, MAMBA):
+            if key in {self.planner.page_key(h, group) for h in self.hashes}:
+                (piece,) = self.planner.piece_keys(key, group)
+                return piece
+        return key
+
 
     def wait_loaded(self, req_id: str, timeout: float = 60.0) -> None:
         """Block until the load thread is done with ``req_id``'s load (``timeout`` only fires
@@ -162,6 +173,36 @@ class World:
 
 def cpu(name: str = "cpu", capacity: int = 1 << 30) -> BackendConfig:
     return BackendConfig("cpu", name, capacity)
+
+
+class SetKeyed:
+    """A backend whose key arguments may be page-set keys, each standing for its one piece;
+    everything else reaches the backend itself (its state too)."""
+
+    def __init__(self, backend: Any, piece_key: Callable[[str], str]) -> None:
+        self.__dict__.update(_backend=backend, _piece=piece_key)
+
+    @property
+    def raw(self) -> Any:
+        return self._backend
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._backend, name, value)
+
+    def get_batch(self, keys: Sequence[str]) -> Any:
+        return self._backend.get_batch([self._piece(k) for k in keys])
+
+    def contains_batch(self, keys: Sequence[str]) -> Any:
+        return self._backend.contains_batch([self._piece(k) for k in keys])
+
+    def delete_batch(self, keys: Sequence[str]) -> Any:
+        return self._backend.delete_batch([self._piece(k) for k in keys])
+
+    def put_batch(self, items: Sequence[tuple[str, Any]]) -> Any:
+        return self._backend.put_batch([(self._piece(k), v) for k, v in items])
 
 
 def attn_page_len() -> int:

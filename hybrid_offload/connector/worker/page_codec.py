@@ -128,7 +128,7 @@ class PageCodec:
     def _layout(self, layout: Layout, piece: Piece) -> Layout:
         """``layout`` (the group's layers on this worker) narrowed to ``piece``'s part."""
         positions = self.held[piece]
-        if len(positions) == len(layout.layers):
+        if positions == tuple(range(len(layout.layers))):
             return layout
         key = (id(layout), positions)
         known = self._subsets.get(key)

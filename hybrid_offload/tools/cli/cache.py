@@ -81,7 +81,7 @@ def check_page(key: str, data: bytes, secret: Secret | None = None) -> str | Non
     """Why the page (or model card) stored under ``key`` is corrupt, or None if it is valid;
     with the cache ``secret``, a page without a valid signature is invalid too."""
     from hybrid_offload.core.page_format import PageFormatError, decode_page
-    from hybrid_offload.core.planner import key_matches
+    from hybrid_offload.core.planner import key_digest
 
     if is_card_key(key):
         return card_problem(key, data, None if secret is None else secret.subkey("page"))
@@ -91,8 +91,9 @@ def check_page(key: str, data: bytes, secret: Secret | None = None) -> str | Non
         return str(exc)
     if header.fingerprint.hex() != namespace(key):
         return f"header fingerprint {header.fingerprint.hex()} is not the key's namespace {namespace(key)}"
-    if not key_matches(key.partition("-")[2], header.chunk_hash, header.group_index, header.shard,
-                       header.shards, header.layer_start, header.layer_end, header.layers):  # fmt: skip
+    own = key_digest(header.chunk_hash, header.group_index, header.shard, header.shards,
+                     header.layer_start, header.layer_end, header.layers)  # fmt: skip
+    if key.partition("-")[2] != own:
         return ("the header's chunk, group, layer part and shard are another key's: the page was "
                 "stored under a wrong key")  # fmt: skip
     return None
