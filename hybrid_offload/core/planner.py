@@ -15,9 +15,10 @@ Pure logic: no torch, no I/O, no vLLM imports. Works on :class:`ModelSpec` from
   chunk's K/V. For Mamba/GDN groups, the set of chunk ``i`` holds the state after the chunk's
   last token, i.e. at boundary ``N = (i + 1) * chunk``; it exists only where a request's
   computation stopped at ``N`` (see :func:`prefill_checkpoints`). A set is one page per
-  *piece*: per layer part holding some of the group's layers (``layer_parts``; a pipeline
-  stage writes its own) and per TP shard (``tp_shards``), each under its own backend key
-  (:meth:`HybridOffloadPlanner.piece_keys`), and it is present only when all of them are.
+  *piece*: per layer part (a range of decoder layers, :mod:`~hybrid_offload.core.layer_parts`)
+  holding some of the group's layers and per TP shard (``tp_shards``), each under its own
+  backend key (:meth:`HybridOffloadPlanner.piece_keys`). An engine writes the parts of its own
+  layout; a set is present in a layout when all of its pieces there are, and is read from any.
 * Coverage at boundary ``N`` (``k = N / chunk``): full attention needs every chunk in
   ``[start, k)``; sliding window only the chunks inside the window before ``N``; Mamba/GDN only
   the state page at ``N``. In vLLM's "align" mode a state can be resumed at any chunk boundary,
@@ -332,7 +333,7 @@ class HybridOffloadPlanner:
         self.model, self.layouts = model, layouts
         if stages:
             self._stages = [max(1, sum(bool(stage[g]) for stage in stages)) for g in range(len(self.plans))]
-        self._pieces: dict[tuple[int, tuple[int, ...]], list[Piece]] = {}
+        self._pieces = {}
         self._piece_keys.clear()
         self.whole_model = True
 
