@@ -48,6 +48,7 @@ class PageCodec:
         self.held: dict[Piece, tuple[int, ...]] = {}
         self.tensors: dict[Piece, tuple[TensorSpec, ...]] = {}
         self.offsets: dict[Piece, int] = {}
+        self.view_lens: dict[Piece, int] = {}
         self.page_tensors: dict[Piece, tuple[TensorSpec, ...]] = {}
         self.header_lens: dict[Piece, int] = {}
         self.page_lens: dict[Piece, int] = {}
@@ -79,6 +80,7 @@ class PageCodec:
             self.held[piece] = held
             self.tensors[piece] = self.group.page_tensors(self.chunk_tokens, piece.shard, len(held))
             self.offsets[piece] = first * sum(x.nbytes for x in per_layer)
+            self.view_lens[piece] = sum(x.nbytes for x in self.tensors[piece])
             self.page_tensors[piece] = self.group.page_tensors(self.chunk_tokens, piece.shard, layers)
             self.header_lens[piece] = header_len(self.page_tensors[piece])
             self.page_lens[piece] = page_len(self.page_tensors[piece])
@@ -122,7 +124,7 @@ class PageCodec:
 
     def _view(self, piece: Piece, payload: torch.Tensor) -> torch.Tensor:
         """This worker's layers' bytes of ``piece``'s payload."""
-        offset, size = self.offsets[piece], sum(x.nbytes for x in self.tensors[piece])
+        offset, size = self.offsets[piece], self.view_lens[piece]
         return payload if not offset and size == payload.numel() else payload[offset : offset + size]
 
     def _layout(self, layout: Layout, piece: Piece) -> Layout:
@@ -152,7 +154,7 @@ class PageCodec:
                          for raw in layout.layers]  # fmt: skip
                 src, dst = byte_map(self.group, self.tensors[piece], runs, bases)
                 maps.append(StateMap(src, dst, flat_buffer(first), stride,
-                                     sum(x.nbytes for x in self.tensors[piece])))  # fmt: skip
+                                     self.view_lens[piece]))  # fmt: skip
             known = self._maps[key] = (layout, maps)
         return known[1]
 
