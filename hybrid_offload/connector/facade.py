@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import weakref
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -47,11 +48,12 @@ from hybrid_offload.core.planner import (
 )
 from hybrid_offload.core.spec import UnidentifiableModelError
 from hybrid_offload.core.tp_shards import ShardLayoutError
-from hybrid_offload.engine.translate import drafting_from_vllm, model_spec_from_vllm
+from hybrid_offload.engine.translate import drafting_from_vllm, kv_events_from_vllm, model_spec_from_vllm
 
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorPromMetrics,
         KVConnectorStats,
@@ -137,6 +139,7 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 pending_wait_s=config.pending_store_wait_s,
                 accept_weights_version=config.accept_weights_version,
                 drafting=drafting_from_vllm(vllm_config),
+                events=kv_events_from_vllm(vllm_config, kv_cache_config),
             )
             self._log_drafting(self.scheduler)
         else:
@@ -350,6 +353,11 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.scheduler is not None
         return self.scheduler.build_connector_meta(scheduler_output)
 
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """What our tiers gained and lost since the last call, as vLLM KV events (see
+        :mod:`hybrid_offload.core.kv_events`); vLLM publishes them next to its own."""
+        return self.scheduler.take_events() if self.scheduler is not None else ()
+
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self.scheduler is not None
         self.scheduler.update_connector_output(
@@ -376,8 +384,9 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler.prefill_stop(request.request_id, start, end)
 
     def has_pending_push_work(self) -> bool:
-        """True while ended requests' held pages wait for a step to be committed, so that vLLM
-        runs that step now rather than with the next request."""
+        """True while ended requests' held pages wait for a step to be committed, or (with KV
+        events) stores wait for their reports, so that vLLM runs those steps now rather than
+        with the next request."""
         return self.scheduler is not None and self.scheduler.has_ended_work()
 
     def reset_cache(self) -> bool | None:

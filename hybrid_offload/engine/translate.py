@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from hybrid_offload.compat import mamba_rank_dims
 from hybrid_offload.core.drafting import Drafting
+from hybrid_offload.core.kv_events import KVEventsSpec
 from hybrid_offload.core.layer_parts import LayerGrid, LayerPartError, layout_bounds
 from hybrid_offload.core.spec import (
     DTYPE_SIZES,
@@ -375,3 +376,16 @@ def drafting_from_vllm(vllm_config: VllmConfig) -> Drafting | None:
         num_tokens=tokens,
         async_scheduling=bool(vllm_config.scheduler_config.async_scheduling),
     )
+
+
+def kv_events_from_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KVEventsSpec | None:
+    """How vLLM publishes KV events in this engine (None when it publishes none): the block
+    size its requests' hashes cover (as its engine core resolves it) and how hashes travel."""
+    events = getattr(vllm_config, "kv_events_config", None)
+    if events is None or not events.enable_kv_cache_events or events.publisher == "null":
+        return None
+    from vllm import envs
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+    _, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    return KVEventsSpec(hash_block_size, bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES))

@@ -20,8 +20,10 @@ every request, so that hits can only come from the connector; a list gives one m
 (e.g. ``["never", "pass", "never"]``: the second pass hits vLLM's cache, the third cannot).
 
 ``pass_barrier`` lets a test act between passes (kill a server, restart it): after pass ``i``
-(its stores flushed) the session creates ``DIR/pass-<i>.done`` and waits until ``DIR/pass-<i>.go``
-exists (at most ``barrier_timeout_s``, default 300) before the next pass.
+(its stores flushed) the session writes pass ``i``'s result to ``DIR/pass-<i>.done`` (JSON) and
+waits until ``DIR/pass-<i>.go`` exists (at most ``barrier_timeout_s``, default 300) before the next
+pass. A ``DIR/pass-<i>.prompts.json`` written before ``.go`` gives the next pass its prompts (a
+chat's next turns, built from the replies).
 
 Result: per pass, per prompt: output token ids, time to first token, cached tokens; and per
 pass the connector's scheduler counters (tokens loaded per backend, aligned prompt tokens).
@@ -134,14 +136,21 @@ def _diff(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _wait_at_barrier(directory: Path, index: int, timeout: float) -> None:
-    Path(directory, f"pass-{index}.done").touch()
+def _wait_at_barrier(
+    directory: Path, index: int, timeout: float, result: dict[str, Any]
+) -> list[list[int]] | None:
+    """Publish pass ``index``'s result, wait for the go; the next pass's prompts if given."""
+    done = Path(directory, f"pass-{index}.done")
+    done.with_suffix(".tmp").write_text(json.dumps(result))
+    done.with_suffix(".tmp").rename(done)
     go = Path(directory, f"pass-{index}.go")
     deadline = time.monotonic() + timeout
     while not go.exists():
         if time.monotonic() > deadline:
             raise TimeoutError(f"no {go} within {timeout}s")
         time.sleep(0.05)
+    prompts = Path(directory, f"pass-{index}.prompts.json")
+    return json.loads(prompts.read_text()) if prompts.exists() else None
 
 
 def _generate(llm: Any, prompts: list[list[int]], params: Any, reset: bool, batch: bool) -> list[dict]:
@@ -190,10 +199,11 @@ def run_session(spec: dict[str, Any]) -> dict[str, Any]:
         llm.reset_prefix_cache()
     resets = spec.get("reset_prefix_cache", "pass")
     passes = []
+    given: list[list[int]] | None = None
     for index in range(spec.get("passes", 1)):
         reset = resets[index] if isinstance(resets, list) else resets
         before = _scheduler_counters()
-        prompts = (spec.get("pass_prompts") or [spec["prompts"]] * (index + 1))[index]
+        prompts = given or (spec.get("pass_prompts") or [spec["prompts"]] * (index + 1))[index]
         rows = _generate(llm, prompts, params, reset == "request", spec.get("batch", False))
         worker = _flush_workers()
         passes.append(
@@ -202,7 +212,9 @@ def run_session(spec: dict[str, Any]) -> dict[str, Any]:
         if reset != "never":
             llm.reset_prefix_cache()
         if spec.get("pass_barrier") and len(passes) < spec.get("passes", 1):
-            _wait_at_barrier(Path(spec["pass_barrier"]), len(passes) - 1, spec.get("barrier_timeout_s", 300))
+            given = _wait_at_barrier(
+                Path(spec["pass_barrier"]), len(passes) - 1, spec.get("barrier_timeout_s", 300), passes[-1]
+            )
     result = {"passes": passes, **_group_pages()}
     del llm
     return result

@@ -43,6 +43,7 @@ from hybrid_offload.connector.metadata import (
     PageJob,
 )
 from hybrid_offload.connector.scheduler.coverage import coverage
+from hybrid_offload.connector.scheduler.events import TierEvents
 from hybrid_offload.connector.scheduler.pending import DEFAULT_PENDING_STORE_WAIT_S, PendingStores
 from hybrid_offload.connector.scheduler.policy import BackendMatch, LoadChoice, make_policy, presence_matrix
 from hybrid_offload.connector.scheduler.request_state import (
@@ -56,6 +57,7 @@ from hybrid_offload.connector.scheduler.scope import AdapterIdentities, ScopeErr
 from hybrid_offload.connector.scheduler.store_plan import StorePlanner
 from hybrid_offload.connector.tiers import SchedulerRecorder, open_tier
 from hybrid_offload.core.drafting import Drafting
+from hybrid_offload.core.kv_events import KVEventsSpec
 from hybrid_offload.core.metrics import Locked, SchedulerCounters
 from hybrid_offload.core.planner import HybridOffloadPlanner, LoadablePrefix
 from hybrid_offload.core.spec import GroupKind
@@ -184,11 +186,12 @@ class OffloadScheduler:
         pending_wait_s: float = DEFAULT_PENDING_STORE_WAIT_S,
         accept_weights_version: bool = False,
         drafting: Drafting | None = None,
+        events: KVEventsSpec | None = None,
         clock: Callable[[], float] | None = None,
         timer: Callable[[], float] = time.perf_counter,
     ) -> None:
-        """``drafting``: the engine's speculative decoding; ``timer`` times lookups
-        (``lookup_seconds``)."""
+        """``drafting``: the engine's speculative decoding; ``events``: vLLM publishes KV events
+        (then ours join them, :mod:`.events`); ``timer`` times lookups (``lookup_seconds``)."""
         self.planner = planner
         self._timer = timer
         self._accept_weights_version = accept_weights_version
@@ -203,6 +206,10 @@ class OffloadScheduler:
         self.stores = StorePlanner(
             planner, self.views, self._sightings, self.pending, checkpoint_interval, drafting
         )
+        self.events = None if events is None else TierEvents(
+            planner, events, {v.name: v.shared for v in self.views}
+        )
+        self.stores.events = self.events
         self._requests: dict[str, RequestState] = {}
         self._ended = OffloadMetadata()  # commits and releases of requests that ended since the last step
         self._epoch = ""  # weights epoch: a random nonce after each cache reset
@@ -327,6 +334,8 @@ class OffloadScheduler:
         def contains(keys: list[str]) -> list[bool]:
             answers = sets_contain(keys)
             present.update(k for k, hit in zip(keys, answers, strict=True) if hit)
+            if self.events is not None and not view.is_down:
+                self.events.looked_up(view.name, keys, answers)
             return answers
 
         k_max = min(self.planner.max_boundary_chunks(num_tokens), len(state.chunk_hashes))
@@ -462,9 +471,12 @@ class OffloadScheduler:
         return meta
 
     def has_ended_work(self) -> bool:
-        """Whether requests that ended left commits or releases for the next step (vLLM keeps
-        stepping while this is true, so they do not wait for the next request)."""
-        return bool(self._ended.commits or self._ended.releases)
+        """Whether requests that ended left commits or releases for the next step, or (with KV
+        events) stores whose reports are still to come: vLLM keeps stepping while this is true,
+        so they do not wait for the next request (nor do a router's events)."""
+        if self._ended.commits or self._ended.releases:
+            return True
+        return self.events is not None and self.pending.in_flight()
 
     def handle_preemption(self, req_id: str, meta: OffloadMetadata | None = None) -> None:
         """vLLM freed the request's blocks: what the worker holds for it is committed, and when
@@ -515,7 +527,11 @@ class OffloadScheduler:
     ) -> None:
         if isinstance(worker_meta, OffloadWorkerMetadata):
             for name, view in self._by_name.items():
-                view.apply_report(worker_meta.stored.get(name, []), worker_meta.evicted.get(name, []))
+                stored, evicted = worker_meta.stored.get(name, []), worker_meta.evicted.get(name, [])
+                view.apply_report(stored, evicted)
+                if self.events is not None:
+                    self.events.stored(name, stored)
+                    self.events.evicted(name, evicted)
             for name, samples in worker_meta.load_samples.items():
                 for nbytes, seconds, ok in samples:
                     self.policy.observe(name, nbytes, seconds, ok)
@@ -546,6 +562,10 @@ class OffloadScheduler:
         self.stores.finish(state, self._ended)
         report = {"hybrid_offload": state.coverage.as_dict()} if state.coverage is not None else None
         return state.loading, report
+
+    def take_events(self) -> list[Any]:
+        """KV events since the last call (:mod:`.events`); empty when events are off."""
+        return [] if self.events is None else self.events.take()
 
     def refresh_gauges(self) -> None:
         """Copy each backend's availability (as this process sees it) and capacity into the

@@ -58,6 +58,12 @@ class PendingStores:
                 if entry.reports_left <= 0:
                     del self._entries[key]
 
+    def in_flight(self) -> bool:
+        """Whether some store is still unsettled (and not expired)."""
+        if self._entries:
+            self._expire(self._clock())
+        return bool(self._entries)
+
     def should_wait(self, req_id: str, keys: Iterable[str]) -> bool:
         """Whether ``req_id``'s lookup should wait: some of ``keys`` are in flight and the request
         has not waited ``wait_s`` yet. Call :meth:`done_waiting` once it is looked up for good."""

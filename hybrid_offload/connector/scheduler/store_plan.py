@@ -46,6 +46,7 @@ from hybrid_offload.core.planner import HybridOffloadPlanner, prefill_checkpoint
 from hybrid_offload.core.spec import GroupKind
 
 if TYPE_CHECKING:
+    from hybrid_offload.connector.scheduler.events import TierEvents
     from hybrid_offload.connector.scheduler.offload_scheduler import BackendView, ChunkSightings
 
 
@@ -66,6 +67,8 @@ class StorePlanner:
         self.views = views
         self.sightings = sightings
         self.pending = pending
+        #: KV events for the sets sent to tiers (None: the engine publishes no events)
+        self.events: TierEvents | None = None
         chunk = planner.chunk_tokens
         self.checkpoint_interval = -(-checkpoint_interval // chunk) * chunk if checkpoint_interval else 0
         writable = [v for v in views if not v.policy.read_only]
@@ -253,10 +256,12 @@ class StorePlanner:
         targets = self._targets(page, state)
         if targets:
             meta.stores.append(StoreJob(page, targets, state.req_id))
-            self._stored(state, page)
+            self._stored(state, page, targets)
 
-    def _stored(self, state: RequestState, page: PageJob) -> None:
+    def _stored(self, state: RequestState, page: PageJob, targets: tuple[str, ...]) -> None:
         self.pending.add(page.key, self.planner.writers(page.group))
+        if self.events is not None:
+            self.events.planned(state, page, targets)
         self.sightings.mark_stored(page.chunk_hash)
         state.stored = True
         if self.planner.plans[page.group].kind is GroupKind.MAMBA:
@@ -269,4 +274,4 @@ class StorePlanner:
         targets = self._targets(page, state)
         if targets:
             meta.commits.append(CommitJob(state.req_id, page, targets))
-            self._stored(state, page)
+            self._stored(state, page, targets)
