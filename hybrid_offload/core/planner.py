@@ -524,7 +524,9 @@ class HybridOffloadPlanner:
         return any(p.kind is GroupKind.MAMBA for p in self.plans)
 
 
-def prefill_checkpoints(prefill_end: int, chunk: int, interval: int, junction: int = 0) -> list[int]:
+def prefill_checkpoints(
+    prefill_end: int, chunk: int, interval: int, junction: int = 0, named: int = 0
+) -> list[int]:
     """Positions (ascending, each a multiple of ``chunk``, below ``prefill_end``) where a prefill
     should stop so that its recurrent state can be stored.
 
@@ -533,12 +535,16 @@ def prefill_checkpoints(prefill_end: int, chunk: int, interval: int, junction: i
     * every multiple of ``interval`` (0: none), so prompts that share only a part of this one
       find a state near where they diverge;
     * ``junction`` (0: none): a boundary up to which earlier traffic shares this prefix
-      without a stored state there (the next request sharing it resumes there).
+      without a stored state there (the next request sharing it resumes there);
+    * the last multiple of ``named`` (a multiple of ``chunk``; 0: none) before ``prefill_end``:
+      the last state KV events can name for a router.
     """
     tail = (prefill_end - 1) // chunk * chunk if prefill_end > 0 else 0
     stops = set(range(interval, tail, interval)) if interval > 0 else set()
     if tail > 0:
         stops.add(tail)
+    if named > 0 and prefill_end > named:
+        stops.add((prefill_end - 1) // named * named)
     if 0 < junction < prefill_end and junction % chunk == 0:
         stops.add(junction)
     return sorted(stops)

@@ -32,6 +32,20 @@ def test_prefill_checkpoints(prefill_end: int, interval: int, junction: int, exp
     assert prefill_checkpoints(prefill_end, 128, interval, junction) == expected
 
 
+@pytest.mark.parametrize(
+    ("prefill_end", "expected"),
+    [
+        (687, [512, 640]),  # KV events name every 256 tokens: a state at 512 too
+        (600, [512]),  # the tail is nameable: listed once
+        (513, [512]),
+        (300, [256]),
+        (256, [128]),  # nothing nameable below the end
+    ],
+)
+def test_prefill_checkpoints_add_the_last_named_position(prefill_end: int, expected: list[int]) -> None:
+    assert prefill_checkpoints(prefill_end, 128, 0, named=256) == expected
+
+
 @given(st.integers(0, 20_000), st.sampled_from([16, 64, 128]), st.integers(0, 40), st.integers(0, 200))
 def test_prefill_checkpoints_properties(end: int, chunk: int, every: int, junction_chunks: int) -> None:
     interval, junction = every * chunk, junction_chunks * chunk

@@ -1,10 +1,10 @@
 """The import contract: each layer of hybrid-offload imports only the layers below it.
 
-    core < compat < backends < engine < connector < testing < tools
+    core < router < compat < backends < engine < connector < testing < tools
 
-plus the external packages a layer must not touch: the core neither vLLM nor torch (nor the
-Hugging Face libraries), backends not vLLM. Private names of vLLM, NIXL and prometheus_client
-(:data:`PRIVATE_NAMES`) appear only in ``hybrid_offload/compat.py``, the one gate to them.
+plus the external packages a layer must not touch: the core and the router neither vLLM nor
+torch (nor the Hugging Face libraries), backends not vLLM. Private names of vLLM, NIXL and
+prometheus_client (:data:`PRIVATE_NAMES`) appear only in ``hybrid_offload/compat.py``, the one gate to them.
 Every import statement counts, also inside a function or under ``TYPE_CHECKING``.
 ``backends/`` lives at the top of the repository and is installed as ``hybrid_offload.backends``
 (``pyproject.toml``).
@@ -26,9 +26,10 @@ ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
 PACKAGE = "hybrid_offload"
 #: lowest first; a module may import its own layer and the ones before it
-LAYERS = ("core", "compat", "backends", "engine", "connector", "testing", "tools")
+LAYERS = ("core", "router", "compat", "backends", "engine", "connector", "testing", "tools")
 FORBIDDEN_EXTERNAL = {
     "core": {"vllm", "torch", "transformers", "huggingface_hub"},
+    "router": {"vllm", "torch", "transformers", "huggingface_hub"},
     "backends": {"vllm"},
 }
 #: private names of other packages we use; only the compat module may name them

@@ -84,13 +84,15 @@ class StorePlanner:
     # ---- checkpoints ------------------------------------------------------------------
     def checkpoints(self, state: RequestState, junction: int = 0) -> tuple[int, ...]:
         """Where this request's prefill stops to store its state (none without state groups or
-        writable backends). A resumed request's prefill also replays its output so far."""
+        writable backends). A resumed request's prefill also replays its output so far. With
+        KV events, also at the last position they can name (:mod:`.events`)."""
         if not (self.planner.has_state_groups and self.stores_anything):
             return ()
         prefill_end = max(state.prompt_len, state.request.num_tokens - 1)
-        return tuple(
-            prefill_checkpoints(prefill_end, self.planner.chunk_tokens, self.checkpoint_interval, junction)
-        )
+        named = self.events.block_tokens if self.events is not None else 0
+        return tuple(prefill_checkpoints(
+            prefill_end, self.planner.chunk_tokens, self.checkpoint_interval, junction, named
+        ))
 
     def decode_states_note(self) -> str:
         """Whether decoding states are stored under drafting, and if not why (for the log)."""
