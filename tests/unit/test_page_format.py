@@ -395,6 +395,11 @@ def test_unsafe_use_detector_works() -> None:
     assert unsafe_uses("np.load(f, allow_pickle=False)") == []
 
 
+#: the one allowed use: the router reproduces vLLM's default prompt hash, SHA-256 of a pickled
+#: tuple of its own (it serialises to hash; nothing is ever unpickled)
+HASH_INPUT_ONLY = {"hybrid_offload/router/hashing.py": ["pickle", "pickle.dumps", "pickle.HIGHEST_PROTOCOL"]}
+
+
 def test_no_pickle_or_torch_load_in_sources() -> None:
     files = [f for d in ("hybrid_offload", "backends") for f in sorted((REPO / d).rglob("*.py"))]
     assert len(files) > 10 and any(f.name == "page_format.py" for f in files)
@@ -403,7 +408,7 @@ def test_no_pickle_or_torch_load_in_sources() -> None:
         uses = unsafe_uses(path.read_text(encoding="utf-8"))
         if uses:
             offenders[str(path.relative_to(REPO))] = uses
-    assert offenders == {}
+    assert offenders == HASH_INPUT_ONLY
 
 
 # ---- signed pages (issue 14 M4) --------------------------------------------------------------
