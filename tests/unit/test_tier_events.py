@@ -198,3 +198,19 @@ def test_blocks_span_chunks_when_vllm_hashes_are_coarser(worlds, monkeypatch) ->
     ])  # no state at 8 or 24: no vLLM hash ends there
     assert next(e for e in events if e.block_hashes[0] == coarse.external(req.block_hashes[1])).token_ids == \
         req.prompt_token_ids[16:32]
+
+
+def test_a_cache_reset_removes_every_published_block(events_world) -> None:
+    w = events_world([cpu_config()])
+    req = HashedRequest("r1", prompt(17))
+    for meta in prefill(w, req, ([10, 11, 12], [0, 21, 22])):
+        w.complete(meta)
+    published = {(e.group_idx, e.block_hashes[0]) for e in w.sched.take_events()}
+    assert published
+    w.sched.reset_cache()  # new weights: nothing stored so far is loaded again
+    removed = w.sched.take_events()
+    assert all(isinstance(e, BlockRemoved) for e in removed)
+    assert {(e.group_idx, e.block_hashes[0]) for e in removed} == published
+    w.sched.update_connector_output(OffloadWorkerMetadata(evicted={"cpu": w.pieces(
+        [k for keys in w.keys(req.prompt_token_ids) for k in keys])}), None, None)
+    assert w.sched.take_events() == []  # forgotten: removed once

@@ -149,6 +149,16 @@ class TierEvents:
                     block.published.discard(tier)
                     self._events.append(self._removed_event(tier, block))
 
+    def forget_all(self) -> None:
+        """Pages stored so far are never loaded again (a cache reset, new weights): every block
+        published is removed, and nothing is remembered."""
+        for block in self._blocks.values():
+            for tier in sorted(block.published):
+                self._events.append(self._removed_event(tier, block))
+        self._sets.clear()
+        self._owner.clear()
+        self._blocks.clear()
+
     def take(self) -> list[KVCacheEvent]:
         """The events since the last call, in order."""
         events, self._events = self._events, []

@@ -580,8 +580,11 @@ class OffloadScheduler:
         """Start a new weights epoch (after a weight update): requests from now on never match
         pages stored before, in this engine, after a restart or in another engine, unless they
         name a weights version. Requests keyed before store nothing more (what they computed
-        may straddle the update; held copies are released) and are keyed anew when resumed."""
+        may straddle the update; held copies are released) and are keyed anew when resumed.
+        With KV events, every block published so far is removed."""
         self._epoch = os.urandom(16).hex()
+        if self.events is not None:
+            self.events.forget_all()
         self._sightings = ChunkSightings()
         self.stores.sightings = self._sightings
         for state in self._requests.values():
