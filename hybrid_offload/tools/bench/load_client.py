@@ -15,7 +15,9 @@ Workloads are lists of prompts as token ids (the tiny models' tokenizer ids, dra
 order, and returns one :class:`RequestResult` per request: TTFT (send to first streamed token),
 TPOT (mean time per output token after the first), output tokens (from the streamed usage) and
 an error string for failed requests (HTTP status, exception, or a short reply). It never raises
-for a failed request. :func:`summarize` turns results into the report's numbers.
+for a failed request. :func:`stream_completion` is one such request (``bench route`` sends its
+own, with ``return_token_ids``: the reply's ids and the cached prompt tokens come back too).
+:func:`summarize` turns results into the report's numbers.
 """
 
 from __future__ import annotations
@@ -57,6 +59,11 @@ class RequestResult:
     latency_s: float = float("nan")
     output_tokens: int = 0
     error: str | None = None
+    #: the reply's token ids (only when the request asked for ``return_token_ids``)
+    output_ids: list[int] = field(default_factory=list)
+    #: ``usage.prompt_tokens_details.cached_tokens`` (servers run with
+    #: ``--enable-prompt-tokens-details``), else None
+    cached_tokens: int | None = None
 
 
 @dataclass
@@ -105,15 +112,19 @@ def distinct_workload(n: int, seed: int, shape: WorkloadShape = WorkloadShape())
     return [("distinct", _tokens(rng, length, shape.vocab)) for length in lengths]
 
 
-async def _one(
-    session: Any, url: str, model: str, kind: str, prompt: list[int], max_tokens: int, timeout: float
-) -> RequestResult:
+async def stream_completion(
+    session: Any, url: str, model: str, kind: str, prompt: list[int], max_tokens: int, timeout: float,
+    extra_body: dict[str, Any] | None = None,
+) -> RequestResult:  # fmt: skip
+    """One streamed ``POST url`` (``/v1/completions``), greedy with ``ignore_eos``; never raises
+    for a failed request. ``extra_body`` adds request fields (e.g. ``return_token_ids``)."""
     import aiohttp
 
     result = RequestResult(kind=kind, prompt_tokens=len(prompt))
     body = {
         "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+        **(extra_body or {}),
     }  # fmt: skip
     began = time.perf_counter()
     first = last = 0.0
@@ -130,8 +141,13 @@ async def _one(
                 if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
                     last = time.perf_counter()
                     first = first or last
+                    result.output_ids += chunk["choices"][0].get("token_ids") or []
                 if chunk.get("usage"):
-                    result.output_tokens = int(chunk["usage"].get("completion_tokens") or 0)
+                    usage = chunk["usage"]
+                    result.output_tokens = int(usage.get("completion_tokens") or 0)
+                    details = usage.get("prompt_tokens_details") or {}
+                    if details.get("cached_tokens") is not None:
+                        result.cached_tokens = int(details["cached_tokens"])
     except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"[:200]
         return result
@@ -161,7 +177,7 @@ async def _run_load(
         while not queue.empty():
             i = queue.get_nowait()
             kind, prompt = workload[i]
-            results[i] = await _one(session, url, model, kind, prompt, max_tokens, timeout)
+            results[i] = await stream_completion(session, url, model, kind, prompt, max_tokens, timeout)
 
     async with aiohttp.ClientSession(connector=connector) as session:
         await asyncio.gather(*(client(session) for _ in range(concurrency)))
