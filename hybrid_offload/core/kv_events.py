@@ -33,6 +33,13 @@ LOCAL = "LOCAL"
 #: ``locality`` of a tier other engines may read too (disk, Redis, a cache peer, LMCache)
 REMOTE = "REMOTE"
 
+def external_hash(digest: bytes, as_int: bool = True) -> int | bytes:
+    """A block hash as events carry it (vLLM's ``maybe_convert_block_hash``): the low 64 bits of
+    the big-endian digest when ``as_int`` (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, vLLM's
+    default), else the digest itself."""
+    return int.from_bytes(digest, "big") & ((1 << 64) - 1) if as_int else digest
+
+
 #: page sets (and as many blocks) remembered between their store and their removal (LRU)
 MAX_PUBLISHED_SETS = 1 << 18
 
@@ -59,7 +66,5 @@ class KVEventsSpec:
         return end_token // self.hash_block_size - 1
 
     def external(self, digest: bytes) -> int | bytes:
-        """A block hash as events carry it (vLLM's ``maybe_convert_block_hash``)."""
-        if not self.int_hashes:
-            return digest
-        return int.from_bytes(digest, "big") & ((1 << 64) - 1)
+        """A block hash as this engine's events carry it (:func:`external_hash`)."""
+        return external_hash(digest, self.int_hashes)

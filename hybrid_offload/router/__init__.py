@@ -1,18 +1,29 @@
-"""Router side of KV events: which engine can restore how much of a prompt, from the engines'
-KV event streams (pure Python: no vLLM, no torch). See docs/operations.md, "KV events"."""
+"""The router side of KV events (pure Python: no vLLM, no torch): which engine can restore how
+much of a prompt, from its GPU prefix cache and from each tier, learned from the engines' event
+streams. docs/operations.md, "KV events"; the contract: ``hybrid_offload/core/kv_events.py``.
 
-from hybrid_offload.router.events import Cleared, Removed, Stored, decode_batch
-from hybrid_offload.router.hashing import block_hashes
+* :mod:`.hashing`: vLLM's prompt block hashes, recomputed;
+* :mod:`.events`: one ZMQ payload (msgpack ``KVEventBatch``) decoded;
+* :mod:`.index`: :class:`CacheIndex`, restorable prefixes per engine and medium, routing;
+* :mod:`.subscriber`: :class:`EventSubscriber`, one engine's stream (sequence, replay) into an index.
+"""
+
+from hybrid_offload.router.events import Batch, Cleared, MalformedBatchError, Removed, Stored, decode_batch
+from hybrid_offload.router.hashing import HashAlgoError, block_hashes, external
 from hybrid_offload.router.index import CacheIndex
 from hybrid_offload.router.subscriber import EventSubscriber, SubscriberStats
 
 __all__ = [
+    "Batch",
     "CacheIndex",
     "Cleared",
     "EventSubscriber",
+    "HashAlgoError",
+    "MalformedBatchError",
     "Removed",
     "Stored",
     "SubscriberStats",
     "block_hashes",
     "decode_batch",
+    "external",
 ]

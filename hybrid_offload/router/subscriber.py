@@ -1,24 +1,40 @@
 """Subscribe to one engine's KV events (vLLM's ZMQ publisher) and feed a :class:`CacheIndex`.
 
-vLLM binds a wildcard ``endpoint`` (``tcp://*:5557``) and connects to any other: a subscriber
-connects to an engine that binds and binds the address an engine was told to connect to
-(``bind``; default: bind when ``endpoint`` is a wildcard or its port is 0). Messages are
-(topic, 8-byte big-endian sequence, payload). The sequence counts from 0 per engine process:
+**Sockets.** vLLM 0.32's ``ZmqEventPublisher`` BINDS its PUB socket to a wildcard (``tcp://*:P``,
+``[::]``), ``ipc://`` or ``inproc://`` endpoint and CONNECTS it to any other
+(``tcp://127.0.0.1:P``); it always binds its ROUTER replay socket. So a subscriber connects where
+the engine binds (a wildcard host read as this host: ``127.0.0.1`` / ``[::1]``) and binds the
+address an engine connects to. ``bind=None`` decides from ``endpoint`` *written as in the
+engine's* ``kv_events_config``; pass ``bind=False`` with the engine's host to reach a wildcard
+engine elsewhere. A subscriber that binds ``tcp://HOST:0`` gets a port (:attr:`endpoint`) to give
+the engine. The replay endpoint is always connected.
 
-* the next number: applied;
-* a gap: the missing batches are asked from the engine's replay socket (``replay_endpoint``,
-  vLLM's ROUTER: request ``[b"", start]``, replies ``[b"", topic, seq, payload]`` until a
-  sequence of -1) and applied in order; if it cannot give them all, the engine's own entries
-  are dropped (:meth:`CacheIndex.reset_engine`) and the index goes on from the current batch;
-* a number not above the last: the engine restarted; its entries are dropped;
-* the first batch after a start: earlier ones are asked from the replay socket (a router
-  started after the engine learns what it already holds).
+**Sequence.** Messages are ``(topic, seq, payload)``, ``seq`` 8 bytes big-endian, counted from 0
+per engine process. With ``last`` the last applied number:
 
-One thread owns the sockets: :meth:`poll` from the caller's, or :meth:`start` for a daemon one.
+* ``seq == last + 1``: applied.
+* ``seq > last + 1`` (a gap): batches ``[last + 1, seq)`` are asked from the replay socket
+  (DEALER ``[b"", start]``; replies ``[b"", topic, seq, payload]`` until ``seq == -1``) within
+  ``replay_timeout_s`` and applied in order, then the current one. The request starts at
+  ``last`` and the engine's copy of it must equal ours: else the engine restarted (new process,
+  buffer from 0) while we missed its first batches, and is reset and replayed from 0. A replay
+  that is unavailable or incomplete: :meth:`CacheIndex.reset_engine` (``resyncs``), then the
+  contiguous run of replayed batches just before ``seq`` (if any) and the current one.
+* ``seq <= last``: the engine restarted (``restarts``; the same batch again is a duplicate,
+  ignored): reset, and what the new process published before ``seq`` is replayed from 0.
+* the first batch with ``seq > 0``: a router started after the engine; ``[0, seq)`` is replayed
+  (the engine keeps ``buffer_steps``, 10 000 by default; less: a resync).
+* the first batch after the SUB socket lost a connection (a ZMQ monitor event): the engine may
+  have restarted and its new stream reached ``last + 1`` unseen, so batch ``last`` is checked
+  as on a gap (without a replay socket: a resync).
+
+One thread owns the sockets: call :meth:`poll` from yours, or :meth:`start` one (a daemon) and
+:meth:`stop` it. The index has its own lock (queries come from the router's thread).
 """
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -30,12 +46,28 @@ from hybrid_offload.router.events import Event, MalformedBatchError, decode_batc
 from hybrid_offload.router.index import CacheIndex
 
 END_SEQ = -1
+_WILDCARD = re.compile(r"^(tcp://)(\*|\[::\]|::|0\.0\.0\.0)(:\d+)$")
+
+
+def engine_binds(endpoint: str) -> bool:
+    """Whether vLLM's publisher binds ``endpoint`` (its ``ZmqEventPublisher._is_bind_endpoint``)."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def reachable(endpoint: str) -> str:
+    """``endpoint`` to connect to: a wildcard host becomes this host's loopback."""
+    m = _WILDCARD.match(endpoint)
+    if m is None:
+        return endpoint
+    host = "[::1]" if ":" in m.group(2) else "127.0.0.1"
+    return f"{m.group(1)}{host}{m.group(3)}"
 
 
 @dataclass
 class SubscriberStats:
-    """Counters, plain data: batches and events applied, gaps seen, batches replayed, resyncs
-    (entries dropped for missing events), restarts, malformed payloads skipped."""
+    """Counters, plain data: ``batches`` / ``events`` applied (replayed ones included), ``gaps``
+    seen, ``replayed`` batches, ``resyncs`` (the engine's entries dropped: events lost),
+    ``restarts`` of the engine, ``malformed`` messages skipped, ``duplicates`` ignored."""
 
     batches: int = 0
     events: int = 0
@@ -44,9 +76,15 @@ class SubscriberStats:
     resyncs: int = 0
     restarts: int = 0
     malformed: int = 0
+    duplicates: int = 0
 
 
 class EventSubscriber:
+    """``index`` learns ``engine``'s events from ``endpoint`` (see the module docstring).
+
+    ``on_events``: also called with each applied batch's events (tools, tests); ``clock``: the
+    replay deadline's; ``context``: a ZMQ context (default: the process's)."""
+
     def __init__(
         self,
         index: CacheIndex,
@@ -55,124 +93,176 @@ class EventSubscriber:
         replay_endpoint: str | None = None,
         topic: str = "",
         bind: bool | None = None,
-        on_events: Callable[[list[Event]], None] | None = None,
-        replay_timeout_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
+        replay_timeout_s: float = 2.0,
+        on_events: Callable[[list[Event]], None] | None = None,
         context: zmq.Context | None = None,
     ) -> None:
-        """``on_events``: also called with each applied batch's events (tools, tests)."""
         self.index, self.engine = index, engine
         self.stats = SubscriberStats()
         self._on_events = on_events
-        self._replay_timeout = replay_timeout_s
-        self._clock = clock
+        self._clock, self._replay_timeout = clock, replay_timeout_s
         self._ctx = context or zmq.Context.instance()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
-        if bind if bind is not None else ("*" in endpoint or endpoint.endswith(":0")):
-            self._sub.bind(endpoint)
-            endpoint = self._sub.getsockopt_string(zmq.LAST_ENDPOINT)
-        else:
-            self._sub.connect(endpoint)
-        #: where the engine publishes (the bound address when this side binds, port resolved)
+        try:
+            if bind if bind is not None else not engine_binds(endpoint):
+                self._sub.bind(endpoint)
+                endpoint = self._sub.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                endpoint = reachable(endpoint)
+                if endpoint.startswith("tcp://["):
+                    self._sub.setsockopt(zmq.IPV6, 1)
+                self._sub.connect(endpoint)
+        except zmq.ZMQError:
+            self._sub.close(linger=0)
+            raise
+        #: where the engine publishes (this side's bound address, its port resolved)
         self.endpoint = endpoint
-        self.replay_endpoint = replay_endpoint
+        self._monitor = self._sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._suspect = False  # a connection dropped since the last batch
+        #: the engine's replay socket (None: no replay)
+        self.replay_endpoint = None if replay_endpoint is None else reachable(replay_endpoint)
         self._replay: zmq.Socket | None = None
         self._last: int | None = None
+        self._last_payload = b""
         self._thread: threading.Thread | None = None
-        self._running = False
+        self._running = threading.Event()
 
     # ---- driving ------------------------------------------------------------------------
     def poll(self, timeout_s: float = 0.0) -> int:
-        """Apply what arrives within ``timeout_s`` (all that is queued); batches applied."""
+        """Process what arrives within ``timeout_s`` (then all that is queued); batches applied."""
         done = 0
-        wait = int(timeout_s * 1000)
+        wait = max(0, int(timeout_s * 1000))
         while self._sub.poll(wait):
             wait = 0
-            _topic, seq, payload = self._sub.recv_multipart()
-            done += self._receive(int.from_bytes(seq, "big", signed=True), payload)
+            while self._monitor.poll(0):  # connections lost before this message
+                self._monitor.recv_multipart()
+                self._suspect = True
+            frames = self._sub.recv_multipart()
+            if len(frames) != 3 or len(frames[1]) != 8:
+                self.stats.malformed += 1
+                continue
+            done += self._receive(int.from_bytes(frames[1], "big"), frames[2])
         return done
 
     def start(self) -> None:
         """Poll on a daemon thread until :meth:`stop`."""
-        self._running = True
+        if self._thread is not None:
+            return
+        self._running.set()
         self._thread = threading.Thread(target=self._loop, name=f"kv-events-{self.engine}", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
-        while self._running:
+        while self._running.is_set():
             self.poll(0.1)
 
     def stop(self) -> None:
-        self._running = False
+        self._running.clear()
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
 
     def close(self) -> None:
+        """Stop, and close the sockets."""
         self.stop()
+        self._sub.disable_monitor()
+        self._monitor.close(linger=0)
         self._sub.close(linger=0)
-        if self._replay is not None:
-            self._replay.close(linger=0)
+        self._drop_replay()
 
     # ---- sequence -----------------------------------------------------------------------
     def _receive(self, seq: int, payload: bytes) -> int:
-        last = self._last
+        last, suspect, self._suspect = self._last, self._suspect, False
         if last is None:
-            if seq > 0:
-                self._replay_range(0, seq)  # what the engine published before we listened
+            if seq > 0:  # the engine published before we listened
+                return self._recover(None, seq, payload)
         elif seq <= last:
+            if seq == last and payload == self._last_payload:
+                self.stats.duplicates += 1
+                return 0
             self.stats.restarts += 1
             self.index.reset_engine(self.engine)
-        elif seq > last + 1:
-            self.stats.gaps += 1
-            if not self._replay_range(last + 1, seq):
-                self.stats.resyncs += 1
-                self.index.reset_engine(self.engine)
+            self._last = None
+            return self._recover(None, seq, payload) if seq > 0 else self._apply(seq, payload)
+        elif seq > last + 1 or suspect:
+            self.stats.gaps += int(seq > last + 1)
+            return self._recover(last, seq, payload)
         return self._apply(seq, payload)
 
+    def _recover(self, last: int | None, seq: int, payload: bytes) -> int:
+        """Replay ``(last, seq)`` (``[0, seq)`` when ``last`` is None), then apply ``seq``."""
+        got = self._fetch(0 if last is None else last, seq)
+        if got and last is not None and got[0][0] == last:
+            if got[0][1] != self._last_payload:  # the engine's batch ``last`` is another one
+                self.stats.restarts += 1
+                self.index.reset_engine(self.engine)
+                self._last = None
+                return self._recover(None, seq, payload)
+            got = got[1:]
+        first = 0 if last is None else last + 1
+        if got is not None and [s for s, _ in got] == list(range(first, seq)):
+            run = got
+        else:
+            self.stats.resyncs += 1
+            self.index.reset_engine(self.engine)
+            run = self._tail_run(got or [], seq)
+        done = 0
+        for s, p in run:
+            done += self._apply(s, p)
+            self.stats.replayed += 1
+        return done + self._apply(seq, payload)
+
+    @staticmethod
+    def _tail_run(got: list[tuple[int, bytes]], seq: int) -> list[tuple[int, bytes]]:
+        """The batches of ``got`` that run without a hole up to ``seq - 1``."""
+        i = len(got)
+        while i > 0 and got[i - 1][0] == seq - (len(got) - i) - 1:
+            i -= 1
+        return got[i:]
+
     def _apply(self, seq: int, payload: bytes) -> int:
-        self._last = seq
+        self._last, self._last_payload = seq, payload
         try:
-            _ts, events = decode_batch(payload)
+            batch = decode_batch(payload)
         except MalformedBatchError:
             self.stats.malformed += 1
             return 0
-        self.index.apply(self.engine, events)
+        index = self.index  # the owner may swap the index (a fresh one per experiment)
+        index.apply(self.engine, batch.events)
         self.stats.batches += 1
-        self.stats.events += len(events)
+        self.stats.events += len(batch.events)
         if self._on_events is not None:
-            self._on_events(events)
+            self._on_events(list(batch.events))
         return 1
 
-    def _replay_range(self, start: int, end: int) -> bool:
-        """Apply the batches ``start <= seq < end`` from the replay socket; whether all came."""
+    def _fetch(self, start: int, end: int) -> list[tuple[int, bytes]] | None:
+        """The engine's buffered batches ``start <= seq < end`` in order (None: no answer in
+        time, or no replay socket)."""
         if self.replay_endpoint is None:
-            return False
+            return None
         if self._replay is None:
             self._replay = self._ctx.socket(zmq.DEALER)
+            if self.replay_endpoint.startswith("tcp://["):
+                self._replay.setsockopt(zmq.IPV6, 1)
             self._replay.connect(self.replay_endpoint)
         self._replay.send_multipart([b"", start.to_bytes(8, "big")])
-        expected = start
+        got: list[tuple[int, bytes]] = []
         deadline = self._clock() + self._replay_timeout
         while True:
             left = deadline - self._clock()
-            if left <= 0 or not self._replay.poll(int(left * 1000)):
-                self._drop_replay()  # a late answer must not be read as the next one's
-                return False
+            if left <= 0 or not self._replay.poll(max(1, int(left * 1000))):
+                self._drop_replay()  # a late answer must not be read as the next request's
+                return None
             frames = self._replay.recv_multipart()
-            if len(frames) != 4:
+            if len(frames) != 4 or len(frames[2]) != 8:
                 continue
             seq = int.from_bytes(frames[2], "big", signed=True)
             if seq == END_SEQ:
-                return expected >= end
-            if expected <= seq < end and seq == expected:
-                self._apply(seq, frames[3])
-                self.stats.replayed += 1
-                expected += 1
-            elif expected < seq < end:
-                self._drop_replay()  # the engine's buffer no longer has ``expected``
-                return False
+                return got
+            if start <= seq < end:
+                got.append((seq, frames[3]))
 
     def _drop_replay(self) -> None:
         if self._replay is not None:
