@@ -10,20 +10,22 @@ import pytest
 
 from hybrid_offload.router import CacheIndex, Cleared, Stored, block_hashes
 from hybrid_offload.testing.services import Metrics
-from hybrid_offload.tools.bench.route import (
-    MODES,
-    QUICK_SHAPE,
-    Picker,
-    TrafficShape,
+from hybrid_offload.tools.bench.route import shape_from
+from hybrid_offload.tools.bench.route_report import (
     add_counts,
     chunk_tokens_from_log,
     counters_of,
     hash_block_size_from_log,
-    make_users,
     metric_delta,
-    shape_from,
-    sticky_engine,
     summarize_mode,
+)
+from hybrid_offload.tools.bench.route_traffic import (
+    MODES,
+    QUICK_SHAPE,
+    Picker,
+    TrafficShape,
+    make_users,
+    sticky_engine,
 )
 
 ENGINES = ["e0", "e1", "e2"]

@@ -9,8 +9,8 @@ three feed one :class:`~hybrid_offload.router.CacheIndex`: vLLM's own GPU blocks
 ``GPU``) and, once the connector publishes them, the pages of our Redis tier (``REMOTE``, pooled
 across the engines).
 
-Traffic (:func:`make_users`): users that each hold one session, turns in order, several users in
-flight at once (``--concurrency``): ``chat`` users (every turn = the previous prompt + the
+Traffic (:func:`.route_traffic.make_users`): users that each hold one session, turns in order,
+several users in flight at once (``--concurrency``): ``chat`` users (every turn = the previous prompt + the
 generated reply + a new message: :func:`hybrid_offload.tools.bench.traffic.chat`) and ``agent``
 users (one system prompt shared by every agent, then the same growing history of replies and
 tool outputs). Lengths are drawn from ranges, never aligned to a block or a chunk. Requests go
@@ -18,7 +18,7 @@ to ``/v1/completions`` as token ids, streamed (TTFT = send to the first streamed
 ``return_token_ids`` (the reply goes into the next turn) and the cached prompt tokens from the
 usage (``--enable-prompt-tokens-details``).
 
-Routing modes (:class:`Picker`), run one after another on the same engines and the same seeded
+Routing modes (:class:`.route_traffic.Picker`), run one after another on the same engines and the same seeded
 traffic: ``round_robin``; ``index`` (``CacheIndex.route`` over the 3 engines with their requests
 in flight as ``load``: the most restorable tokens win, GPU weighted 1.0 and a tier 0.9, ties go
 to the least busy); ``sticky`` (crc32 of the user id). Before each mode the engines are made
@@ -48,23 +48,38 @@ import logging
 import math
 import os
 import random
-import re
 import shutil
 import tempfile
 import threading
 import time
-import zlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybrid_offload.tools.bench.common import bar_plot, format_table, percentile, write_results
-from hybrid_offload.tools.bench.traffic import VOCAB_HIGH, VOCAB_LOW, PrefixIndex, Request, WorkloadGen, chat
+from hybrid_offload.tools.bench.common import format_table, write_results
+from hybrid_offload.tools.bench.route_report import (
+    TABLE_COLUMNS,
+    add_counts,
+    chunk_tokens_from_log,
+    counters_of,
+    hash_block_size_from_log,
+    metric_delta,
+    plots,
+    summarize_mode,
+)
+from hybrid_offload.tools.bench.route_traffic import (
+    MODES,
+    QUICK_SHAPE,
+    Picker,
+    TrafficShape,
+    User,
+    make_users,
+)
+from hybrid_offload.tools.bench.traffic import VOCAB_HIGH, VOCAB_LOW, PrefixIndex
 
 logger = logging.getLogger(__name__)
 
-MODES = ("round_robin", "index", "sticky")
 ENGINES = 3
 DEFAULT_CONFIG = Path("configs/redis.json")
 START_TIMEOUT_S = 420.0
@@ -72,286 +87,6 @@ REQUEST_TIMEOUT_S = 900.0
 #: seconds without a new event before the engines count as quiet (between modes)
 QUIET_S = 1.5
 QUIET_MAX_S = 30.0
-#: vLLM metrics read per mode (summed over the engines)
-PROMPT_TOKENS = "vllm:prompt_tokens_total"
-BY_SOURCE = "vllm:prompt_tokens_by_source_total"
-LOCAL_HITS = "vllm:prefix_cache_hits_total"
-EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
-OUR_LOADED = "hybrid_offload_loaded_tokens_total"
-TTFT_SUM = "vllm:time_to_first_token_seconds_sum"
-TTFT_COUNT = "vllm:time_to_first_token_seconds_count"
-TABLE_COLUMNS = (
-    "mode",
-    "requests",
-    "errors",
-    "prompt_tokens",
-    "cached_pct",
-    "gpu_pct",
-    "connector_pct",
-    "reusable_pct",
-    "ttft_mean_ms",
-    "ttft_p50_ms",
-    "ttft_p90_ms",
-    "route_mean_us",
-    "route_p99_us",
-    "events_per_s",
-    "gaps",
-    "resyncs",
-    "per_engine",
-)
-
-
-@dataclass(frozen=True)
-class TrafficShape:
-    """Users and token counts (ranges are drawn per message)."""
-
-    chat_users: int = 4
-    agent_users: int = 4
-    turns: int = 8
-    #: a chat's first message, its later messages
-    first: tuple[int, int] = (200, 1200)
-    message: tuple[int, int] = (60, 300)
-    #: the agents' shared system prompt, an agent's task, its tool outputs
-    system: tuple[int, int] = (1500, 2500)
-    task: tuple[int, int] = (60, 300)
-    tool: tuple[int, int] = (200, 600)
-    #: tokens generated per turn
-    reply: int = 48
-
-    def max_prompt(self) -> int:
-        """An upper bound of any prompt's length (for ``--max-model-len``)."""
-        chat_len = self.first[1] + (self.turns - 1) * (self.reply + self.message[1])
-        agent_len = self.system[1] + self.task[1] + (self.turns - 1) * (self.reply + self.tool[1])
-        return max(chat_len if self.chat_users else 0, agent_len if self.agent_users else 0)
-
-
-QUICK_SHAPE = TrafficShape(
-    chat_users=2, agent_users=2, turns=3, first=(150, 500), message=(40, 150), system=(500, 900),
-    task=(40, 150), tool=(100, 300), reply=16,
-)  # fmt: skip
-
-
-@dataclass
-class User:
-    """One user's session: ``gen`` yields one request per turn and is sent the reply's ids."""
-
-    name: str
-    kind: str
-    gen: WorkloadGen
-
-
-def with_prefix(prefix: Sequence[int], gen: WorkloadGen) -> WorkloadGen:
-    """``gen`` with ``prefix`` put before every request's prompt (an agent = a chat whose prompts
-    all start with the shared system prompt)."""
-    head = tuple(prefix)
-    try:
-        wave = next(gen)
-        while True:
-            outputs = yield [Request(r.label, head + r.prompt, r.max_tokens) for r in wave]
-            wave = gen.send(outputs)
-    except StopIteration:
-        return
-
-
-def make_users(shape: TrafficShape, seed: int) -> list[User]:
-    """The users of one run, chat and agent interleaved; a pure function of its arguments."""
-    rng = random.Random(f"route:{seed}:system")
-    system = [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(rng.randint(*shape.system))]
-    chats = [
-        User(f"chat{i}", "chat", chat(random.Random(f"route:{seed}:chat{i}"), 1, shape.turns,
-                                      shape.first, shape.message, shape.reply))
-        for i in range(shape.chat_users)
-    ]  # fmt: skip
-    agents = [
-        User(f"agent{i}", "agent", with_prefix(system, chat(random.Random(f"route:{seed}:agent{i}"), 1,
-                                                            shape.turns, shape.task, shape.tool,
-                                                            shape.reply)))
-        for i in range(shape.agent_users)
-    ]  # fmt: skip
-    users: list[User] = []
-    for i in range(max(len(chats), len(agents))):
-        users += chats[i : i + 1] + agents[i : i + 1]
-    return users
-
-
-def sticky_engine(user: str, engines: Sequence[str]) -> str:
-    """The engine of ``user`` under ``sticky`` routing: crc32 of the user id, modulo."""
-    return engines[zlib.crc32(user.encode()) % len(engines)]
-
-
-class Picker:
-    """Chooses the engine of each request for one routing mode; counts requests in flight.
-
-    ``index`` mode calls ``index.route(tokens, engines, load=in_flight)``: the most (weighted)
-    restorable tokens win, ties go to the engine with the fewest requests in flight, then to the
-    first in order; the seconds each call took (hashing included) are kept in ``route_s``.
-    """
-
-    def __init__(
-        self, mode: str, engines: Sequence[str], index: Any = None,
-        clock: Callable[[], float] = time.perf_counter,
-    ) -> None:  # fmt: skip
-        if mode not in MODES:
-            raise ValueError(f"unknown routing mode {mode!r} (known: {', '.join(MODES)})")
-        if mode == "index" and index is None:
-            raise ValueError("index routing needs an index")
-        self.mode = mode
-        self.engines = list(engines)
-        self.index = index
-        self.clock = clock
-        self.inflight = dict.fromkeys(self.engines, 0)
-        self.route_s: list[float] = []
-        self._next = 0
-
-    def pick(self, user: str, tokens: Sequence[int]) -> str:
-        if self.mode == "round_robin":
-            engine = self.engines[self._next % len(self.engines)]
-            self._next += 1
-            return engine
-        if self.mode == "sticky":
-            return sticky_engine(user, self.engines)
-        load = dict(self.inflight)
-        began = self.clock()
-        engine = self.index.route(tokens, self.engines, load=load)
-        self.route_s.append(self.clock() - began)
-        return str(engine)
-
-    def started(self, engine: str) -> None:
-        self.inflight[engine] += 1
-
-    def finished(self, engine: str) -> None:
-        self.inflight[engine] -= 1
-
-
-# ---- aggregation (pure) ------------------------------------------------------------------------
-
-
-def metric_delta(before: Any, after: Any) -> dict[str, float]:
-    """The counters a mode reads, ``after - before`` for one engine's ``Metrics``."""
-
-    def d(name: str, **labels: str) -> float:
-        return float(after.total(name, **labels) - before.total(name, **labels))
-
-    out = {
-        "prompt_tokens": d(PROMPT_TOKENS),
-        "local_cache_hit": d(BY_SOURCE, source="local_cache_hit"),
-        "external_kv_transfer": d(BY_SOURCE, source="external_kv_transfer"),
-        "local_compute": d(BY_SOURCE, source="local_compute"),
-        "prefix_cache_hits": d(LOCAL_HITS),
-        "external_prefix_cache_hits": d(EXTERNAL_HITS),
-        "our_loaded_tokens": d(OUR_LOADED),
-        "server_ttft_sum_s": d(TTFT_SUM),
-        "server_ttft_count": d(TTFT_COUNT),
-    }
-    return out
-
-
-def add_counts(rows: Iterable[dict[str, float]]) -> dict[str, float]:
-    """Key-wise sum of dicts of numbers."""
-    total: dict[str, float] = {}
-    for row in rows:
-        for key, value in row.items():
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                total[key] = total.get(key, 0) + value
-    return total
-
-
-def counters_of(subscriber: Any) -> dict[str, float]:
-    """A subscriber's numeric counters as a flat dict (a dataclass, a mapping, or an object with
-    ``counters`` / ``stats()``)."""
-    raw: Any = subscriber
-    for attr in ("counters", "stats"):
-        if hasattr(raw, attr):
-            raw = getattr(raw, attr)
-            raw = raw() if callable(raw) else raw
-            break
-    if dataclasses.is_dataclass(raw) and not isinstance(raw, type):
-        raw = dataclasses.asdict(raw)
-    elif not isinstance(raw, dict):
-        raw = dict(vars(raw))
-    return {k: v for k, v in raw.items() if isinstance(v, int | float) and not isinstance(v, bool)}
-
-
-def _pct(part: float, whole: float) -> float:
-    return round(100.0 * part / whole, 1) if whole else 0.0
-
-
-def summarize_mode(
-    mode: str,
-    records: Sequence[dict[str, Any]],
-    route_s: Sequence[float],
-    metrics: dict[str, float],
-    events: dict[str, float],
-    wall_s: float,
-) -> dict[str, Any]:
-    """One mode's row from its request records (``prompt_tokens``, ``cached_tokens``,
-    ``reusable``, ``ttft_s``, ``engine``, ``error``), its ``route()`` times, the engines' summed
-    metric deltas (:func:`metric_delta`) and the subscribers' summed counter deltas."""
-    ok = [r for r in records if r.get("error") is None]
-    prompt = sum(r["prompt_tokens"] for r in ok)
-    cached = sum(r.get("cached_tokens") or 0 for r in ok)
-    reusable = sum(r.get("reusable") or 0 for r in ok)
-    ttft = [r["ttft_s"] * 1000.0 for r in ok]
-    route_us = [s * 1e6 for s in route_s]
-    per_engine: dict[str, int] = {}
-    for r in records:
-        per_engine[r["engine"]] = per_engine.get(r["engine"], 0) + 1
-    server_prompt = metrics.get("prompt_tokens", 0.0)
-    n_events = events.get("events", 0.0)
-    row: dict[str, Any] = {
-        "mode": mode,
-        "requests": len(records),
-        "errors": len(records) - len(ok),
-        "first_error": next((r["error"] for r in records if r.get("error") is not None), None),
-        "wall_s": round(wall_s, 2),
-        "prompt_tokens": prompt,
-        "cached_tokens": cached,
-        "reusable_tokens": reusable,
-        "cached_pct": _pct(cached, prompt),
-        "reusable_pct": _pct(reusable, prompt),
-        "cached_of_reusable_pct": _pct(cached, reusable),
-        "gpu_pct": _pct(metrics.get("local_cache_hit", 0.0), server_prompt),
-        "connector_pct": _pct(metrics.get("external_kv_transfer", 0.0), server_prompt),
-        "ttft_mean_ms": round(sum(ttft) / len(ttft), 1) if ttft else float("nan"),
-        "ttft_p50_ms": round(percentile(ttft, 50), 1),
-        "ttft_p90_ms": round(percentile(ttft, 90), 1),
-        "server_ttft_mean_ms": round(1000.0 * metrics["server_ttft_sum_s"] / metrics["server_ttft_count"], 1)
-        if metrics.get("server_ttft_count")
-        else None,
-        "route_calls": len(route_us),
-        "route_mean_us": round(sum(route_us) / len(route_us), 1) if route_us else None,
-        "route_p99_us": round(percentile(route_us, 99), 1) if route_us else None,
-        "events": int(n_events),
-        "events_per_s": round(n_events / wall_s, 1) if wall_s > 0 else 0.0,
-        "gaps": int(events.get("gaps", 0)),
-        "resyncs": int(events.get("resyncs", 0)),
-        "per_engine": "/".join(str(per_engine[e]) for e in sorted(per_engine)),
-        "metrics": {k: int(v) if float(v).is_integer() else round(v, 4) for k, v in metrics.items()},
-        "subscriber": {k: round(v, 6) for k, v in events.items()},
-    }
-    if records and any("predicted" in r for r in records):
-        predicted = [r for r in ok if r.get("predicted") is not None]
-        row["predicted_tokens"] = sum(r["predicted"] for r in predicted)
-        row["predicted_exact"] = sum(1 for r in predicted if r["predicted"] == (r.get("cached_tokens") or 0))
-        row["predicted_over"] = sum(1 for r in predicted if r["predicted"] > (r.get("cached_tokens") or 0))
-    return row
-
-
-def hash_block_size_from_log(text: str) -> int | None:
-    """vLLM's hash block (tokens per block hash) from a server log: the gcd of the KV cache
-    groups' block sizes it logs for hybrid models; None if it did not log them."""
-    match = re.search(r"kv cache group sizes \(([\d, ]+)\)", text)
-    if match is None:
-        return None
-    sizes = [int(s) for s in match.group(1).replace(" ", "").split(",") if s]
-    return math.gcd(*sizes) if sizes else None
-
-
-def chunk_tokens_from_log(text: str) -> int | None:
-    """The connector's chunk (``chunk_tokens=N`` in its start-up line); None if not logged."""
-    match = re.search(r"hybrid-offload scheduler .*?chunk_tokens=(\d+)", text)
-    return int(match.group(1)) if match else None
-
 
 # ---- the run -----------------------------------------------------------------------------------
 
@@ -711,24 +446,6 @@ def run_modes(args: argparse.Namespace, model: Path, workdir: Path, shape: Traff
         "reusable_granularity": run.chunk,
         "max_model_len": max_len,
     }
-
-
-def plots(rows: Sequence[dict[str, Any]], json_path: Path) -> list[Path]:
-    """Bars per mode: served shares (and the reusable bound), TTFT p50/p90."""
-    modes = [r["mode"] for r in rows]
-    stem = json_path.with_suffix("")
-    served = {
-        "served, total %": [r["cached_pct"] for r in rows],
-        "vLLM's own cache (GPU) %": [r["gpu_pct"] for r in rows],
-        "connector (Redis) %": [r["connector_pct"] for r in rows],
-        "reusable %": [r["reusable_pct"] for r in rows],
-    }
-    ttft = {"TTFT p50": [r["ttft_p50_ms"] for r in rows], "TTFT p90": [r["ttft_p90_ms"] for r in rows]}
-    return [
-        bar_plot(Path(f"{stem}-served.png"), "Routing: prompt tokens served from caches", modes, served,
-                 "% of prompt tokens"),
-        bar_plot(Path(f"{stem}-ttft.png"), "Routing: time to first token", modes, ttft, "ms"),
-    ]  # fmt: skip
 
 
 @contextlib.contextmanager
