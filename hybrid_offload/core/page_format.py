@@ -12,9 +12,12 @@ Layout (little-endian)::
     tensor table  n_tensors x (dtype code u8, ndim u8, dims u32 x ndim)
     zero padding  so that the header is a multiple of 64 bytes
     header xxh3-64 over everything above (the last 8 header bytes)
-    payload       payload_len bytes, checksummed with xxh3-64 in the fixed header
+    payload       payload_len bytes, checksummed with fold64 (``core.checksum``) in the fixed header
 
-The checksums catch corruption, not forgery. Where a cache has a secret key (shared tiers that
+The payload checksum is :func:`~hybrid_offload.core.checksum.fold64`, which a GPU computes with
+two kernels and numpy without the GIL: a GPU engine checks the header here (:func:`check_header`,
+:func:`check_headers`) and the payload on the device after the copy. The checksums catch
+corruption, not forgery. Where a cache has a secret key (shared tiers that
 others can write), pages are signed: the MAC field holds HMAC-SHA256 under the key over the
 header (MAC zeroed, without the header checksum) and the payload, and a reader with the key
 refuses unsigned or badly signed pages.
@@ -28,12 +31,15 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
 
+import numpy as np
 import xxhash
 
 from hybrid_offload import FORMAT_VERSION
+from hybrid_offload.core.checksum import fold64
 from hybrid_offload.core.layer_parts import LAYERS_DIGEST_LEN as LAYERS_LEN
 from hybrid_offload.core.spec import DTYPE_SIZES, GroupKind, TensorSpec
 
@@ -49,9 +55,12 @@ _CODE_DTYPES = {code: name for name, code in _DTYPE_CODES.items()}
 _KIND_CODES = {GroupKind.FULL_ATTENTION: 1, GroupKind.SLIDING_WINDOW: 2, GroupKind.MAMBA: 3}
 _CODE_KINDS = {code: kind for kind, code in _KIND_CODES.items()}
 
-# magic, version, header_len, fingerprint, chunk_hash, group, kind, shard, shards, layer_start, layer_end,
-# layers, chunk_index, num_tokens, n_tensors, payload_len, payload_checksum, mac
-_FIXED = struct.Struct("<4sHI16s32sHBHHHH16sIIHQQ32s")
+#: the fixed header's fields and their struct codes, in order
+_FIELDS = (("magic", "4s"), ("version", "H"), ("hlen", "I"), ("fingerprint", "16s"), ("chunk_hash", "32s"),
+           ("group", "H"), ("kind", "B"), ("shard", "H"), ("shards", "H"), ("layer_start", "H"),
+           ("layer_end", "H"), ("layers", "16s"), ("chunk_index", "I"), ("num_tokens", "I"),
+           ("n_tensors", "H"), ("plen", "Q"), ("payload_checksum", "Q"), ("mac", "32s"))  # fmt: skip
+_FIXED = struct.Struct("<" + "".join(code for _, code in _FIELDS))
 MAC_LEN = 32
 FINGERPRINT_LEN = 16
 CHUNK_HASH_LEN = 32
@@ -146,7 +155,7 @@ def seal_page(buf: bytearray | memoryview, header: PageHeader, key: bytes | None
         )
     if len(view) != hlen + plen:
         raise PageFormatError(f"page buffer is {len(view)} bytes, expected {hlen + plen}")
-    payload_checksum = xxhash.xxh3_64_intdigest(view[hlen:])
+    payload_checksum = fold64(view[hlen:])
     fixed = _FIXED.pack(
         MAGIC, FORMAT_VERSION, hlen, header.fingerprint, header.chunk_hash,
         header.group_index, _KIND_CODES[header.kind], header.shard, header.shards, header.layer_start,
@@ -236,7 +245,7 @@ def decode_page(
     if len(view) != hlen + header.payload_len:
         raise PageFormatError(f"page is {len(view)} bytes, header says {hlen + header.payload_len}")
     payload = view[hlen:]
-    if xxhash.xxh3_64_intdigest(payload) != payload_checksum:
+    if fold64(payload) != payload_checksum:
         raise PageFormatError("payload checksum mismatch")
     if key:
         _check_mac(view, hlen, payload, key)
@@ -274,14 +283,10 @@ class PageTemplate:
                    _tensor_table(tensors))  # fmt: skip
 
 
-def verify_page(
-    data: bytes | bytearray | memoryview, template: PageTemplate, chunk_hash: bytes, chunk_index: int,
-    key: bytes | None = None,
-) -> memoryview:  # fmt: skip
-    """:func:`decode_page` against an expected header of ``template`` for chunk ``chunk_hash`` /
-    ``chunk_index``, without decoding the header: the same bytes are accepted and refused (with
-    the same kind of message); returns the payload (a view into ``data``)."""
-    view = memoryview(data).cast("B")
+def _fixed_fields(view: memoryview, template: PageTemplate) -> tuple[tuple, int]:
+    """Check what ``view`` shares with every page of ``template`` (length, magic, version, header
+    checksum, tensor table); return its identity fields (as :data:`_IDENTITY`) and its payload
+    checksum."""
     if len(view) != template.hlen + template.plen:
         raise PageFormatError(
             f"page is {len(view)} bytes, expected {template.hlen + template.plen} (truncated, or "
@@ -299,13 +304,12 @@ def verify_page(
     table = view[_FIXED.size : _FIXED.size + len(template.table)]
     if plen != template.plen or n_tensors != template.n_tensors or table != template.table:
         raise PageFormatError("page tensor shapes/dtypes differ from the model's")
-    payload = view[hlen:]
-    if xxhash.xxh3_64_intdigest(payload) != payload_checksum:
-        raise PageFormatError("payload checksum mismatch")
-    if key:
-        _check_mac(view, hlen, payload, key)
     got = (fingerprint, got_hash, group, _CODE_KINDS.get(kind), got_index, num_tokens, shard, shards,
            part, parts, layers)  # fmt: skip
+    return got, payload_checksum
+
+
+def _check_identity(got: tuple, template: PageTemplate, chunk_hash: bytes, chunk_index: int) -> None:
     want = (template.fingerprint, chunk_hash, template.group_index, template.kind, chunk_index,
             template.num_tokens, template.shard, template.shards, template.layer_start, template.layer_end,
             template.layers)  # fmt: skip
@@ -314,7 +318,84 @@ def verify_page(
             if g != w:
                 error = ForeignLayersError if got[:-1] == want[:-1] else PageFormatError
                 raise error(f"page {name} is {g!r}, expected {w!r}")
+
+
+def verify_page(
+    data: bytes | bytearray | memoryview, template: PageTemplate, chunk_hash: bytes, chunk_index: int,
+    key: bytes | None = None,
+) -> memoryview:  # fmt: skip
+    """:func:`decode_page` against an expected header of ``template`` for chunk ``chunk_hash`` /
+    ``chunk_index``, without decoding the header: the same bytes are accepted and refused (with
+    the same kind of message); returns the payload (a view into ``data``)."""
+    view = memoryview(data).cast("B")
+    got, payload_checksum = _fixed_fields(view, template)
+    payload = view[template.hlen :]
+    if fold64(payload) != payload_checksum:
+        raise PageFormatError("payload checksum mismatch")
+    if key:
+        _check_mac(view, template.hlen, payload, key)
+    _check_identity(got, template, chunk_hash, chunk_index)
     return payload
+
+
+def check_header(
+    data: bytes | bytearray | memoryview, template: PageTemplate, chunk_hash: bytes, chunk_index: int
+) -> int:
+    """:func:`verify_page` without the payload's checksum and MAC: the page's header is the one
+    asked for (same errors); returns the payload checksum it states, for whoever checks the
+    payload where it is (:func:`fold64` on the device)."""
+    view = memoryview(data).cast("B")
+    got, payload_checksum = _fixed_fields(view, template)
+    _check_identity(got, template, chunk_hash, chunk_index)
+    return payload_checksum
+
+
+def _field(name: str) -> slice:
+    """The bytes of fixed-header field ``name``."""
+    names = [n for n, _ in _FIELDS]
+    start = struct.calcsize("<" + "".join(code for _, code in _FIELDS[: names.index(name)]))
+    return slice(start, start + struct.calcsize("<" + dict(_FIELDS)[name]))
+
+
+_HASH, _INDEX, _PAYLOAD_SUM, _MAC = map(_field, ("chunk_hash", "chunk_index", "payload_checksum", "mac"))
+
+
+def _expected_header(template: PageTemplate) -> np.ndarray:
+    """The header bytes before its checksum that every page of ``template`` has, with zeros where
+    pages differ (chunk hash and index, payload checksum, MAC)."""
+    fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, template.hlen, template.fingerprint, bytes(CHUNK_HASH_LEN),
+                        template.group_index, _KIND_CODES[template.kind], template.shard, template.shards,
+                        template.layer_start, template.layer_end, template.layers, 0, template.num_tokens,
+                        template.n_tensors, template.plen, 0, _NO_MAC)  # fmt: skip
+    head = fixed + template.table
+    head += bytes(template.hlen - _CHECKSUM.size - len(head))
+    return np.frombuffer(head, dtype=np.uint8)
+
+
+def check_headers(
+    headers: np.ndarray, template: PageTemplate, chunk_hashes: Sequence[bytes], chunk_indices: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """:func:`check_header` of many pages at once: ``headers`` is ``(n, template.hlen)`` uint8,
+    the first bytes of n pages of ``template`` whose lengths the caller checked. Returns, per
+    page, whether it passes (bool) and the payload checksum it states (uint64). A few numpy
+    calls and one xxh3 per header; call :func:`check_header` on a failed page for its error."""
+    n, hlen = len(chunk_hashes), template.hlen
+    if headers.shape != (n, hlen) or headers.dtype != np.uint8:
+        raise ValueError(f"check_headers: expected ({n}, {hlen}) uint8 headers, got {headers.shape}")
+    head = headers[:, : hlen - _CHECKSUM.size]
+    same = head == _expected_header(template)
+    same[:, _PAYLOAD_SUM] = True
+    same[:, _MAC] = True
+    same[:, _HASH] = head[:, _HASH] == np.frombuffer(b"".join(chunk_hashes), dtype=np.uint8).reshape(n, -1)
+    index = np.asarray(chunk_indices, dtype="<u4").view(np.uint8).reshape(n, 4)
+    same[:, _INDEX] = head[:, _INDEX] == index
+    ok = same.all(axis=1)
+    stored = np.ascontiguousarray(headers[:, hlen - _CHECKSUM.size :]).view("<u8")[:, 0]
+    sums = np.fromiter((xxhash.xxh3_64_intdigest(row) for row in np.ascontiguousarray(head)),
+                       dtype=np.uint64, count=n)  # fmt: skip
+    ok &= sums == stored
+    payload_sums = np.ascontiguousarray(head[:, _PAYLOAD_SUM]).view("<u8")[:, 0]
+    return ok, payload_sums
 
 
 _IDENTITY = ("fingerprint", "chunk_hash", "group_index", "kind", "chunk_index", "num_tokens", "shard",

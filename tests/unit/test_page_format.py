@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import random
 import time
 import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import xxhash
 from hypothesis import given, settings
@@ -17,6 +19,7 @@ from page_builders import ATTN, CHUNK, MAMBA, SWA, make_header, make_page, paylo
 
 from hybrid_offload import FORMAT_VERSION
 from hybrid_offload.core import page_format as pf
+from hybrid_offload.core.checksum import fold64
 from hybrid_offload.core.page_format import (
     HEADER_ALIGN,
     MAGIC,
@@ -24,6 +27,7 @@ from hybrid_offload.core.page_format import (
     PageFormatError,
     PageHeader,
     PageTemplate,
+    check_headers,
     decode_header,
     decode_page,
     encode_page,
@@ -87,7 +91,7 @@ def test_round_trip(group: GroupSpec) -> None:
         assert got2 == got and bytes(view2) == payload
     parsed, offset, checksum = decode_header(data)
     assert parsed == got and offset == hlen
-    assert checksum == xxhash.xxh3_64_intdigest(payload)
+    assert checksum == fold64(payload)
 
 
 def test_payload_order_follows_page_tensors() -> None:
@@ -215,6 +219,40 @@ def _assert_rejected(data: bytes | bytearray, expected: PageHeader) -> None:
         decode_page(data)
     with pytest.raises(PageFormatError):
         verified(data, expected)
+    assert not _passes_split_check(data, expected)
+
+
+def _passes_split_check(data: bytes | bytearray, expected: PageHeader) -> bool:
+    """Whether ``data`` passes the check a GPU engine makes: the headers vectorized on the host
+    (:func:`check_headers`), the payload's fold64 where it is (here on the host)."""
+    template = PageTemplate.of(expected)
+    if len(data) != template.hlen + template.plen:
+        return False
+    rows = np.frombuffer(bytes(data[: template.hlen]), dtype=np.uint8).reshape(1, -1)
+    ok, sums = check_headers(rows, template, [expected.chunk_hash], [expected.chunk_index])
+    return bool(ok[0]) and int(sums[0]) == fold64(bytes(data[template.hlen :]))
+
+
+def test_split_check_accepts_what_verify_page_accepts() -> None:
+    """The vectorized header check and a separate payload checksum accept exactly the pages
+    verify_page accepts, in batches of pages of one template."""
+    header = make_header(ATTN)
+    pages = [make_page(dataclasses.replace(header, chunk_index=i, chunk_hash=bytes([i]) * 32), seed=i)
+             for i in range(6)]  # fmt: skip
+    template = PageTemplate.of(header)
+    rows = np.stack([np.frombuffer(p[: template.hlen], dtype=np.uint8) for p in pages])
+    hashes, indices = [bytes([i]) * 32 for i in range(6)], list(range(6))
+    ok, sums = check_headers(rows, template, hashes, indices)
+    assert ok.all()
+    assert [int(s) for s in sums] == [fold64(p[template.hlen :]) for p in pages]
+    indices[2], hashes[4] = 9, bytes(32)  # pages asked for under other identities
+    rows[5, 3] ^= 1  # a flipped header byte
+    ok, _ = check_headers(rows, template, hashes, indices)
+    assert ok.tolist() == [True, True, False, True, False, False]
+    signed = encode_page(header, payload_for(header), b"k" * 32)  # the MAC is the key holder's check
+    ok, _ = check_headers(np.frombuffer(signed[: template.hlen], dtype=np.uint8).reshape(1, -1), template,
+                          [header.chunk_hash], [header.chunk_index])  # fmt: skip
+    assert ok.all()
 
 
 def test_every_single_bit_flip_is_caught_mamba_page() -> None:
@@ -308,7 +346,7 @@ def _hostile_page(table: bytes, n_tensors: int, payload_len: int, tail: bytes = 
     hlen = -(-size // 64) * 64
     buf = bytearray(hlen)
     pf._FIXED.pack_into(buf, 0, MAGIC, FORMAT_VERSION, hlen, b"\0" * 16, b"\0" * 32, 0, 3, 0, 1, 0, 1,
-                        b"\0" * 16, 0, 0, n_tensors, payload_len, xxhash.xxh3_64_intdigest(tail), bytes(32))
+                        b"\0" * 16, 0, 0, n_tensors, payload_len, fold64(tail), bytes(32))
     buf[pf._FIXED.size : pf._FIXED.size + len(table)] = table
     buf[hlen - 8 :] = xxhash.xxh3_64_intdigest(bytes(buf[: hlen - 8])).to_bytes(8, "little")
     return bytes(buf) + tail
@@ -435,7 +473,7 @@ def test_signed_pages_verify_only_under_their_key() -> None:
     tampered = bytearray(signed)
     tampered[-1] ^= 1
     hlen = header_len(header.tensors)
-    tampered = reseal(bytes(tampered), payload_checksum=xxhash.xxh3_64_intdigest(bytes(tampered[hlen:])))
+    tampered = reseal(bytes(tampered), payload_checksum=fold64(bytes(tampered[hlen:])))
     with pytest.raises(PageFormatError, match="does not verify"):
         decode_page(tampered, None, key)
     with pytest.raises(PageFormatError, match="does not verify"):
