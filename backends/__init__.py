@@ -18,6 +18,8 @@ from .base import (
     BuffersInUseError,
     InvalidKeyError,
     PageInfo,
+    PageLease,
+    PageReservation,
     check_keys,
     check_prefix,
 )
@@ -37,6 +39,8 @@ __all__ = [
     "BuffersInUseError",
     "InvalidKeyError",
     "PageInfo",
+    "PageLease",
+    "PageReservation",
     "backend_class",
     "check_keys",
     "check_prefix",

@@ -37,6 +37,14 @@ Contract (every backend, checked by ``tests/contract``):
   order, without reading them (the connector keeps a prefix more recent than the pages that
   need it). Backends whose LRU it refreshes say so with ``touch_refreshes = True``; the others
   ignore it.
+* **Pages in place (optional).** ``lease_batch(keys)`` lends stored pages as read-only views of
+  the backend's own memory (:class:`PageLease`: no copy; a page stays as it is, and its memory
+  is not reused, until the lease is released), and ``reserve_batch(keys, sizes)`` hands out
+  writable memory for pages that become visible only when committed
+  (:class:`PageReservation`). Backends whose pages live in memory this process can address
+  (the cpu tier's arena) say so with ``in_place = True`` and expose that memory as
+  ``arena``; for the others the defaults copy (``get_batch``, ``put_batch``), so every backend
+  offers both calls.
 * **Listing (optional).** ``scan(prefix)`` yields a :class:`PageInfo` per stored page whose key
   starts with ``prefix`` (for tools such as ``hybrid-offload cache``; the connector never calls
   it). Backends that cannot list raise ``NotImplementedError``. See :meth:`Backend.scan`.
@@ -57,7 +65,7 @@ from __future__ import annotations
 import re
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -125,6 +133,73 @@ class BackendStats:
     errors: int = 0
 
 
+class PageLease:
+    """Stored pages lent by :meth:`Backend.lease_batch`, in the order of the keys asked for.
+
+    ``views[i]`` is page ``i``'s bytes (a read-only memoryview; None: a miss), valid until
+    :meth:`release`. Where the backend lends in place, ``offsets[i]`` is where the page starts
+    in ``memory`` (the backend's ``arena``), so that pages side by side can be copied as one;
+    else ``memory`` is None. :meth:`release` is idempotent; a lease never released keeps its
+    pages' memory from being reused (never their keys from being evicted or replaced).
+    """
+
+    def __init__(
+        self,
+        views: list[memoryview | None],
+        offsets: list[int | None] | None = None,
+        memory: memoryview | None = None,
+        release: Callable[[], None] | None = None,
+    ) -> None:
+        self.views = views
+        self.offsets = offsets if offsets is not None else [None] * len(views)
+        self.memory = memory
+        self._release = release
+        self._lock = threading.Lock()
+
+    def release(self) -> None:
+        with self._lock:
+            release, self._release = self._release, None
+        if release is not None:
+            release()
+
+
+class PageReservation:
+    """Memory for pages that become visible only when committed (:meth:`Backend.reserve_batch`).
+
+    ``views[i]`` is writable memory of exactly the size asked for key ``i`` (None: refused, as
+    ``put_batch`` refuses a page), at ``offsets[i]`` in ``memory`` where the backend reserves in
+    place (else ``memory`` is None). :meth:`commit` publishes the pages whose ``ok`` is True (all
+    when None), replacing older versions and evicting by LRU as ``put_batch`` does, and returns
+    per key whether it is stored now; :meth:`abort` (or a commit of none) frees the rest. Only
+    the first of the two calls does anything.
+    """
+
+    def __init__(
+        self,
+        views: list[memoryview | None],
+        commit: Callable[[list[bool]], list[bool]],
+        offsets: list[int | None] | None = None,
+        memory: memoryview | None = None,
+    ) -> None:
+        self.views = views
+        self.offsets = offsets if offsets is not None else [None] * len(views)
+        self.memory = memory
+        self._commit: Callable[[list[bool]], list[bool]] | None = commit
+        self._lock = threading.Lock()
+
+    def commit(self, ok: Sequence[bool] | None = None) -> list[bool]:
+        flags = [v is not None for v in self.views] if ok is None else [
+            bool(o) and v is not None for o, v in zip(ok, self.views, strict=True)]  # fmt: skip
+        with self._lock:
+            commit, self._commit = self._commit, None
+        if commit is None:
+            return [False] * len(self.views)
+        return commit(flags)
+
+    def abort(self) -> None:
+        self.commit([False] * len(self.views))
+
+
 @dataclass(frozen=True)
 class PageInfo:
     """One stored page as :meth:`Backend.scan` lists it.
@@ -168,6 +243,9 @@ class Backend(ABC):
     touch_refreshes: ClassVar[bool] = False
     #: type-specific option names and their defaults; anything else is rejected
     option_defaults: ClassVar[dict[str, Any]] = {}
+    #: whether :meth:`lease_batch` and :meth:`reserve_batch` work in the backend's own memory
+    #: (its ``arena``, a writable memoryview) instead of copying
+    in_place: ClassVar[bool] = False
 
     def __init__(self, config: BackendConfig) -> None:
         self.config = config
@@ -241,6 +319,20 @@ class Backend(ABC):
         check_keys(keys)
         self._check_open()
         return self._get_prefix(keys, nbytes, sizes)
+
+    def lease_batch(self, keys: Sequence[str]) -> PageLease:
+        """Lend each stored page (see :class:`PageLease`); misses are None."""
+        check_keys(keys)
+        self._check_open()
+        return self._lease_batch(keys)
+
+    def reserve_batch(self, keys: Sequence[str], sizes: Sequence[int]) -> PageReservation:
+        """Memory for pages of ``sizes`` bytes under ``keys`` (see :class:`PageReservation`)."""
+        if len(keys) != len(sizes) or any(n < 0 for n in sizes):
+            raise ValueError("reserve_batch: keys and sizes differ in length, or a size is negative")
+        check_keys(keys)
+        self._check_open()
+        return self._reserve_batch(keys, sizes)
 
     def contains_batch(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is stored now (a later get may still miss after eviction)."""
@@ -340,6 +432,24 @@ class Backend(ABC):
         return [
             None if n is None else bytes(buf[: min(n, nbytes)]) for n, buf in zip(got, buffers, strict=True)
         ]
+
+    def _lease_batch(self, keys: Sequence[str]) -> PageLease:
+        """:meth:`lease_batch`; the default lends copies (:meth:`_get_batch`)."""
+        return PageLease([None if data is None else memoryview(data) for data in self._get_batch(keys)])
+
+    def _reserve_batch(self, keys: Sequence[str], sizes: Sequence[int]) -> PageReservation:
+        """:meth:`reserve_batch`; the default hands out fresh buffers (refusing pages larger
+        than the capacity) and commits them with :meth:`put_batch` (so the wrappers see the
+        put)."""
+        views: list[memoryview | None] = [
+            None if n > self.capacity_bytes else memoryview(bytearray(n)) for n in sizes]  # fmt: skip
+
+        def commit(ok: list[bool]) -> list[bool]:
+            items = [(k, v) for k, v, o in zip(keys, views, ok, strict=True) if o and v is not None]
+            stored = iter(self.put_batch(items) if items else [])
+            return [next(stored) if o else False for o in ok]
+
+        return PageReservation(views, commit)
 
     @abstractmethod
     def _contains_batch(self, keys: Sequence[str]) -> list[bool]:

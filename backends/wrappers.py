@@ -36,6 +36,8 @@ from .base import (
     Buffer,
     InvalidKeyError,
     PageInfo,
+    PageLease,
+    PageReservation,
 )
 from .health import BackendHealth
 
@@ -51,7 +53,8 @@ __all__ = [
 ]
 
 #: the calls that move or probe pages; the health gate and the recorder see these
-DATA_CALLS = ("put_batch", "get_batch", "get_into", "contains_batch", "delete_batch", "touch_batch")
+DATA_CALLS = ("put_batch", "get_batch", "get_into", "lease_batch", "reserve_batch", "contains_batch",
+              "delete_batch", "touch_batch")  # fmt: skip
 #: a backend's ``used_bytes()`` is read at most this often (after a successful call)
 USAGE_SAMPLE_S = 1.0
 
@@ -72,6 +75,7 @@ class BackendWrapper:
         self.hit_source = inner.hit_source
         self.touch_refreshes = inner.touch_refreshes
         self.option_defaults = inner.option_defaults
+        self.in_place = inner.in_place
 
     def _call(self, op: str, *args: Any) -> Any:
         """Every data call (:data:`DATA_CALLS`) goes through here: the one place a wrapper
@@ -102,6 +106,17 @@ class BackendWrapper:
 
     def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
         return self._call("get_into", keys, buffers)
+
+    def lease_batch(self, keys: Sequence[str]) -> PageLease:
+        return self._call("lease_batch", keys)
+
+    def reserve_batch(self, keys: Sequence[str], sizes: Sequence[int]) -> PageReservation:
+        return self._call("reserve_batch", keys, sizes)
+
+    @property
+    def arena(self) -> memoryview:
+        """The wrapped backend's memory, where it works in place (``in_place``)."""
+        return self.inner.arena  # type: ignore[attr-defined]
 
     def contains_batch(self, keys: Sequence[str]) -> list[bool]:
         return self._call("contains_batch", keys)
@@ -253,8 +268,9 @@ class FaultInjectingBackend(BackendWrapper):
     * ``fail(op, times=n, error=...)``: the next ``n`` calls of ``op`` (a :data:`DATA_CALLS`
       name) raise ``error`` (default :class:`~.base.BackendUnavailableError`) without reaching
       the backend; ``times=None``: until :meth:`heal`.
-    * ``corrupt_reads(times=n)``: the next ``n`` ``get_into`` / ``get_batch`` calls flip one
-      byte in the middle of every page they return.
+    * ``corrupt_reads(times=n)``: the next ``n`` ``get_into`` / ``get_batch`` / ``lease_batch``
+      calls flip one byte in the middle of every page they return (a lease in place: in the
+      backend's own memory, where the page stays corrupt).
     * ``hold(op)``: calls of ``op`` block until :meth:`release` (a :class:`threading.Event`
       the test controls, so "does not block the caller" is checked without timing).
     ``calls`` counts calls per op that reached this wrapper.
@@ -305,7 +321,7 @@ class FaultInjectingBackend(BackendWrapper):
                     self._failures[op] = (times - 1, error)
             else:
                 error = None
-            corrupt = op in ("get_into", "get_batch") and self._corrupt > 0
+            corrupt = op in ("get_into", "get_batch", "lease_batch") and self._corrupt > 0
             if corrupt:
                 self._corrupt -= 1
         if held is not None:
@@ -313,7 +329,9 @@ class FaultInjectingBackend(BackendWrapper):
         if error is not None:
             raise error
         result = super()._call(op, *args)
-        if corrupt:
+        if corrupt and op == "lease_batch":
+            _corrupt_lease(result)
+        elif corrupt:
             pages = args[1] if op == "get_into" else None
             for i, got in enumerate(result):
                 if got is None:
@@ -326,3 +344,18 @@ class FaultInjectingBackend(BackendWrapper):
                     page[len(page) // 2] ^= 0xFF
                     result[i] = bytes(page)
         return result
+
+
+def _corrupt_lease(lease: PageLease) -> None:
+    """Flip the middle byte of every leased page: in the lender's memory where it lends in
+    place, else in the lease's copies."""
+    for i, view in enumerate(lease.views):
+        if view is None or view.nbytes == 0:
+            continue
+        offset = lease.offsets[i]
+        if lease.memory is not None and offset is not None:
+            lease.memory[offset + view.nbytes // 2] ^= 0xFF
+        else:
+            page = bytearray(view)
+            page[len(page) // 2] ^= 0xFF
+            lease.views[i] = memoryview(bytes(page))

@@ -50,11 +50,11 @@ import numpy as np
 from hybrid_offload.compat import check_versions, nixl_agent
 from hybrid_offload.core.secrets import Secret
 
+from ..page_pool import ALIGN, NotOwnedError, PageIndex, PendingLimitError, scan_pages
 from . import protocol as p
 from .auth import challenge, check_client, welcome_mac
 from .connections import Connection, ConnectionTable, Limits
 from .exposure import check_bind, ucx_env
-from .pool import ALIGN, NotOwnedError, PageIndex, PendingLimitError, scan_pages
 
 __all__ = ["PeerOptions", "PeerServer", "default_pool_bytes", "run_peer"]
 

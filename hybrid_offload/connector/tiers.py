@@ -31,12 +31,14 @@ ERROR_KIND = {
     "put_batch": "put",
     "get_batch": "get",
     "get_into": "get",
+    "lease_batch": "get",
+    "reserve_batch": "put",
     "contains_batch": "lookup",
     "delete_batch": "delete",
     "touch_batch": "touch",
 }
 #: the calls whose latency is a metric (``store_seconds`` / ``load_seconds``), by method
-TIMED = {"put_batch": "store", "get_into": "load"}
+TIMED = {"put_batch": "store", "get_into": "load", "lease_batch": "load"}
 
 
 @dataclass(frozen=True)

@@ -228,6 +228,63 @@ class BackendContract:
         assert backend.used_bytes() == 0
         assert [p for p in tmp_path.rglob("*") if not p.is_dir()] == []
 
+    # -- pages in place (copies where the backend does not lend in place) -----------------
+
+    def test_lease_lends_pages_in_key_order(self, backend: Backend) -> None:
+        pages = {key(i): page(i, 100 + 37 * i) for i in range(5)}
+        backend.put_batch(list(pages.items()))
+        asked = [key(3), key(99), key(0), key(4)]
+        lease = backend.lease_batch(asked)
+        try:
+            assert [None if v is None else bytes(v) for v in lease.views] == [
+                pages[key(3)], None, pages[key(0)], pages[key(4)]]  # fmt: skip
+            assert all(v is None or v.readonly for v in lease.views)
+            if backend.in_place:
+                assert lease.memory is not None
+                for view, offset in zip(lease.views, lease.offsets, strict=True):
+                    if view is not None:
+                        assert offset is not None
+                        assert bytes(lease.memory[offset : offset + view.nbytes]) == bytes(view)
+        finally:
+            lease.release()
+            lease.release()  # idempotent
+
+    def test_leased_bytes_stay_while_the_page_goes(self, open_backend: Callable[..., Backend]) -> None:
+        """Deleting, replacing or evicting a leased page never changes the lent bytes."""
+        backend = open_backend(4000)
+        backend.put_batch([(key(0), page(0, 1000)), (key(1), page(1, 1000))])
+        lease = backend.lease_batch([key(0), key(1)])
+        backend.delete_batch([key(0)])
+        backend.put_batch([(key(1), page(11, 1000))])
+        backend.put_batch([(key(i), page(i, 1000)) for i in range(2, 9)])  # evicts everything older
+        assert [bytes(v) for v in lease.views if v is not None] == [page(0, 1000), page(1, 1000)]
+        lease.release()
+        assert backend.used_bytes() <= 4000
+
+    def test_reservation_is_invisible_until_committed(self, backend: Backend) -> None:
+        res = backend.reserve_batch([key(1), key(2), key(3)], [500, 0, 700])
+        for i, view in zip((1, 2, 3), res.views, strict=True):
+            assert view is not None and view.nbytes == len(page(i, 500 if i == 1 else (0 if i == 2 else 700)))
+            view[:] = page(i, view.nbytes)
+        assert backend.contains_batch([key(1), key(3)]) == [False, False]
+        assert res.commit([True, True, False]) == [True, True, False]
+        assert res.commit() == [False, False, False]  # only the first commit counts
+        assert backend.get_batch([key(1), key(2), key(3)]) == [page(1, 500), b"", None]
+
+    def test_reservation_abort_and_refusal(self, open_backend: Callable[..., Backend]) -> None:
+        backend = open_backend(4000)
+        backend.put_batch([(key(0), page(0, 1000))])
+        res = backend.reserve_batch([key(0), key(1)], [1000, 4001])
+        assert res.views[1] is None  # larger than the capacity: refused
+        assert res.views[0] is not None
+        res.views[0][:] = page(9, 1000)
+        res.abort()
+        assert backend.get_batch([key(0), key(1)]) == [page(0, 1000), None]  # the old version stays
+        with pytest.raises(InvalidKeyError):
+            backend.reserve_batch(["../x"], [10])
+        with pytest.raises(ValueError):
+            backend.reserve_batch([key(2)], [10, 20])
+
     # -- capacity and eviction -------------------------------------------------------------
 
     def test_used_bytes_never_exceeds_capacity(self, open_backend: Callable[..., Backend]) -> None:

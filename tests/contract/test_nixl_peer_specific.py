@@ -28,7 +28,7 @@ from hybrid_offload.backends.nixl_peer import protocol as p
 from hybrid_offload.backends.nixl_peer.auth import NONCE_BYTES, challenge, raw_handshake, welcome_mac
 from hybrid_offload.backends.nixl_peer.connections import Connection, ConnectionTable, Limits
 from hybrid_offload.backends.nixl_peer.exposure import check_bind, interface_of, is_loopback
-from hybrid_offload.backends.nixl_peer.pool import ALIGN, ExtentAllocator, NotOwnedError, PageIndex
+from hybrid_offload.backends.page_pool import ALIGN, ExtentAllocator, NotOwnedError, PageIndex
 from hybrid_offload.testing.services import PeerFactory
 
 MiB = 1 << 20

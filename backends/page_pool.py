@@ -1,4 +1,7 @@
-"""The cache peer's page index and pool allocator (pure bookkeeping: no sockets, no NIXL).
+"""A page index over one pool of memory and its allocator (pure bookkeeping: no memory, no I/O).
+
+Used by the cache peer (``nixl_peer/server.py``, its pool registered with NIXL) and by the cpu
+tier (``cpu.py``, its arena pinned for the GPU).
 
 * :class:`ExtentAllocator` hands out 64-byte aligned extents of the pool from free extents
   kept by size class and by both ends: an allocation looks at a bounded number of candidates,
@@ -40,7 +43,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..lru_index import Entry, LruIndex
+from .lru_index import Entry, LruIndex
 
 __all__ = [
     "ALIGN",
@@ -235,11 +238,18 @@ class PageIndex:
         alloc_timeout_s: float = 30.0,
         max_pending: int = 64,
         clock: Callable[[], float] = time.monotonic,
+        reserve_limit: int | None = None,
+        report_removals: bool = False,
     ) -> None:
+        """``reserve_limit``: reserved bytes beyond which ALLOC refuses instead of evicting
+        committed pages (default: the pool's slack above ``capacity``, at least 1/8 of it);
+        ``report_removals``: keep the keys that leave the index (evicted, deleted; not replaced)
+        in :attr:`removed`, oldest first, for whoever mirrors the index."""
         self.allocator = ExtentAllocator(pool_size)
         size = self.allocator.size
-        #: reserved bytes beyond which ALLOC refuses instead of evicting committed pages
-        self.reserve_limit = max(size - capacity, size // 8)
+        self.reserve_limit = max(size - capacity, size // 8) if reserve_limit is None else reserve_limit
+        self.removed: list[str] = []
+        self._report = report_removals
         self.max_pending = max_pending
         self.lease_timeout_s = lease_timeout_s
         self.alloc_timeout_s = alloc_timeout_s
@@ -296,6 +306,7 @@ class PageIndex:
             if evicted is None:
                 return None
             self._retire(evicted.value.extent)
+            self._removed(evicted.key)
             reservation.evictions += 1
             reservation.evicted_bytes += evicted.value.size
 
@@ -303,6 +314,11 @@ class PageIndex:
 
     def lookup(self, keys: list[str]) -> list[bool]:
         return [key in self._pages for key in keys]
+
+    def touch(self, keys: list[str]) -> None:
+        """Make each present page the most recently used, in order (no pin, no lease)."""
+        for key in keys:
+            self._pages.touch(key)
 
     def get(self, keys: list[str], owner: object) -> tuple[int, list[tuple[int, int] | None]]:
         """Pin and refresh each present page; ``(lease_id, [(offset, length) | None])``.
@@ -372,11 +388,12 @@ class PageIndex:
         return alloc_id, offsets
 
     def commit(
-        self, alloc_id: int, success: list[bool], owner: object = None
+        self, alloc_id: int, success: list[bool], owner: object = None, outcomes: list[bool] | None = None
     ) -> tuple[int, int, int] | None:
         """Publish the successful items in order; ``(committed, evictions, evicted_bytes)``,
         or None if ``alloc_id`` is unknown (expired, already committed) or, when ``owner`` is
-        given, another owner's (which stays as it is)."""
+        given, another owner's (which stays as it is). ``outcomes`` gets, per item, whether it
+        was published."""
         res = self._allocs.get(alloc_id)
         if res is None or (owner is not None and res.owner is not owner):
             return None
@@ -386,7 +403,9 @@ class PageIndex:
         now = self._clock()
         work = Work(WORK_PER_MESSAGE + WORK_PER_KEY * len(res.items))
         flags = list(success) + [False] * (len(res.items) - len(success))
+        published = outcomes if outcomes is not None else []
         for (key, size, extent), ok in zip(res.items, flags, strict=False):
+            published.append(False)
             if extent is None:
                 continue
             self._reserved -= extent.size
@@ -400,12 +419,14 @@ class PageIndex:
                 if evicted is None:
                     break
                 self._retire(evicted.value.extent)
+                self._removed(evicted.key)
                 evictions += 1
                 evicted_bytes += evicted.size
             if self._pages.used + size > self.capacity:  # out of work: not stored, room made so far kept
                 self.allocator.free(extent)
                 continue
             self._pages.insert(key, size, _Page(size, extent, now))
+            published[-1] = True
             committed += 1
         return committed, evictions, evicted_bytes
 
@@ -413,7 +434,14 @@ class PageIndex:
         return self.commit(alloc_id, []) is not None
 
     def delete(self, keys: list[str]) -> int:
-        return sum(self._drop(key) for key in keys)
+        dropped = [key for key in keys if self._drop(key)]
+        for key in dropped:
+            self._removed(key)
+        return len(dropped)
+
+    def _removed(self, key: str) -> None:
+        if self._report:
+            self.removed.append(key)
 
     # -- expiry -----------------------------------------------------------------------------
 
