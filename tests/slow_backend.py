@@ -7,11 +7,13 @@ import time
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+from hybrid_offload.backends.base import PageLease
 from hybrid_offload.backends.cpu import CpuBackend
 
 
 class SlowCpuBackend(CpuBackend):
-    """CpuBackend that sleeps ``delay_s`` in every ``get_into`` (after the base's checks)."""
+    """CpuBackend that sleeps ``delay_s`` in every ``get_into`` and ``lease_batch`` (after the
+    base's checks)."""
 
     type_name: ClassVar[str] = "slow_cpu"
     option_defaults: ClassVar[dict[str, Any]] = {"delay_s": 0.0}
@@ -19,3 +21,7 @@ class SlowCpuBackend(CpuBackend):
     def _get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
         time.sleep(float(self.config.options["delay_s"]))
         return super()._get_into(keys, buffers)
+
+    def _lease_batch(self, keys: Sequence[str]) -> PageLease:
+        time.sleep(float(self.config.options["delay_s"]))
+        return super()._lease_batch(keys)

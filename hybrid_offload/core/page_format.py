@@ -136,9 +136,15 @@ def _mac(key: bytes, header: bytes | memoryview, payload: memoryview) -> bytes:
     return h.digest()
 
 
-def seal_page(buf: bytearray | memoryview, header: PageHeader, key: bytes | None = None) -> None:
+def seal_page(
+    buf: bytearray | memoryview,
+    header: PageHeader,
+    key: bytes | None = None,
+    payload_checksum: int | None = None,
+) -> None:
     """Write the header into ``buf`` whose payload region (after ``header_len``) is filled,
-    signed under ``key`` where one is given.
+    signed under ``key`` where one is given; ``payload_checksum``: the payload's fold64 where
+    the caller computed it (on the device), else it is computed here.
 
     ``buf`` must be exactly ``page_len(header.tensors)`` bytes. The payload is not copied.
     """
@@ -155,7 +161,8 @@ def seal_page(buf: bytearray | memoryview, header: PageHeader, key: bytes | None
         )
     if len(view) != hlen + plen:
         raise PageFormatError(f"page buffer is {len(view)} bytes, expected {hlen + plen}")
-    payload_checksum = fold64(view[hlen:])
+    if payload_checksum is None:
+        payload_checksum = fold64(view[hlen:])
     fixed = _FIXED.pack(
         MAGIC, FORMAT_VERSION, hlen, header.fingerprint, header.chunk_hash,
         header.group_index, _KIND_CODES[header.kind], header.shard, header.shards, header.layer_start,
@@ -348,6 +355,13 @@ def check_header(
     got, payload_checksum = _fixed_fields(view, template)
     _check_identity(got, template, chunk_hash, chunk_index)
     return payload_checksum
+
+
+def check_mac(data: bytes | bytearray | memoryview, template: PageTemplate, key: bytes) -> None:
+    """Raise :class:`PageFormatError` unless the page (of ``template``, header checked) is
+    signed under ``key``; what :func:`verify_page` checks with a key, on its own."""
+    view = memoryview(data).cast("B")
+    _check_mac(view, template.hlen, view[template.hlen :], key)
 
 
 def _field(name: str) -> slice:

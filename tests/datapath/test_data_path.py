@@ -24,10 +24,11 @@ SMALL = HybridShape(attn_layers=2, kv_heads=4, head_size=64, gdn_layers=4, k_hea
                     head_k=16, head_v=32, group_layers=2)  # fmt: skip
 
 
-def tiers(kind: str, root: Path) -> list[BackendConfig]:
+def tiers(kind: str, root: Path, capacity: int = 1 << 30) -> list[BackendConfig]:
+    """One tier; a GPU worker page-locks a cpu tier's whole arena, so it is sized for the test."""
     if kind == "cpu":
-        return [BackendConfig("cpu", "cpu", 1 << 34)]
-    return [BackendConfig("disk", "disk", 1 << 34, {"path": str(root / "disk")})]
+        return [BackendConfig("cpu", "cpu", capacity)]
+    return [BackendConfig("disk", "disk", capacity, {"path": str(root / "disk")})]
 
 
 def tokens_of(n: int, seed: int = 0) -> list[int]:
@@ -201,6 +202,59 @@ def test_a_long_request_of_a_qwen3_next_shaped_cache(device: str, n: int, tmp_pa
     layers = {} if device == "cuda" else {"attn_layers": 1, "gdn_layers": 3, "group_layers": 1}
     shape = HybridShape(**{**QWEN3_NEXT_80B.__dict__, **layers})
     blocks = blocks_for(shape, n)
-    w = KVWorld(shape, blocks, "LBNHC", device, tiers("cpu", tmp_path), staging_pool_bytes=4 << 30)
+    w = KVWorld(shape, blocks, "LBNHC", device, tiers("cpu", tmp_path, 4 << 30), staging_pool_bytes=4 << 30)
     worlds.append(w)
     round_trip(w, w, "cpu", n, 3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_checksum_twin_gives_the_hosts_value_on_the_device(device: str) -> None:
+    """fold64 on the device (after a load's copy) equals the host's (at a store's seal)."""
+    from hybrid_offload.connector.worker.device_checksum import fold64_rows
+    from hybrid_offload.core.checksum import fold64
+
+    gen = torch.Generator().manual_seed(5)
+    for nbytes in (8, 13, 4096 + 3, 786_432, 3 << 20):
+        block = torch.randint(0, 256, (4, -(-nbytes // 64) * 64), dtype=torch.uint8, generator=gen)
+        got = fold64_rows(block.to(device)[:, :nbytes]).cpu().tolist()
+        assert [v & ((1 << 64) - 1) for v in got] == [fold64(r[:nbytes].numpy().tobytes()) for r in block]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tier", ["cpu", "disk"])
+@pytest.mark.parametrize("where", ["payload", "header"])
+def test_a_corrupt_page_in_a_tier_is_a_miss(device: str, tier: str, where: str, tmp_path: Path,
+                                            worlds: list[KVWorld]) -> None:  # fmt: skip
+    """One flipped byte of one page (in the cpu tier's arena itself, or in the disk file's
+    bytes): the load fails (vLLM recomputes), the page is counted bad and deleted, and the
+    pages stored again then load bit-identically."""
+    n = 700 + 5
+    blocks = blocks_for(SMALL, n)
+    w = KVWorld(SMALL, blocks, "LBNHC", device, tiers(tier, tmp_path))
+    worlds.append(w)
+    fill_random(w.raw, 6)
+    tokens = tokens_of(n, 6)
+    src, dst = tables(w, n)
+    stored = w.pages(tokens, src, blocks - 2)
+    w.store(stored, [tier])
+    backend = w.worker.backends[tier]
+    victim = w.planner.piece_key(stored[3].key, stored[3].group, w.worker.codecs[stored[3].group].read[0])
+    lease = backend.lease_batch([victim])
+    view = lease.views[0]
+    assert view is not None
+    at = 10 if where == "header" else view.nbytes - 7
+    if backend.in_place:  # the arena's own byte
+        assert lease.memory is not None and lease.offsets[0] is not None
+        lease.memory[lease.offsets[0] + at] ^= 0x10
+    else:
+        page = bytearray(view)
+        page[at] ^= 0x10
+        backend.put_batch([(victim, bytes(page))])
+    lease.release()
+    assert not w.load(w.pages(tokens, dst, blocks - 1), tier)
+    counters = w.worker.stats.snapshot()
+    assert counters["bad_pages"] == 1
+    assert backend.contains_batch([victim]) == [False]
+    w.store(stored, [tier])
+    assert w.load(w.pages(tokens, dst, blocks - 1), tier, req_id="again")
+    assert_same_kv(w, src, w, dst, loaded_tokens(w, n))

@@ -407,7 +407,7 @@ def test_request_finished_during_its_load_is_reported_once_as_received(world) ->
     from hybrid_offload.connector import HybridOffloadConnector
 
     w, pages, _ = stored_world(world)
-    opened = gate(w.backend("cpu"), "get_into")
+    opened = gate(w.backend("cpu"), "lease_batch")
     job = load_job(tuple(replace(p, block_ids=(b,)) for p, b in zip(pages, (11, 6, 13, 12), strict=True))
     )
     w.worker.start_loads([job])
@@ -637,7 +637,8 @@ def test_staging_memory_a_failed_read_was_given_is_never_reused(world) -> None:
     memory stays out of the pool (the fallback read it into buffers of its own); a clean
     load's goes back and the next load reads into it."""
     flaky = BackendConfig("test_unavailable", "flaky", 1 << 30)
-    w, _, _ = stored_world(world, flaky, cpu())
+    clock = [0.0]
+    w, _, _ = stored_world(world, flaky, cpu(), clock=lambda: clock[0])
     w.backend("flaky").error = BackendUnavailableError("medium gone")
     dst = [11, 6, 13]
     pages_dst = (*(w.attn_page(c, dst) for c in range(3)), w.mamba_page(2, (12,)))
@@ -645,11 +646,13 @@ def test_staging_memory_a_failed_read_was_given_is_never_reused(world) -> None:
     w.worker.start_loads([LoadJob(job.req_id, job.segments, ("cpu",))])
     assert w.finish("fell-back") == ({"fell-back"}, set())
     assert w.worker.loads.staging.free_bytes == 0
-    w.worker.start_loads([load_job(pages_dst, "cpu", "clean")])
+    w.backend("flaky").error = None  # the next loads read it into staging rows again
+    clock[0] = 60.0  # past its backoff
+    w.worker.start_loads([load_job(pages_dst, "flaky", "clean")])
     assert w.finish("clean") == ({"clean"}, set())
     kept = w.worker.loads.staging.free_bytes
     assert kept > 0
-    w.worker.start_loads([load_job(pages_dst, "cpu", "again")])
+    w.worker.start_loads([load_job(pages_dst, "flaky", "again")])
     assert w.finish("again") == ({"again"}, set())
     assert w.worker.loads.staging.free_bytes == kept
 
@@ -744,7 +747,7 @@ def test_switch_interval_is_lowered_only_while_a_load_is_in_flight(world) -> Non
     default = sys.getswitchinterval()
     w, _, _ = stored_world(world)
     w.worker.loads.switch.interval_s = 0.0005
-    opened = gate(w.backend("cpu"), "get_into")
+    opened = gate(w.backend("cpu"), "lease_batch")
     w.worker.start_loads([load_job((w.attn_page(0, [11, 6, 13]),))])
     assert sys.getswitchinterval() == 0.0005  # the load thread waits in the gate
     opened.set()
@@ -770,7 +773,7 @@ def test_an_idle_step_waits_for_a_load_in_flight(world) -> None:
     """A step that schedules nothing waits for a load (up to wait_s) instead of returning to a
     spinning step loop; a load not done by then is reported by a later step."""
     w, pages, _ = stored_world(world)
-    held = gate(w.backend("cpu"), "get_into")
+    held = gate(w.backend("cpu"), "lease_batch")
     w.worker.start_loads([load_job(tuple(pages))])
     assert w.worker.write_finished_loads(wait_s=0.01) == (set(), set())  # not done: returns anyway
     held.set()

@@ -4,14 +4,26 @@ and head run, bit-identical to writing page by page, over vLLM's real CPU attent
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from hybrid_offload.connector.metadata import PageJob, StoreJob
+from hybrid_offload.connector.worker.device import DeviceTransfers
+from hybrid_offload.connector.worker.load_writes import (
+    ShardRead,
+    Verified,
+    plan_writes,
+    row_width,
+    runs_of,
+    write_on_device,
+    write_pages,
+)
 from hybrid_offload.connector.worker.memory_pool import MemoryPool
 from hybrid_offload.connector.worker.page_codec import PageCodec
-from hybrid_offload.connector.worker.staging import Decoded, ShardRead, gather_rows, stage_reads, write_pages
+from hybrid_offload.connector.worker.staging import gather_rows, stage_reads
+from hybrid_offload.core.checksum import fold64
 from hybrid_offload.core.spec import GroupKind, GroupSpec, ModelSpec, make_model_spec
 from hybrid_offload.engine.kv_layout import AttentionGroupLayout, build_layouts
 
@@ -48,113 +60,142 @@ def page(c: int, skip: int = 0) -> PageJob:
     return PageJob(f"p{c}", 0, c, bytes(16), tuple(TABLE[first // BS : last // BS + 1]), first % BS, skip)
 
 
-def staged(spec: ModelSpec, pages: list[PageJob], seed: int = 0) -> list[ShardRead]:
-    """Reads of every page's shards this rank reads, their rows filled with random pages."""
+def staged(spec: ModelSpec, pages: list[PageJob], seed: int = 0) -> list[Verified]:
+    """Every piece this rank reads of ``pages``, in staging rows filled with random payloads
+    (and the checksums they state, for the device path's check)."""
     codec = PageCodec(spec, spec.groups[0], CHUNK)
-    reads, _ = stage_reads(
-        [(p, s, f"{p.key}/{s}", codec) for p in pages for s in codec.read], MemoryPool(1 << 30)
-    )
+    reads = [ShardRead(p, s, f"{p.key}/{s}", codec) for p in pages for s in codec.read]
+    offsets, block = stage_reads(reads, MemoryPool(1 << 30))
+    assert block is not None
     gen = torch.Generator().manual_seed(seed)
-    for r in reads:
-        r.rows[r.row] = torch.randn(r.rows.shape[1] // 2, generator=gen).to(torch.bfloat16).view(torch.uint8)
-    return reads
+    out = []
+    for r, offset in zip(reads, offsets, strict=True):
+        hlen = codec.header_lens[r.piece]
+        payload = block[offset + hlen : offset + r.page_len]
+        payload.copy_(torch.randn(payload.numel() // 2, generator=gen).to(torch.bfloat16).view(torch.uint8))
+        out.append(Verified(r, block, offset, "cpu", fold64(payload.numpy().tobytes())))
+    return out
 
 
-def decoded(read: ShardRead, staged: bool = True) -> Decoded:
-    hlen = read.codec.header_lens[read.shard]
-    view = read.staging() if staged else memoryview(bytearray(read.staging()))
-    return Decoded(read, view[hlen:], staged)
+def alone(v: Verified) -> Verified:
+    """``v`` in a buffer of its own (a fallback read)."""
+    own = v.base[v.offset : v.offset + v.read.page_len].clone()
+    return dataclasses.replace(v, base=own, offset=0)
 
 
-def page_by_page(spec: ModelSpec, reads: list[ShardRead], strided: bool = False) -> dict[str, torch.Tensor]:
+def payload(v: Verified) -> torch.Tensor:
+    return v.base[v.offset + v.read.codec.header_lens[v.read.piece] : v.offset + v.read.page_len]
+
+
+def page_by_page(spec: ModelSpec, pages: list[Verified], strided: bool = False) -> dict[str, torch.Tensor]:
     kv = caches(spec, strided)
     layout = build_layouts(spec.groups, kv, NUM_BLOCKS)[0]
-    for r in reads:
-        hlen = r.codec.header_lens[r.shard]
-        r.codec.scatter(layout, r.page, r.shard, r.rows[r.row, hlen:])
+    for v in pages:
+        v.read.codec.scatter(layout, v.read.page, v.read.piece, payload(v))
     return kv
 
 
-@pytest.mark.parametrize(("tp_size", "tp_rank", "max_shards"), [(1, 0, 1), (1, 0, 4), (2, 1, 2), (2, 0, 4)])
-def test_batched_rows_write_what_page_by_page_writes(tp_size: int, tp_rank: int, max_shards: int) -> None:
-    spec = spec_at(tp_size, tp_rank, max_shards)
-    pages = [page(0, skip=5), *(page(c) for c in range(1, 6))]
-    reads = staged(spec, pages)
-    kv = caches(spec, strided=True)
+def written(spec: ModelSpec, pages: list[Verified], strided: bool, device_path: bool,
+            layout_of: Callable[[AttentionGroupLayout], AttentionGroupLayout] = lambda x: x,
+            ) -> dict[str, torch.Tensor]:  # fmt: skip
+    kv = caches(spec, strided)
     layout = build_layouts(spec.groups, kv, NUM_BLOCKS)[0]
-    assert isinstance(layout, AttentionGroupLayout) and layout.views is not None
-    write_pages([decoded(r) for r in reads], {0: layout})
-    want = page_by_page(spec, reads, strided=True)
+    assert isinstance(layout, AttentionGroupLayout)
+    layouts = {0: layout_of(layout)}
+    if device_path:
+        assert write_on_device(pages, layouts, (), DeviceTransfers(), None).wait() == []
+    else:
+        write_pages(plan_writes(pages, layouts), layouts)
+    return kv
+
+
+@pytest.mark.parametrize("device_path", [False, True], ids=["host", "device-path"])
+@pytest.mark.parametrize(("tp_size", "tp_rank", "max_shards"), [(1, 0, 1), (1, 0, 4), (2, 1, 2), (2, 0, 4)])
+def test_batched_rows_write_what_page_by_page_writes(
+    tp_size: int, tp_rank: int, max_shards: int, device_path: bool
+) -> None:
+    spec = spec_at(tp_size, tp_rank, max_shards)
+    pages = staged(spec, [page(0, skip=5), *(page(c) for c in range(1, 6))])
+    kv = written(spec, pages, True, device_path)
+    want = page_by_page(spec, pages, strided=True)
     for name in LAYERS:
         assert torch.equal(kv[name], want[name])
         assert kv[name].count_nonzero() > 0
 
 
-def test_skipping_pages_take_the_last_rows() -> None:
+def test_the_device_path_names_pages_whose_payload_is_not_what_they_state() -> None:
     spec = spec_at(1, 0, 2)
-    pages = [page(3, skip=7), page(4), page(5)]
-    reads = staged(spec, pages)
-    for shard in reads[0].codec.read:
-        rows = {r.page.chunk_index: r.row for r in reads if r.shard == shard}
-        assert rows == {4: 0, 5: 1, 3: 2}
-    assert all(r.rows.shape == (3, r.codec.page_lens[r.shard]) for r in reads)
-    first = reads[0]
-    first.staging()[:4] = b"\x01\x02\x03\x04"
-    assert first.rows[first.row, :4].tolist() == [1, 2, 3, 4]
+    pages = staged(spec, [page(c) for c in range(4)], seed=4)
+    bad = pages[5]
+    payload(bad)[17] ^= 0x40
+    pages[2] = dataclasses.replace(pages[2], checksum=None)  # checked already: not checked again
+    payload(pages[2])[3] ^= 1
+    kv = caches(spec, True)
+    layouts = {0: build_layouts(spec.groups, kv, NUM_BLOCKS)[0]}
+    assert write_on_device(pages, layouts, (), DeviceTransfers(), None).wait() == [bad]
 
 
-def test_fallback_reads_and_gaps_are_written_page_by_page() -> None:
-    """A shard read from a fallback (its own buffer, not its row) and the rows after it."""
+def test_runs_are_pages_side_by_side_in_one_memory() -> None:
+    spec = spec_at(1, 0, 1)
+    pages = staged(spec, [page(c) for c in range(6)])
+    width = row_width(pages[0].read.page_len)
+    assert [p.offset for p in pages] == [i * width for i in range(6)]
+    shuffled = [pages[i] for i in (4, 0, 5, 1, 3)] + [alone(pages[2])]  # page 2 read elsewhere
+    runs = runs_of(shuffled)
+    assert [[v.read.page.chunk_index for v in r.pages] for r in runs] in (
+        [[0, 1], [3, 4, 5], [2]], [[2], [0, 1], [3, 4, 5]])  # fmt: skip
+    for run in runs:
+        assert run.rows.shape == (len(run.pages), pages[0].read.page_len)
+        for v, row in zip(run.pages, run.rows, strict=True):
+            assert row.data_ptr() == v.address()
+
+
+@pytest.mark.parametrize("device_path", [False, True], ids=["host", "device-path"])
+def test_fallback_reads_and_gaps_are_written(device_path: bool) -> None:
+    """A page read from a fallback (its own buffer, not its row) and the rows after it."""
     spec = spec_at(1, 0, 2)
-    reads = staged(spec, [page(c) for c in range(5)], seed=1)
-    kv = caches(spec)
-    layout = build_layouts(spec.groups, kv, NUM_BLOCKS)[0]
-    write_pages([decoded(r, staged=r.page.chunk_index != 0) for r in reads], {0: layout})
-    want = page_by_page(spec, reads)
+    pages = staged(spec, [page(c) for c in range(5)], 1)
+    pages = [alone(v) if v.read.page.chunk_index == 0 else v for v in pages]
+    kv = written(spec, pages, False, device_path)
+    want = page_by_page(spec, pages)
     assert all(torch.equal(kv[n], want[n]) for n in LAYERS)
 
 
 def test_misaligned_rows_are_refused_and_nothing_written() -> None:
     spec = spec_at(1, 0, 1)
-    reads = staged(spec, [page(1), page(2)])
-    codec = reads[0].codec
-    odd = torch.zeros((2, reads[0].rows.shape[1] + 1), dtype=torch.uint8)[:, 1:]
-    odd.copy_(reads[0].rows)
+    pages = staged(spec, [page(1), page(2)])
+    codec, piece = pages[0].read.codec, pages[0].read.piece
+    (run,) = runs_of(pages)
+    odd = torch.zeros((2, run.rows.shape[1] + 1), dtype=torch.uint8)[:, 1:]
+    odd.copy_(run.rows)
     kv = caches(spec, strided=True)
     layout = build_layouts(spec.groups, kv, NUM_BLOCKS)[0]
-    assert not codec.scatter_rows(layout, codec.read[0], odd, [r.page for r in reads])
+    assert not codec.scatter_rows(layout, piece, odd, [v.read.page for v in pages])
     assert all(t.count_nonzero() == 0 for t in kv.values())
-    assert codec.scatter_rows(layout, codec.read[0], reads[0].rows, [r.page for r in reads])
+    assert codec.scatter_rows(layout, piece, run.rows, [v.read.page for v in pages])
 
 
-def test_element_layouts_write_page_by_page(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("device_path", [False, True], ids=["host", "device-path"])
+def test_element_layouts_write_page_by_page(device_path: bool) -> None:
     """Kernel layouts that are not strided (AMX tiles) have no views: every page goes alone."""
     spec = spec_at(1, 0, 2)
-    reads = staged(spec, [page(c) for c in range(4)], seed=2)
-    kv = caches(spec)
-    layout = build_layouts(spec.groups, kv, NUM_BLOCKS)[0]
-    assert isinstance(layout, AttentionGroupLayout)
-    element = dataclasses.replace(layout, views=None)
-    first = reads[0].codec.read[0]
-    pages = [r.page for r in reads if r.shard == first]
-    assert not reads[0].codec.scatter_rows(element, first, reads[0].rows, pages)
-    write_pages([decoded(r) for r in reads], {0: element})
-    want = page_by_page(spec, reads)
+    pages = staged(spec, [page(c) for c in range(4)], seed=2)
+    kv = written(spec, pages, False, device_path, lambda layout: dataclasses.replace(layout, views=None))
+    want = page_by_page(spec, pages)
     assert all(torch.equal(kv[n], want[n]) for n in LAYERS)
 
 
 def test_a_load_reuses_the_staging_memory_given_back() -> None:
     spec = spec_at(1, 0, 2)
     codec = PageCodec(spec, spec.groups[0], CHUNK)
-    wanted = [(page(c), s, f"p{c}/{s}", codec) for c in range(4) for s in codec.read]
+    reads = [ShardRead(page(c), s, f"p{c}/{s}", codec) for c in range(4) for s in codec.read]
     pool = MemoryPool(1 << 30)
-    reads, block = stage_reads(wanted, pool)
-    assert {r.rows.data_ptr() % 64 for r in reads} == {0}
-    assert all(r.rows.untyped_storage().data_ptr() == block.untyped_storage().data_ptr() for r in reads)
+    offsets, block = stage_reads(reads, pool)
+    assert block is not None and {o % 64 for o in offsets} == {0}
     pool.give(block)
-    again, second = stage_reads(wanted[:2], pool)
+    again, second = stage_reads(reads[:2], pool)
     assert second is block and pool.free_bytes == 0
-    assert again[0].rows.data_ptr() == block.data_ptr()
+    assert again[0] == 0
 
 
 def test_the_pool_keeps_at_most_its_bytes_oldest_dropped() -> None:

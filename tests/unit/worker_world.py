@@ -229,9 +229,11 @@ def stored_world(
 
 
 class UnavailableBackend(CpuBackend):
-    """A cpu pool whose medium can be switched off: every call then raises ``error``."""
+    """A cpu pool whose medium can be switched off: every call then raises ``error``. It lends
+    nothing in place (loads read it into staging rows, as from a disk or a server)."""
 
     type_name: ClassVar[str] = "test_unavailable"
+    in_place: ClassVar[bool] = False
     error: Exception | None = None
 
     def _maybe_fail(self) -> None:

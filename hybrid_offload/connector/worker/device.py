@@ -3,10 +3,12 @@
 Worker side; torch alone (no vLLM), so the data path runs on a GPU machine without vLLM. One
 design for both devices:
 
-* **Loads**: a load's verified pages sit in one host block (pinned on CUDA). :meth:`load_copy`
-  enqueues one copy of the whole block to the device on the *load stream*; the scatters into
-  vLLM's blocks are enqueued after it, on the same stream, and a :class:`Ready` (a CUDA event)
-  tells the step when they are done: nothing on the model-runner thread waits for the copy.
+* **Loads**: a load's verified pages sit in host memory the device copies from at the link's
+  speed (pinned staging rows, the cpu tier's arena once :meth:`pin` locked it). The load
+  thread enqueues, on the *load stream* and after what the compute stream held when the load
+  started (:meth:`mark`, taken on the model-runner thread), one copy per run of pages side by
+  side to a device block, the payload checks and the scatters into vLLM's blocks, then waits
+  for them: the model-runner thread only reports the load.
 * **Stores**: the step's pages are gathered out of vLLM's blocks into one device block on the
   compute stream right after the forward (a few device-to-device kernels), then one copy to a
   pinned host block is enqueued on the *store stream*; the store thread waits on its
@@ -19,7 +21,7 @@ design for both devices:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -66,23 +68,49 @@ class DeviceTransfers:
         return MemoryPool(max_bytes)
 
     # ---- loads ------------------------------------------------------------------------
+    def pin(self, memory: memoryview) -> Callable[[], None] | None:
+        """Page-lock ``memory`` (a tier's arena) for copies to and from the device at the link's
+        speed; returns what unlocks it (call it before the memory goes), or None where the
+        device has no pinned memory or locking failed (copies then go through the driver's
+        staging, slower but correct)."""
+        if not self.is_cuda or memory.nbytes == 0:
+            return None
+        tensor = torch.frombuffer(memory, dtype=torch.uint8)
+        cudart = torch.cuda.cudart()
+        if int(cudart.cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0)) != 0:
+            return None
+        ptr = tensor.data_ptr()
+        return lambda: cudart.cudaHostUnregister(ptr)
+
+    def mark(self) -> torch.cuda.Event | None:
+        """An event after everything the compute stream holds now (model-runner thread), for
+        :meth:`loading` to start after; None on CPU."""
+        if not self.is_cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
     @contextlib.contextmanager
-    def loading(self) -> Iterator[None]:
-        """Work enqueued inside runs on the load stream, after everything the compute stream
-        holds so far (blocks given to a load may have been another request's a step ago)."""
+    def loading(self, after: torch.cuda.Event | None = None) -> Iterator[None]:
+        """Work enqueued inside runs on the load stream, after ``after`` (a :meth:`mark`), or
+        else after everything the compute stream holds so far (blocks given to a load may have
+        been another request's a step ago). Any thread may enqueue."""
         if not self.is_cuda:
             yield
             return
-        self._load_stream.wait_stream(torch.cuda.current_stream(self.device))
+        if after is not None:
+            self._load_stream.wait_event(after)
+        else:
+            self._load_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._load_stream):
             yield
 
-    def load_copy(self, host: torch.Tensor) -> torch.Tensor:
-        """``host`` (a pinned uint8 block) on the device: one asynchronous copy, inside
-        :meth:`loading`. On CPU, ``host`` itself."""
-        if not self.is_cuda:
-            return host
-        return host.to(self.device, non_blocking=True)
+    def drain_loads(self) -> None:
+        """Block until everything enqueued on the load stream is complete (a load that failed
+        half-way must not be reported while its writes may still run)."""
+        if self.is_cuda:
+            self._load_stream.synchronize()
 
     def loaded(self) -> Ready:
         """Inside :meth:`loading`, after the scatters: complete once they are."""
@@ -95,6 +123,23 @@ class DeviceTransfers:
         if not self.is_cuda:
             return host
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    @property
+    def store_stream(self) -> torch.cuda.Stream:
+        return self._store_stream
+
+    @contextlib.contextmanager
+    def storing(self, after_compute: bool = True) -> Iterator[None]:
+        """Work enqueued inside runs on the store stream: after everything the compute stream
+        holds so far (``after_compute``: the model-runner thread, right after a gather), or
+        only after what the store stream holds (the store thread, later). No-op on CPU."""
+        if not self.is_cuda:
+            yield
+            return
+        if after_compute:
+            self._store_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._store_stream):
+            yield
 
     def store_copy(self, gathered: torch.Tensor, host: torch.Tensor) -> None:
         """Enqueue the copy of ``gathered`` (filled on the compute stream) into ``host`` on the

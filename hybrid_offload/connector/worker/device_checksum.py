@@ -22,6 +22,7 @@ SCRATCH_ELEMENTS = 1 << 22
 
 _lock = threading.Lock()
 _tables: dict[torch.device, torch.Tensor] = {}
+_retired: list[torch.Tensor] = []
 
 
 def _weights(n: int, device: torch.device) -> torch.Tensor:
@@ -32,7 +33,9 @@ def _weights(n: int, device: torch.device) -> torch.Tensor:
             table = _tables.get(device)
             if table is None or table.numel() < n:
                 host = weights(max(n, 1 << 12)).view("<i8")
-                table = torch.from_numpy(host.copy()).to(device)
+                table = torch.from_numpy(host.copy()).to(device)  # a blocking copy: there when used
+                if device in _tables:  # another stream may still read the old table: never freed
+                    _retired.append(_tables[device])
                 _tables[device] = table
     return table[:n]
 

@@ -1,13 +1,25 @@
-"""The worker's load pipeline: read and verify pages on the load thread, write them into vLLM's
-KV cache on the model-runner thread.
+"""The worker's load pipeline: read and check pages on the load thread, write them into vLLM's
+KV cache.
 
-Worker side. :meth:`LoadPipeline.start` hands load jobs to the load thread, which reads each
-page into its staging row, verifies it there and plans the writes (every per-page step);
-:meth:`LoadPipeline.write_finished` (model-runner thread, between forwards) enqueues the writes
-into the blocks vLLM allocated for the waiting requests (on a GPU: one copy to the device and
-the scatters on the load stream, see :mod:`.device`) and reports each request once its writes
-are complete. A backend error or a bad page never raises into vLLM: the page is a miss, the
-load fails as a whole, and vLLM recomputes the request.
+Worker side. :meth:`LoadPipeline.start` hands load jobs to the load thread, which takes each
+page from its backend (in place from the cpu tier's arena, :meth:`~.Backend.lease_batch`; into
+staging rows from the others, ``get_into``), checks its header (a few numpy calls for all
+pages, :func:`~hybrid_offload.core.page_format.check_headers`) and its payload, and plans the
+writes (:mod:`.load_writes`). Where the payload is checked depends on the device:
+
+* **CPU engines**: on the load thread (fold64 in numpy, without the GIL); the writes run on the
+  model-runner thread in :meth:`LoadPipeline.write_finished`, straight from where the pages are
+  (torch work on the load thread competes with the forward's OpenMP threads and measured ~10x
+  slower).
+* **CUDA engines**: the load thread copies the pages to the device, checks them there and
+  writes them into vLLM's blocks on the load stream, after the work the compute stream held
+  when the load started, and waits for it; the model-runner thread only reports the load.
+* Pages signed under the cache's secret are checked against their MAC on the host, except
+  pages lent by the cpu tier (memory no other process can write: its checksum suffices).
+
+A backend error or a bad page never raises into vLLM: the page is a miss (a page that fails
+its header or host check is read from the next backend in the fallback order), the load fails
+as a whole, and vLLM recomputes the request.
 """
 
 from __future__ import annotations
@@ -17,49 +29,64 @@ import logging
 import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from hybrid_offload.backends.base import Backend, BackendError
+from hybrid_offload.backends.base import Backend, BackendError, PageLease
 from hybrid_offload.backends.wrappers import BackendSkippedError
-from hybrid_offload.connector.metadata import ClearRange, LoadJob, PageJob
+from hybrid_offload.connector.metadata import ClearRange, LoadJob
 from hybrid_offload.connector.worker.context import WorkerContext
-from hybrid_offload.connector.worker.device import DeviceTransfers, Ready
-from hybrid_offload.connector.worker.page_codec import PageCodec
-from hybrid_offload.connector.worker.staging import (
-    Decoded,
+from hybrid_offload.connector.worker.device import DeviceTransfers
+from hybrid_offload.connector.worker.load_writes import (
     ShardRead,
+    Verified,
     WritePlan,
+    clear_ranges,
     plan_writes,
-    stage_reads,
+    write_on_device,
     write_pages,
 )
+from hybrid_offload.connector.worker.page_codec import PageCodec
+from hybrid_offload.connector.worker.staging import stage_reads
 from hybrid_offload.connector.worker.switch_interval import LoadSwitchInterval
+from hybrid_offload.core.checksum import fold64
 from hybrid_offload.core.layer_parts import LayerPartError
-from hybrid_offload.core.page_format import ForeignLayersError, PageFormatError, verify_page
+from hybrid_offload.core.page_format import (
+    ForeignLayersError,
+    PageFormatError,
+    check_header,
+    check_headers,
+    check_mac,
+)
 from hybrid_offload.core.planner import Piece
-from hybrid_offload.engine.kv_layout import AttentionGroupLayout
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class LoadRun:
-    """What the load thread made of one job: the verified shards (None: the load failed) and
-    its timings (``timer`` seconds; read and verify summed over backends)."""
+    """What the load thread made of one job: its checked pages (None: the load failed) and its
+    timings (``timer`` seconds; read and verify summed over backends)."""
 
-    decoded: list[Decoded] | None = None
+    pages: list[Verified] | None = None
     submitted: float = 0.0
     started: float = 0.0
     finished: float = 0.0
     read_s: float = 0.0
     verify_s: float = 0.0
+    #: CUDA: from the device work's enqueue to its completion (the load thread waits for it)
+    device_s: float = 0.0
     #: the staging memory of the load, and whether a failed read may still write into it
     staging: torch.Tensor | None = None
     tainted: bool = False
-    #: the writes of the verified shards, planned on the load thread
+    #: pages lent in place, released once nothing reads them
+    leases: list[PageLease] = field(default_factory=list)
+    #: CPU: the writes, planned on the load thread, for the model-runner thread
     plan: WritePlan | None = None
+    #: CUDA: written into vLLM's blocks by the load thread (complete)
+    written: bool = False
 
 
 class LoadPipeline:
@@ -70,13 +97,12 @@ class LoadPipeline:
         self._staging_pool_bytes = staging_pool_bytes
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="hybrid-offload-load")
         self._loads: dict[str, Future] = {}
-        #: loads whose writes are enqueued on the device and not complete yet
-        self._writing: dict[str, tuple[Ready, LoadRun, float, float]] = {}
         self._clears: dict[str, tuple[ClearRange, ...]] = {}
         self._preempted: set[str] = set()
         self.switch = LoadSwitchInterval(switch_interval_s)
         self._lock = threading.Lock()
         self._bad_page_logged: set[str] = set()
+        self._arenas: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
         self.use_device(ctx.transfers)
 
     def use_device(self, transfers: DeviceTransfers) -> None:
@@ -88,54 +114,85 @@ class LoadPipeline:
         return self._loads.get(req_id)
 
     def start(self, loads: list[LoadJob]) -> None:
+        after = self.ctx.transfers.mark() if loads else None
         for job in loads:
-            self._loads[job.req_id] = self._loader.submit(self._load, job, self.ctx.timer())
+            self._loads[job.req_id] = self._loader.submit(self._load, job, self.ctx.timer(), after)
             self._clears[job.req_id] = job.clears
         self.switch.loading(bool(self._loads))
 
-    def _load(self, job: LoadJob, submitted: float) -> LoadRun:
-        """Load thread: read and verify this rank's shards of every page of a job (decoded
-        None if any is unusable), timed.
-
-        Each segment is read from its backend; shards missing or bad there (evicted since the
-        lookup, corrupted, backend down) are read from the fallbacks in order.
-        """
+    def _load(self, job: LoadJob, submitted: float, after: torch.cuda.Event | None) -> LoadRun:
+        """Load thread: take and check this rank's pieces of every page of a job (pages None
+        if any is unusable), then write them on a GPU or plan the writes on a CPU, timed."""
         run = LoadRun(submitted=submitted, started=self.ctx.timer())
-        run.decoded = self._load_pages(job, run)
-        if run.decoded is not None:
-            run.plan = plan_writes(run.decoded, self.ctx.layouts, run.staging)
+        try:
+            run.pages = self._load_pages(job, run)
+            if run.pages is not None and self.ctx.transfers.is_cuda:
+                self._write_on_device(job, run, after)
+            elif run.pages is not None:
+                run.plan = plan_writes(run.pages, self.ctx.layouts)
+        except Exception:
+            logger.exception("hybrid-offload load of request %s failed", job.req_id)
+            run.pages = None
+            if self.ctx.transfers.is_cuda:
+                self.ctx.transfers.drain_loads()  # nothing of it may still write into the blocks
+        if run.pages is None or run.written:
+            self._done_with(run)
         run.finished = self.ctx.timer()
         return run
 
-    def _load_pages(self, job: LoadJob, run: LoadRun) -> list[Decoded] | None:
-        wanted: list[tuple[PageJob, int, str, PageCodec]] = []
+    def _write_on_device(self, job: LoadJob, run: LoadRun, after: torch.cuda.Event | None) -> None:
+        assert run.pages is not None
+        started = self.ctx.timer()
+        device_load = write_on_device(run.pages, self.ctx.layouts, job.clears, self.ctx.transfers, after)
+        bad = device_load.wait()
+        run.device_s = self.ctx.timer() - started
+        run.written = True
+        for page in bad:
+            self._bad_page(page.source, page.read.key, PageFormatError("payload checksum mismatch (device)"))
+        if bad:
+            run.pages = None
+
+    def _done_with(self, run: LoadRun) -> None:
+        """Nothing reads the load's host memory any more: release its leases, give its staging
+        back (unless a failed read may still write into it)."""
+        for lease in run.leases:
+            lease.release()
+        run.leases = []
+        if run.staging is not None and not run.tainted:
+            self.staging.give(run.staging)
+        run.staging = None
+
+    def _load_pages(self, job: LoadJob, run: LoadRun) -> list[Verified] | None:
+        reads: list[ShardRead] = []
         source: list[str] = []
         spans = []
         for segment in job.segments:
-            first = len(wanted)
+            first = len(reads)
             for page in reversed(segment.pages):  # deepest first, as stores (LRU recency)
                 codec = self.ctx.codecs[page.group]
                 pieces = self._pieces(codec, page.layout)
                 if pieces is None:
                     return None
-                wanted.extend((page, p, self.ctx.planner.piece_key(page.key, page.group, p), codec)
-                              for p in pieces)  # fmt: skip
-            source.extend([segment.backend] * (len(wanted) - first))
-            spans.append((segment.backend, range(first, len(wanted))))
-        reads, run.staging = stage_reads(wanted, self.staging)
-        decoded: list[Decoded | None] = [None] * len(reads)
+                reads.extend(ShardRead(page, p, self.ctx.planner.piece_key(page.key, page.group, p), codec)
+                             for p in pieces)  # fmt: skip
+            source.extend([segment.backend] * (len(reads) - first))
+            spans.append((segment.backend, range(first, len(reads))))
+        staged = [i for name, indices in spans if not self.ctx.backends[name].in_place for i in indices]
+        offsets, run.staging = stage_reads([reads[i] for i in staged], self.staging)
+        rows = dict(zip(staged, offsets, strict=True))
+        got: list[Verified | None] = [None] * len(reads)
         for name, indices in spans:
-            self._read(name, reads, indices, decoded, run, staged=True)
+            self._fetch(name, reads, list(indices), got, run, rows)
         for name in job.fallbacks:
-            missing = [i for i, d in enumerate(decoded) if d is None and source[i] != name]
+            missing = [i for i, v in enumerate(got) if v is None and source[i] != name]
             if missing:
-                self._read(name, reads, missing, decoded, run, staged=False)
-        lost = sum(d is None for d in decoded)
+                self._fetch(name, reads, missing, got, run, None)
+        lost = sum(v is None for v in got)
         if lost:
             with self.ctx.stats.lock:
                 self.ctx.stats.counters.missing_pages += lost
             return None
-        return [d for d in decoded if d is not None]
+        return [v for v in got if v is not None]
 
     def _pieces(self, codec: PageCodec, layout: tuple[int, ...]) -> list[Piece] | None:
         """The pieces to read of a page set in ``layout`` (() this engine's); None (the load
@@ -151,62 +208,63 @@ class LoadPipeline:
             logger.warning("hybrid-offload: cannot read page sets of layout %s: %s", list(layout), exc)
             return None
 
-    def _read(
+    def _arena(self, memory: memoryview) -> tuple[torch.Tensor, np.ndarray]:
+        """A backend's arena as a tensor and an array (made once)."""
+        known = self._arenas.get(id(memory.obj))
+        if known is None:
+            array = np.frombuffer(memory, dtype=np.uint8)
+            known = self._arenas[id(memory.obj)] = (torch.from_numpy(array), array)
+        return known
+
+    def _fetch(
         self,
         name: str,
         reads: list[ShardRead],
         indices: Sequence[int],
-        decoded: list[Decoded | None],
+        got: list[Verified | None],
         run: LoadRun,
-        staged: bool,
+        rows: dict[int, int] | None,
     ) -> None:
-        """Read ``reads[indices]`` from backend ``name`` into ``decoded`` (verified), into their
-        staging rows if ``staged`` (the first read of each) else into fresh buffers; shards the
-        backend lacks or that fail verification stay None. Never raises a backend error."""
+        """Take ``reads[indices]`` from backend ``name`` into ``got`` (checked): lent in place
+        where it can, else read into their staging rows (``rows``: the first read of each) or
+        into fresh buffers; pages the backend lacks or that fail a check stay None. Never
+        raises a backend error."""
         backend = self.ctx.backends[name]
-        bufs: list[memoryview] = [
-            reads[i].staging() if staged else memoryview(bytearray(reads[i].codec.page_lens[reads[i].shard]))
-            for i in indices
-        ]
+        keys = [reads[i].key for i in indices]
+        found: list[tuple[torch.Tensor, np.ndarray, int, int] | None] = []  # (base, array, offset, size)
         started = self.ctx.timer()
         try:
-            sizes = backend.get_into([reads[i].key for i in indices], bufs)
+            if backend.in_place:
+                lease = backend.lease_batch(keys)
+                run.leases.append(lease)
+                for view, offset in zip(lease.views, lease.offsets, strict=True):
+                    if view is None or offset is None or lease.memory is None:
+                        found.append(None if view is None else self._copied(view))
+                    else:
+                        tensor, array = self._arena(lease.memory)
+                        found.append((tensor, array, offset, view.nbytes))
+            else:
+                bases = []
+                for i in indices:
+                    if rows is not None and run.staging is not None:
+                        bases.append((run.staging, run.staging.numpy(), rows[i]))
+                    else:
+                        fresh = torch.empty(reads[i].page_len, dtype=torch.uint8)
+                        bases.append((fresh, fresh.numpy(), 0))
+                bufs = [memoryview(a[o : o + reads[i].page_len])
+                        for (_, a, o), i in zip(bases, indices, strict=True)]  # fmt: skip
+                sizes = backend.get_into(keys, bufs)
+                found = [None if n is None else (*b, n) for b, n in zip(bases, sizes, strict=True)]
         except BackendSkippedError:
             return
         except BackendError:  # a failed read is what the adaptive load policy measured
-            run.tainted = run.tainted or staged
+            run.tainted = run.tainted or (rows is not None and not backend.in_place)
             self.ctx.outbox.sample(name, 0, self.ctx.timer() - started, False)
             return
         finally:
             read_at = self.ctx.timer()
             run.read_s += read_at - started
-        nbytes = npages = 0
-        for i, buf, size in zip(indices, bufs, sizes, strict=True):
-            read = reads[i]
-            if size is None:
-                self.ctx.stats.record_error(name, "missing_page")
-                continue
-            try:
-                payload = verify_page(
-                    buf[:size],
-                    read.codec.templates[read.shard],
-                    read.page.chunk_hash,
-                    read.page.chunk_index,
-                    self.ctx.page_key,
-                )
-            except ForeignLayersError:  # another grouping's valid page: a miss, left alone
-                self.ctx.stats.record_error(name, "missing_page")
-                continue
-            except PageFormatError as exc:
-                with self.ctx.stats.lock:
-                    self.ctx.stats.counters.bad_pages += 1
-                self.ctx.stats.record_error(name, "bad_page")
-                self._log_bad_page(name, read.key, exc)
-                self._delete_quietly(backend, read.key)
-                continue
-            decoded[i] = Decoded(read, payload, staged)
-            nbytes += size
-            npages += 1
+        nbytes, npages = self._check(name, backend, reads, indices, found, got)
         run.verify_s += self.ctx.timer() - read_at
         self.ctx.outbox.sample(name, nbytes, read_at - started, True)
         with self.ctx.stats.lock:
@@ -216,30 +274,95 @@ class LoadPipeline:
             counters.loaded_pages += npages
             counters.loaded_bytes += nbytes
 
+    @staticmethod
+    def _copied(view: memoryview) -> tuple[torch.Tensor, np.ndarray, int, int]:
+        array = np.frombuffer(view, dtype=np.uint8).copy()
+        return torch.from_numpy(array), array, 0, view.nbytes
+
+    def _check(
+        self,
+        name: str,
+        backend: Backend,
+        reads: list[ShardRead],
+        indices: Sequence[int],
+        found: list[tuple[torch.Tensor, np.ndarray, int, int] | None],
+        got: list[Verified | None],
+    ) -> tuple[int, int]:
+        """Check the pages ``found`` for ``reads[indices]`` and put the good ones into ``got``:
+        headers here, all at once per (group, piece); payloads here on a CPU (fold64), on the
+        device on a GPU; MACs here where the cache has a secret and the page crossed a process
+        boundary. Bad pages are counted and deleted. Returns (bytes, pages) accepted."""
+        key = self.ctx.page_key if not backend.in_place else None
+        on_host = not self.ctx.transfers.is_cuda
+        batches: dict[tuple[int, Piece], list[int]] = {}
+        for k, (i, f) in enumerate(zip(indices, found, strict=True)):
+            if f is None:
+                self.ctx.stats.record_error(name, "missing_page")
+            elif f[3] != reads[i].page_len:
+                self._bad_page(name, reads[i].key, PageFormatError(
+                    f"page is {f[3]} bytes, expected {reads[i].page_len}"), backend)  # fmt: skip
+            else:
+                batches.setdefault((reads[i].page.group, reads[i].piece), []).append(k)
+        nbytes = npages = 0
+        for (_, piece), ks in batches.items():
+            codec = reads[indices[ks[0]]].codec
+            template, hlen = codec.templates[piece], codec.header_lens[piece]
+            heads = np.stack([found[k][1][found[k][2] : found[k][2] + hlen] for k in ks])  # type: ignore[index]
+            pages = [reads[indices[k]].page for k in ks]
+            ok, sums = check_headers(heads, template, [p.chunk_hash for p in pages],
+                                     [p.chunk_index for p in pages])  # fmt: skip
+            for k, passed, stated in zip(ks, ok.tolist(), sums.tolist(), strict=True):
+                read, (base, array, offset, size) = reads[indices[k]], found[k]  # type: ignore[misc]
+                page_bytes = memoryview(array[offset : offset + size])
+                try:
+                    if not passed:
+                        check_header(page_bytes, template, read.page.chunk_hash, read.page.chunk_index)
+                        raise PageFormatError("header does not match")  # check_headers is stricter
+                    if key:
+                        check_mac(page_bytes, template, key)
+                    elif on_host and fold64(page_bytes[hlen:]) != stated:
+                        raise PageFormatError("payload checksum mismatch")
+                except ForeignLayersError:  # another grouping's valid page: a miss, left alone
+                    self.ctx.stats.record_error(name, "missing_page")
+                    continue
+                except PageFormatError as exc:
+                    self._bad_page(name, read.key, exc, backend)
+                    continue
+                checksum = None if key or on_host else stated
+                got[indices[k]] = Verified(read, base, offset, name, checksum)
+                nbytes += size
+                npages += 1
+        return nbytes, npages
+
+    def _bad_page(self, name: str, key: str, exc: PageFormatError, backend: Backend | None = None) -> None:
+        """A page that failed a check: counted, logged, deleted (so that a store rewrites it)."""
+        with self.ctx.stats.lock:
+            self.ctx.stats.counters.bad_pages += 1
+        self.ctx.stats.record_error(name, "bad_page")
+        self._log_bad_page(name, key, exc)
+        self._delete_quietly(backend or self.ctx.backends[name], key)
+
     def handle_preemptions(self, req_ids: Iterable[str]) -> None:
         """Before vLLM reuses the blocks of preempted requests. Stores were copied out in
         ``wait_for_save`` already, so there is nothing to protect; a load still in flight for
         such a request (vLLM does not preempt requests waiting for KV, so this is defensive)
-        is reported as failed without writing into blocks it no longer owns."""
+        is waited for (on a GPU the load thread may be writing its blocks) and reported as
+        failed."""
         for req_id in req_ids:
-            writing = self._writing.get(req_id)
-            if writing is not None:
-                writing[0].wait()  # its blocks must be written before vLLM reuses them
-            if req_id in self._loads:
+            future = self._loads.get(req_id)
+            if future is not None:
+                wait([future])
                 self._preempted.add(req_id)
                 logger.warning("request %s preempted with a load in flight; its load is dropped", req_id)
 
     def write_finished(self, wait_s: float = 0.0) -> tuple[set[str], set[str]]:
-        """Write the pages of every completed load into vLLM's KV cache; (finished receiving,
-        failed receiving) since the last call, failed ones in both.
+        """Write the pages of every completed load into vLLM's KV cache (CPU; on a GPU the load
+        thread wrote them); (finished receiving, failed receiving) since the last call, failed
+        ones in both.
 
         ``wait_s`` > 0 (an idle engine step): with loads in flight and none complete, first
         wait up to ``wait_s`` for one, instead of returning to a step loop that would spin
         (taking the GIL and a core from the load thread) only to ask again.
-
-        Runs on the model-runner thread between forwards: the writes happen here, not on the load
-        thread (torch work there competes with the forward's OpenMP threads and measured ~10x
-        slower).
 
         Nothing is ever reported as finished sending: stores copy out synchronously, and when a
         request finishes while its load is in flight, vLLM frees its blocks on the
@@ -247,93 +370,53 @@ class LoadPipeline:
         """
         recving: set[str] = set()
         failed: set[str] = set()
-        self._written(recving)
-        if wait_s > 0 and not recving and self._loads and not any(f.done() for f in self._loads.values()):
+        if wait_s > 0 and self._loads and not any(f.done() for f in self._loads.values()):
             wait(self._loads.values(), timeout=wait_s, return_when=FIRST_COMPLETED)
         for req_id, future in list(self._loads.items()):
             if not future.done():
                 continue
             del self._loads[req_id]
             clears = self._clears.pop(req_id, ())
+            recving.add(req_id)
+            run: LoadRun = future.result()  # the load thread catches everything
             if req_id in self._preempted:
                 self._preempted.discard(req_id)
-                recving.add(req_id)
+                self._done_with(run)
                 failed.add(req_id)
                 continue
-            try:
-                run: LoadRun = future.result()
-                decoded = run.decoded
-                if decoded is not None:
-                    writing = self.ctx.timer()
-                    with self.ctx.transfers.loading():
-                        self._write_into_kv_cache(run.plan or decoded, clears, run.staging)
-                        ready = self.ctx.transfers.loaded()
-                    enqueued = self.ctx.timer()
-                    if ready.done():  # CPU: written already
-                        self._report_written(run, writing, enqueued, enqueued, recving, req_id)
-                    else:
-                        self._writing[req_id] = (ready, run, writing, enqueued)
-                elif run.staging is not None and not run.tainted:
-                    self.staging.give(run.staging)
-            except Exception:
-                logger.exception("hybrid-offload load of request %s failed", req_id)
-                decoded = None
-            if decoded is None:
-                recving.add(req_id)
+            if run.pages is None:
                 failed.add(req_id)
-        self._written(recving)
-        if wait_s > 0 and not recving and self._writing:
-            next(iter(self._writing.values()))[0].wait()  # an idle step: only this copy is left
-            self._written(recving)
-        self.switch.loading(bool(self._loads or self._writing))
+                continue
+            writing = self.ctx.timer()
+            if not run.written:
+                try:
+                    assert run.plan is not None
+                    write_pages(run.plan, self.ctx.layouts)
+                    clear_ranges(clears, self.ctx.layouts)
+                except Exception:
+                    logger.exception("hybrid-offload load of request %s failed", req_id)
+                    failed.add(req_id)
+                finally:
+                    self._done_with(run)
+            self._count(run, writing, self.ctx.timer())
+        self.switch.loading(bool(self._loads))
         return recving, failed
 
-    def _written(self, recving: set[str]) -> None:
-        """Add the loads whose writes completed on the device to ``recving``; their staging
-        memory goes back to the pool (no copy reads it any more)."""
-        for req_id, (ready, run, writing, enqueued) in list(self._writing.items()):
-            if not ready.done():
-                continue
-            del self._writing[req_id]
-            self._report_written(run, writing, enqueued, self.ctx.timer(), recving, req_id)
-
-    def _report_written(
-        self, run: LoadRun, writing: float, enqueued: float, written: float, recving: set[str], req_id: str
-    ) -> None:
-        """A load's writes are complete: report it, give its staging back, count its phases
-        (``load_*_seconds``): ``write`` is the model-runner thread's part (writing on CPU,
-        enqueuing the copies on CUDA), ``total`` ends when the writes were seen complete."""
-        recving.add(req_id)
-        if run.staging is not None and not run.tainted:
-            self.staging.give(run.staging)
+    def _count(self, run: LoadRun, writing: float, written: float) -> None:
+        """A load is complete: count its phases (``load_*_seconds``): ``write`` is the
+        model-runner thread's part (the writes on CPU; on a GPU the load thread's device work,
+        enqueue to completion), ``total`` ends when it was reported."""
         phases = {
             "queued": run.started - run.submitted,
-            "prepare": run.finished - run.started - run.read_s - run.verify_s,
+            "prepare": run.finished - run.started - run.read_s - run.verify_s - run.device_s,
             "read": run.read_s,
             "verify": run.verify_s,
             "ready": writing - run.finished,
-            "write": enqueued - writing,
+            "write": run.device_s if run.written else written - writing,
             "total": written - run.submitted,
         }
         with self.ctx.stats.lock:
             self.ctx.stats.counters.record_load(phases)
-
-    def _write_into_kv_cache(
-        self, decoded: WritePlan | list[Decoded], clears: Iterable[ClearRange], staging: torch.Tensor | None
-    ) -> None:
-        """Scatter a load's verified pages into vLLM's KV cache, then zero the parts of its last
-        attention blocks that it did not fill (enqueued only, on a device with streams)."""
-        write_pages(decoded, self.ctx.layouts, staging, self.ctx.transfers)
-        self._clear(clears)
-
-    def _clear(self, clears: Iterable[ClearRange]) -> None:
-        """Zero the parts of a load's last attention blocks that the load did not fill."""
-        for clear in clears:
-            layout = self.ctx.layouts.get(clear.group)
-            if layout is None:
-                continue  # a pipeline stage holding no layer of this group
-            assert isinstance(layout, AttentionGroupLayout)
-            layout.zero(layout.token_index([clear.block_id], clear.first_token, clear.num_tokens))
 
     def _delete_quietly(self, backend: Backend, key: str) -> None:
         """Remove a page that failed verification, so that a later store rewrites it."""

@@ -76,6 +76,7 @@ class OffloadWorker:
                                  page_key, timer)  # fmt: skip
         self.spec, self.planner, self.codecs, self.stats = spec, planner, codecs, stats
         self.backends = self.ctx.backends
+        self._unpin: dict[str, Callable[[], object]] = {}
         self.stores = StorePipeline(self.ctx, max_pending_store_bytes)
         self.loads = LoadPipeline(self.ctx, staging_pool_bytes, load_switch_interval_s)
         threading.Thread(target=self._prepare_data_paths, name="hybrid-offload-prepare", daemon=True).start()
@@ -101,6 +102,23 @@ class OffloadWorker:
                 self.ctx.transfers = DeviceTransfers(device)
                 self.stores.use_device(self.ctx.transfers)
                 self.loads.use_device(self.ctx.transfers)
+                self._pin_arenas()
+
+    def _pin_arenas(self) -> None:
+        """Page-lock the arenas of the tiers that lend in place, once (CUDA), so that loads copy
+        straight out of them and stores straight into them at the link's speed."""
+        for name, backend in self.backends.items():
+            if not backend.in_place or name in self._unpin:
+                continue
+            started = time.monotonic()
+            unpin = self.ctx.transfers.pin(backend.arena)  # type: ignore[attr-defined]
+            if unpin is None:
+                logger.warning("hybrid-offload: tier %s: its memory could not be page-locked; copies to "
+                               "and from the GPU go through the driver's staging (slower)", name)  # fmt: skip
+                continue
+            self._unpin[name] = unpin
+            logger.info("hybrid-offload: tier %s: %.1f GiB page-locked in %.1f s", name,
+                        backend.arena.nbytes / 2**30, time.monotonic() - started)  # type: ignore[attr-defined]
 
     def _prepare_data_paths(self) -> None:
         """Backends' one-time transfer setup, off the forward path, so the first store or load
@@ -183,5 +201,8 @@ class OffloadWorker:
             self.flush(timeout)
         self.stores.shutdown(timeout)
         self.loads.shutdown()
+        for unpin in self._unpin.values():
+            unpin()
+        self._unpin.clear()
         for backend in self.backends.values():
             backend.close()

@@ -2,12 +2,9 @@
 stores are copied out of it.
 
 Worker side. A "shard" here is one page of a page set: a piece (layer part x TP shard) in
-:class:`~.page_codec.PageCodec`'s numbering. Every (group, shard) of a load gets one
-``(pages, page length)`` uint8 buffer, allocated once (not zeroed), and each shard read its
-row: backends read into the rows in place, and :func:`write_pages` hands each attention
-group's rows to
-:meth:`~.page_codec.PageCodec.scatter_rows`, which moves all of them with one copy per layer,
-K/V and head run. Pages that skip tokens take the last rows so that the others stay one block.
+:class:`~.page_codec.PageCodec`'s numbering. The pages a load reads from a backend that does not
+lend them in place land in rows of one block (:func:`stage_reads`), allocated once (not zeroed),
+the rows of one (group, shard) side by side, so :mod:`.load_writes` writes them as runs.
 
 A shard read again from a fallback backend lands in a fresh buffer, never in its row: a
 backend that failed may still be writing into the buffers it was given. For the same reason a
@@ -22,176 +19,87 @@ page buffer the backends are given.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from hybrid_offload.connector.metadata import PageJob, StoreJob
+from hybrid_offload.connector.metadata import StoreJob
 from hybrid_offload.connector.worker.device import DeviceTransfers
+from hybrid_offload.connector.worker.device_checksum import fold64_rows
+from hybrid_offload.connector.worker.load_writes import ShardRead, row_width
 from hybrid_offload.connector.worker.memory_pool import MemoryPool
 from hybrid_offload.connector.worker.page_codec import PageCodec
-from hybrid_offload.engine.kv_layout import AttentionGroupLayout, MambaGroupLayout, TokenIndex, host_to_device
+from hybrid_offload.core.planner import Piece
+from hybrid_offload.engine.kv_layout import AttentionGroupLayout, MambaGroupLayout
+
+Layout = AttentionGroupLayout | MambaGroupLayout
 
 
-@dataclass(frozen=True)
-class ShardRead:
-    """One shard of a page to load: its backend key, this rank's codec for its group and the
-    row of the load's staging buffer its first read lands in."""
-
-    page: PageJob
-    shard: int
-    key: str
-    codec: PageCodec
-    rows: torch.Tensor
-    row: int
-
-    def staging(self) -> memoryview:
-        """The staging row, writable (a backend reads into it)."""
-        return memoryview(self.rows[self.row].numpy()).cast("B")
-
-
-@dataclass(frozen=True)
-class Decoded:
-    """A verified shard: its payload (a view of the page) and whether the page is its row."""
-
-    read: ShardRead
-    payload: memoryview
-    staged: bool
-
-
-#: staging buffers start at multiples of this many bytes (any dtype's view is aligned)
-ALIGN = 64
-
-
-def stage_reads(
-    wanted: Sequence[tuple[PageJob, int, str, PageCodec]], pool: MemoryPool
-) -> tuple[list[ShardRead], torch.Tensor]:
-    """The reads of (page, shard, key, codec), in order, each with its own staging row, and
-    the pool block the rows are carved from (give it back once nothing writes into it)."""
-    counts = Counter((page.group, shard) for page, shard, _, _ in wanted)
-    lens = {(page.group, shard): codec.page_lens[shard] for page, shard, _, codec in wanted}
-    offsets, total = {}, 0
+def stage_reads(reads: Sequence[ShardRead], pool: MemoryPool) -> tuple[list[int], torch.Tensor | None]:
+    """Where each read's first copy lands: its byte offset in one block from ``pool`` (None
+    when there is nothing to read), the rows of each (group, piece) side by side at
+    :func:`~.load_writes.row_width` (so a run of them is copied to the device at once). Give the
+    block back once nothing writes into it."""
+    counts = Counter((r.page.group, r.piece) for r in reads)
+    widths = {(r.page.group, r.piece): row_width(r.page_len) for r in reads}
+    starts, total = {}, 0
     for at, n in counts.items():
-        offsets[at] = total
-        total += -(-n * lens[at] // ALIGN) * ALIGN
+        starts[at] = total
+        total += n * widths[at]
+    if not total:
+        return [0] * len(reads), None
     block = pool.take(total)
-    buffers = {
-        at: block[offsets[at] : offsets[at] + n * lens[at]].view(n, lens[at]) for at, n in counts.items()
-    }
-    skipping = Counter((page.group, shard) for page, shard, _, _ in wanted if page.skip_tokens)
-    whole = {gs: 0 for gs in counts}
-    last = {gs: counts[gs] - skipping[gs] for gs in counts}
-    reads = []
-    for page, shard, key, codec in wanted:
-        at = (page.group, shard)
-        if page.skip_tokens:
-            row, last[at] = last[at], last[at] + 1
-        else:
-            row, whole[at] = whole[at], whole[at] + 1
-        reads.append(ShardRead(page, shard, key, codec, buffers[at], row))
-    return reads, block
+    offsets = []
+    for r in reads:
+        at = (r.page.group, r.piece)
+        offsets.append(starts[at])
+        starts[at] += widths[at]
+    return offsets, block
 
 
-def _end(view: torch.Tensor) -> int:
-    """One past the last storage element ``view`` reaches."""
-    reach = sum((n - 1) * st for n, st in zip(view.shape, view.stride(), strict=True))
-    return view.storage_offset() + reach + 1
+def _places(jobs: Sequence[StoreJob], codecs: Mapping[int, PageCodec]) -> tuple[list[Place], int]:
+    """Where each (group, shard)'s rows of ``jobs`` go in one block, and its size."""
+    by_group: dict[int, list[int]] = {}
+    for i, job in enumerate(jobs):
+        by_group.setdefault(job.page.group, []).append(i)
+    places, total = [], 0
+    for group, idxs in by_group.items():
+        for shard in codecs[group].written:
+            width = row_width(codecs[group].page_lens[shard])
+            places.append(Place(group, idxs, shard, width, total))
+            total += len(idxs) * width
+    return places, total
 
 
-def _mirror(view: torch.Tensor, host: torch.Tensor, device: torch.Tensor) -> torch.Tensor:
-    """``view`` (of uint8 block ``host``) at the same place in ``device``, a copy of ``host``'s
-    first bytes on the device."""
-    offset = view.storage_offset() - host.storage_offset()
-    return device.as_strided(view.shape, view.stride(), device.storage_offset() + offset)
+@dataclass(frozen=True)
+class Place:
+    """The rows of one (group, shard) of a step's stores in a block: the jobs (indices), at
+    ``offset``, ``width`` apart."""
+
+    group: int
+    jobs: list[int]
+    shard: Piece
+    width: int
+    offset: int
 
 
-@dataclass
-class WritePlan:
-    """A verified load, ready to be written: every per-page step done on the load thread
-    (:func:`plan_writes`), so that :func:`write_pages` on the model-runner thread only enqueues
-    one copy to the device and per (group, shard) one scatter per K/V and head run."""
-
-    #: per (group, shard) written as rows: its codec, the rows (a view of the staging block),
-    #: their pages and where their tokens go (on the host)
-    batches: list[tuple[PageCodec, int, int, torch.Tensor, list[PageJob], TokenIndex]]
-    #: per group, pages written one by one: (page, shard, payload, whether it is staged)
-    loose: dict[int, list[tuple[PageJob, int, torch.Tensor, bool]]]
-    codecs: dict[int, PageCodec]
-    #: bytes of the staging block that hold rows
-    used: int
-
-
-def plan_writes(
-    decoded: Iterable[Decoded], layouts: Mapping[int, AttentionGroupLayout | MambaGroupLayout],
-    staging: torch.Tensor | None = None,
-) -> WritePlan:  # fmt: skip
-    """Sort a load's verified shards into batches of rows and loose pages (any thread)."""
-    grouped: dict[tuple[int, int], list[ShardRead]] = {}
-    loose: dict[int, list[tuple[PageJob, int, torch.Tensor, bool]]] = {}
-    codecs: dict[int, PageCodec] = {}
-    used = 0
-    for d in decoded:
-        read = d.read
-        codecs[read.page.group] = read.codec
-        if d.staged:
-            used = max(used, _end(read.rows) - (0 if staging is None else staging.storage_offset()))
-        if d.staged and not read.page.skip_tokens:
-            grouped.setdefault((read.page.group, read.shard), []).append(read)
-        elif d.staged:
-            row = read.rows[read.row, read.codec.header_lens[read.shard] :]
-            loose.setdefault(read.page.group, []).append((read.page, read.shard, row, True))
-        else:
-            payload = torch.frombuffer(d.payload, dtype=torch.uint8)
-            loose.setdefault(read.page.group, []).append((read.page, read.shard, payload, False))
-    batches = []
-    for (group, shard), reads in grouped.items():
-        reads.sort(key=lambda r: r.row)
-        codec, rows, pages = reads[0].codec, reads[0].rows[: len(reads)], [r.page for r in reads]
-        at = codec.row_index(layouts[group], shard, rows, pages) if all(
-            r.row == i for i, r in enumerate(reads)) else None  # fmt: skip
-        if at is None:
-            hlen = codec.header_lens[shard]
-            loose.setdefault(group, []).extend((r.page, shard, r.rows[r.row, hlen:], True) for r in reads)
-        else:
-            batches.append((codec, group, shard, rows, pages, at))
-    return WritePlan(batches, loose, codecs, used)
-
-
-def write_pages(
-    plan: WritePlan | Iterable[Decoded], layouts: Mapping[int, AttentionGroupLayout | MambaGroupLayout],
-    staging: torch.Tensor | None = None, transfers: DeviceTransfers | None = None,
-) -> None:  # fmt: skip
-    """Write a load's verified shards into vLLM's KV cache (model-runner thread), as planned
-    by :func:`plan_writes` (given the shards, plans first).
-
-    ``staging`` is the load's staging block (every staged row is a view of it); on a device
-    with its own memory its used bytes go there in one copy first, and the writes read that
-    copy. Call inside ``transfers.loading()``: on CUDA the work is only enqueued."""
-    transfers = transfers or DeviceTransfers()
-    if not isinstance(plan, WritePlan):
-        plan = plan_writes(plan, layouts, staging)
-    on_device = None
-    if staging is not None and transfers.is_cuda:  # elsewhere the rows are read where they are
-        on_device = transfers.load_copy(staging[: plan.used])
-
-    def placed(view: torch.Tensor, staged: bool) -> torch.Tensor:
-        if staged and staging is not None and on_device is not None:
-            return _mirror(view, staging, on_device)
-        return host_to_device(view, transfers.device)
-
-    for codec, group, shard, rows, pages, at in plan.batches:
-        written = codec.scatter_rows(layouts[group], shard, placed(rows, True), pages, at)
-        assert written  # planned: row_index allowed it
-    for group, items in plan.loose.items():
-        plan.codecs[group].scatter_pages(layouts[group], [(page, shard, placed(payload, staged))
-                                                          for page, shard, payload, staged in items])
+def _gather(block: torch.Tensor, places: Sequence[Place], jobs: Sequence[StoreJob],
+            codecs: Mapping[int, PageCodec], layouts: Mapping[int, Layout]) -> None:  # fmt: skip
+    """Copy the payloads of ``jobs``' pages out of vLLM's KV cache into their rows of ``block``
+    (on its device: the current stream); headers are left to sealing."""
+    for place in places:
+        codec, layout, pages = codecs[place.group], layouts[place.group], [jobs[i].page for i in place.jobs]
+        plen, hlen, n = codec.page_lens[place.shard], codec.header_lens[place.shard], len(place.jobs)
+        rows = block[place.offset : place.offset + n * place.width].view(n, place.width)[:, :plen]
+        if not codec.gather_rows(layout, place.shard, rows, pages):
+            for row, page in zip(rows, pages, strict=True):
+                codec.gather(layout, page, place.shard, row[hlen:])
 
 
 def gather_rows(
-    jobs: Sequence[StoreJob], codecs: Mapping[int, PageCodec],
-    layouts: Mapping[int, AttentionGroupLayout | MambaGroupLayout], pool: MemoryPool | None,
-    transfers: DeviceTransfers | None = None,
+    jobs: Sequence[StoreJob], codecs: Mapping[int, PageCodec], layouts: Mapping[int, Layout],
+    pool: MemoryPool | None, transfers: DeviceTransfers | None = None,
 ) -> tuple[list[tuple[StoreJob, int, memoryview]], list[torch.Tensor]]:  # fmt: skip
     """Copy the shards this rank writes of ``jobs``' pages out of vLLM's KV cache (model-runner
     thread), per (group, shard) into rows of one host block from ``pool`` (None: a new block).
@@ -199,36 +107,93 @@ def gather_rows(
     order, and the blocks: give them back once no backend reads the buffers.
 
     On a device with its own memory the rows are gathered into a device block and copied to the
-    host block on the store stream: wait for ``transfers.stored()`` before reading them."""
+    host block on the store stream: wait for ``transfers.stored()`` before reading them (the
+    step's stores take :func:`gather_on_device` there; held copies take this)."""
     transfers = transfers or DeviceTransfers()
-    by_group: dict[int, list[int]] = {}
-    for i, job in enumerate(jobs):
-        by_group.setdefault(job.page.group, []).append(i)
-    places: list[tuple[int, list[int], int, int]] = []  # (group, jobs, shard, row width)
-    total = 0
-    for group, idxs in by_group.items():
-        for shard in codecs[group].written:
-            width = -(-codecs[group].page_lens[shard] // ALIGN) * ALIGN
-            places.append((group, idxs, shard, width))
-            total += len(idxs) * width
+    places, total = _places(jobs, codecs)
     if not total:
         return [], []
     host = pool.take(total) if pool is not None else torch.empty(total, dtype=torch.uint8)
     gathered = transfers.gather_block(host, total)
-    buffers: dict[tuple[int, int], memoryview] = {}
-    whole = memoryview(host.numpy()).cast("B")  # rows are slices of it (one view, not one per row)
-    offset = 0
-    for group, idxs, shard, width in places:
-        codec, layout, pages = codecs[group], layouts[group], [jobs[i].page for i in idxs]
-        plen, hlen, n = codec.page_lens[shard], codec.header_lens[shard], len(idxs) * width
-        rows = gathered[offset : offset + n].view(len(idxs), width)[:, :plen]
-        if not codec.gather_rows(layout, shard, rows, pages):
-            for row, page in zip(rows, pages, strict=True):
-                codec.gather(layout, page, shard, row[hlen:])
-        for k, i in enumerate(idxs):
-            buffers[(i, shard)] = whole[offset + k * width : offset + k * width + plen]
-        offset += n
+    _gather(gathered, places, jobs, codecs, layouts)
     transfers.store_copy(gathered[:total], host)
+    whole = memoryview(host.numpy()).cast("B")  # rows are slices of it (one view, not one per row)
+    buffers: dict[tuple[int, Piece], memoryview] = {}
+    for place in places:
+        plen = codecs[place.group].page_lens[place.shard]
+        for k, i in enumerate(place.jobs):
+            at = place.offset + k * place.width
+            buffers[(i, place.shard)] = whole[at : at + plen]
     entries = [(job, shard, buffers[(i, shard)]) for i, job in enumerate(jobs)
                for shard in codecs[job.page.group].written]  # fmt: skip
     return entries, [host]
+
+
+@dataclass
+class DeviceRows:
+    """A step's stores gathered on the device (:func:`gather_on_device`): per :class:`Place` the
+    rows of ``block``, and per row, in places' order, its payload's fold64 (``sums``, int64),
+    both complete in the store stream's order."""
+
+    jobs: list[StoreJob]
+    places: list[Place]
+    block: torch.Tensor
+    sums: torch.Tensor
+
+    def rows(self) -> Iterator[tuple[Place, int, StoreJob, int]]:
+        """(place, row within it, job, index into ``sums``) of every row."""
+        n = 0
+        for place in self.places:
+            for k, i in enumerate(place.jobs):
+                yield place, k, self.jobs[i], n
+                n += 1
+
+
+def gather_on_device(
+    jobs: Sequence[StoreJob], codecs: Mapping[int, PageCodec], layouts: Mapping[int, Layout],
+    transfers: DeviceTransfers,
+) -> DeviceRows | None:  # fmt: skip
+    """Gather a step's stores into one device block (model-runner thread, compute stream: the
+    next forward may overwrite the blocks once these kernels ran) and enqueue their payload
+    checksums on the store stream: the store thread copies the rows straight to where they are
+    kept (the cpu tier's arena) and seals them with these sums, no host pass over the bytes."""
+    places, total = _places(jobs, codecs)
+    if not total:
+        return None
+    block = torch.empty(total, dtype=torch.uint8, device=transfers.device)
+    _gather(block, places, jobs, codecs, layouts)
+    sums = []
+    with transfers.storing():
+        for place in places:
+            codec = codecs[place.group]
+            plen, hlen, n = codec.page_lens[place.shard], codec.header_lens[place.shard], len(place.jobs)
+            rows = block[place.offset : place.offset + n * place.width].view(n, place.width)
+            sums.append(fold64_rows(rows[:, hlen:plen]))
+        block.record_stream(transfers.store_stream)
+        all_sums = torch.cat(sums)
+    return DeviceRows(list(jobs), places, block, all_sums)
+
+
+def copy_rows(
+    rows: DeviceRows, entries: Sequence[tuple[Place, int, StoreJob, int]],
+    dest: Sequence[tuple[torch.Tensor, int] | None], plens: Sequence[int],
+) -> None:  # fmt: skip
+    """Enqueue the copy of each row of ``rows`` (``entries``, as :meth:`DeviceRows.rows` lists
+    them) to ``dest`` (a host tensor and byte offset), one copy per run of rows side by side
+    at both ends, on the current stream."""
+    i = 0
+    while i < len(entries):
+        place, k, _, _ = entries[i]
+        base, start = dest[i]  # type: ignore[misc]
+        j = i + 1
+        while j < len(entries):
+            nxt, kk, _, _ = entries[j]
+            got = dest[j]
+            if nxt is not place or kk != k + (j - i) or got is None or got[0] is not base or \
+                    got[1] != start + (j - i) * place.width:  # fmt: skip
+                break
+            j += 1
+        span = (j - i - 1) * place.width + plens[i]
+        src = rows.block[place.offset + k * place.width :][:span]
+        base[start : start + span].copy_(src, non_blocking=True)
+        i = j

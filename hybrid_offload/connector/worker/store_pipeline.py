@@ -23,8 +23,9 @@ from hybrid_offload.connector.metadata import CommitJob, StoreJob, TouchJob
 from hybrid_offload.connector.worker.context import WorkerContext
 from hybrid_offload.connector.worker.device import DeviceTransfers
 from hybrid_offload.connector.worker.held import HeldCopies
+from hybrid_offload.connector.worker.load_writes import row_width
 from hybrid_offload.connector.worker.memory_pool import STORE_POOL_BYTES
-from hybrid_offload.connector.worker.staging import gather_rows
+from hybrid_offload.connector.worker.staging import DeviceRows, copy_rows, gather_on_device, gather_rows
 from hybrid_offload.core.page_format import seal_page
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class StorePipeline:
         self._lock = threading.Lock()
         self._namespace_checked = False
         self._store_queue: queue.Queue = queue.Queue()
+        self._arenas: dict[int, torch.Tensor] = {}
         self.use_device(ctx.transfers)
         self._store_thread = threading.Thread(
             target=self._store_loop, name="hybrid-offload-store", daemon=True
@@ -90,7 +92,11 @@ class StorePipeline:
             else:
                 queued.append(job)
                 nbytes += size
-        if queued:
+        if queued and self.ctx.transfers.is_cuda:
+            gathered = gather_on_device(queued, self.ctx.codecs, self.ctx.layouts, self.ctx.transfers)
+            if gathered is not None:
+                self._queue_item(gathered, nbytes, len(gathered.sums))
+        elif queued:
             batch, blocks = gather_rows(queued, self.ctx.codecs, self.ctx.layouts, self.store_rows,
                                         self.ctx.transfers)  # fmt: skip
             self._queue(batch, nbytes, blocks)
@@ -131,13 +137,15 @@ class StorePipeline:
     def _queue(self, batch: list[QueuedShard], nbytes: int, blocks: Sequence[torch.Tensor] = ()) -> None:
         """Queue ``batch``; ``blocks`` (its buffers' memory) go back to the pool once stored. The
         store thread starts on it once every copy out of the device enqueued so far is done."""
-        if not batch:
-            return
+        if batch:
+            self._queue_item((batch, blocks, self.ctx.transfers.stored()), nbytes, len(batch))
+
+    def _queue_item(self, item: object, nbytes: int, npages: int) -> None:
         with self._lock:
             self._pending_bytes += nbytes
-        self._store_queue.put((batch, nbytes, blocks, self.ctx.transfers.stored()))
+        self._store_queue.put((item, nbytes))
         with self.ctx.stats.lock:
-            self.ctx.stats.counters.pages_copied_out += len(batch)
+            self.ctx.stats.counters.pages_copied_out += npages
             self.ctx.stats.counters.bytes_copied_out += nbytes
 
     def _store_loop(self) -> None:
@@ -154,12 +162,19 @@ class StorePipeline:
                 finally:
                     self._store_queue.task_done()
                 continue
-            batch, nbytes, blocks, ready = item
+            work, nbytes = item
+            keys: list[str] = []
             try:
-                ready.wait()
-                if self._store_batch(batch):
-                    for block in blocks:
-                        self.store_rows.give(block)  # put_batch copied what it keeps
+                if isinstance(work, DeviceRows):
+                    keys = [job.page.key for job in work.jobs]
+                    self._store_device_rows(work)
+                else:
+                    batch, blocks, ready = work
+                    keys = [job.page.key for job, _, _ in batch]
+                    ready.wait()
+                    if self._store_batch(batch):
+                        for block in blocks:
+                            self.store_rows.give(block)  # put_batch copied what it keeps
             except Exception:  # the store thread must survive anything a backend does
                 logger.exception("hybrid-offload store batch failed")
                 with self.ctx.stats.lock:
@@ -167,7 +182,7 @@ class StorePipeline:
             finally:
                 with self._lock:
                     self._pending_bytes -= nbytes
-                self.ctx.outbox.settle(list(dict.fromkeys(job.page.key for job, _, _ in batch)))
+                self.ctx.outbox.settle(list(dict.fromkeys(keys)))
                 self._store_queue.task_done()
 
     def _check_namespace(self, key: str) -> None:
@@ -214,6 +229,90 @@ class StorePipeline:
                 counters.stored_bytes += sum(len(b) for (k, b), ok in zip(items, results, strict=True) if ok)
                 counters.store_failures += len(items) - len(stored)
         return reusable
+
+    def _store_device_rows(self, rows: DeviceRows) -> None:
+        """Store thread, CUDA: copy a step's gathered rows straight to where they are kept (the
+        first tier of each page that keeps pages in place: its reserved extents; the others'
+        pages into pooled pinned rows), one copy per run of rows side by side, seal them with
+        the sums computed on the device, commit the reservations and put the pages to the
+        other tiers from there."""
+        entries = list(rows.rows())
+        keys = [self.ctx.planner.piece_key(job.page.key, job.page.group, place.shard)
+                for place, _, job, _ in entries]  # fmt: skip
+        plens = [self.ctx.codecs[place.group].page_lens[place.shard] for place, _, _, _ in entries]
+        self._check_namespace(entries[0][2].page.key)
+        home = [next((n for n in job.backends if self.ctx.backends[n].in_place), None)
+                for _, _, job, _ in entries]  # fmt: skip
+        dest: list[tuple[torch.Tensor, int] | None] = [None] * len(entries)
+        reservations = {}
+        for name in dict.fromkeys(h for h in home if h is not None):
+            idx = [i for i, h in enumerate(home) if h == name]
+            try:
+                res = self.ctx.backends[name].reserve_batch([keys[i] for i in idx], [plens[i] for i in idx])
+            except BackendError:
+                continue
+            reservations[name] = (res, idx)
+            base = self._arena(res.memory) if res.memory is not None else None
+            for i, view, offset in zip(idx, res.views, res.offsets, strict=True):
+                if view is not None and base is not None and offset is not None:
+                    dest[i] = (base, offset)
+        spill = [i for i, d in enumerate(dest) if d is None]
+        block = self.store_rows.take(sum(row_width(plens[i]) for i in spill)) if spill else None
+        at = 0
+        for i in spill:
+            assert block is not None
+            dest[i] = (block, at)
+            at += row_width(plens[i])
+        sums = torch.empty(rows.sums.shape, dtype=torch.int64, pin_memory=True)
+        with self.ctx.transfers.storing(after_compute=False):
+            copy_rows(rows, entries, dest, plens)
+            sums.copy_(rows.sums, non_blocking=True)
+            done = self.ctx.transfers.stored()
+        done.wait()
+        del rows.block  # the copies ran: its device memory may go
+        views = [memoryview(base.numpy()[off : off + n])  # type: ignore[misc]
+                 for (base, off), n in zip(dest, plens, strict=True)]  # fmt: skip
+        stated = sums.tolist()
+        for (place, _, job, n), view in zip(entries, views, strict=True):
+            header = self.ctx.codecs[place.group].header(job.page, place.shard)
+            seal_page(view, header, self.ctx.page_key, stated[n] & ((1 << 64) - 1))
+        stored: dict[str, list[int]] = {}
+        for name, (res, idx) in reservations.items():
+            ok = res.commit()
+            stored[name] = [i for i, o in zip(idx, ok, strict=True) if o]
+        self._put_rows(entries, keys, views, home, stored)
+        if block is not None:
+            self.store_rows.give(block)
+
+    def _put_rows(self, entries: list, keys: list[str], views: list[memoryview], home: list[str | None],
+                  stored: dict[str, list[int]]) -> None:  # fmt: skip
+        """Put sealed rows to every target tier but the one they were reserved in, and report
+        what each tier stored."""
+        per_backend: dict[str, list[int]] = {}
+        for i, (_, _, job, _) in enumerate(entries):
+            for name in job.backends:
+                if name != home[i] or name not in stored:
+                    per_backend.setdefault(name, []).append(i)
+        for name, idx in reversed(list(per_backend.items())):
+            try:
+                ok = self.ctx.backends[name].put_batch([(keys[i], views[i]) for i in reversed(idx)])[::-1]
+            except BackendError:
+                ok = [False] * len(idx)
+            stored.setdefault(name, []).extend(i for i, o in zip(idx, ok, strict=True) if o)
+        for name, idx in stored.items():
+            self.ctx.outbox.add_stored(name, [keys[i] for i in idx])
+            with self.ctx.stats.lock:
+                counters = self.ctx.stats.counters.backend(name)
+                counters.stored_pages += len(idx)
+                counters.stored_bytes += sum(views[i].nbytes for i in idx)
+                targeted = sum(1 for _, _, job, _ in entries if name in job.backends)
+                counters.store_failures += targeted - len(idx)
+
+    def _arena(self, memory: memoryview) -> torch.Tensor:
+        known = self._arenas.get(id(memory.obj))
+        if known is None:
+            known = self._arenas[id(memory.obj)] = torch.frombuffer(memory, dtype=torch.uint8)
+        return known
 
     def _touch(self, job: TouchJob) -> None:
         """Store thread: refresh this rank's shards of ``job.pages`` in order."""

@@ -61,10 +61,13 @@ def run(args: argparse.Namespace) -> int:
             if ceil:
                 row["load_device_vs_h2d"] = row["load_device_gbps"] / ceil["h2d_gbps"]
                 row["store_device_vs_d2h"] = row["store_device_gbps"] / ceil["d2h_gbps"]
+                row["whole_load_vs_h2d"] = row["load_gbps"] / ceil["h2d_gbps"]
+                row["whole_store_vs_d2h"] = row["store_gbps"] / ceil["d2h_gbps"]
             rows.append(row)
-            print(format_table([row], ["layout", "tokens", "load_gbps", "load_device_gbps", "load_s",
+            print(format_table([row], ["layout", "tokens", "load_gbps", "whole_load_vs_h2d", "load_s",
                                        "load_device_s", "load_runner_cpu_ms", "store_gbps",
-                                       "store_device_gbps", "identical"]))  # fmt: skip
+                                       "whole_store_vs_d2h", "store_runner_cpu_ms",
+                                       "store_step_runner_cpu_ms", "identical"]))  # fmt: skip
     slow = [] if args.quick else [interference(shape, layouts[0], min(max(tokens), 16384), args.device)]
     slow = [s for s in slow if s]
     for s in slow:

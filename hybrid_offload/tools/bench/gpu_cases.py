@@ -17,6 +17,11 @@ from hybrid_offload.backends import BackendConfig
 from hybrid_offload.testing.datapath import HybridShape, KVWorld, fill_random, kv_bytes_at
 
 GB = 1e9
+#: the cpu tier of a case: a GPU worker page-locks all of it once (a 64k-token request of the
+#: Qwen3-Next-80B shape is 1.65 GB)
+TIER_BYTES = 4 << 30
+#: tokens per prefill step for the per-step store figures (a long request's chunked prefill)
+STEP_TOKENS = 8192
 
 
 def _timed(fn: Callable[[], Any], device: torch.device, repeats: int = 5) -> float:
@@ -80,9 +85,10 @@ def _delta(after: dict[str, Any], before: dict[str, Any], key: str) -> float:
 
 def _one_load(world: KVWorld, pages: list, req: str) -> tuple[float, float]:  # type: ignore[type-arg]
     """Load ``pages`` as the model-runner thread does; (wall seconds, its CPU seconds)."""
-    cpu = 0.0
     start = time.perf_counter()
+    c0 = time.thread_time()
     world.worker.start_loads([_load_job(pages, req)])
+    cpu = time.thread_time() - c0
     while time.perf_counter() - start < 120:
         c0 = time.thread_time()
         recving, failed = world.worker.write_finished_loads(wait_s=0.005)  # an idle engine's step
@@ -103,7 +109,7 @@ def _load_job(pages: list, req: str):  # type: ignore[no-untyped-def,type-arg]
 def transfer_case(shape: HybridShape, layout: str, tokens: int, device: str, repeats: int) -> dict[str, Any]:
     """Store then load one request of ``tokens`` tokens; GB/s and phases."""
     blocks = 2 * -(-tokens // shape.block_size()) + 3
-    world = KVWorld(shape, blocks, layout, device, [BackendConfig("cpu", "cpu", 1 << 36)],
+    world = KVWorld(shape, blocks, layout, device, [BackendConfig("cpu", "cpu", TIER_BYTES)],
                     staging_pool_bytes=8 << 30)  # fmt: skip
     try:
         fill_random(world.raw, 7)
@@ -135,6 +141,7 @@ def transfer_case(shape: HybridShape, layout: str, tokens: int, device: str, rep
 
         stored, store_s, device_s = smed("bytes"), smed("s"), smed("device_s")
         copy_cpu, copy_wall = smed("cpu"), smed("wall")
+        step_cpu = _step_store_cpu(world, store_pages)
 
         runs = []
         for r in range(repeats + 1):  # the first warms the pools
@@ -143,7 +150,7 @@ def transfer_case(shape: HybridShape, layout: str, tokens: int, device: str, rep
             after = _counters(world)
             names = ("queued", "prepare", "read", "verify", "ready", "write", "total")
             phases = {p: _delta(after, before, f"load_{p}_seconds") for p in names}
-            device_part = phases["total"] - sum(phases[p] for p in names[:5])
+            device_part = phases["write"]  # CUDA: the load thread's device work, enqueue to completion
             runs.append({"wall_s": wall, "runner_cpu_s": cpu, "device_s": device_part, **phases,
                          "bytes": _delta(after, before, "bytes_loaded")})  # fmt: skip
         runs = runs[1:]
@@ -161,6 +168,7 @@ def transfer_case(shape: HybridShape, layout: str, tokens: int, device: str, rep
             "store_bytes": stored, "store_s": store_s, "store_gbps": stored / store_s / GB,
             "store_device_s": device_s, "store_device_gbps": stored / device_s / GB,
             "store_runner_cpu_ms": copy_cpu * 1e3, "store_runner_wall_ms": copy_wall * 1e3,
+            "store_step_tokens": STEP_TOKENS, "store_step_runner_cpu_ms": step_cpu * 1e3,
             "load_bytes": loaded, "load_s": med("wall_s"), "load_gbps": loaded / med("wall_s") / GB,
             "load_read_s": med("read"), "load_verify_s": med("verify"),
             "load_read_gbps": loaded / med("read") / GB, "load_verify_gbps": loaded / med("verify") / GB,
@@ -169,6 +177,24 @@ def transfer_case(shape: HybridShape, layout: str, tokens: int, device: str, rep
         }  # fmt: skip
     finally:
         world.close()
+
+
+def _step_store_cpu(world: KVWorld, pages: list) -> float:  # type: ignore[type-arg]
+    """The model-runner thread's CPU seconds per ``wait_for_save`` of a prefill step of
+    :data:`STEP_TOKENS` tokens (median over the request's steps; each step stores its chunks,
+    the last one the states too)."""
+    per_step = STEP_TOKENS // world.chunk
+    steps: dict[int, list] = {}  # type: ignore[type-arg]
+    last = max(p.chunk_index for p in pages)
+    for p in pages:
+        steps.setdefault(min(p.chunk_index, last) // per_step, []).append(p)
+    times = []
+    for chunk in steps.values():
+        c0 = time.thread_time()
+        world.worker.copy_out([_store_job(p) for p in chunk])
+        times.append(time.thread_time() - c0)
+    world.worker.flush(600)
+    return statistics.median(times)
 
 
 def _store_job(page):  # type: ignore[no-untyped-def]
@@ -186,7 +212,7 @@ def interference(
     if dev.type != "cuda":
         return {}
     blocks = 2 * -(-tokens // shape.block_size()) + 3
-    world = KVWorld(shape, blocks, layout, device, [BackendConfig("cpu", "cpu", 1 << 36)],
+    world = KVWorld(shape, blocks, layout, device, [BackendConfig("cpu", "cpu", TIER_BYTES)],
                     staging_pool_bytes=8 << 30)  # fmt: skip
     try:
         fill_random(world.raw, 9)

@@ -1,0 +1,243 @@
+"""The writes of a load's pages into vLLM's KV cache, planned on the load thread.
+
+Worker side. Every page of a load is a :class:`Verified`: where its bytes are on the host (a
+staging row, the cpu tier's arena, or a buffer of its own) and, where its payload is still to
+be checked, the checksum its header states. Pages of one (group, piece) that lie side by side
+in one host memory at the same aligned width (:func:`row_width`: staging rows, and the arena's
+extents of a step's stores) form *runs*:
+
+* **CPU** (:func:`plan_writes`, then :func:`write_pages` on the model-runner thread): each run
+  of attention pages is written as rows, straight from where it is (one copy per layer, K/V
+  and head run, :meth:`~.page_codec.PageCodec.scatter_rows`); other pages one by one. Their
+  payloads were checked on the host already.
+* **CUDA** (:func:`write_on_device`, on the load thread; it runs on CPU tensors too, for the
+  tests): each run is one copy to a device
+  block, the payload checksums are computed there (:mod:`.device_checksum`) and the rows
+  written into vLLM's blocks, all on the load stream after the compute stream's work at the
+  load's start; the returned :class:`DeviceLoad` says, once complete, which pages were bad. A
+  bad page was written too: the load then fails and vLLM recomputes into those blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from hybrid_offload.connector.metadata import ClearRange, PageJob
+from hybrid_offload.connector.worker.device import DeviceTransfers, Ready
+from hybrid_offload.connector.worker.device_checksum import fold64_rows
+from hybrid_offload.connector.worker.page_codec import PageCodec
+from hybrid_offload.core.planner import Piece
+from hybrid_offload.engine.kv_layout import AttentionGroupLayout, MambaGroupLayout, TokenIndex, host_to_device
+
+Layout = AttentionGroupLayout | MambaGroupLayout
+
+#: rows of pages start at multiples of this many bytes (any dtype's view is aligned)
+ALIGN = 64
+
+
+def row_width(page_len: int) -> int:
+    """The distance of two pages side by side in staging rows or the arena."""
+    return -(-page_len // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class ShardRead:
+    """One piece of a page to load: its backend key and this worker's codec for its group."""
+
+    page: PageJob
+    piece: Piece
+    key: str
+    codec: PageCodec
+
+    @property
+    def page_len(self) -> int:
+        return self.codec.page_lens[self.piece]
+
+
+@dataclass
+class Verified:
+    """A page whose header is the one asked for: its bytes are ``base[offset:offset+page_len]``
+    (``base`` a 1-D uint8 host tensor: a staging block, the arena, a buffer of its own);
+    ``checksum`` is its stated payload checksum where the payload is still to be checked (on
+    the device), None where it was checked; ``source`` the backend it came from."""
+
+    read: ShardRead
+    base: torch.Tensor
+    offset: int
+    source: str
+    checksum: int | None = None
+
+    def address(self) -> int:
+        return self.base.data_ptr() + self.offset
+
+
+@dataclass
+class RowRun:
+    """Pages of one (group, piece) side by side: ``rows`` is a ``(k, page_len)`` view with rows
+    :func:`row_width` apart."""
+
+    pages: list[Verified]
+    rows: torch.Tensor
+
+
+def runs_of(pages: Sequence[Verified]) -> list[RowRun]:
+    """``pages`` (one (group, piece)) by address, cut into runs side by side in one memory."""
+    ordered = sorted(pages, key=Verified.address)
+    runs: list[RowRun] = []
+    start = 0
+    for i in range(1, len(ordered) + 1):
+        if i < len(ordered):
+            prev, cur = ordered[i - 1], ordered[i]
+            if cur.base is prev.base and cur.offset == prev.offset + row_width(prev.read.page_len):
+                continue
+        first, k = ordered[start], i - start
+        plen = first.read.page_len
+        base = first.base
+        rows = base.as_strided((k, plen), (row_width(plen), 1), base.storage_offset() + first.offset)
+        runs.append(RowRun(ordered[start:i], rows))
+        start = i
+    return runs
+
+
+def _by_piece(pages: Iterable[Verified]) -> dict[tuple[int, Piece], list[Verified]]:
+    out: dict[tuple[int, Piece], list[Verified]] = {}
+    for v in pages:
+        out.setdefault((v.read.page.group, v.read.piece), []).append(v)
+    return out
+
+
+@dataclass
+class WritePlan:
+    """A load's writes from host memory (CPU): batches of rows, each with where its tokens go,
+    and per group the pages written one by one (their payloads)."""
+
+    batches: list[tuple[PageCodec, int, Piece, torch.Tensor, list[PageJob], TokenIndex]]
+    loose: dict[int, list[tuple[PageJob, Piece, torch.Tensor]]]
+    codecs: dict[int, PageCodec]
+
+
+def plan_writes(pages: Iterable[Verified], layouts: Mapping[int, Layout]) -> WritePlan:
+    """Sort a load's checked pages into batches of rows and loose pages (any thread)."""
+    plan = WritePlan([], {}, {})
+    for (group, piece), items in _by_piece(pages).items():
+        codec = items[0].read.codec
+        plan.codecs[group] = codec
+        hlen = codec.header_lens[piece]
+        whole = [v for v in items if not v.read.page.skip_tokens]
+        for run in runs_of(whole):
+            jobs = [v.read.page for v in run.pages]
+            at = codec.row_index(layouts[group], piece, run.rows, jobs)
+            if at is not None:
+                plan.batches.append((codec, group, piece, run.rows, jobs, at))
+            else:
+                plan.loose.setdefault(group, []).extend(
+                    (job, piece, row[hlen:]) for job, row in zip(jobs, run.rows, strict=True))  # fmt: skip
+        for v in items:
+            if v.read.page.skip_tokens:
+                row = v.base[v.offset + hlen : v.offset + v.read.page_len]
+                plan.loose.setdefault(group, []).append((v.read.page, piece, row))
+    return plan
+
+
+def write_pages(plan: WritePlan, layouts: Mapping[int, Layout]) -> None:
+    """Write a planned load into vLLM's KV cache from host memory (CPU engines)."""
+    for codec, group, piece, rows, pages, at in plan.batches:
+        written = codec.scatter_rows(layouts[group], piece, rows, pages, at)
+        assert written  # planned: row_index allowed it
+    for group, items in plan.loose.items():
+        plan.codecs[group].scatter_pages(layouts[group], items)
+
+
+def clear_ranges(clears: Iterable[ClearRange], layouts: Mapping[int, Layout]) -> None:
+    """Zero the parts of a load's last attention blocks that it did not fill."""
+    for clear in clears:
+        layout = layouts.get(clear.group)
+        if layout is None:
+            continue  # a pipeline stage holding no layer of this group
+        assert isinstance(layout, AttentionGroupLayout)
+        layout.zero(layout.token_index([clear.block_id], clear.first_token, clear.num_tokens))
+
+
+@dataclass
+class DeviceLoad:
+    """A load enqueued on the device: complete once ``ready`` is; then ``bad`` (host) holds,
+    per page in ``pages``' order, whether its payload failed the checksum."""
+
+    ready: Ready
+    pages: list[Verified]
+    bad: torch.Tensor
+    #: device memory the enqueued work reads (kept alive until it completes)
+    keep: list[torch.Tensor] = field(default_factory=list)
+
+    def wait(self) -> list[Verified]:
+        """Block until complete (the GIL released); the pages that failed their checksum."""
+        self.ready.wait()
+        return [v for v, b in zip(self.pages, self.bad.tolist(), strict=True) if b]
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def write_on_device(
+    pages: Sequence[Verified], layouts: Mapping[int, Layout], clears: Iterable[ClearRange],
+    transfers: DeviceTransfers, after: torch.cuda.Event | None,
+) -> DeviceLoad:  # fmt: skip
+    """Enqueue a load on the device (load thread, CUDA): per (group, piece) a device block of
+    rows filled with one copy per run, the payload checks, the writes into vLLM's blocks and
+    the clears, on the load stream after ``after``."""
+    order: list[Verified] = []
+    flags: list[torch.Tensor] = []
+    keep: list[torch.Tensor] = []
+    device = transfers.device
+    with transfers.loading(after):
+        for (group, piece), items in _by_piece(pages).items():
+            codec = items[0].read.codec
+            plen, hlen = codec.page_lens[piece], codec.header_lens[piece]
+            width = row_width(plen)
+            whole = runs_of([v for v in items if not v.read.page.skip_tokens])
+            rest = runs_of([v for v in items if v.read.page.skip_tokens])
+            n = len(items)
+            block = torch.empty(n * width, dtype=torch.uint8, device=device)
+            keep.append(block)
+            rows = block.view(n, width)[:, :plen]
+            at = 0
+            placed: list[Verified] = []
+            for run in [*whole, *rest]:
+                k = len(run.pages)
+                span = (k - 1) * width + plen
+                src = run.rows.as_strided((span,), (1,), run.rows.storage_offset())
+                block[at * width : at * width + span].copy_(src, non_blocking=True)
+                placed.extend(run.pages)
+                at += k
+            order.extend(placed)
+            flags.append(_check(rows[:, hlen:], placed, device))
+            m = sum(len(r.pages) for r in whole)
+            jobs = [v.read.page for v in placed]
+            layout = layouts[group]
+            if m and codec.scatter_rows(layout, piece, rows[:m], jobs[:m]):
+                loose = list(range(m, n))
+            else:
+                loose = list(range(n))
+            if loose:
+                codec.scatter_pages(layout, [(jobs[i], piece, rows[i, hlen:]) for i in loose])
+        clear_ranges(clears, layouts)
+        bad_device = torch.cat(flags) if flags else torch.zeros(0, dtype=torch.bool, device=device)
+        bad = torch.empty(bad_device.shape, dtype=torch.bool, pin_memory=transfers.is_cuda)
+        bad.copy_(bad_device, non_blocking=True)
+        keep.append(bad_device)
+        ready = transfers.loaded()
+    return DeviceLoad(ready, order, bad, keep)
+
+
+def _check(payloads: torch.Tensor, pages: Sequence[Verified], device: torch.device) -> torch.Tensor:
+    """Per row of ``payloads`` (device), whether it fails the checksum its page states (False
+    for pages checked already); enqueued."""
+    if all(v.checksum is None for v in pages):
+        return torch.zeros(len(pages), dtype=torch.bool, device=device)
+    want = host_to_device(torch.tensor([_signed(v.checksum or 0) for v in pages], dtype=torch.int64), device)
+    checked = host_to_device(torch.tensor([v.checksum is not None for v in pages], dtype=torch.bool), device)
+    return (fold64_rows(payloads) != want) & checked
