@@ -177,24 +177,34 @@ class PageReservation:
     def __init__(
         self,
         views: list[memoryview | None],
-        commit: Callable[[list[bool]], list[bool]],
+        commit: Callable[[list[bool], list[int] | None], list[bool]],
         offsets: list[int | None] | None = None,
         memory: memoryview | None = None,
     ) -> None:
         self.views = views
         self.offsets = offsets if offsets is not None else [None] * len(views)
         self.memory = memory
-        self._commit: Callable[[list[bool]], list[bool]] | None = commit
+        self._commit: Callable[[list[bool], list[int] | None], list[bool]] | None = commit
         self._lock = threading.Lock()
+        self._after: list[Callable[[], None]] = []
 
-    def commit(self, ok: Sequence[bool] | None = None) -> list[bool]:
+    def after_commit(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` once the pages are committed (a wrapper's bookkeeping)."""
+        self._after.append(fn)
+
+    def commit(self, ok: Sequence[bool] | None = None, order: Sequence[int] | None = None) -> list[bool]:
+        """Publish the pages whose ``ok`` is True (all when None) in ``order`` (indices; None:
+        the keys' order), as ``put_batch`` would in that order; per key, whether it is stored."""
         flags = [v is not None for v in self.views] if ok is None else [
             bool(o) and v is not None for o, v in zip(ok, self.views, strict=True)]  # fmt: skip
         with self._lock:
             commit, self._commit = self._commit, None
         if commit is None:
             return [False] * len(self.views)
-        return commit(flags)
+        out = commit(flags, None if order is None else list(order))
+        for fn in self._after:
+            fn()
+        return out
 
     def abort(self) -> None:
         self.commit([False] * len(self.views))
@@ -444,10 +454,14 @@ class Backend(ABC):
         views: list[memoryview | None] = [
             None if n > self.capacity_bytes else memoryview(bytearray(n)) for n in sizes]  # fmt: skip
 
-        def commit(ok: list[bool]) -> list[bool]:
-            items = [(k, v) for k, v, o in zip(keys, views, ok, strict=True) if o and v is not None]
-            stored = iter(self.put_batch(items) if items else [])
-            return [next(stored) if o else False for o in ok]
+        def commit(ok: list[bool], order: list[int] | None) -> list[bool]:
+            seq = order if order is not None else range(len(keys))
+            idx = [i for i in seq if ok[i] and views[i] is not None]
+            stored = self.put_batch([(keys[i], views[i]) for i in idx]) if idx else []  # type: ignore[misc]
+            out = [False] * len(keys)
+            for i, s in zip(idx, stored, strict=True):
+                out[i] = s
+            return out
 
         return PageReservation(views, commit)
 

@@ -114,17 +114,20 @@ class CpuBackend(Backend):
         views = [None if at is None else self.arena[at : at + n]
                  for at, n in zip(offsets, sizes, strict=True)]  # fmt: skip
 
-        def commit(ok: list[bool]) -> list[bool]:
-            return self._commit(alloc_id, ok, sizes)
+        def commit(ok: list[bool], order: list[int] | None) -> list[bool]:
+            return self._commit(alloc_id, ok, sizes, order)
 
         return PageReservation(views, commit, offsets, self.arena)
 
-    def _commit(self, alloc_id: int, ok: list[bool], sizes: Sequence[int]) -> list[bool]:
+    def _commit(
+        self, alloc_id: int, ok: list[bool], sizes: Sequence[int], order: list[int] | None
+    ) -> list[bool]:
         outcomes: list[bool] = []
         with self._lock:
             if self._closed:
                 return [False] * len(ok)
-            _, evictions, evicted_bytes = self._index.commit(alloc_id, ok, outcomes=outcomes) or (0, 0, 0)
+            result = self._index.commit(alloc_id, ok, outcomes=outcomes, order=order)
+            _, evictions, evicted_bytes = result or (0, 0, 0)
             self.stats.puts += sum(outcomes)
             self.stats.put_bytes += sum(n for n, out in zip(sizes, outcomes, strict=True) if out)
             self.stats.put_refused += sum(o and not out for o, out in zip(ok, outcomes, strict=True))

@@ -40,7 +40,7 @@ import heapq
 import itertools
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .lru_index import Entry, LruIndex
@@ -388,12 +388,14 @@ class PageIndex:
         return alloc_id, offsets
 
     def commit(
-        self, alloc_id: int, success: list[bool], owner: object = None, outcomes: list[bool] | None = None
-    ) -> tuple[int, int, int] | None:
-        """Publish the successful items in order; ``(committed, evictions, evicted_bytes)``,
+        self, alloc_id: int, success: list[bool], owner: object = None, outcomes: list[bool] | None = None,
+        order: Sequence[int] | None = None,
+    ) -> tuple[int, int, int] | None:  # fmt: skip
+        """Publish the successful items in order (``order``: in that order of their indices,
+        the last one most recent); ``(committed, evictions, evicted_bytes)``,
         or None if ``alloc_id`` is unknown (expired, already committed) or, when ``owner`` is
-        given, another owner's (which stays as it is). ``outcomes`` gets, per item, whether it
-        was published."""
+        given, another owner's (which stays as it is). ``outcomes`` gets, per item (in the
+        items' order), whether it was published."""
         res = self._allocs.get(alloc_id)
         if res is None or (owner is not None and res.owner is not owner):
             return None
@@ -403,13 +405,13 @@ class PageIndex:
         now = self._clock()
         work = Work(WORK_PER_MESSAGE + WORK_PER_KEY * len(res.items))
         flags = list(success) + [False] * (len(res.items) - len(success))
-        published = outcomes if outcomes is not None else []
-        for (key, size, extent), ok in zip(res.items, flags, strict=False):
-            published.append(False)
+        published = [False] * len(res.items)
+        for i in order if order is not None else range(len(res.items)):
+            key, size, extent = res.items[i]
             if extent is None:
                 continue
             self._reserved -= extent.size
-            if not ok:
+            if not flags[i]:
                 self.allocator.free(extent)
                 continue
             self._drop(key)  # replacing an older version is not an eviction
@@ -426,8 +428,10 @@ class PageIndex:
                 self.allocator.free(extent)
                 continue
             self._pages.insert(key, size, _Page(size, extent, now))
-            published[-1] = True
+            published[i] = True
             committed += 1
+        if outcomes is not None:
+            outcomes.extend(published)
         return committed, evictions, evicted_bytes
 
     def abort(self, alloc_id: int) -> bool:

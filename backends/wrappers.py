@@ -245,11 +245,17 @@ class InstrumentedBackend(BackendWrapper):
             raise
         now = self._clock()
         self._recorder.called(self._name, op, now - started)
+        if op == "reserve_batch":  # usage changes when the pages are committed
+            result.after_commit(lambda: self._report_usage(self._clock()))
+        else:
+            self._report_usage(now)
+        return result
+
+    def _report_usage(self, now: float) -> None:
         used, evictions = self._sample_used(now), self._storage.stats.evictions
         if used is not None or evictions != self._evictions_seen:  # else nothing new to report
             self._evictions_seen = evictions
             self._recorder.usage(self._name, used, evictions)
-        return result
 
     def _sample_used(self, now: float) -> int | None:
         with self._lock:

@@ -78,6 +78,10 @@ CONNECTOR_COUNTERS = {
         "copy_out_seconds",
         "Seconds the model-runner thread spent copying pages to store out of vLLM's KV cache.",
     ),
+    "load_copy_seconds": (
+        "load_copy_seconds",
+        "GPU loads: device seconds of their copies to the device (part of the write phase).",
+    ),
     "reusable_tokens": (
         "reusable_tokens",
         "Tokens of admitted requests that earlier traffic shared, as far as this engine can tell.",

@@ -37,8 +37,9 @@ ERROR_KIND = {
     "delete_batch": "delete",
     "touch_batch": "touch",
 }
-#: the calls whose latency is a metric (``store_seconds`` / ``load_seconds``), by method
-TIMED = {"put_batch": "store", "get_into": "load", "lease_batch": "load"}
+#: the calls whose latency is a metric (``store_seconds`` / ``load_seconds``), by method: for a
+#: tier that keeps pages in place (cpu), taking the pages (a lease) and reserving their room
+TIMED = {"put_batch": "store", "reserve_batch": "store", "get_into": "load", "lease_batch": "load"}
 
 
 @dataclass(frozen=True)

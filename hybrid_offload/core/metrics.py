@@ -160,6 +160,9 @@ class WorkerCounters:
     load_ready_seconds: float = 0.0
     load_write_seconds: float = 0.0
     load_total_seconds: float = 0.0
+    #: GPU loads: seconds their copies to the device took (first start to last end, device time;
+    #: part of ``load_write_seconds``, where the writes into the KV cache overlap them)
+    load_copy_seconds: float = 0.0
     backends: dict[str, BackendCounters] = field(default_factory=dict)
 
     def backend(self, name: str) -> BackendCounters:

@@ -386,6 +386,32 @@ def _expected_header(template: PageTemplate) -> np.ndarray:
     return np.frombuffer(head, dtype=np.uint8)
 
 
+def seal_headers(
+    template: PageTemplate, chunk_hashes: Sequence[bytes], chunk_indices: Sequence[int],
+    payload_checksums: Sequence[int], payloads: Sequence[bytes | memoryview] | None = None,
+    key: bytes | None = None,
+) -> np.ndarray:  # fmt: skip
+    """The headers :func:`seal_page` writes for n pages of ``template`` (``(n, hlen)`` uint8),
+    their payloads' checksums given; signed under ``key`` (then ``payloads`` are needed). A few
+    numpy calls and one xxh3 (and HMAC) per page."""
+    n, hlen = len(chunk_hashes), template.hlen
+    head = np.tile(_expected_header(template), (n, 1))
+    if n:
+        head[:, _HASH] = np.frombuffer(b"".join(chunk_hashes), dtype=np.uint8).reshape(n, -1)
+        head[:, _INDEX] = np.asarray(chunk_indices, dtype="<u4").view(np.uint8).reshape(n, 4)
+        sums = np.asarray([c & ((1 << 64) - 1) for c in payload_checksums], dtype="<u8")
+        head[:, _PAYLOAD_SUM] = sums.view(np.uint8).reshape(n, 8)
+    if key:
+        assert payloads is not None
+        for row, payload in zip(head, payloads, strict=True):
+            row[_MAC] = np.frombuffer(_mac(key, row.tobytes(), memoryview(payload)), dtype=np.uint8)
+    checks = np.fromiter((xxhash.xxh3_64_intdigest(row) for row in head), dtype="<u8", count=n)
+    out = np.empty((n, hlen), dtype=np.uint8)
+    out[:, : hlen - _CHECKSUM.size] = head
+    out[:, hlen - _CHECKSUM.size :] = checks.view(np.uint8).reshape(n, 8)
+    return out
+
+
 def check_headers(
     headers: np.ndarray, template: PageTemplate, chunk_hashes: Sequence[bytes], chunk_indices: Sequence[int]
 ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip

@@ -271,6 +271,19 @@ class BackendContract:
         assert res.commit() == [False, False, False]  # only the first commit counts
         assert backend.get_batch([key(1), key(2), key(3)]) == [page(1, 500), b"", None]
 
+    def test_reservation_commits_in_the_order_given(self, open_backend: Callable[..., Backend]) -> None:
+        """The last key published ends most recent: eviction follows the commit order."""
+        backend = open_backend(4000)
+        keys = [key(i) for i in range(4)]
+        res = backend.reserve_batch(keys, [1000] * 4)
+        for i, view in enumerate(res.views):
+            assert view is not None
+            view[:] = page(i, 1000)
+        assert res.commit(order=[3, 2, 1, 0]) == [True] * 4  # key 3 oldest, key 0 newest
+        backend.put_batch([(key(9), page(9, 1000))])
+        if backend.touch_refreshes:  # an LRU this process orders (others may order by time)
+            assert backend.contains_batch(keys) == [True, True, True, False]
+
     def test_reservation_abort_and_refusal(self, open_backend: Callable[..., Backend]) -> None:
         backend = open_backend(4000)
         backend.put_batch([(key(0), page(0, 1000))])

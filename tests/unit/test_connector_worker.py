@@ -176,7 +176,7 @@ def test_rows_a_backend_may_still_read_are_never_reused(world) -> None:
     """Issue 31 L3: a put whose transfer could not be stopped (BuffersInUseError) may still
     read its pages' rows after it returns: they are retired, not given back for the next step;
     after an ordinary failure they are given back."""
-    w = world(chunk=BS)
+    w = world(BackendConfig("test_unavailable", "cpu", 1 << 30), chunk=BS)  # one copying puts
     faulty = FaultInjectingBackend(w.worker.ctx.backends["cpu"])
     w.worker.ctx.backends["cpu"] = faulty
     table = [3, 7, 5]

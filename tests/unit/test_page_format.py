@@ -487,3 +487,15 @@ def test_seal_refuses_short_identity_fields() -> None:
     header = make_header(ATTN, chunk_hash=bytes(16))
     with pytest.raises(PageFormatError, match="32"):
         encode_page(header, payload_for(header))
+
+
+@pytest.mark.parametrize("key", [None, b"s" * 32], ids=["plain", "signed"])
+def test_headers_sealed_at_once_are_the_ones_seal_page_writes(key: bytes | None) -> None:
+    header = make_header(MAMBA)
+    template = PageTemplate.of(header)
+    pages = [dataclasses.replace(header, chunk_index=3 * i, chunk_hash=bytes([i + 1]) * 32) for i in range(4)]
+    payloads = [payload_for(p, seed=i) for i, p in enumerate(pages)]
+    heads = pf.seal_headers(template, [p.chunk_hash for p in pages], [p.chunk_index for p in pages],
+                            [fold64(x) for x in payloads], payloads, key)  # fmt: skip
+    for page, payload, head in zip(pages, payloads, heads, strict=True):
+        assert head.tobytes() + payload == encode_page(page, payload, key)

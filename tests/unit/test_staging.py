@@ -238,3 +238,28 @@ def test_store_rows_hold_what_page_by_page_gathers(
         codec.gather(layout, job.page, shard, want[hlen:])
         assert len(buf) == codec.page_lens[shard]
         assert bytes(buf[hlen:]) == bytes(want[hlen:].numpy())
+
+
+def test_device_sums_are_the_host_checksums_of_the_gathered_rows() -> None:
+    """The store path of a GPU engine, on CPU tensors: rows gathered in one block, checksummed
+    where they are (what the store thread seals them with) as the host would."""
+    from hybrid_offload.connector.worker.staging import device_sums, gather_on_device
+
+    spec = spec_at(2, 1, 4)
+    kv = caches(spec)
+    gen = torch.Generator().manual_seed(8)
+    for t in kv.values():
+        t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+    layout = build_layouts(spec.groups, kv, NUM_BLOCKS)[0]
+    codec = PageCodec(spec, spec.groups[0], CHUNK)
+    jobs = [StoreJob(page(c), ("cpu",)) for c in (2, 0, 1)]
+    rows = gather_on_device(jobs, {0: codec}, {0: layout}, DeviceTransfers())
+    assert rows is not None and rows.count == 3 * len(codec.written)
+    sums = device_sums(rows, {0: codec}).tolist()
+    for place, k, job, n in rows.rows():
+        hlen, plen = codec.header_lens[place.shard], codec.page_lens[place.shard]
+        at = place.offset + k * place.width
+        want = torch.zeros(plen - hlen, dtype=torch.uint8)
+        codec.gather(layout, job.page, place.shard, want)
+        assert torch.equal(rows.block[at + hlen : at + plen], want)
+        assert sums[n] & ((1 << 64) - 1) == fold64(want.numpy().tobytes())

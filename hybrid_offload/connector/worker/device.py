@@ -56,9 +56,11 @@ class DeviceTransfers:
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
         self.is_cuda = self.device.type == "cuda"
+        self._slots: list[torch.Tensor] = []
         if self.is_cuda:
             self._load_stream = torch.cuda.Stream(self.device)
             self._store_stream = torch.cuda.Stream(self.device)
+            self._copy_stream = torch.cuda.Stream(self.device)
 
     def host_pool(self, max_bytes: int) -> MemoryPool:
         """A pool of host blocks for staging and store rows: pinned where the device copies
@@ -106,10 +108,44 @@ class DeviceTransfers:
         with torch.cuda.stream(self._load_stream):
             yield
 
+    def load_slots(self, nbytes: int) -> list[torch.Tensor]:
+        """The two device blocks a load's pages pass through, at least ``nbytes`` each: made on
+        first use and kept (grown only for a larger page), so loads use a fixed amount of
+        device memory whatever their length. Load thread only."""
+        if not self._slots or self._slots[0].numel() < nbytes:
+            self._slots = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        return self._slots
+
+    @contextlib.contextmanager
+    def copying(self, after: torch.cuda.Event | None) -> Iterator[None]:
+        """Copies to the device enqueued inside run on the copy stream (beside the load stream's
+        kernels), after ``after``; no-op on CPU."""
+        if not self.is_cuda:
+            yield
+            return
+        if after is not None:
+            self._copy_stream.wait_event(after)
+        with torch.cuda.stream(self._copy_stream):
+            yield
+
+    def event(self, timing: bool = False) -> torch.cuda.Event | None:
+        """An event recorded on the current stream now (None on CPU)."""
+        if not self.is_cuda:
+            return None
+        event = torch.cuda.Event(enable_timing=timing)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def after(self, event: torch.cuda.Event | None) -> None:
+        """The current stream's later work waits for ``event``."""
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
     def drain_loads(self) -> None:
         """Block until everything enqueued on the load stream is complete (a load that failed
         half-way must not be reported while its writes may still run)."""
         if self.is_cuda:
+            self._copy_stream.synchronize()
             self._load_stream.synchronize()
 
     def loaded(self) -> Ready:

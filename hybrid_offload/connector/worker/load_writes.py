@@ -11,7 +11,7 @@ extents of a step's stores) form *runs*:
   and head run, :meth:`~.page_codec.PageCodec.scatter_rows`); other pages one by one. Their
   payloads were checked on the host already.
 * **CUDA** (:func:`write_on_device`, on the load thread; it runs on CPU tensors too, for the
-  tests): each run is one copy to a device
+  tests): slice by slice through two fixed device slots, each run is one copy to a device
   block, the payload checksums are computed there (:mod:`.device_checksum`) and the rows
   written into vLLM's blocks, all on the load stream after the compute stream's work at the
   load's start; the returned :class:`DeviceLoad` says, once complete, which pages were bad. A
@@ -161,76 +161,116 @@ def clear_ranges(clears: Iterable[ClearRange], layouts: Mapping[int, Layout]) ->
         layout.zero(layout.token_index([clear.block_id], clear.first_token, clear.num_tokens))
 
 
+#: bytes of each of the two device slots a load's pages pass through on a GPU (device memory of
+#: loads: two slots, whatever the load's length; a page larger than a slot gets slots its size)
+SLOT_BYTES = 128 << 20
+
+
 @dataclass
 class DeviceLoad:
     """A load enqueued on the device: complete once ``ready`` is; then ``bad`` (host) holds,
-    per page in ``pages``' order, whether its payload failed the checksum."""
+    per page in ``pages``' order, whether its payload failed the checksum, and the timing
+    events (CUDA) say how long the copies and the whole device part took."""
 
     ready: Ready
     pages: list[Verified]
     bad: torch.Tensor
     #: device memory the enqueued work reads (kept alive until it completes)
     keep: list[torch.Tensor] = field(default_factory=list)
+    marks: tuple[torch.cuda.Event | None, ...] = ()
 
     def wait(self) -> list[Verified]:
         """Block until complete (the GIL released); the pages that failed their checksum."""
         self.ready.wait()
         return [v for v, b in zip(self.pages, self.bad.tolist(), strict=True) if b]
 
+    def seconds(self) -> tuple[float, float]:
+        """(first copy's start to last copy's end, first copy's start to the end), once complete;
+        zeros on CPU."""
+        start, copied, end = self.marks if len(self.marks) == 3 else (None, None, None)
+        if start is None or copied is None or end is None:
+            return 0.0, 0.0
+        return start.elapsed_time(copied) / 1e3, start.elapsed_time(end) / 1e3
+
 
 def _signed(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
+def _slices(pages: Sequence[Verified], slot_bytes: int) -> list[tuple[int, Piece, PageCodec, list[Verified]]]:
+    """A load's pages per (group, piece), ordered by runs (pages that skip tokens last), cut
+    into slices of at most ``slot_bytes`` of rows (at least one page)."""
+    out = []
+    for (group, piece), items in _by_piece(pages).items():
+        codec = items[0].read.codec
+        placed = [v for skip in (False, True)
+                  for run in runs_of([v for v in items if bool(v.read.page.skip_tokens) == skip])
+                  for v in run.pages]  # fmt: skip
+        per = max(1, slot_bytes // row_width(codec.page_lens[piece]))
+        out.extend((group, piece, codec, placed[i : i + per]) for i in range(0, len(placed), per))
+    return out
+
+
+def _copy_in(slot: torch.Tensor, pages: Sequence[Verified], width: int, plen: int) -> None:
+    """``pages`` into consecutive rows of ``slot``: one copy per run of pages side by side."""
+    i = 0
+    while i < len(pages):
+        j = i + 1
+        while j < len(pages) and pages[j].base is pages[i].base and \
+                pages[j].offset == pages[i].offset + (j - i) * width:  # fmt: skip
+            j += 1
+        span = (j - i - 1) * width + plen
+        first = pages[i]
+        src = first.base.as_strided((span,), (1,), first.base.storage_offset() + first.offset)
+        slot[i * width : i * width + span].copy_(src, non_blocking=True)
+        i = j
+
+
 def write_on_device(
     pages: Sequence[Verified], layouts: Mapping[int, Layout], clears: Iterable[ClearRange],
-    transfers: DeviceTransfers, after: torch.cuda.Event | None,
+    transfers: DeviceTransfers, after: torch.cuda.Event | None, slot_bytes: int = SLOT_BYTES,
 ) -> DeviceLoad:  # fmt: skip
-    """Enqueue a load on the device (load thread, CUDA): per (group, piece) a device block of
-    rows filled with one copy per run, the payload checks, the writes into vLLM's blocks and
-    the clears, on the load stream after ``after``."""
+    """Enqueue a load on the device (load thread, CUDA; on CPU tensors it runs in place of the
+    device, for the tests). Slice by slice (:func:`_slices`), alternating between two slots:
+    the copy stream copies a slice's runs into its slot once the slot's last slice was
+    written; the load stream checks the slice's payloads and writes its rows into vLLM's
+    blocks once they arrived, after ``after`` (the step's mark), so copies overlap the writes.
+    Then the clears."""
+    slices = _slices(pages, slot_bytes)
+    need = max((len(sl) * row_width(codec.page_lens[piece]) for _, piece, codec, sl in slices), default=0)
+    slots = transfers.load_slots(need)
     order: list[Verified] = []
     flags: list[torch.Tensor] = []
-    keep: list[torch.Tensor] = []
+    free: list[torch.cuda.Event | None] = [None, None]
     device = transfers.device
     with transfers.loading(after):
-        for (group, piece), items in _by_piece(pages).items():
-            codec = items[0].read.codec
+        start = transfers.event(timing=True)
+        copied = None
+        for s, (group, piece, codec, chunk) in enumerate(slices):
             plen, hlen = codec.page_lens[piece], codec.header_lens[piece]
-            width = row_width(plen)
-            whole = runs_of([v for v in items if not v.read.page.skip_tokens])
-            rest = runs_of([v for v in items if v.read.page.skip_tokens])
-            n = len(items)
-            block = torch.empty(n * width, dtype=torch.uint8, device=device)
-            keep.append(block)
-            rows = block.view(n, width)[:, :plen]
-            at = 0
-            placed: list[Verified] = []
-            for run in [*whole, *rest]:
-                k = len(run.pages)
-                span = (k - 1) * width + plen
-                src = run.rows.as_strided((span,), (1,), run.rows.storage_offset())
-                block[at * width : at * width + span].copy_(src, non_blocking=True)
-                placed.extend(run.pages)
-                at += k
-            order.extend(placed)
-            flags.append(_check(rows[:, hlen:], placed, device))
-            m = sum(len(r.pages) for r in whole)
-            jobs = [v.read.page for v in placed]
+            width, slot = row_width(plen), slots[s % 2]
+            with transfers.copying(free[s % 2] or start):
+                _copy_in(slot, chunk, width, plen)
+                copied = transfers.event(timing=True)
+            transfers.after(copied)
+            rows = slot[: len(chunk) * width].view(len(chunk), width)[:, :plen]
+            flags.append(_check(rows[:, hlen:], chunk, device))
+            jobs = [v.read.page for v in chunk]
+            whole = sum(not job.skip_tokens for job in jobs)
             layout = layouts[group]
-            if m and codec.scatter_rows(layout, piece, rows[:m], jobs[:m]):
-                loose = list(range(m, n))
-            else:
-                loose = list(range(n))
+            loose = range(whole, len(chunk)) if whole and codec.scatter_rows(
+                layout, piece, rows[:whole], jobs[:whole]) else range(len(chunk))  # fmt: skip
             if loose:
                 codec.scatter_pages(layout, [(jobs[i], piece, rows[i, hlen:]) for i in loose])
+            free[s % 2] = transfers.event()
+            order.extend(chunk)
         clear_ranges(clears, layouts)
         bad_device = torch.cat(flags) if flags else torch.zeros(0, dtype=torch.bool, device=device)
         bad = torch.empty(bad_device.shape, dtype=torch.bool, pin_memory=transfers.is_cuda)
         bad.copy_(bad_device, non_blocking=True)
-        keep.append(bad_device)
+        end = transfers.event(timing=True)
         ready = transfers.loaded()
-    return DeviceLoad(ready, order, bad, keep)
+    return DeviceLoad(ready, order, bad, [bad_device], (start, copied, end))
 
 
 def _check(payloads: torch.Tensor, pages: Sequence[Verified], device: torch.device) -> torch.Tensor:

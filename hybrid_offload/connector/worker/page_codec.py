@@ -169,6 +169,13 @@ class PageCodec:
             part += len(split.components)
         return out
 
+    def template(self, piece: Piece) -> PageTemplate:
+        """What every page of ``piece`` shares (for checks and for sealing many at once)."""
+        known = self.templates.get(piece)
+        if known is None:
+            known = self.templates[piece] = PageTemplate.of(self._header(bytes(CHUNK_HASH_LEN), 0, piece))
+        return known
+
     def header(self, page: PageJob, piece: Piece) -> PageHeader:
         return self._header(page.chunk_hash, page.chunk_index, piece)
 

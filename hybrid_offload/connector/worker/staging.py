@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hybrid_offload.connector.metadata import StoreJob
@@ -130,70 +131,101 @@ def gather_rows(
 
 
 @dataclass
-class DeviceRows:
-    """A step's stores gathered on the device (:func:`gather_on_device`): per :class:`Place` the
-    rows of ``block``, and per row, in places' order, its payload's fold64 (``sums``, int64),
-    both complete in the store stream's order."""
+class GatheredRows:
+    """A step's stores copied out of vLLM's KV cache (:func:`gather_on_device`,
+    :func:`gather_on_host`): per :class:`Place` the rows of ``block`` (on the KV cache's
+    device)."""
 
     jobs: list[StoreJob]
     places: list[Place]
     block: torch.Tensor
-    sums: torch.Tensor
+    #: on a GPU: complete once the gather is (recorded on the compute stream)
+    gathered: torch.cuda.Event | None = None
 
     def rows(self) -> Iterator[tuple[Place, int, StoreJob, int]]:
-        """(place, row within it, job, index into ``sums``) of every row."""
+        """(place, row within it, job, index among all rows) of every row."""
         n = 0
         for place in self.places:
             for k, i in enumerate(place.jobs):
                 yield place, k, self.jobs[i], n
                 n += 1
 
+    @property
+    def count(self) -> int:
+        return sum(len(place.jobs) for place in self.places)
+
+
+def gather_on_host(
+    jobs: Sequence[StoreJob], codecs: Mapping[int, PageCodec], layouts: Mapping[int, Layout], pool: MemoryPool
+) -> GatheredRows | None:  # fmt: skip
+    """Gather a step's stores into rows of one block from ``pool`` (CPU engines, model-runner
+    thread): the store thread seals them there and copies those a tier keeps in place."""
+    places, total = _places(jobs, codecs)
+    if not total:
+        return None
+    block = pool.take(total)
+    _gather(block, places, jobs, codecs, layouts)
+    return GatheredRows(list(jobs), places, block)
+
 
 def gather_on_device(
     jobs: Sequence[StoreJob], codecs: Mapping[int, PageCodec], layouts: Mapping[int, Layout],
     transfers: DeviceTransfers,
-) -> DeviceRows | None:  # fmt: skip
+) -> GatheredRows | None:  # fmt: skip
     """Gather a step's stores into one device block (model-runner thread, compute stream: the
-    next forward may overwrite the blocks once these kernels ran) and enqueue their payload
-    checksums on the store stream: the store thread copies the rows straight to where they are
-    kept (the cpu tier's arena) and seals them with these sums, no host pass over the bytes."""
+    next forward may overwrite the blocks once these kernels ran) and mark their end: the store
+    thread checksums the rows there (:func:`device_sums`), copies them straight to where they
+    are kept (the cpu tier's arena) and seals them with those sums, no host pass over the
+    bytes and no further work on this thread."""
     places, total = _places(jobs, codecs)
     if not total:
         return None
     block = torch.empty(total, dtype=torch.uint8, device=transfers.device)
     _gather(block, places, jobs, codecs, layouts)
+    return GatheredRows(list(jobs), places, block, gathered=transfers.event())
+
+
+def device_sums(rows: GatheredRows, codecs: Mapping[int, PageCodec]) -> torch.Tensor:
+    """The payload checksum of every row of ``rows`` (int64 on its device, in
+    :meth:`GatheredRows.rows` order), enqueued on the current stream after the gather."""
+    if rows.gathered is not None:
+        torch.cuda.current_stream(rows.block.device).wait_event(rows.gathered)
     sums = []
-    with transfers.storing():
-        for place in places:
-            codec = codecs[place.group]
-            plen, hlen, n = codec.page_lens[place.shard], codec.header_lens[place.shard], len(place.jobs)
-            rows = block[place.offset : place.offset + n * place.width].view(n, place.width)
-            sums.append(fold64_rows(rows[:, hlen:plen]))
-        block.record_stream(transfers.store_stream)
-        all_sums = torch.cat(sums)
-    return DeviceRows(list(jobs), places, block, all_sums)
+    for place in rows.places:
+        codec = codecs[place.group]
+        plen, hlen, n = codec.page_lens[place.shard], codec.header_lens[place.shard], len(place.jobs)
+        block = rows.block[place.offset : place.offset + n * place.width].view(n, place.width)
+        sums.append(fold64_rows(block[:, hlen:plen]))
+    return torch.cat(sums)
 
 
 def copy_rows(
-    rows: DeviceRows, entries: Sequence[tuple[Place, int, StoreJob, int]],
-    dest: Sequence[tuple[torch.Tensor, int] | None], plens: Sequence[int],
+    rows: GatheredRows, entries: Sequence[tuple[Place, int, StoreJob, int]],
+    dest: Sequence[tuple[torch.Tensor, int]], plens: Sequence[int],
 ) -> None:  # fmt: skip
-    """Enqueue the copy of each row of ``rows`` (``entries``, as :meth:`DeviceRows.rows` lists
-    them) to ``dest`` (a host tensor and byte offset), one copy per run of rows side by side
-    at both ends, on the current stream."""
+    """Copy each row of ``rows`` (``entries``, as :meth:`GatheredRows.rows` lists them) to
+    ``dest`` (a host tensor and byte offset; rows already there are skipped), one copy per run
+    of rows side by side at both ends: from a device enqueued on the current stream, on the
+    host with numpy (without the GIL)."""
     i = 0
+    on_host = not rows.block.is_cuda
     while i < len(entries):
         place, k, _, _ = entries[i]
-        base, start = dest[i]  # type: ignore[misc]
+        base, start = dest[i]
         j = i + 1
         while j < len(entries):
             nxt, kk, _, _ = entries[j]
             got = dest[j]
-            if nxt is not place or kk != k + (j - i) or got is None or got[0] is not base or \
+            if nxt is not place or kk != k + (j - i) or got[0] is not base or \
                     got[1] != start + (j - i) * place.width:  # fmt: skip
                 break
             j += 1
         span = (j - i - 1) * place.width + plens[i]
-        src = rows.block[place.offset + k * place.width :][:span]
-        base[start : start + span].copy_(src, non_blocking=True)
+        at = place.offset + k * place.width
+        if base is rows.block and start == at:
+            pass  # kept where it was gathered
+        elif on_host:
+            np.copyto(base.numpy()[start : start + span], rows.block.numpy()[at : at + span])
+        else:
+            base[start : start + span].copy_(rows.block[at : at + span], non_blocking=True)
         i = j

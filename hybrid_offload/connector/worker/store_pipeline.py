@@ -18,15 +18,23 @@ from collections.abc import Sequence
 
 import torch
 
-from hybrid_offload.backends.base import BackendError, BuffersInUseError
+from hybrid_offload.backends.base import BackendError, BuffersInUseError, PageReservation
 from hybrid_offload.connector.metadata import CommitJob, StoreJob, TouchJob
 from hybrid_offload.connector.worker.context import WorkerContext
 from hybrid_offload.connector.worker.device import DeviceTransfers
 from hybrid_offload.connector.worker.held import HeldCopies
 from hybrid_offload.connector.worker.load_writes import row_width
 from hybrid_offload.connector.worker.memory_pool import STORE_POOL_BYTES
-from hybrid_offload.connector.worker.staging import DeviceRows, copy_rows, gather_on_device, gather_rows
-from hybrid_offload.core.page_format import seal_page
+from hybrid_offload.connector.worker.staging import (
+    GatheredRows,
+    copy_rows,
+    device_sums,
+    gather_on_device,
+    gather_on_host,
+    gather_rows,
+)
+from hybrid_offload.core.checksum import fold64
+from hybrid_offload.core.page_format import seal_headers, seal_page
 
 logger = logging.getLogger(__name__)
 
@@ -92,14 +100,13 @@ class StorePipeline:
             else:
                 queued.append(job)
                 nbytes += size
-        if queued and self.ctx.transfers.is_cuda:
-            gathered = gather_on_device(queued, self.ctx.codecs, self.ctx.layouts, self.ctx.transfers)
+        if queued:
+            codecs, layouts = self.ctx.codecs, self.ctx.layouts
+            cuda = self.ctx.transfers.is_cuda
+            gathered = (gather_on_device(queued, codecs, layouts, self.ctx.transfers) if cuda
+                        else gather_on_host(queued, codecs, layouts, self.store_rows))  # fmt: skip
             if gathered is not None:
-                self._queue_item(gathered, nbytes, len(gathered.sums))
-        elif queued:
-            batch, blocks = gather_rows(queued, self.ctx.codecs, self.ctx.layouts, self.store_rows,
-                                        self.ctx.transfers)  # fmt: skip
-            self._queue(batch, nbytes, blocks)
+                self._queue_item(gathered, nbytes, gathered.count)
         elapsed = self.ctx.timer() - started
         with self.ctx.stats.lock:
             self.ctx.stats.counters.copy_out_seconds += elapsed
@@ -165,9 +172,9 @@ class StorePipeline:
             work, nbytes = item
             keys: list[str] = []
             try:
-                if isinstance(work, DeviceRows):
+                if isinstance(work, GatheredRows):
                     keys = [job.page.key for job in work.jobs]
-                    self._store_device_rows(work)
+                    self._store_rows(work)
                 else:
                     batch, blocks, ready = work
                     keys = [job.page.key for job, _, _ in batch]
@@ -230,73 +237,113 @@ class StorePipeline:
                 counters.store_failures += len(items) - len(stored)
         return reusable
 
-    def _store_device_rows(self, rows: DeviceRows) -> None:
-        """Store thread, CUDA: copy a step's gathered rows straight to where they are kept (the
-        first tier of each page that keeps pages in place: its reserved extents; the others'
-        pages into pooled pinned rows), one copy per run of rows side by side, seal them with
-        the sums computed on the device, commit the reservations and put the pages to the
-        other tiers from there."""
+    def _store_rows(self, rows: GatheredRows) -> None:
+        """Store thread: a step's gathered rows to their tiers. Each page's first tier that
+        keeps pages in place (the cpu arena) reserves its extents (side by side per (group,
+        shard), so that the rows go in one copy per run: from the GPU straight into the arena,
+        on the host with numpy); other pages stay in the gathered block (host) or go to pooled
+        pinned rows (GPU). Sealed with the checksums computed on the device (GPU) or here
+        without the GIL (CPU), a few numpy calls per (group, shard); the reservations are
+        committed and the other tiers put to, deepest page first."""
         entries = list(rows.rows())
+        codecs, backends = self.ctx.codecs, self.ctx.backends
         keys = [self.ctx.planner.piece_key(job.page.key, job.page.group, place.shard)
                 for place, _, job, _ in entries]  # fmt: skip
-        plens = [self.ctx.codecs[place.group].page_lens[place.shard] for place, _, _, _ in entries]
+        plens = [codecs[place.group].page_lens[place.shard] for place, _, _, _ in entries]
         self._check_namespace(entries[0][2].page.key)
-        home = [next((n for n in job.backends if self.ctx.backends[n].in_place), None)
-                for _, _, job, _ in entries]  # fmt: skip
+        home = [next((n for n in job.backends if backends[n].in_place), None) for _, _, job, _ in entries]
         dest: list[tuple[torch.Tensor, int] | None] = [None] * len(entries)
-        reservations = {}
+        reservations: dict[str, tuple[PageReservation, list[int]]] = {}
         for name in dict.fromkeys(h for h in home if h is not None):
             idx = [i for i, h in enumerate(home) if h == name]
             try:
-                res = self.ctx.backends[name].reserve_batch([keys[i] for i in idx], [plens[i] for i in idx])
+                res = backends[name].reserve_batch([keys[i] for i in idx], [plens[i] for i in idx])
             except BackendError:
                 continue
             reservations[name] = (res, idx)
-            base = self._arena(res.memory) if res.memory is not None else None
             for i, view, offset in zip(idx, res.views, res.offsets, strict=True):
-                if view is not None and base is not None and offset is not None:
-                    dest[i] = (base, offset)
-        spill = [i for i, d in enumerate(dest) if d is None]
-        block = self.store_rows.take(sum(row_width(plens[i]) for i in spill)) if spill else None
+                if view is not None and res.memory is not None and offset is not None:
+                    dest[i] = (self._arena(res.memory), offset)
+        on_device = rows.block.is_cuda
+        spill: torch.Tensor | None = None
+        if on_device and any(d is None for d in dest):
+            spill = self.store_rows.take(sum(row_width(plens[i]) for i, d in enumerate(dest) if d is None))
         at = 0
-        for i in spill:
-            assert block is not None
-            dest[i] = (block, at)
-            at += row_width(plens[i])
-        sums = torch.empty(rows.sums.shape, dtype=torch.int64, pin_memory=True)
-        with self.ctx.transfers.storing(after_compute=False):
-            copy_rows(rows, entries, dest, plens)
-            sums.copy_(rows.sums, non_blocking=True)
-            done = self.ctx.transfers.stored()
-        done.wait()
-        del rows.block  # the copies ran: its device memory may go
-        views = [memoryview(base.numpy()[off : off + n])  # type: ignore[misc]
-                 for (base, off), n in zip(dest, plens, strict=True)]  # fmt: skip
-        stated = sums.tolist()
-        for (place, _, job, n), view in zip(entries, views, strict=True):
-            header = self.ctx.codecs[place.group].header(job.page, place.shard)
-            seal_page(view, header, self.ctx.page_key, stated[n] & ((1 << 64) - 1))
+        for i, (place, k, _, _) in enumerate(entries):
+            if dest[i] is None and spill is not None:
+                dest[i], at = (spill, at), at + row_width(plens[i])
+            elif dest[i] is None:
+                dest[i] = (rows.block, place.offset + k * place.width)
+        placed: list[tuple[torch.Tensor, int]] = dest  # type: ignore[assignment]
+        if on_device:
+            with self.ctx.transfers.storing(after_compute=False):
+                on_gpu = device_sums(rows, codecs)  # after the gather (its event)
+                copy_rows(rows, entries, placed, plens)
+                sums = torch.empty(on_gpu.shape, dtype=torch.int64, pin_memory=True)
+                sums.copy_(on_gpu, non_blocking=True)
+                done = self.ctx.transfers.stored()
+            done.wait()
+            stated: list[int] = sums.tolist()
+        else:
+            copy_rows(rows, entries, placed, plens)
+            stated = []
+        views = [memoryview(base.numpy()[off : off + n])
+                 for (base, off), n in zip(placed, plens, strict=True)]  # fmt: skip
+        self._seal(entries, views, stated)
         stored: dict[str, list[int]] = {}
+        rank = {i: r for r, i in enumerate(self._deepest_first(entries))}
         for name, (res, idx) in reservations.items():
-            ok = res.commit()
-            stored[name] = [i for i, o in zip(idx, ok, strict=True) if o]
-        self._put_rows(entries, keys, views, home, stored)
-        if block is not None:
-            self.store_rows.give(block)
+            order = sorted(range(len(idx)), key=lambda j: rank[idx[j]])
+            ok = res.commit(order=order)  # deepest first: the prefix ends most recent
+            stored[name] = [idx[j] for j in order if ok[j]]
+        reusable = self._put_rows(entries, keys, views, home, stored)
+        for block in (spill, None if on_device else rows.block):
+            if block is not None and reusable:
+                self.store_rows.give(block)
+
+    def _deepest_first(self, entries: list) -> list[int]:
+        """The order pages go to a tier: the step's jobs last to first (deepest first, a chunk's
+        state before its attention), each job's shards last to first."""
+        def at(i: int) -> tuple[int, int]:
+            place, k = entries[i][0], entries[i][1]
+            return -place.jobs[k], -self.ctx.codecs[place.group].written.index(place.shard)
+
+        return sorted(range(len(entries)), key=at)
+
+    def _seal(self, entries: list, views: list[memoryview], stated: list[int]) -> None:
+        """Write the headers of ``entries``' pages (their payloads in ``views``), per (group,
+        shard) at once; ``stated``: the payload checksums from the device (else computed)."""
+        by_place: dict[int, list[int]] = {}
+        for i, (place, _, _, _) in enumerate(entries):
+            by_place.setdefault(id(place), []).append(i)
+        for idx in by_place.values():
+            place = entries[idx[0]][0]
+            codec = self.ctx.codecs[place.group]
+            hlen = codec.header_lens[place.shard]
+            payloads = [views[i][hlen:] for i in idx]
+            sums = [stated[entries[i][3]] for i in idx] if stated else [fold64(p) for p in payloads]
+            pages = [entries[i][2].page for i in idx]
+            hashes, indices = [p.chunk_hash for p in pages], [p.chunk_index for p in pages]
+            template = codec.template(place.shard)
+            heads = seal_headers(template, hashes, indices, sums, payloads, self.ctx.page_key)
+            for i, head in zip(idx, heads, strict=True):
+                views[i][:hlen] = head.data
 
     def _put_rows(self, entries: list, keys: list[str], views: list[memoryview], home: list[str | None],
-                  stored: dict[str, list[int]]) -> None:  # fmt: skip
-        """Put sealed rows to every target tier but the one they were reserved in, and report
-        what each tier stored."""
+                  stored: dict[str, list[int]]) -> bool:  # fmt: skip
+        """Put sealed rows to every target tier but the one they are reserved in, deepest page
+        first, and report what each tier stored; whether the rows' memory may be reused."""
         per_backend: dict[str, list[int]] = {}
-        for i, (_, _, job, _) in enumerate(entries):
-            for name in job.backends:
-                if name != home[i] or name not in stored:
+        for i in self._deepest_first(entries):
+            for name in entries[i][2].backends:
+                if name != home[i] or name not in stored:  # not reserved there, or that failed
                     per_backend.setdefault(name, []).append(i)
-        for name, idx in reversed(list(per_backend.items())):
+        reusable = True
+        for name, idx in per_backend.items():
             try:
-                ok = self.ctx.backends[name].put_batch([(keys[i], views[i]) for i in reversed(idx)])[::-1]
-            except BackendError:
+                ok = self.ctx.backends[name].put_batch([(keys[i], views[i]) for i in idx])
+            except BackendError as exc:
+                reusable = reusable and not isinstance(exc, BuffersInUseError)
                 ok = [False] * len(idx)
             stored.setdefault(name, []).extend(i for i, o in zip(idx, ok, strict=True) if o)
         for name, idx in stored.items():
@@ -307,6 +354,7 @@ class StorePipeline:
                 counters.stored_bytes += sum(views[i].nbytes for i in idx)
                 targeted = sum(1 for _, _, job, _ in entries if name in job.backends)
                 counters.store_failures += targeted - len(idx)
+        return reusable
 
     def _arena(self, memory: memoryview) -> torch.Tensor:
         known = self._arenas.get(id(memory.obj))

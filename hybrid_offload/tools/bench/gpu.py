@@ -65,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
                 row["whole_store_vs_d2h"] = row["store_gbps"] / ceil["d2h_gbps"]
             rows.append(row)
             print(format_table([row], ["layout", "tokens", "load_gbps", "whole_load_vs_h2d", "load_s",
-                                       "load_device_s", "load_runner_cpu_ms", "store_gbps",
+                                       "load_read_s", "load_verify_s", "load_device_s", "load_copy_s",
+                                       "load_runner_cpu_ms", "store_gbps",
                                        "whole_store_vs_d2h", "store_runner_cpu_ms",
                                        "store_step_runner_cpu_ms", "identical"]))  # fmt: skip
     slow = [] if args.quick else [interference(shape, layouts[0], min(max(tokens), 16384), args.device)]

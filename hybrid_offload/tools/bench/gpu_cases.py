@@ -152,6 +152,7 @@ def transfer_case(shape: HybridShape, layout: str, tokens: int, device: str, rep
             phases = {p: _delta(after, before, f"load_{p}_seconds") for p in names}
             device_part = phases["write"]  # CUDA: the load thread's device work, enqueue to completion
             runs.append({"wall_s": wall, "runner_cpu_s": cpu, "device_s": device_part, **phases,
+                         "copy_s": _delta(after, before, "load_copy_seconds"),
                          "bytes": _delta(after, before, "bytes_loaded")})  # fmt: skip
         runs = runs[1:]
         m = len(world.planner.chunk_hashes(toks)) * world.chunk
@@ -173,6 +174,7 @@ def transfer_case(shape: HybridShape, layout: str, tokens: int, device: str, rep
             "load_read_s": med("read"), "load_verify_s": med("verify"),
             "load_read_gbps": loaded / med("read") / GB, "load_verify_gbps": loaded / med("verify") / GB,
             "load_device_s": med("device_s"), "load_device_gbps": loaded / med("device_s") / GB,
+            "load_copy_s": med("copy_s"),
             "load_runner_cpu_ms": med("runner_cpu_s") * 1e3, "load_enqueue_ms": med("write") * 1e3,
         }  # fmt: skip
     finally:
