@@ -124,6 +124,8 @@ class KVWorld:
         self, shape: HybridShape, num_blocks: int, layout: str, device: str, tiers: Sequence[BackendConfig],
         *, tp_size: int = 1, tp_rank: int = 0, staging_pool_bytes: int = 512 << 20,
     ) -> None:  # fmt: skip
+        """``device``: also ``"cpu+gpu-path"``, the CPU taking the GPU's paths (``DeviceTransfers``)."""
+        device, _, path = device.partition("+")
         self.shape, self.device = shape, torch.device(device)
         self.spec = model_spec(shape, num_blocks, tp_size, tp_rank)
         self.planner = HybridOffloadPlanner(self.spec)
@@ -134,7 +136,8 @@ class KVWorld:
             self.spec, self.planner, tuple(Tier(b, TierPolicy()) for b in tiers), 1 << 40,
             load_switch_interval_s=DEFAULT_LOAD_SWITCH_INTERVAL_S, staging_pool_bytes=staging_pool_bytes,
         )  # fmt: skip
-        self.worker.register_kv_caches(self.views, attention_format="logical")
+        self.worker.register_kv_caches(self.views, attention_format="logical",
+                                       device_path=True if path == "gpu-path" else None)  # fmt: skip
 
     # ---- page jobs as the scheduler builds them ---------------------------------------------
     def pages(self, tokens: Sequence[int], table: Sequence[int], state_block: int) -> list[PageJob]:

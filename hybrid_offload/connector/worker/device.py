@@ -53,9 +53,13 @@ class DeviceTransfers:
     exist on CUDA only; on other devices every method degrades to plain host work.
     """
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(self, device: torch.device | str = "cpu", device_path: bool | None = None) -> None:
+        """``device_path``: take the GPU's paths (loads checked and written on the load thread,
+        stores checksummed and copied on the store thread) on any device; by default on CUDA
+        only. On CPU they run without streams: the tests prove the GPU's code there."""
         self.device = torch.device(device)
         self.is_cuda = self.device.type == "cuda"
+        self.device_path = self.is_cuda if device_path is None else device_path
         self._slots: list[torch.Tensor] = []
         if self.is_cuda:
             self._load_stream = torch.cuda.Stream(self.device)

@@ -140,14 +140,14 @@ class LoadPipeline:
         run = LoadRun(submitted=submitted, started=self.ctx.timer())
         try:
             run.pages = self._load_pages(job, run)
-            if run.pages is not None and self.ctx.transfers.is_cuda:
+            if run.pages is not None and self.ctx.transfers.device_path:
                 self._write_on_device(job, run, after)
             elif run.pages is not None:
                 run.plan = plan_writes(run.pages, self.ctx.layouts)
         except Exception:
             logger.exception("hybrid-offload load of request %s failed", job.req_id)
             run.pages = None
-            if self.ctx.transfers.is_cuda:
+            if self.ctx.transfers.device_path:
                 self.ctx.transfers.drain_loads()  # nothing of it may still write into the blocks
         if run.pages is None or run.written:
             self._done_with(run)
@@ -310,7 +310,7 @@ class LoadPipeline:
         device on a GPU; MACs here where the cache has a secret and the page crossed a process
         boundary. Bad pages are counted and deleted. Returns (bytes, pages) accepted."""
         key = self.ctx.page_key if not backend.in_place else None
-        on_host = not self.ctx.transfers.is_cuda
+        on_host = not self.ctx.transfers.device_path
         batches: dict[tuple[int, Piece], list[int]] = {}
         for k, (i, f) in enumerate(zip(indices, found, strict=True)):
             if f is None:

@@ -90,16 +90,17 @@ class OffloadWorker:
         return self.ctx.transfers
 
     def register_kv_caches(
-        self, kv_caches: dict[str, torch.Tensor], attention_format: str | None = None
-    ) -> None:
+        self, kv_caches: dict[str, torch.Tensor], attention_format: str | None = None,
+        device_path: bool | None = None,
+    ) -> None:  # fmt: skip
         """Address the tensors vLLM registered (``attention_format``: see ``build_layouts``) and
-        move bytes to and from their device."""
+        move bytes to and from their device (``device_path``: see ``DeviceTransfers``)."""
         self.ctx.layouts = build_layouts(self.spec.groups, kv_caches, self.spec.num_blocks, attention_format)
         devices = {t.device for t in kv_caches.values()}
         if len(devices) == 1:
             (device,) = devices
-            if device != self.ctx.transfers.device:
-                self.ctx.transfers = DeviceTransfers(device)
+            if device != self.ctx.transfers.device or device_path is not None:
+                self.ctx.transfers = DeviceTransfers(device, device_path)
                 self.stores.use_device(self.ctx.transfers)
                 self.loads.use_device(self.ctx.transfers)
                 self._pin_arenas()
@@ -108,7 +109,7 @@ class OffloadWorker:
         """Page-lock the arenas of the tiers that lend in place, once (CUDA), so that loads copy
         straight out of them and stores straight into them at the link's speed."""
         for name, backend in self.backends.items():
-            if not backend.in_place or name in self._unpin:
+            if not self.ctx.transfers.is_cuda or not backend.in_place or name in self._unpin:
                 continue
             started = time.monotonic()
             unpin = self.ctx.transfers.pin(backend.arena)  # type: ignore[attr-defined]

@@ -102,7 +102,7 @@ class StorePipeline:
                 nbytes += size
         if queued:
             codecs, layouts = self.ctx.codecs, self.ctx.layouts
-            cuda = self.ctx.transfers.is_cuda
+            cuda = self.ctx.transfers.device_path
             gathered = (gather_on_device(queued, codecs, layouts, self.ctx.transfers) if cuda
                         else gather_on_host(queued, codecs, layouts, self.store_rows))  # fmt: skip
             if gathered is not None:
@@ -264,7 +264,7 @@ class StorePipeline:
             for i, view, offset in zip(idx, res.views, res.offsets, strict=True):
                 if view is not None and res.memory is not None and offset is not None:
                     dest[i] = (self._arena(res.memory), offset)
-        on_device = rows.block.is_cuda
+        on_device = self.ctx.transfers.device_path
         spill: torch.Tensor | None = None
         if on_device and any(d is None for d in dest):
             spill = self.store_rows.take(sum(row_width(plens[i]) for i, d in enumerate(dest) if d is None))
@@ -279,7 +279,7 @@ class StorePipeline:
             with self.ctx.transfers.storing(after_compute=False):
                 on_gpu = device_sums(rows, codecs)  # after the gather (its event)
                 copy_rows(rows, entries, placed, plens)
-                sums = torch.empty(on_gpu.shape, dtype=torch.int64, pin_memory=True)
+                sums = torch.empty(on_gpu.shape, dtype=torch.int64, pin_memory=self.ctx.transfers.is_cuda)
                 sums.copy_(on_gpu, non_blocking=True)
                 done = self.ctx.transfers.stored()
             done.wait()
