@@ -370,15 +370,45 @@ def test_calls_racing_close_raise_closed_and_write_nowhere(tmp_path: Path) -> No
         assert reopened.get_batch([key(1)]) == [page(1, 100)]
 
 
-def test_reads_from_the_medium_are_cut_into_pieces_for_the_pool() -> None:
-    from hybrid_offload.backends.disk_segments import _split
+def test_reads_from_the_medium_are_cut_into_pieces_for_the_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs are cut by bytes, also inside a page, where the file offset is a multiple of the
+    piece size; short runs share a task; a page is a hit only if all its parts were read."""
+    from hybrid_offload.backends.disk_segments import _tasks, _whole_pages
+    from hybrid_offload.backends.segment_log import Location
 
-    run = [(i, None, None) for i in range(5)]  # (index, location, view): only the order matters
-    pieces = _split([run], 4)  # type: ignore[list-item]
-    assert sorted(len(p) for p in pieces) == [1, 1, 1, 2]
-    assert [job for piece in pieces for job in piece] == run  # file order kept
-    assert _split([run[:1], run[1:2]], 4) == [run[:1], run[1:2]]  # single pages stay whole
-    assert _split([run], 1) == [run]
+    monkeypatch.setattr(disk_segments, "_MIN_PIECE", 4096)
+
+    def run(offset: int, sizes: list[int], first: int = 0) -> list[Any]:
+        jobs, at = [], offset
+        for n, size in enumerate(sizes):
+            jobs.append((first + n, Location(1, "s.seg", at, "l.log", 1, 1), memoryview(bytearray(size))))
+            at += size
+        return jobs
+
+    # one run of 5 pages of 3 KiB (15 KiB): 4 pieces of 4 KiB, cut inside pages
+    tasks = _tasks([run(0, [3072] * 5)], 4)
+    reads = [read for task in tasks for read in task]
+    assert [offset for _, offset, _ in reads] == [0, 4096, 8192, 12288]
+    assert [sum(v.nbytes for _, v in parts) for _, _, parts in reads] == [4096, 4096, 4096, 3072]
+    assert [i for _, _, parts in reads for i, _ in parts] == [0, 1, 1, 2, 2, 3, 4]  # file order
+    assert len(tasks) == 4
+    # a run starting off a piece boundary is cut at the next one
+    reads = [read for task in _tasks([run(1000, [8192])], 2) for read in task]
+    assert [(offset, parts[0][1].nbytes) for _, offset, parts in reads] == [
+        (1000, 3096),
+        (4096, 4096),
+        (8192, 1000),
+    ]
+    # short runs share a task; one thread: one piece per run
+    short = [run(i * 65536, [2048], first=i) for i in range(6)]  # pieces of 8 KiB
+    assert [len(task) for task in _tasks(short, 2)] == [4, 2]
+    assert len(_tasks([run(0, [3072] * 5)], 1)) == 1
+    # a page is whole only if every read holding a part of it read that part
+    reads = [read for task in _tasks([run(0, [3072] * 5)], 4) for read in task]
+    outcomes = [(reads[0], 4096), (reads[1], 2000), (reads[2], 4096), (reads[3], -1)]
+    assert sorted(_whole_pages(outcomes)) == [(0, 3072), (3, 3072)]  # 1, 2: short; 4: failed
+    outcomes = [(reads[0], 4096), (reads[1], 4096), (reads[2], 4096), (reads[3], 3072)]
+    assert sorted(_whole_pages(outcomes)) == [(i, 3072) for i in range(5)]
 
 
 SEEDS = [int(s) for s in os.environ.get("SEGMENT_FUZZ_SEEDS", "1,2,3,4").split(",")]
