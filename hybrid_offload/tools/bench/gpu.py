@@ -25,7 +25,8 @@ from hybrid_offload.tools.bench.common import bar_plot, format_table, write_resu
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="cuda", help="cuda (default) or cpu (a smoke run)")
+    p.add_argument("--device", default="cuda",
+                   help="cuda (default), cpu (a smoke run), cpu+gpu-path (the GPU code on a CPU)")
     p.add_argument("--tokens", default="4096,16384,65536", help="request lengths, comma-separated")
     p.add_argument("--layouts", default="LBNHC,BLHNC",
                    help="vLLM KV cache layouts (the first is vLLM's default)")  # fmt: skip
@@ -36,9 +37,15 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from hybrid_offload.testing.datapath import QWEN3_NEXT_80B, HybridShape
-    from hybrid_offload.tools.bench.gpu_cases import ceilings, enqueue_probe, interference, transfer_case
+    from hybrid_offload.tools.bench.gpu_cases import (
+        ceilings,
+        churn,
+        enqueue_probe,
+        interference,
+        transfer_case,
+    )
 
-    device = torch.device(args.device)
+    device = torch.device(str(args.device).partition("+")[0])
     if device.type == "cuda" and not torch.cuda.is_available():
         print("bench gpu: no CUDA device here (use --device cpu for a smoke run)")
         return 2
@@ -73,9 +80,14 @@ def run(args: argparse.Namespace) -> int:
     slow = [s for s in slow if s]
     for s in slow:
         print("interference:", {k: round(v, 4) if isinstance(v, float) else v for k, v in s.items()})
+    churned = churn(shape, layouts[0], min(max(tokens), 16384), args.device, 4 if args.quick else 40)
+    print("churn:", {k: v for k, v in churned.items() if k != "pages"})
+    for page in churned["pages"]:
+        print("  bad page:", page)
     out = Path(args.out)
     payload = {"device": name, "shape": shape.__dict__, "ceilings": ceil, "enqueue": probe, "rows": rows,
-               "interference": slow, "args": {"tokens": tokens, "layouts": layouts}}  # fmt: skip
+               "interference": slow, "churn": churned,
+               "args": {"tokens": tokens, "layouts": layouts}}  # fmt: skip
     path = write_results("gpu", payload, out, args.quick)
     labels = [f"{r['layout']} {r['tokens'] // 1024}k" for r in rows]
     series = {"load (tier->GPU)": [r["load_gbps"] for r in rows],
@@ -87,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         series["D2H ceiling"] = [ceil["d2h_gbps"]] * len(rows)
     bar_plot(path.with_suffix(".png"), f"data path on {name}", labels, series, "GB/s")
     print(f"wrote {path}")
-    return 0 if all(r["identical"] for r in rows) else 1
+    return 0 if all(r["identical"] for r in rows) and not churned["bad_pages"] else 1
 
 
 def main() -> int:

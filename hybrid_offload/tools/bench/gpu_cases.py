@@ -205,6 +205,28 @@ def _store_job(page):  # type: ignore[no-untyped-def]
     return StoreJob(page, ("cpu",))
 
 
+def _stored_request(
+    shape: HybridShape, layout: str, tokens: int, device: str, seed: int, staging: int
+) -> tuple[KVWorld, list, list]:  # type: ignore[type-arg]
+    """A world whose cpu tier holds one ``tokens``-token request: (world, the request's pages to
+    load into other blocks, its attention pages to store again)."""
+    blocks = 2 * -(-tokens // shape.block_size()) + 3
+    world = KVWorld(shape, blocks, layout, device, [BackendConfig("cpu", "cpu", TIER_BYTES)],
+                    staging_pool_bytes=staging)  # fmt: skip
+    try:
+        fill_random(world.raw, seed)
+        need = -(-tokens // world.block_size)
+        toks = torch.randint(0, 50_000, (tokens,), generator=torch.Generator().manual_seed(seed)).tolist()
+        src, dst = list(range(1, need + 1)), list(range(need + 1, 2 * need + 1))
+        world.store(world.pages(toks, src, blocks - 2), ["cpu"])
+        load_pages = world.pages(toks, dst, blocks - 1)
+        step_pages = [p for p in world.pages(toks, src, blocks - 2) if p.group == 0]
+    except BaseException:
+        world.close()
+        raise
+    return world, load_pages, step_pages
+
+
 def interference(
     shape: HybridShape, layout: str, tokens: int, device: str, steps: int = 60
 ) -> dict[str, Any]:
@@ -213,17 +235,8 @@ def interference(
     dev = torch.device(device)
     if dev.type != "cuda":
         return {}
-    blocks = 2 * -(-tokens // shape.block_size()) + 3
-    world = KVWorld(shape, blocks, layout, device, [BackendConfig("cpu", "cpu", TIER_BYTES)],
-                    staging_pool_bytes=8 << 30)  # fmt: skip
+    world, load_pages, step_pages = _stored_request(shape, layout, tokens, device, 9, 8 << 30)
     try:
-        fill_random(world.raw, 9)
-        need = -(-tokens // world.block_size)
-        toks = torch.randint(0, 50_000, (tokens,), generator=torch.Generator().manual_seed(2)).tolist()
-        src, dst = list(range(1, need + 1)), list(range(need + 1, 2 * need + 1))
-        world.store(world.pages(toks, src, blocks - 2), ["cpu"])
-        load_pages = world.pages(toks, dst, blocks - 1)
-        step_pages = [p for p in world.pages(toks, src, blocks - 2) if p.group == 0]
         a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
         b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
 
@@ -254,6 +267,7 @@ def interference(
             world.worker.flush(600)
             return elapsed, loads
 
+        bad_before = world.worker.stats.snapshot()["bad_pages"]
         loop(False, False)  # warm-up
         loop(True, True)
         alone = min(loop(False, False)[0] for _ in range(2))
@@ -263,8 +277,71 @@ def interference(
         return {"layout": layout, "tokens": tokens, "steps": steps, "alone_s": alone,
                 "loads_s": loads_s, "stores_s": stores_s, "both_s": both_s,
                 "slowdown_loads": loads_s / alone - 1, "slowdown_stores": stores_s / alone - 1,
-                "slowdown": both_s / alone - 1, "loads_during": both}  # fmt: skip
+                "slowdown": both_s / alone - 1, "loads_during": both,
+                "bad_pages": world.worker.stats.snapshot()["bad_pages"] - bad_before}  # fmt: skip
     finally:
         world.close()
 
 
+
+
+def churn(shape: HybridShape, layout: str, tokens: int, device: str, loads: int = 40) -> dict[str, Any]:
+    """Loads of one request back to back while every step stores 16 of its attention pages again
+    (new versions replacing those the loads read). A page failing its check is kept (not
+    deleted, as the connector would) and checked again on the host afterwards: a page that is
+    good in the tier was damaged on its way to the device; one bad in the tier was stored bad."""
+    from hybrid_offload.core.page_format import PageFormatError, verify_page
+
+    world, load_pages, step_pages = _stored_request(shape, layout, tokens, device, 11, 1 << 30)
+    found: list[tuple[str, str]] = []
+    pipeline = world.worker.loads
+    report = pipeline._bad_page
+
+    def keep(name: str, key: str, exc: PageFormatError, backend: Any = None) -> None:
+        found.append((key, str(exc)))
+        report(name, key, exc, backend)
+
+    pipeline._bad_page = keep  # type: ignore[method-assign]
+    pipeline._delete_quietly = lambda backend, key: None  # type: ignore[method-assign]
+    try:
+        sync = torch.cuda.synchronize if world.device.type == "cuda" else (lambda: None)
+        done = failed = step = 0
+        inflight: str | None = None
+        while done < loads:
+            if inflight is None:
+                inflight = f"churn-{step}"
+                world.worker.start_loads([_load_job(load_pages, inflight)])
+            recving, failures = world.worker.write_finished_loads(wait_s=0.001)
+            if inflight in recving:
+                done, failed, inflight = done + 1, failed + (inflight in failures), None
+            chunk = step_pages[(step * 16) % len(step_pages) :][:16]
+            world.worker.copy_out([_store_job(p) for p in chunk])
+            sync()
+            step += 1
+        world.worker.flush(600)
+        where = {}
+        for p in load_pages:
+            for piece in world.worker.codecs[p.group].read:
+                where[world.planner.piece_key(p.key, p.group, piece)] = (p, piece)
+        verdicts = []
+        backend = world.worker.backends["cpu"]
+        for key, why in found:
+            lease = backend.lease_batch([key])
+            view, (page, piece) = lease.views[0], where[key]
+            codec = world.worker.codecs[page.group]
+            try:
+                if view is None:
+                    verdict = "replaced since"
+                else:
+                    verify_page(bytes(view), codec.templates[piece], page.chunk_hash, page.chunk_index)
+                    verdict = "good in the tier"
+            except PageFormatError as exc:
+                verdict = f"bad in the tier: {exc}"
+            finally:
+                lease.release()
+            verdicts.append({"key": key, "group": page.group, "chunk": page.chunk_index, "why": why,
+                             "verdict": verdict})  # fmt: skip
+        return {"layout": layout, "tokens": tokens, "loads": done, "failed": failed, "steps": step,
+                "bad_pages": len(found), "pages": verdicts[:20]}  # fmt: skip
+    finally:
+        world.close()
