@@ -40,7 +40,7 @@ import heapq
 import itertools
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from .lru_index import Entry, LruIndex
@@ -164,6 +164,18 @@ class ExtentAllocator:
         self.free_bytes -= need
         self._allocated[found] = need
         return Extent(found, need)
+
+    def alloc_run(self, size: int, count: int) -> list[Extent] | None:
+        """``count`` extents of ``size`` (aligned) side by side, from one free extent; None (and
+        nothing allocated) if no free extent holds them all. Each is freed on its own."""
+        whole = self.alloc(size * count)
+        if whole is None:
+            return None
+        del self._allocated[whole.offset]
+        extents = [Extent(whole.offset + i * size, size) for i in range(count)]
+        for extent in extents:
+            self._allocated[extent.offset] = size
+        return extents
 
     def free(self, extent: Extent) -> None:
         if extent.size == 0:
@@ -371,9 +383,10 @@ class PageIndex:
         res = _Reservation(owner, self._clock() + self.alloc_timeout_s, [])
         offsets: list[int | None] = []
         work = Work(WORK_PER_MESSAGE + WORK_PER_KEY * len(keys))
+        run = self._run_of(sizes)
         for key, size in zip(keys, sizes, strict=True):
-            extent = None
-            if size <= self.capacity and work.left:
+            extent = next(run, None)
+            if extent is None and size <= self.capacity and work.left:
                 try:
                     extent = self._physical_alloc(size, res, work)
                 except OutOfWorkError:
@@ -386,6 +399,19 @@ class PageIndex:
         self._allocs[alloc_id] = res
         self._open_allocs[owner] += 1
         return alloc_id, offsets
+
+    def _run_of(self, sizes: list[int]) -> Iterator[Extent]:
+        """Extents side by side for the longest prefix of ``sizes`` that are all the same and
+        fit the pool's free space and the reserve limit in one free extent, without evicting
+        (one allocation for many pages: fewer steps, and pages a reader copies in one go)."""
+        n = 0
+        while n < len(sizes) and sizes[n] == sizes[0] and sizes[0] <= self.capacity:
+            n += 1
+        need = _align(sizes[0]) if n else 0
+        if n < 2 or not need or self._reserved + n * need > self.reserve_limit:
+            return iter(())
+        extents = self.allocator.alloc_run(need, n)
+        return iter(extents or ())
 
     def commit(
         self, alloc_id: int, success: list[bool], owner: object = None, outcomes: list[bool] | None = None,

@@ -33,6 +33,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -169,11 +170,15 @@ def _set_digest(chunk_hash: bytes, group_index: int) -> str:
     return _short_digest(chunk_hash + group_index.to_bytes(2, "little"))
 
 
+def _piece_tail(start: int, end: int, layers: bytes, shard: int, shards: int) -> bytes:
+    """What a piece adds to its set's digest (the same for every chunk)."""
+    return layers + b"".join(n.to_bytes(2, "little") for n in (start, end, shard, shards))
+
+
 def _piece_digest(set_digest: str, start: int, end: int, layers: bytes, shard: int, shards: int) -> str:
     """A piece's digest: its set's, the layer part's layers and decoder-layer range, and the
     shard (a model whose vLLM groups its layers otherwise names other keys: a miss)."""
-    tail = layers + b"".join(n.to_bytes(2, "little") for n in (start, end, shard, shards))
-    return _short_digest(bytes.fromhex(set_digest) + tail)
+    return _short_digest(bytes.fromhex(set_digest) + _piece_tail(start, end, layers, shard, shards))
 
 
 def key_digest(
@@ -186,11 +191,11 @@ def key_digest(
     return _piece_digest(_set_digest(chunk_hash, group_index), start, end, layers, shard, shards)
 
 
-@dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):
     """One page of a (chunk, group) page set: layer part ``[start, end)`` (``digest``: the
     :func:`~hybrid_offload.core.layer_parts.layers_digest` of the group's layers in it) and
-    TP shard ``shard``."""
+    TP shard ``shard``. A named tuple: it keys the codecs' per-piece tables, looked up per page
+    on the data path (a tuple hashes in C)."""
 
     start: int
     end: int
@@ -242,6 +247,7 @@ class HybridOffloadPlanner:
         #: piece keys by page-set key: lookups ask every tier, and again each step a request waits
         self._piece_keys: dict[tuple[str, int, tuple[int, ...]], list[str]] = {}
         self._pieces: dict[tuple[int, tuple[int, ...]], list[Piece]] = {}
+        self._tails: dict[tuple[int, Piece], bytes] = {}  # per (group, piece): see piece_key
         #: the whole model's layers (a pipeline stage's scheduler: once every stage reported)
         self.model: ModelLayers | None = None
         self.layouts: list[tuple[int, ...]] = []
@@ -293,11 +299,15 @@ class HybridOffloadPlanner:
         return known
 
     def piece_key(self, page_key: str, group_index: int, piece: Piece) -> str:
-        """Backend key of one piece of a page set (the same at every PP and TP size)."""
-        shards = self.plans[group_index].group.shards
+        """Backend key of one piece of a page set (the same at every PP and TP size); per page
+        on the data path, so what depends on the piece alone is made once."""
+        tail = self._tails.get((group_index, piece))
+        if tail is None:
+            shards = self.plans[group_index].group.shards
+            tail = self._tails[(group_index, piece)] = _piece_tail(piece.start, piece.end, piece.digest,
+                                                                   piece.shard, shards)  # fmt: skip
         namespace, _, digest = page_key.partition("-")
-        tail = _piece_digest(digest, piece.start, piece.end, piece.digest, piece.shard, shards)
-        return f"{namespace}-{tail}"
+        return f"{namespace}-{_short_digest(bytes.fromhex(digest) + tail)}"
 
     def piece_keys(self, page_key: str, group_index: int, layout: tuple[int, ...] | None = None) -> list[str]:
         """Backend keys of every piece of a page set in ``layout``, in :meth:`pieces` order."""

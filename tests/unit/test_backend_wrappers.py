@@ -129,6 +129,15 @@ def test_fault_injection_corrupts_reads_and_holds_calls() -> None:
     assert faulty.get_into([KEY], [memoryview(buf)]) == [6] and buf != bytearray(b"abcdef")
     assert faulty.get_batch([KEY]) == [b"abcdef"]  # once only
 
+    lent = faulty.lease_batch([KEY])  # not corrupting any more: the page as stored
+    assert [bytes(v) for v in lent.views if v is not None] == [b"abcdef"]
+    lent.release()
+    faulty.corrupt_reads(times=1)  # a lease in place corrupts the page where it is kept
+    lent = faulty.lease_batch([KEY])
+    assert lent.views[0] is not None and bytes(lent.views[0]) != b"abcdef"
+    lent.release()
+    assert faulty.get_batch([KEY]) != [b"abcdef"]  # the arena's own byte stays flipped
+
     held = faulty.hold("contains_batch")
     answers: list[list[bool]] = []
     caller = threading.Thread(target=lambda: answers.append(faulty.contains_batch([KEY])))

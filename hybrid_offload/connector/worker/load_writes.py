@@ -45,16 +45,18 @@ def row_width(page_len: int) -> int:
 
 @dataclass(frozen=True)
 class ShardRead:
-    """One piece of a page to load: its backend key and this worker's codec for its group."""
+    """One piece of a page to load: its backend key, this worker's codec for its group and the
+    piece's page length (looked up once)."""
 
     page: PageJob
     piece: Piece
     key: str
     codec: PageCodec
+    page_len: int = -1
 
-    @property
-    def page_len(self) -> int:
-        return self.codec.page_lens[self.piece]
+    def __post_init__(self) -> None:
+        if self.page_len < 0:
+            object.__setattr__(self, "page_len", self.codec.page_lens[self.piece])
 
 
 @dataclass
