@@ -95,7 +95,7 @@ def _others_ran_during(call: Callable[[], object]) -> bool:
 
 def test_host_checksum_does_not_hold_the_gil() -> None:
     """(A busy machine may not run the other thread in time: a few tries; one suffices.)"""
-    data = np.random.default_rng(0).integers(0, 256, 4 << 18, dtype=np.uint8).tobytes()  # 4 pieces
+    data = np.random.default_rng(0).integers(0, 256, 4 << 18, dtype=np.uint8).tobytes()
     assert any(_others_ran_during(lambda: fold64(data)) for _ in range(10))
     big = data * 16
     assert not _others_ran_during(lambda: xxhash.xxh3_64_intdigest(big))  # the check can fail
