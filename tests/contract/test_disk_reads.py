@@ -29,6 +29,7 @@ from hybrid_offload.backends import (
     disk_direct,
     disk_segments,
 )
+from hybrid_offload.tools.bench.ceilings import drop_tree_cache
 
 HERE = Path(__file__).resolve().parent
 LAYOUTS = ["files", "segments"]
@@ -50,14 +51,7 @@ def rows(count: int, size: int, offset: int = 0) -> list[memoryview]:
 
 def drop(root: Path) -> None:
     """Write back and drop every file under ``root`` from the page cache (best effort)."""
-    for path in root.rglob("*"):
-        if path.is_file() and path.suffix in (".page", ".seg"):
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+    drop_tree_cache(str(root))
 
 
 def data_files(root: Path) -> list[Path]:
