@@ -11,7 +11,8 @@ from hybrid_offload.tools.bench.gpu import main
 
 
 def test_a_quick_run_on_the_gpu_paths(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setattr("sys.argv", ["gpu", "--device", "cpu+gpu-path", "--quick", "--out", str(tmp_path)])
+    monkeypatch.setattr("sys.argv", ["gpu", "--device", "cpu+gpu-path", "--quick", "--layouts", "LBNHC",
+                                     "--out", str(tmp_path)])
     assert main() == 0
     result = json.loads((tmp_path / "gpu-quick.json").read_text())
     assert result["rows"] and all(row["identical"] for row in result["rows"])

@@ -78,11 +78,11 @@ def _others_ran_during(call: Callable[[], object]) -> bool:
             progress[0] += 1
 
     interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.05)  # before the spinner waits for the GIL: its waits are this long
     spinner = threading.Thread(target=spin)
-    spinner.start()
     try:
+        spinner.start()
         time.sleep(0.01)
-        sys.setswitchinterval(0.05)
         before = progress[0]
         call()
         during = progress[0] - before
@@ -94,8 +94,8 @@ def _others_ran_during(call: Callable[[], object]) -> bool:
 
 
 def test_host_checksum_does_not_hold_the_gil() -> None:
-    """(A busy machine may not run the other thread in time: a few tries; one suffices.)"""
-    data = np.random.default_rng(0).integers(0, 256, 4 << 18, dtype=np.uint8).tobytes()
+    """(A busy machine may not run the other thread in time: a few tries; one suffices. 32 MiB:
+    four numpy calls of several milliseconds each.)"""
+    data = np.random.default_rng(0).integers(0, 256, 32 << 20, dtype=np.uint8).tobytes()
     assert any(_others_ran_during(lambda: fold64(data)) for _ in range(10))
-    big = data * 16
-    assert not _others_ran_during(lambda: xxhash.xxh3_64_intdigest(big))  # the check can fail
+    assert not _others_ran_during(lambda: xxhash.xxh3_64_intdigest(data))  # the check can fail
