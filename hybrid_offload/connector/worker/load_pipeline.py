@@ -46,6 +46,7 @@ from hybrid_offload.connector.worker.load_writes import (
     clear_ranges,
     plan_writes,
     row_width,
+    side_by_side,
     write_on_device,
     write_pages,
 )
@@ -112,23 +113,16 @@ def _payload_sums(found: Sequence[tuple[torch.Tensor, np.ndarray, int, int]], hl
     order = sorted(range(len(found)), key=lambda i: (id(found[i][1]), found[i][2]))
     size = found[0][3] if found else 0
     width = row_width(size)
-    start = 0
-    while start < len(order):
-        first = found[order[start]]
-        end = start + 1
-        while end < len(order) and found[order[end]][1] is first[1] and \
-                found[order[end]][2] == first[2] + (end - start) * width:  # fmt: skip
-            end += 1
-        array, n = first[1], end - start
-        if n > 1 and width % 8 == 0 and (first[2] + hlen) % 8 == 0:
-            rows = np.lib.stride_tricks.as_strided(array[first[2] :], (n, size), (width, 1))
-            for i, value in zip(order[start:end], fold64_rows(rows[:, hlen:]).tolist(), strict=True):
+    for run in side_by_side([(id(found[i][1]), found[i][2]) for i in order], width):
+        first, members = found[order[run.start]], [order[r] for r in run]
+        if len(run) > 1 and width % 8 == 0 and (first[2] + hlen) % 8 == 0:
+            rows = np.lib.stride_tricks.as_strided(first[1][first[2] :], (len(run), size), (width, 1))
+            for i, value in zip(members, fold64_rows(rows[:, hlen:]).tolist(), strict=True):
                 out[i] = value
         else:
-            for i in order[start:end]:
+            for i in members:
                 f = found[i]
                 out[i] = fold64(memoryview(f[1][f[2] + hlen : f[2] + f[3]]))
-        start = end
     return out
 
 

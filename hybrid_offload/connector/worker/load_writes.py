@@ -85,22 +85,31 @@ class RowRun:
     rows: torch.Tensor
 
 
+def side_by_side(places: Sequence[tuple[object, int]], width: int) -> list[range]:
+    """The runs of ``places`` (per item, in this order: which memory (a key compared with
+    ``==``) and the byte offset there): items ``width`` bytes apart in one memory, each run one
+    copy or one numpy call instead of one per page."""
+    runs, start = [], 0
+    for i in range(1, len(places) + 1):
+        if i == len(places) or places[i][0] != places[start][0] or \
+                places[i][1] != places[start][1] + (i - start) * width:  # fmt: skip
+            runs.append(range(start, i))
+            start = i
+    return runs
+
+
 def runs_of(pages: Sequence[Verified]) -> list[RowRun]:
     """``pages`` (one (group, piece)) by address, cut into runs side by side in one memory."""
     ordered = sorted(pages, key=Verified.address)
-    runs: list[RowRun] = []
-    start = 0
-    for i in range(1, len(ordered) + 1):
-        if i < len(ordered):
-            prev, cur = ordered[i - 1], ordered[i]
-            if cur.base is prev.base and cur.offset == prev.offset + row_width(prev.read.page_len):
-                continue
-        first, k = ordered[start], i - start
-        plen = first.read.page_len
+    if not ordered:
+        return []
+    plen = ordered[0].read.page_len
+    runs = []
+    for run in side_by_side([(id(v.base), v.offset) for v in ordered], row_width(plen)):
+        first = ordered[run.start]
         base = first.base
-        rows = base.as_strided((k, plen), (row_width(plen), 1), base.storage_offset() + first.offset)
-        runs.append(RowRun(ordered[start:i], rows))
-        start = i
+        rows = base.as_strided((len(run), plen), (row_width(plen), 1), base.storage_offset() + first.offset)
+        runs.append(RowRun(ordered[run.start : run.stop], rows))
     return runs
 
 
@@ -215,17 +224,10 @@ def _slices(pages: Sequence[Verified], slot_bytes: int) -> list[tuple[int, Piece
 
 def _copy_in(slot: torch.Tensor, pages: Sequence[Verified], width: int, plen: int) -> None:
     """``pages`` into consecutive rows of ``slot``: one copy per run of pages side by side."""
-    i = 0
-    while i < len(pages):
-        j = i + 1
-        while j < len(pages) and pages[j].base is pages[i].base and \
-                pages[j].offset == pages[i].offset + (j - i) * width:  # fmt: skip
-            j += 1
-        span = (j - i - 1) * width + plen
-        first = pages[i]
+    for run in side_by_side([(id(v.base), v.offset) for v in pages], width):
+        first, span = pages[run.start], (len(run) - 1) * width + plen
         src = first.base.as_strided((span,), (1,), first.base.storage_offset() + first.offset)
-        slot[i * width : i * width + span].copy_(src, non_blocking=True)
-        i = j
+        slot[run.start * width : run.start * width + span].copy_(src, non_blocking=True)
 
 
 def write_on_device(

@@ -28,7 +28,7 @@ import torch
 from hybrid_offload.connector.metadata import StoreJob
 from hybrid_offload.connector.worker.device import DeviceTransfers
 from hybrid_offload.connector.worker.device_checksum import fold64_rows
-from hybrid_offload.connector.worker.load_writes import ShardRead, row_width
+from hybrid_offload.connector.worker.load_writes import ShardRead, row_width, side_by_side
 from hybrid_offload.connector.worker.memory_pool import MemoryPool
 from hybrid_offload.connector.worker.page_codec import PageCodec
 from hybrid_offload.core.planner import Piece
@@ -207,25 +207,23 @@ def copy_rows(
     ``dest`` (a host tensor and byte offset; rows already there are skipped), one copy per run
     of rows side by side at both ends: from a device enqueued on the current stream, on the
     host with numpy (without the GIL)."""
-    i = 0
     on_host = not rows.block.is_cuda
-    while i < len(entries):
-        place, k, _, _ = entries[i]
-        base, start = dest[i]
-        j = i + 1
-        while j < len(entries):
-            nxt, kk, _, _ = entries[j]
-            got = dest[j]
-            if nxt is not place or kk != k + (j - i) or got[0] is not base or \
-                    got[1] != start + (j - i) * place.width:  # fmt: skip
-                break
-            j += 1
-        span = (j - i - 1) * place.width + plens[i]
-        at = place.offset + k * place.width
-        if base is rows.block and start == at:
-            pass  # kept where it was gathered
-        elif on_host:
-            np.copyto(base.numpy()[start : start + span], rows.block.numpy()[at : at + span])
-        else:
-            base[start : start + span].copy_(rows.block[at : at + span], non_blocking=True)
-        i = j
+    first = 0
+    while first < len(entries):  # the entries of one place are consecutive, rows in order
+        place = entries[first][0]
+        end = first
+        while end < len(entries) and entries[end][0] is place:
+            end += 1
+        where = [(id(dest[n][0]), dest[n][1]) for n in range(first, end)]
+        for run in side_by_side(where, place.width):
+            n = first + run.start
+            base, start = dest[n]
+            span = (len(run) - 1) * place.width + plens[n]
+            at = place.offset + entries[n][1] * place.width
+            if base is rows.block and start == at:
+                continue  # kept where it was gathered
+            if on_host:
+                np.copyto(base.numpy()[start : start + span], rows.block.numpy()[at : at + span])
+            else:
+                base[start : start + span].copy_(rows.block[at : at + span], non_blocking=True)
+        first = end
