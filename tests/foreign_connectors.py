@@ -6,12 +6,15 @@ It reports ``hit_tokens`` matches (default 0: never a hit; ``pending``: still lo
 ``is_async``; its metadata
 round-trips (``RecordingMetadata`` -> worker, ``RecordingWorkerMetadata`` -> scheduler) and the
 receiving side records whether it got its own type (``bound-own-meta``, ``got-own-worker-meta``).
-It never moves bytes: a test only lets it "load" where nothing checks the KV.
+It never moves bytes: a test only lets it "load" where nothing checks the KV. The hooks vLLM's
+MultiConnector forwards beyond those answer from the extra config too (``kvcache_layout``,
+``piecewise``, ``mem_pool``, ``finished_count``, ``partial_tail``, ``divergent``).
 :class:`NonHmaRecordingConnector` is the same without HMA support.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +55,10 @@ class _Recording(KVConnectorBase_V1):
         self.is_async: bool = bool(extra.get("is_async", True))
         self.finished_sending: set[str] = set(extra.get("finished_sending", ()))
         self.async_save: bool = bool(extra.get("async_save", False))
+        self.mem_pool = contextlib.nullcontext() if extra.get("mem_pool") else None
+        self.finished_count: int | None = extra.get("finished_count")
+        self.partial_tail: bool = bool(extra.get("partial_tail", False))
+        self.divergent: bool = bool(extra.get("divergent", False))
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
         self._seen: set[str] = set()
         self._step = 0
@@ -133,6 +140,39 @@ class _Recording(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         self.record("shutdown")
+
+    # ---- hooks with defaults in vLLM's base class
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        return vllm_config.kv_transfer_config.kv_connector_extra_config.get("kvcache_layout")
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return bool(extra_config.get("piecewise", False))
+
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        return self.divergent
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        self.record("bind_gpu_block_pool", gpu_block_pool)
+
+    def register_finished_partial_tail(self, request: Any, block_ids: Any, offloads: Any) -> bool:
+        self.record("register_finished_partial_tail", request.request_id)
+        return self.partial_tail
+
+    def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
+        self.record("set_host_xfer_buffer_ops", copy_operation)
+
+    def reset_capture_state(self) -> None:
+        self.record("reset_capture_state")
+
+    def get_mem_pool_context(self) -> Any:
+        self.record("get_mem_pool_context")
+        return self.mem_pool
+
+    def get_finished_count(self) -> int | None:
+        return self.finished_count
 
 
 class RecordingConnector(_Recording, SupportsHMA):

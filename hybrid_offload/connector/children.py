@@ -37,10 +37,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from hybrid_offload.connector.config import ROOT, ChildConnectorConfig, ConfigError
 
 if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
     import torch
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -146,6 +149,17 @@ def choose_source(
 
 
 # ---- the children -------------------------------------------------------------------------
+def _child_class(index: int, child: ChildConnectorConfig, defaults: dict[str, Any]) -> tuple[
+        type[KVConnectorBase_V1], KVTransferConfig]:  # fmt: skip
+    """The child's class and kv_transfer_config (``defaults`` under the child's own keys)."""
+    try:
+        transfer = KVTransferConfig(**{**defaults, **child.kv_transfer_config})
+        cls = KVConnectorFactory.get_connector_class(transfer)
+    except (ValueError, TypeError, AttributeError, ImportError) as exc:
+        raise ConfigError(f"{ROOT}.connectors[{index}] ({child.name!r}): {exc}") from exc
+    return cast(type[KVConnectorBase_V1], cls), transfer
+
+
 def _child_class_and_config(
     index: int, child: ChildConnectorConfig, vllm_config: VllmConfig
 ) -> tuple[type[KVConnectorBase_V1], VllmConfig]:
@@ -155,15 +169,23 @@ def _child_class_and_config(
     """
     parent = vllm_config.kv_transfer_config
     assert parent is not None
-    raw = {"kv_role": parent.kv_role, "engine_id": parent.engine_id, **child.kv_transfer_config}
-    try:
-        transfer = KVTransferConfig(**raw)
-        cls = KVConnectorFactory.get_connector_class(transfer)
-    except (ValueError, TypeError, AttributeError, ImportError) as exc:
-        raise ConfigError(f"{ROOT}.connectors[{index}] ({child.name!r}): {exc}") from exc
+    cls, transfer = _child_class(index, child, {"kv_role": parent.kv_role, "engine_id": parent.engine_id})
     child_config = copy.copy(vllm_config)
     child_config.kv_transfer_config = transfer
-    return cast(type[KVConnectorBase_V1], cls), child_config
+    return cls, child_config
+
+
+def child_classes(configs: tuple[ChildConnectorConfig, ...]) -> list[type[KVConnectorBase_V1]]:
+    """Each child's class, for the class-level hooks vLLM asks with no vllm_config (a child's
+    role, when it states none, does not change its class)."""
+    return [_child_class(i, c, {"kv_role": "kv_both"})[0] for i, c in enumerate(configs)]
+
+
+def child_classes_and_configs(
+    configs: tuple[ChildConnectorConfig, ...], vllm_config: VllmConfig
+) -> list[tuple[type[KVConnectorBase_V1], VllmConfig]]:
+    """Each child's class and its copy of ``vllm_config`` (see :func:`_child_class_and_config`)."""
+    return [_child_class_and_config(i, c, vllm_config) for i, c in enumerate(configs)]
 
 
 class ForeignConnectors:
@@ -180,7 +202,7 @@ class ForeignConnectors:
         lacks HMA support while the model has more than one KV cache group."""
         self.configs = configs
         groups = len(kv_cache_config.kv_cache_groups)
-        resolved = [_child_class_and_config(i, c, vllm_config) for i, c in enumerate(configs)]
+        resolved = child_classes_and_configs(configs, vllm_config)
         for index, (child, (cls, _)) in enumerate(zip(configs, resolved, strict=True)):
             if groups > 1 and not supports_hma(cls):
                 raise ConfigError(
@@ -403,6 +425,40 @@ class ForeignConnectors:
                 else:
                     self._extra_async_saves[req_id] = pending - 1
         return results
+
+    def bind_gpu_block_pool(self, pool: BlockPool) -> None:
+        for child in self.connectors:
+            child.bind_gpu_block_pool(pool)
+
+    def register_finished_partial_tail(
+        self, request: Request, block_ids: tuple[list[int], ...], offloads: list[tuple[int, int, int]]
+    ) -> bool:
+        """Every child is asked; True if any takes responsibility (as vLLM's MultiConnector)."""
+        return any([c.register_finished_partial_tail(request, block_ids, offloads) for c in self.connectors])
+
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        return all(c.supports_divergent_local_hybrid_hits for c in self.connectors)
+
+    def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
+        for child in self.connectors:
+            child.set_host_xfer_buffer_ops(copy_operation)
+
+    def reset_capture_state(self) -> None:
+        for child in self.connectors:
+            child.reset_capture_state()
+
+    def mem_pool_contexts(self) -> list[tuple[str, AbstractContextManager]]:
+        """(child name, context) of every child that provides a KV cache memory pool."""
+        found = []
+        for cfg, child in zip(self.configs, self.connectors, strict=True):
+            context = child.get_mem_pool_context()
+            if context is not None:
+                found.append((cfg.name, context))
+        return found
+
+    def finished_counts(self) -> list[int | None]:
+        return [c.get_finished_count() for c in self.connectors]
 
     def block_ids_with_load_errors(self) -> set[int]:
         failed: set[int] = set()

@@ -30,6 +30,8 @@ from hybrid_offload.connector.children import (
     ForeignConnectors,
     HybridMetadata,
     HybridWorkerMetadata,
+    child_classes,
+    child_classes_and_configs,
     choose_source,
 )
 from hybrid_offload.connector.config import parse_offload_config
@@ -37,6 +39,8 @@ from hybrid_offload.connector.facade import ACTIVE_CONNECTORS, HybridOffloadConn
 from hybrid_offload.connector.metadata import StageLayers
 
 if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
     import torch
     from vllm.config import VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
@@ -48,6 +52,7 @@ if TYPE_CHECKING:
     )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -80,6 +85,38 @@ class HybridMultiConnector(KVConnectorBase_V1, SupportsHMA):
     @property
     def requires_kv_delivery(self) -> bool:
         return self.native.requires_kv_delivery or self.children.requires_kv_delivery
+
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        native, children = self.native, self.children
+        return native.supports_divergent_local_hybrid_hits and children.supports_divergent_local_hybrid_hits
+
+    # ---- class-level hooks (asked before any connector is built) ------------------------
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """The layout our side or a child requires (None: any); ValueError where two differ
+        (vLLM's MultiConnector's rule)."""
+        assert vllm_config.kv_transfer_config is not None
+        config = parse_offload_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        layouts = {HybridOffloadConnector.get_required_kvcache_layout(vllm_config)}
+        for child, child_config in child_classes_and_configs(config.connectors, vllm_config):
+            layouts.add(child.get_required_kvcache_layout(child_config))
+        layouts.discard(None)
+        if len(layouts) > 1:
+            raise ValueError(f"KV cache layout mismatch: the connectors require {sorted(layouts)}; "
+                             f"all connectors must use the same layout")  # type: ignore[type-var]  # fmt: skip
+        return next(iter(layouts), None)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Whether our side or a child needs PIECEWISE CUDA graphs (layer-wise hooks)."""
+        config = parse_offload_config(extra_config)
+        if HybridOffloadConnector.requires_piecewise_for_cudagraph(extra_config):
+            return True
+        return any(
+            child.requires_piecewise_for_cudagraph(dict(c.kv_transfer_config.get(EXTRA) or {}))
+            for child, c in zip(child_classes(config.connectors), config.connectors, strict=True)
+        )
 
     # ---- what the session harness inspects --------------------------------------------
     def nested_connectors(self) -> list[KVConnectorBase_V1]:
@@ -155,6 +192,36 @@ class HybridMultiConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.native.get_block_ids_with_load_errors() | self.children.block_ids_with_load_errors()
+
+    def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
+        self.native.set_host_xfer_buffer_ops(copy_operation)
+        self.children.set_host_xfer_buffer_ops(copy_operation)
+
+    def reset_capture_state(self) -> None:
+        self.native.reset_capture_state()
+        self.children.reset_capture_state()
+
+    def get_mem_pool_context(self) -> AbstractContextManager | None:
+        """The KV cache memory pool of the one side that provides one; ValueError where several
+        do (the cache is allocated once, in one pool)."""
+        found = self.children.mem_pool_contexts()
+        ours = self.native.get_mem_pool_context()
+        if ours is not None:
+            found.insert(0, ("hybrid-offload", ours))
+        if len(found) > 1:
+            raise ValueError(f"several connectors provide a KV cache memory pool {[n for n, _ in found]}; "
+                             "configure one on at most one connector")  # fmt: skip
+        return found[0][1] if found else None
+
+    def get_finished_count(self) -> int | None:
+        """The count every side expects, None where one has none (vLLM's MultiConnector's
+        rule); ValueError where two differ."""
+        counts = [self.native.get_finished_count(), *self.children.finished_counts()]
+        if any(c is None for c in counts):
+            return None
+        if len(set(counts)) > 1:
+            raise ValueError(f"the connectors expect different finished counts: {sorted(set(counts))}")  # type: ignore[type-var]
+        return counts[0]
 
     def build_connector_worker_meta(self) -> HybridWorkerMetadata | None:
         meta = HybridWorkerMetadata(self.native.build_connector_worker_meta(), self.children.worker_meta())
@@ -240,9 +307,20 @@ class HybridMultiConnector(KVConnectorBase_V1, SupportsHMA):
         return theirs
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
-        super().bind_kv_cache_manager(kv_cache_manager)
+        """Every side binds it (and with it its block pool) once, as vLLM's MultiConnector."""
         self.native.bind_kv_cache_manager(kv_cache_manager)
         self.children.bind_kv_cache_manager(kv_cache_manager)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        self.native.bind_gpu_block_pool(gpu_block_pool)
+        self.children.bind_gpu_block_pool(gpu_block_pool)
+
+    def register_finished_partial_tail(
+        self, request: Request, block_ids: tuple[list[int], ...], offloads: list[tuple[int, int, int]]
+    ) -> bool:
+        ours = self.native.register_finished_partial_tail(request, block_ids, offloads)
+        theirs = self.children.register_finished_partial_tail(request, block_ids, offloads)
+        return ours or theirs
 
     def on_new_request(self, request: Request) -> None:
         self.native.on_new_request(request)
@@ -310,6 +388,7 @@ class ComposedHandshake(KVConnectorHandshakeMetadata):
 
 
 _K = TypeVar("_K")
+EXTRA = "kv_connector_extra_config"
 
 
 def _split_handshakes(

@@ -62,9 +62,8 @@ def _unmarks(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return values.to(torch.int64)
 
 
-def _probe_cpu_attn(heads: int, block: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+def _probe_cpu_attn(heads: int, block: int, dim: int, dtype: torch.dtype, isa: str) -> torch.Tensor:
     """Element offset within one kernel block for each (kv, token, head, dim), via vLLM's op."""
-    isa = cpu_attention_isa(dtype, block, dim)
     reshape_and_cache = cpu_attention_reshape_and_cache()
     coords = torch.stack(
         torch.meshgrid(torch.arange(block), torch.arange(heads), torch.arange(dim), indexing="ij")
@@ -96,13 +95,25 @@ def _flat_layout(heads: int, block: int, dim: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class TokenIndex:
     """Where some tokens of a request live in an attention group's cache: per token its kernel
-    block and its slot in it, and this rank's KV heads; ``elements`` (2, T, h, D): flat element
-    offsets, only for kernel layouts that are not strided (see :class:`AttentionGroupLayout`)."""
+    block and its slot in it (any shape, the same for both), and this rank's KV heads."""
 
     kblocks: torch.Tensor
     slots: torch.Tensor
     heads: slice
-    elements: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class CacheWrites:
+    """vLLM's own CPU cache-write op over one group's layers: what the model runs to write K/V,
+    and what :func:`_probe_cpu_attn` learnt the layout from, so its writes land exactly where
+    the probed map says. Per layer, its K and V caches as the op takes them
+    (``[kernel blocks, heads, kernel_block, head_size]`` views)."""
+
+    caches: list[tuple[torch.Tensor, torch.Tensor]]
+    isa: str
+
+    def subset(self, positions: Sequence[int]) -> CacheWrites:
+        return CacheWrites([self.caches[i] for i in positions], self.isa)
 
 
 @dataclass
@@ -112,8 +123,9 @@ class AttentionGroupLayout:
     Where the probed layout is strided for K and for V (offset = base + token * a + head * b
     + dim * c inside a kernel block; vLLM's NHD layout and the CPU "vec" kernel, which keeps K
     transposed), copies index tokens only and move each token's (heads, dim) slice through a
-    strided view (``views``): no index per element. Other layouts (AMX tiles) copy element by
-    element through ``perm``.
+    strided view (``views``): no index per element. Other layouts (AMX tiles) are written with
+    vLLM's own cache-write op where it is there (``writes``) and otherwise, and for gathers,
+    copied element by element through ``perm``.
     """
 
     group: GroupSpec
@@ -124,11 +136,22 @@ class AttentionGroupLayout:
     block_elems: int
     #: per layer, K and V as (kernel blocks, kernel_block, heads, dim) views; None: not strided
     views: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    #: vLLM's cache-write op over these layers, where the layout is its CPU kernels' (used
+    #: where the layout is not strided)
+    writes: CacheWrites | None = None
 
     def subset(self, positions: Sequence[int]) -> AttentionGroupLayout:
         """This layout over the layers at ``positions`` only (a layer part's)."""
         views = None if self.views is None else [self.views[i] for i in positions]
-        return dataclasses.replace(self, layers=[self.layers[i] for i in positions], views=views)
+        writes = None if self.writes is None else self.writes.subset(positions)
+        layers = [self.layers[i] for i in positions]
+        return dataclasses.replace(self, layers=layers, views=views, writes=writes)
+
+    @property
+    def scatters_by_token(self) -> bool:
+        """Whether :meth:`scatter` moves whole tokens (a strided view or vLLM's cache-write op),
+        so that many pages' tokens go in one call, rather than element by element."""
+        return self.views is not None or self.writes is not None
 
     @functools.cached_property
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -178,20 +201,21 @@ class AttentionGroupLayout:
         bs = self.group.block_size
         table = torch.as_tensor(block_ids, dtype=torch.int64)
         kblock = table[pos // bs] * self.kernel_blocks_per_block + (pos % bs) // self.kernel_block
-        slots = pos % self.kernel_block
-        if self.views is not None:
-            return TokenIndex(self._on_device(kblock), self._on_device(slots), heads)
-        offset = self.perm[:, :, heads][:, slots]  # (2, T, h, D)
-        return TokenIndex(kblock, slots, heads, kblock.view(1, -1, 1, 1) * self.block_elems + offset)
+        return TokenIndex(self._on_device(kblock), self._on_device(pos % self.kernel_block), heads)
+
+    def _elements(self, index: TokenIndex) -> torch.Tensor:
+        """Flat element offsets (2, tokens, h, D) of ``index``'s tokens, in index order."""
+        kblocks, slots = index.kblocks.reshape(-1), index.slots.reshape(-1)
+        offset = self.perm[:, :, index.heads][:, slots]
+        return (kblocks.view(1, -1, 1, 1) * self.block_elems + offset).reshape(-1)
 
     def token_rows(
         self, pages: Sequence[tuple[Sequence[int], int]], num_tokens: int, heads: slice = slice(None),
         host: bool = False,
     ) -> TokenIndex:  # fmt: skip
         """As :meth:`token_index` for several (block table, first token) at once, ``num_tokens``
-        each: ``kblocks`` and ``slots`` are (pages, num_tokens). Strided layouts only. ``host``:
-        left on the host (:meth:`on_device` moves it later)."""
-        assert self.views is not None
+        each: ``kblocks`` and ``slots`` are (pages, num_tokens). ``host``: left on the host
+        (:meth:`on_device` moves it later)."""
         bs = self.group.block_size
         firsts = torch.tensor([first for _, first in pages], dtype=torch.int64)
         pos = firsts[:, None] + torch.arange(num_tokens)
@@ -216,13 +240,13 @@ class AttentionGroupLayout:
         return host_to_device(index, self.layers[0].device)
 
     def gather(self, index: TokenIndex, out: list[torch.Tensor]) -> None:
-        """Copy K/V at ``index`` of every layer into ``out[layer]`` (shape (2, T, h, D))."""
-        if index.elements is not None:
-            flat_index = index.elements.reshape(-1)
+        """Copy K/V at ``index`` of every layer into ``out[layer]`` (shape (2, T, h, D);
+        contiguous where the layout is not strided)."""
+        if self.views is None:
+            flat_index = self._elements(index)
             for layer, dst in zip(self.layers, out, strict=True):
                 torch.index_select(layer, 0, flat_index, out=dst.view(-1))
             return
-        assert self.views is not None
         at = (index.kblocks, index.slots)
         for kv_views, dst in zip(self.views, out, strict=True):
             for kv, view in enumerate(kv_views):
@@ -230,29 +254,45 @@ class AttentionGroupLayout:
 
     def scatter(self, index: TokenIndex, src: list[torch.Tensor]) -> None:
         """Copy ``src[layer]`` (shape (2, *index shape, h, D)) into every layer at ``index``."""
-        if index.elements is not None:
-            flat_index = index.elements.reshape(-1)
+        if self.views is None and self.writes is not None:
+            self._write(index, src, self.writes)
+            return
+        if self.views is None:
+            flat_index = self._elements(index)
             for layer, data in zip(self.layers, src, strict=True):
                 layer.index_copy_(0, flat_index, data.reshape(-1))
             return
-        assert self.views is not None
         at = (index.kblocks, index.slots)
         for kv_views, data in zip(self.views, src, strict=True):
             for kv, view in enumerate(kv_views):
                 view[:, :, index.heads].index_put_(at, data[kv])
 
+    def _write(self, index: TokenIndex, src: list[torch.Tensor], writes: CacheWrites) -> None:
+        """:meth:`scatter` through vLLM's cache-write op: one call per layer, K and V together."""
+        write = cpu_attention_reshape_and_cache()
+        slots = (index.kblocks * self.kernel_block + index.slots).reshape(-1)
+        for (key_cache, value_cache), data in zip(writes.caches, src, strict=True):
+            key, value = (_tokens(data[kv]) for kv in (0, 1))
+            write(key, value, key_cache[:, index.heads], value_cache[:, index.heads], slots, writes.isa)
+
     def zero(self, index: TokenIndex) -> None:
         """Zero K/V at ``index`` in every layer."""
-        if index.elements is not None:
-            flat_index = index.elements.reshape(-1)
+        if self.views is None:
+            flat_index = self._elements(index)
             for layer in self.layers:
                 layer.index_fill_(0, flat_index, 0)
             return
-        assert self.views is not None
         at = (index.kblocks, index.slots)
         for kv_views in self.views:
             for view in kv_views:
                 view[:, :, index.heads].index_put_(at, torch.zeros((), dtype=view.dtype, device=view.device))
+
+
+def _tokens(values: torch.Tensor) -> torch.Tensor:
+    """``values`` (..., tokens, heads, head_size) as (tokens, heads, head_size) with the head
+    size contiguous, as vLLM's cache-write op reads it (a view where the strides allow)."""
+    flat = values.reshape(-1, *values.shape[-2:])
+    return flat if flat.stride(-1) == 1 else flat.contiguous()
 
 
 def _strides(perm: torch.Tensor) -> list[tuple[int, int, int, int]] | None:
@@ -318,9 +358,11 @@ def _logical_attention_layout(
 def _attention_layout(group: GroupSpec, tensors: list[torch.Tensor], num_blocks: int) -> AttentionGroupLayout:
     first = tensors[0]
     heads, dim = group.num_kv_heads, group.head_size
+    isa = None
     if first.dim() == 4 and first.shape[1] == heads and first.shape[3] == 2 * dim:
         kblock = first.shape[2]
-        perm = _probe_cpu_attn(heads, kblock, dim, first.dtype)
+        isa = cpu_attention_isa(first.dtype, kblock, dim)
+        perm = _probe_cpu_attn(heads, kblock, dim, first.dtype, isa)
     elif first.dim() == 5 and first.shape[1] == 2 and first.shape[3:] == (heads, dim):
         kblock = first.shape[2]
         perm = _flat_layout(heads, kblock, dim)
@@ -347,7 +389,12 @@ def _attention_layout(group: GroupSpec, tensors: list[torch.Tensor], num_blocks:
                   for off, st, sh, sd in strides)
             for t in tensors
         ]
-    logger.debug("group %d: attention copies %s", group.index, "by token" if views else "by element")
+    writes = None
+    if isa is not None:
+        n = first.shape[0]
+        writes = CacheWrites([t.view(n, heads, 2 * kblock, dim).chunk(2, dim=2) for t in tensors], isa)
+    logger.debug("group %d: attention copies %s", group.index,
+                 "by token" if views else "with vLLM's cache-write op" if writes else "by element")
     return AttentionGroupLayout(
         group=group,
         layers=[t.view(-1) for t in tensors],
@@ -356,6 +403,7 @@ def _attention_layout(group: GroupSpec, tensors: list[torch.Tensor], num_blocks:
         kernel_blocks_per_block=first.shape[0] // num_blocks,
         block_elems=block_elems,
         views=views,  # type: ignore[arg-type]
+        writes=writes,
     )
 
 

@@ -382,3 +382,81 @@ def test_stats_and_metrics_classes_are_the_facades() -> None:
     stats = HybridMultiConnector.build_kv_connector_stats({"counters": {"requests": 1}})
     assert type(stats) is type(HybridOffloadConnector.build_kv_connector_stats({}))
     assert stats is not None and stats.data == {"counters": {"requests": 1}}
+
+
+# ---- every hook vLLM's MultiConnector forwards --------------------------------------------
+def test_every_hook_vllms_multiconnector_forwards_is_ours_too() -> None:
+    """Read from vLLM's class: each base-class hook its MultiConnector overrides (to forward it
+    to its children), the composition overrides as well; a hook a new vLLM adds is noticed."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, SupportsHMA
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    hooks_of_base = set(dir(KVConnectorBase_V1)) | set(dir(SupportsHMA))
+    forwarded = {n for n in vars(MultiConnector) if n in hooks_of_base and not n.startswith("__")}
+    assert {"set_host_xfer_buffer_ops", "get_required_kvcache_layout", "get_finished_count"} <= forwarded
+    assert sorted(forwarded - set(vars(HybridMultiConnector))) == []
+
+
+def test_worker_hooks_reach_every_side(fake_facade) -> None:
+    conn, ours = compose(child("a"), child("b"), role=WORKER)
+    op, pool = object(), object()
+    conn.set_host_xfer_buffer_ops(op)
+    conn.reset_capture_state()
+    conn.bind_gpu_block_pool(pool)
+    for side in (ours, *conn.children.connectors):
+        assert hooks(side, "set_host_xfer_buffer_ops") == [(op,)]
+        assert hooks(side, "reset_capture_state") == [()]
+        assert hooks(side, "bind_gpu_block_pool") == [(pool,)]
+
+
+def test_the_block_pool_is_bound_once_per_side_with_the_cache_manager(fake_facade) -> None:
+    conn, ours = compose(child("a"))
+    manager = SimpleNamespace(block_pool=object())
+    conn.bind_kv_cache_manager(manager)
+    (side,) = conn.children.connectors
+    assert hooks(side, "bind_gpu_block_pool") == [(manager.block_pool,)]
+    assert ours.got("bind_kv_cache_manager") == [(manager,)] and ours.got("bind_gpu_block_pool") == []
+
+
+def test_one_side_may_provide_the_memory_pool(fake_facade) -> None:
+    conn, ours = compose(child("a"), child("b", mem_pool=True), role=WORKER)
+    assert conn.get_mem_pool_context() is recorder(conn.children, 1).mem_pool
+    ours.answers["get_mem_pool_context"] = "ours"
+    with pytest.raises(ValueError, match=r"\['hybrid-offload', 'b'\]"):
+        conn.get_mem_pool_context()
+
+
+def test_finished_counts_follow_vllms_rule(fake_facade) -> None:
+    conn, ours = compose(child("a", finished_count=2), child("b", finished_count=2), role=WORKER)
+    assert conn.get_finished_count() is None  # our side expects none: vLLM's default
+    ours.answers["get_finished_count"] = 2
+    assert conn.get_finished_count() == 2
+    recorder(conn.children, 1).finished_count = 3
+    with pytest.raises(ValueError, match="different finished counts"):
+        conn.get_finished_count()
+
+
+def test_partial_tails_and_divergent_hits(fake_facade) -> None:
+    conn, ours = compose(child("a"), child("b", partial_tail=True, divergent=True))
+    request = SimpleNamespace(request_id=REQ)
+    assert conn.register_finished_partial_tail(request, ([1],), [(0, 1, 2)]) is True
+    assert all(hooks(c, "register_finished_partial_tail") == [(REQ,)] for c in conn.children.connectors)
+    assert ours.got("register_finished_partial_tail") == [(request, ([1],), [(0, 1, 2)])]
+    ours.supports_divergent_local_hybrid_hits = True
+    assert conn.supports_divergent_local_hybrid_hits is False  # child "a" cannot
+    recorder(conn.children, 0).divergent = True
+    assert conn.supports_divergent_local_hybrid_hits is True
+
+
+def test_class_level_hooks_ask_the_childrens_classes() -> None:
+    """Asked before any connector is built: the KV cache layout a child requires (two that
+    differ are refused) and whether one needs PIECEWISE CUDA graphs."""
+    extra = {"backends": BACKENDS, "connectors": [child("a"), child("b", kvcache_layout="HND")]}
+    assert HybridMultiConnector.get_required_kvcache_layout(vllm_config(extra)) == "HND"
+    extra["connectors"].append(child("c", kvcache_layout="NHD"))
+    with pytest.raises(ValueError, match="layout mismatch"):
+        HybridMultiConnector.get_required_kvcache_layout(vllm_config(extra))
+    assert HybridMultiConnector.get_required_kvcache_layout(vllm_config({"backends": BACKENDS})) is None
+    piecewise = HybridMultiConnector.requires_piecewise_for_cudagraph
+    assert not piecewise({"backends": BACKENDS, "connectors": [child("a")]})
+    assert piecewise({"backends": BACKENDS, "connectors": [child("a"), child("b", piecewise=True)]})

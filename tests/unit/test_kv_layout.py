@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from worker_world import first_page_len
@@ -120,6 +122,36 @@ def test_pages_identical_across_kernel_layouts(monkeypatch: pytest.MonkeyPatch) 
     assert torch.equal(gathered[0], gathered[1])
 
 
+def test_tiled_layouts_are_written_with_vllms_op_exactly_as_element_by_element(isa: str) -> None:
+    """Where the kernel layout is not strided (AMX tiles), scatters go through vLLM's own
+    cache-write op: byte for byte what the element-by-element copy writes, for a subset of the
+    heads, tokens starting mid-block, (pages, tokens) indices and payloads that are not
+    contiguous; nothing else in the cache changes."""
+    torch.manual_seed(4)
+    table, first, count = [4, 1, 5], 70, 2 * BLOCK + 9
+    shape = (2 * NUM_BLOCKS, HEADS, BLOCK // 2, 2 * HEAD_DIM)  # 2 kernel blocks per block
+    base = {n: torch.randn(shape).to(torch.bfloat16) for n in ("l0", "l1")}
+    payload = torch.randn(2, count, HEADS + 1, HEAD_DIM).to(torch.bfloat16)
+    rows = torch.randn(2, 2, BLOCK // 2, HEADS, HEAD_DIM).to(torch.bfloat16)
+    written = {}
+    for by_op in (True, False):
+        caches = {n: c.clone() for n, c in base.items()}
+        layout = kv_layout.build_layouts((attention_group(),), caches, NUM_BLOCKS)[0]
+        assert isinstance(layout, kv_layout.AttentionGroupLayout)
+        if layout.views is not None:
+            pytest.skip(f"{isa}: a strided layout, copied by token")
+        assert layout.writes is not None
+        if not by_op:
+            layout = dataclasses.replace(layout, writes=None)
+        layout.scatter(layout.token_index(table, first, count, slice(1, 2)), [payload[:, :, 1:2]] * 2)
+        at = layout.token_rows([([2], 0), ([3], BLOCK // 2)], BLOCK // 2)
+        layout.scatter(at, [rows.transpose(1, 2).contiguous().transpose(1, 2)] * 2)
+        written[by_op] = caches
+    for n in base:
+        assert torch.equal(written[True][n], written[False][n])
+        assert not torch.equal(written[True][n], base[n])
+
+
 def test_manager_block_spanning_several_kernel_blocks() -> None:
     """A 256-token manager block over 128-token kernel blocks (kernel block ids 2b, 2b+1)."""
     caches = {
@@ -179,6 +211,9 @@ def test_strided_layouts_copy_by_token_others_by_element(monkeypatch: pytest.Mon
     caches = {n: torch.zeros(shape, dtype=torch.bfloat16) for n in ("l0", "l1")}
     layout = kv_layout.build_layouts((attention_group(),), caches, NUM_BLOCKS)[0]
     assert isinstance(layout, kv_layout.AttentionGroupLayout) and layout.views is None
+    # vLLM's cache-write op would write the kernel's real layout, not this made-up one
+    layout = dataclasses.replace(layout, writes=None)
+    assert not layout.scatters_by_token
     data = [torch.randn(2, BLOCK, HEADS, HEAD_DIM).to(torch.bfloat16) for _ in caches]
     layout.scatter(layout.token_index([2], 0, BLOCK), data)
     assert torch.equal(caches["l0"][2].reshape(-1)[scrambled.reshape(-1)], data[0].reshape(-1))

@@ -176,13 +176,25 @@ def test_misaligned_rows_are_refused_and_nothing_written() -> None:
 
 
 @pytest.mark.parametrize("device_path", [False, True], ids=["host", "device-path"])
-def test_element_layouts_write_page_by_page(device_path: bool) -> None:
-    """Kernel layouts that are not strided (AMX tiles) have no views: every page goes alone."""
+@pytest.mark.parametrize("by_op", [True, False], ids=["vllm-op", "by-element"])
+def test_tiled_layouts_write_what_element_by_element_writes(device_path: bool, by_op: bool) -> None:
+    """Kernel layouts that are not strided (AMX tiles) have no views: vLLM's cache-write op
+    writes every run of rows (on the host, all runs in one call, copied side by side first),
+    or every page goes alone, element by element; the same bytes either way."""
     spec = spec_at(1, 0, 2)
-    pages = staged(spec, [page(c) for c in range(4)], seed=2)
-    kv = written(spec, pages, False, device_path, lambda layout: dataclasses.replace(layout, views=None))
-    want = page_by_page(spec, pages)
-    assert all(torch.equal(kv[n], want[n]) for n in LAYERS)
+    pages = staged(spec, [page(c) for c in range(6)], seed=2)
+    pages = [alone(v) if v.read.page.chunk_index == 2 else v for v in pages]  # two runs of rows
+
+    def tiled(layout: AttentionGroupLayout) -> AttentionGroupLayout:
+        assert layout.writes is not None  # vLLM's CPU kernel layout
+        return dataclasses.replace(layout, views=None, writes=layout.writes if by_op else None)
+
+    kv = written(spec, pages, False, device_path, tiled)
+    want = caches(spec)
+    layout = dataclasses.replace(build_layouts(spec.groups, want, NUM_BLOCKS)[0], views=None, writes=None)
+    for v in pages:
+        v.read.codec.scatter(layout, v.read.page, v.read.piece, payload(v))
+    assert all(torch.equal(kv[n], want[n]) and kv[n].count_nonzero() > 0 for n in LAYERS)
 
 
 def test_a_load_reuses_the_staging_memory_given_back() -> None:

@@ -8,8 +8,9 @@ extents of a step's stores) form *runs*:
 
 * **CPU** (:func:`plan_writes`, then :func:`write_pages` on the model-runner thread): each run
   of attention pages is written as rows, straight from where it is (one copy per layer, K/V
-  and head run, :meth:`~.page_codec.PageCodec.scatter_rows`); other pages one by one. Their
-  payloads were checked on the host already.
+  and head run, :meth:`~.page_codec.PageCodec.scatter_rows`), where its tokens go indexed once
+  for all the runs of a (group, piece); other pages one by one. Their payloads were checked on
+  the host already.
 * **CUDA** (:func:`write_on_device`, on the load thread; it runs on CPU tensors too, for the
   tests): slice by slice through two fixed device slots, each run is one copy to a device
   block, the payload checksums are computed there (:mod:`.device_checksum`) and the rows
@@ -120,12 +121,24 @@ def _by_piece(pages: Iterable[Verified]) -> dict[tuple[int, Piece], list[Verifie
     return out
 
 
+@dataclass(frozen=True)
+class RowBatch:
+    """The runs of rows of one (group, piece) written as rows, and where the tokens of all
+    their pages go (``at``: ``(pages, tokens)``, the runs' pages in order)."""
+
+    codec: PageCodec
+    group: int
+    piece: Piece
+    runs: list[tuple[torch.Tensor, list[PageJob]]]
+    at: TokenIndex
+
+
 @dataclass
 class WritePlan:
-    """A load's writes from host memory (CPU): batches of rows, each with where its tokens go,
-    and per group the pages written one by one (their payloads)."""
+    """A load's writes from host memory (CPU): batches of rows, and per group the pages
+    written one by one (their payloads)."""
 
-    batches: list[tuple[PageCodec, int, Piece, torch.Tensor, list[PageJob], TokenIndex]]
+    batches: list[RowBatch]
     loose: dict[int, list[tuple[PageJob, Piece, torch.Tensor]]]
     codecs: dict[int, PageCodec]
 
@@ -138,14 +151,17 @@ def plan_writes(pages: Iterable[Verified], layouts: Mapping[int, Layout]) -> Wri
         plan.codecs[group] = codec
         hlen = codec.header_lens[piece]
         whole = [v for v in items if not v.read.page.skip_tokens]
+        runs = []
         for run in runs_of(whole):
             jobs = [v.read.page for v in run.pages]
-            at = codec.row_index(layouts[group], piece, run.rows, jobs)
-            if at is not None:
-                plan.batches.append((codec, group, piece, run.rows, jobs, at))
+            if codec.rows_fit(layouts[group], piece, run.rows, jobs):
+                runs.append((run.rows, jobs))
             else:
                 plan.loose.setdefault(group, []).extend(
                     (job, piece, row[hlen:]) for job, row in zip(jobs, run.rows, strict=True))  # fmt: skip
+        if runs:
+            at = codec.row_index(layouts[group], piece, [job for _, jobs in runs for job in jobs])
+            plan.batches.append(RowBatch(codec, group, piece, runs, at))
         for v in items:
             if v.read.page.skip_tokens:
                 row = v.base[v.offset + hlen : v.offset + v.read.page_len]
@@ -155,9 +171,8 @@ def plan_writes(pages: Iterable[Verified], layouts: Mapping[int, Layout]) -> Wri
 
 def write_pages(plan: WritePlan, layouts: Mapping[int, Layout]) -> None:
     """Write a planned load into vLLM's KV cache from host memory (CPU engines)."""
-    for codec, group, piece, rows, pages, at in plan.batches:
-        written = codec.scatter_rows(layouts[group], piece, rows, pages, at)
-        assert written  # planned: row_index allowed it
+    for batch in plan.batches:
+        batch.codec.scatter_runs(layouts[batch.group], batch.piece, batch.runs, batch.at)
     for group, items in plan.loose.items():
         plan.codecs[group].scatter_pages(layouts[group], items)
 

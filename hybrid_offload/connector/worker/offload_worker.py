@@ -96,6 +96,8 @@ class OffloadWorker:
         """Address the tensors vLLM registered (``attention_format``: see ``build_layouts``) and
         move bytes to and from their device (``device_path``: see ``DeviceTransfers``)."""
         self.ctx.layouts = build_layouts(self.spec.groups, kv_caches, self.spec.num_blocks, attention_format)
+        for group, layout in self.ctx.layouts.items():
+            self.codecs[group].prepare(layout)
         devices = {t.device for t in kv_caches.values()}
         if len(devices) == 1:
             (device,) = devices

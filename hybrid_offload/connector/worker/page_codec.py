@@ -12,6 +12,7 @@ so a set written at any PP x TP layout loads at any other.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -207,6 +208,16 @@ class PageCodec:
             offset += size
         return views
 
+    def prepare(self, layout: AttentionGroupLayout | MambaGroupLayout) -> None:
+        """Build the element maps of this engine's own pieces over ``layout`` now (when the
+        caches are registered) rather than in the first store or load (~0.1 s)."""
+        if not isinstance(layout, MambaGroupLayout):
+            return
+        for pieces, runs in ((self.read, self.read_runs), (self.written, self.write_runs)):
+            for piece in pieces:
+                for smap in self._state_maps(self._layout(layout, piece), piece, runs[piece]):
+                    smap.prepare()
+
     # ---- copies -----------------------------------------------------------------------
     def gather(self, layout: AttentionGroupLayout | MambaGroupLayout, page: PageJob,
                piece: Piece, payload: torch.Tensor) -> None:
@@ -224,9 +235,9 @@ class PageCodec:
     def scatter_pages(self, layout: AttentionGroupLayout | MambaGroupLayout,
                       pages: list[tuple[PageJob, int, torch.Tensor]]) -> None:
         """:meth:`scatter` of many (page, piece, payload) of this group. Attention pages in a
-        strided kernel layout go in one copy per layer, K/V and head run for all of them
-        (their tokens' indices and payloads concatenated); others one by one."""
-        if not isinstance(layout, AttentionGroupLayout) or layout.views is None:
+        layout that moves whole tokens go in one copy per layer, K/V and head run for all of
+        them (their tokens' indices and payloads concatenated); others one by one."""
+        if not isinstance(layout, AttentionGroupLayout) or not layout.scatters_by_token:
             for page, piece, payload in pages:
                 self.scatter(layout, page, piece, payload)
             return
@@ -256,14 +267,17 @@ class PageCodec:
                 heads = slice(run.rank_start, run.rank_start + run.length)
                 layout.scatter(TokenIndex(piece_kblocks, piece_slots, heads), data)
 
-    def _row_layers(self, layout: AttentionGroupLayout | MambaGroupLayout, piece: Piece,
-                    rows: torch.Tensor, pages: Sequence[PageJob]) -> list[torch.Tensor] | None:
+    def _row_layers(self, layout: AttentionGroupLayout | MambaGroupLayout, piece: Piece, rows: torch.Tensor,
+                    pages: Sequence[PageJob], write: bool = False) -> list[torch.Tensor] | None:
         """Per layer, the K/V of ``piece`` pages that are the rows of ``rows`` ((len(pages),
         page length) uint8) as one ``(2, pages, tokens, heads, head_size)`` view; None where the
-        layout or the rows' alignment does not allow copying them in one go."""
+        layout (for ``write``: into the cache, else out of it) or the rows' alignment does not
+        allow copying them in one go."""
         tensors, hlen = self.tensors[piece], self.header_lens[piece] + self.offsets[piece]
         layout = self._layout(layout, piece)
-        if not isinstance(layout, AttentionGroupLayout) or layout.views is None or not pages:
+        if not isinstance(layout, AttentionGroupLayout) or not pages:
+            return None
+        if not (layout.scatters_by_token if write else layout.views is not None):
             return None
         itemsize = _dtype(tensors[0].dtype).itemsize
         if rows.stride(0) % itemsize or (rows.storage_offset() + hlen) % itemsize:
@@ -315,13 +329,19 @@ class PageCodec:
             layout.gather(index, per_layer)
         return True
 
+    def rows_fit(self, layout: AttentionGroupLayout | MambaGroupLayout, piece: Piece,
+                 rows: torch.Tensor, pages: Sequence[PageJob]) -> bool:
+        """Whether :meth:`scatter_rows` can write ``pages`` from ``rows`` (else
+        :meth:`scatter_pages`): the layout moves whole tokens, the rows are aligned for its
+        dtype and no page skips tokens."""
+        if any(p.skip_tokens for p in pages):
+            return False
+        return self._row_layers(layout, piece, rows, pages, True) is not None
+
     def row_index(self, layout: AttentionGroupLayout | MambaGroupLayout, piece: Piece,
-                  rows: torch.Tensor, pages: Sequence[PageJob]) -> TokenIndex | None:
-        """Where the tokens of ``pages`` go, on the host (any thread may build it), for
-        :meth:`scatter_rows` of those rows; None where the layout or the rows' alignment does not
-        allow writing them as rows (then :meth:`scatter_pages`)."""
-        if any(p.skip_tokens for p in pages) or self._row_layers(layout, piece, rows, pages) is None:
-            return None
+                  pages: Sequence[PageJob]) -> TokenIndex:
+        """Where the tokens of ``pages`` (none skipping tokens) go, ``(pages, tokens)`` on the
+        host (any thread may build it); :meth:`scatter_rows` takes its rows for those pages."""
         sub = self._layout(layout, piece)
         assert isinstance(sub, AttentionGroupLayout)
         return sub.token_rows([(p.block_ids, p.first_token) for p in pages], self.chunk_tokens, host=True)
@@ -331,9 +351,9 @@ class PageCodec:
         """Write ``pages`` (none skipping tokens), whose verified ``piece`` pages are the rows of
         ``rows`` ((len(pages), page length) uint8), with one copy per K/V and head run (per layer
         too where the layout does not stack them) reading the rows in place; ``at``: their
-        :meth:`row_index`, if built already. False, writing nothing, where the layout or the
-        page's alignment does not allow it (then :meth:`scatter_pages`)."""
-        per_layer = self._row_layers(layout, piece, rows, pages)
+        :meth:`row_index` (those rows of it), if built already. False, writing nothing, where
+        :meth:`rows_fit` does not hold (then :meth:`scatter_pages`)."""
+        per_layer = self._row_layers(layout, piece, rows, pages, True)
         if per_layer is None:
             return False
         whole, layout = layout, self._layout(layout, piece)
@@ -343,14 +363,45 @@ class PageCodec:
         else:
             at = layout.on_device(at)
         stack = self._row_stack(whole, piece, rows, pages)
+        if stack is None:
+            self._scatter_layers(layout, piece, per_layer, at)
+            return True
         for run in self.read_runs[piece]:
             parts = slice(run.part_start, run.part_start + run.length)
             index = TokenIndex(at.kblocks, at.slots, slice(run.rank_start, run.rank_start + run.length))
-            if stack is not None:
-                layout.scatter_stacked(index, stack[:, :, :, :, parts])
-            else:
-                layout.scatter(index, [v[:, :, :, parts] for v in per_layer])
+            layout.scatter_stacked(index, stack[:, :, :, :, parts])
         return True
+
+    def scatter_runs(self, layout: AttentionGroupLayout | MambaGroupLayout, piece: Piece,
+                     runs: Sequence[tuple[torch.Tensor, Sequence[PageJob]]], at: TokenIndex) -> None:
+        """:meth:`scatter_rows` of several runs of rows (each :meth:`rows_fit`), ``at`` the
+        :meth:`row_index` of all their pages in order. Where vLLM's cache-write op writes the
+        layout, the runs' K/V are first copied side by side and written in one call per layer
+        (a call costs more than copying a run: it wakes the op's threads); else run by run."""
+        sub = self._layout(layout, piece)
+        assert isinstance(sub, AttentionGroupLayout)
+        if len(runs) > 1 and sub.views is None and sub.writes is not None:
+            per_run = [self._row_layers(layout, piece, rows, pages, True) for rows, pages in runs]
+            assert all(p is not None for p in per_run)
+            per_layer = [torch.cat(layer, dim=1) for layer in zip(*per_run, strict=True)]  # type: ignore[misc]
+            self._scatter_layers(sub, piece, per_layer, sub.on_device(at))
+            return
+        first = 0
+        for rows, pages in runs:
+            part = dataclasses.replace(at, kblocks=at.kblocks[first : first + len(pages)],
+                                       slots=at.slots[first : first + len(pages)])  # fmt: skip
+            written = self.scatter_rows(layout, piece, rows, pages, part)
+            assert written  # rows_fit allowed it
+            first += len(pages)
+
+    def _scatter_layers(self, layout: AttentionGroupLayout, piece: Piece, per_layer: list[torch.Tensor],
+                        at: TokenIndex) -> None:  # fmt: skip
+        """Write ``per_layer`` (per layer of ``piece``'s part, ``(2, pages, tokens, heads,
+        head_size)``) at ``at``, one scatter per head run of the piece."""
+        for run in self.read_runs[piece]:
+            parts = slice(run.part_start, run.part_start + run.length)
+            index = TokenIndex(at.kblocks, at.slots, slice(run.rank_start, run.rank_start + run.length))
+            layout.scatter(index, [v[:, :, :, parts] for v in per_layer])
 
     def scatter(self, layout: AttentionGroupLayout | MambaGroupLayout, page: PageJob,
                 piece: Piece, payload: torch.Tensor) -> None:

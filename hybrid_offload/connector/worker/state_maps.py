@@ -105,6 +105,10 @@ class StateMap:
         limit = math.gcd(block_stride, buffer.numel(), 8)
         self.unit = _unit(src, dst, limit)
 
+    def prepare(self) -> None:
+        """Build the maps at the widest element now (see :meth:`_at`)."""
+        self._at(self.unit)
+
     def _at(self, unit: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(buffer element per payload element, payload element per copied element or None
         where the payload is copied whole and in order) at ``unit``-byte elements."""
