@@ -246,13 +246,13 @@ class ForeignConnectors:
                 best = ChildMatch(index, tokens, is_async, score)
         return best
 
-    def prefill_stop(self, request: Request, start: int, end: int) -> int:
+    def prefill_stop(self, request: Request, start: int, end: int, align: int = 1) -> int:
         """The earliest prefill stop any child asks for (a child that is our own connector
         names its checkpoints); ``end`` when none does."""
         for child in self.connectors:
             stop = getattr(child, "prefill_stop", None)
             if stop is not None:
-                end = min(end, stop(request, start, end))
+                end = min(end, stop(request, start, end, align))
         return end
 
     def select(self, req_id: str, index: int | None) -> None:

@@ -354,11 +354,11 @@ class HybridMultiConnector(KVConnectorBase_V1, SupportsHMA):
         delay, params = self.children.request_finished_all_groups(request, block_ids)
         return ours or delay, _merge_params(report, params)
 
-    def prefill_stop(self, request: Request, start: int, end: int) -> int:
+    def prefill_stop(self, request: Request, start: int, end: int, align: int = 1) -> int:
         """The earliest prefill stop strictly inside ``(start, end)`` of ours and the children's
         (see ``engine/patches/prefill_stops``); ``end`` when there is none."""
-        end = self.native.prefill_stop(request, start, end)
-        return self.children.prefill_stop(request, start, end)
+        end = self.native.prefill_stop(request, start, end, align)
+        return self.children.prefill_stop(request, start, end, align)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         yield from self.native.take_events()

@@ -376,12 +376,13 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.scheduler is not None
         return self.scheduler.request_finished(request)
 
-    def prefill_stop(self, request: Request, start: int, end: int) -> int:
+    def prefill_stop(self, request: Request, start: int, end: int, align: int = 1) -> int:
         """Where a prefill step of ``request`` from ``start`` that vLLM would end at ``end``
         must end instead so that its recurrent state lands on a checkpoint (see
-        ``engine/patches/prefill_stops``); ``end`` when none lies strictly inside."""
+        ``engine/patches/prefill_stops``; ``align``: the positions vLLM's own steps end on);
+        ``end`` when none lies strictly inside."""
         assert self.scheduler is not None
-        return self.scheduler.prefill_stop(request.request_id, start, end)
+        return self.scheduler.prefill_stop(request.request_id, start, end, align)
 
     def has_pending_push_work(self) -> bool:
         """True while ended requests' held pages wait for a step to be committed, or (with KV

@@ -534,30 +534,42 @@ class HybridOffloadPlanner:
         return any(p.kind is GroupKind.MAMBA for p in self.plans)
 
 
-def prefill_checkpoints(
-    prefill_end: int, chunk: int, interval: int, junction: int = 0, named: int = 0
-) -> list[int]:
+def prefill_checkpoints(prefill_end: int, chunk: int, junction: int = 0, named: int = 0) -> list[int]:
     """Positions (ascending, each a multiple of ``chunk``, below ``prefill_end``) where a prefill
-    should stop so that its recurrent state can be stored.
+    must stop so that its recurrent state can be stored.
 
     * the tail: the last chunk boundary before ``prefill_end`` (a repeated prompt, or one that
       extends this one, resumes there; vLLM recomputes at least one token);
-    * every multiple of ``interval`` (0: none), so prompts that share only a part of this one
-      find a state near where they diverge;
     * ``junction`` (0: none): a boundary up to which earlier traffic shares this prefix
       without a stored state there (the next request sharing it resumes there);
     * the last multiple of ``named`` (a multiple of ``chunk``; 0: none) before ``prefill_end``:
       the last state KV events can name for a router.
+
+    States between them (every ``checkpoint_interval_tokens``) are taken where steps end anyway
+    (:func:`interval_stop`): a stop there would cost a step each.
     """
     tail = (prefill_end - 1) // chunk * chunk if prefill_end > 0 else 0
-    stops = set(range(interval, tail, interval)) if interval > 0 else set()
-    if tail > 0:
-        stops.add(tail)
+    stops = {tail} if tail > 0 else set()
     if named > 0 and prefill_end > named:
         stops.add((prefill_end - 1) // named * named)
     if 0 < junction < prefill_end and junction % chunk == 0:
         stops.add(junction)
     return sorted(stops)
+
+
+def interval_stop(start: int, end: int, last_state: int, interval: int, align: int) -> int:
+    """Where a prefill step over ``[start, end)`` ends so that a state between the fixed
+    checkpoints can be stored at its end: ``end`` itself unless a state is due (``interval``
+    tokens or more past ``last_state``, the last state stored or loaded) and ``end`` is not a
+    multiple of ``align`` (the chunk, times whatever vLLM's own steps end on); then the last
+    multiple of ``align`` inside the step, where one is due. Never adds a step where vLLM ends
+    its steps on multiples of ``align`` (its block-aligned prefill), and moves the others'
+    ends back by less than ``align`` tokens.
+    """
+    if interval <= 0 or end - last_state < interval or end % align == 0:
+        return end
+    trimmed = end // align * align
+    return trimmed if trimmed > start and trimmed - last_state >= interval else end
 
 
 def _longest_present_run(present: Sequence[bool], start: int, limit: int) -> int:

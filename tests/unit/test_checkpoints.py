@@ -8,28 +8,52 @@ from hypothesis import strategies as st
 
 from hybrid_offload.connector.scheduler.coverage import Coverage, coverage
 from hybrid_offload.connector.scheduler.pending import PendingStores
-from hybrid_offload.core.planner import prefill_checkpoints
+from hybrid_offload.core.planner import interval_stop, prefill_checkpoints
 
 
 # ---- prefill checkpoints ---------------------------------------------------------------------
 @pytest.mark.parametrize(
-    ("prefill_end", "interval", "junction", "expected"),
+    ("prefill_end", "junction", "expected"),
     [
-        (900, 0, 0, [896]),  # the tail: the last chunk boundary strictly below the prompt's end
-        (896, 0, 0, [768]),  # at least one token is recomputed
-        (897, 0, 0, [896]),
-        (128, 0, 0, []),
-        (129, 0, 0, [128]),
-        (0, 0, 0, []),
-        (3000, 1024, 0, [1024, 2048, 2944]),
-        (2049, 1024, 0, [1024, 2048]),  # the tail is an interval multiple: listed once
-        (3000, 1024, 1536, [1024, 1536, 2048, 2944]),
-        (3000, 1024, 3000, [1024, 2048, 2944]),  # a junction at or past the end is no stop
-        (3000, 0, 1500, [2944]),  # not a chunk boundary: ignored
+        (900, 0, [896]),  # the tail: the last chunk boundary strictly below the prompt's end
+        (896, 0, [768]),  # at least one token is recomputed
+        (897, 0, [896]),
+        (128, 0, []),
+        (129, 0, [128]),
+        (0, 0, []),
+        (3000, 1536, [1536, 2944]),
+        (3000, 3000, [2944]),  # a junction at or past the end is no stop
+        (3000, 1500, [2944]),  # not a chunk boundary: ignored
     ],
 )
-def test_prefill_checkpoints(prefill_end: int, interval: int, junction: int, expected: list[int]) -> None:
-    assert prefill_checkpoints(prefill_end, 128, interval, junction) == expected
+def test_prefill_checkpoints(prefill_end: int, junction: int, expected: list[int]) -> None:
+    assert prefill_checkpoints(prefill_end, 128, junction) == expected
+
+
+@pytest.mark.parametrize(
+    ("start", "end", "last", "align", "expected"),
+    [
+        (0, 7392, 0, 1056, 7392),  # vLLM's block-aligned end: the state there, no extra step
+        (0, 900, 0, 128, 900),  # not due yet (interval 1024)
+        (1000, 2100, 1100, 128, 2100),  # not due at 2048 either (948 past the last state)
+        (1000, 2100, 0, 128, 2048),  # due: the step ends on the last boundary inside it
+        (2050, 2100, 0, 128, 2100),  # no boundary inside the step: left alone
+        (0, 3000, 2500, 1, 3000),  # not due
+    ],
+)
+def test_interval_states_are_taken_where_steps_end(
+    start: int, end: int, last: int, align: int, expected: int
+) -> None:
+    assert interval_stop(start, end, last, 1024, align) == expected
+
+
+@given(st.integers(0, 50_000), st.integers(1, 9000), st.integers(0, 50_000),
+       st.sampled_from([16, 128, 544, 1056]), st.sampled_from([0, 512, 1024, 4096]))  # fmt: skip
+def test_interval_stop_properties(start: int, length: int, last: int, align: int, interval: int) -> None:
+    end = start + length
+    stop = interval_stop(start, end, last, interval, align)
+    assert start < stop <= end
+    assert stop == end or (stop % align == 0 and end - stop < align and stop - last >= interval)
 
 
 @pytest.mark.parametrize(
@@ -46,18 +70,17 @@ def test_prefill_checkpoints_add_the_last_named_position(prefill_end: int, expec
     assert prefill_checkpoints(prefill_end, 128, 0, named=256) == expected
 
 
-@given(st.integers(0, 20_000), st.sampled_from([16, 64, 128]), st.integers(0, 40), st.integers(0, 200))
-def test_prefill_checkpoints_properties(end: int, chunk: int, every: int, junction_chunks: int) -> None:
-    interval, junction = every * chunk, junction_chunks * chunk
-    stops = prefill_checkpoints(end, chunk, interval, junction)
+@given(st.integers(0, 20_000), st.sampled_from([16, 64, 128]), st.integers(0, 200))
+def test_prefill_checkpoints_properties(end: int, chunk: int, junction_chunks: int) -> None:
+    junction = junction_chunks * chunk
+    stops = prefill_checkpoints(end, chunk, junction)
     assert stops == sorted(set(stops))
     assert all(0 < s < end and s % chunk == 0 for s in stops)
     if end > chunk:
         assert stops[-1] == (end - 1) // chunk * chunk  # a repeat of the prompt resumes there
     if 0 < junction < end:
         assert junction in stops
-    if interval:
-        assert all(m in stops for m in range(interval, end, interval))
+
 
 
 # ---- stores in flight ----------------------------------------------------------------------

@@ -65,7 +65,7 @@ class FakeFacade:
             "get_block_ids_with_load_errors": set,
             "request_finished": lambda request, blocks: (False, None),
             "request_finished_all_groups": lambda request, blocks: (False, None),
-            "prefill_stop": lambda request, start, end: end,
+            "prefill_stop": lambda request, start, end, align: end,
             "take_events": tuple,
             "has_pending_block_frees": False,
             "has_pending_push_work": False,
@@ -312,10 +312,11 @@ def test_handshake_prefill_stops_and_step_questions(fake_facade) -> None:
     conn.set_xfer_handshake_metadata({0: marker})  # a child's: ours gets none of it
     assert ours.got("set_xfer_handshake_metadata") == [({},)]
 
-    ours.answers["prefill_stop"] = lambda request, start, end: min(end, 640)
+    ours.answers["prefill_stop"] = lambda request, start, end, align: min(end, 640)
     assert conn.prefill_stop(REQ, 0, 1000) == 640 and conn.prefill_stop(REQ, 0, 500) == 500
-    recorder(conn.children, 0).prefill_stop = lambda request, start, end: min(end, 384)  # type: ignore[attr-defined]
+    recorder(conn.children, 0).prefill_stop = lambda request, start, end, align: min(end, 384 * align)  # type: ignore[attr-defined]
     assert conn.prefill_stop(REQ, 0, 1000) == 384  # a child's (e.g. our own connector as a child)
+    assert conn.prefill_stop(REQ, 0, 1000, 2) == 640 and ours.got("prefill_stop")[-1][3] == 2
 
     assert not conn.has_pending_push_work() and not conn.has_pending_block_frees()
     ours.answers["has_pending_push_work"] = True

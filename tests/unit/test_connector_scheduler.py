@@ -269,13 +269,19 @@ def test_checkpoint_interval_and_junction_stops(worlds) -> None:
     while start < 60:
         start = w.sched.prefill_stop("r1", start, 60)
         stops.append(start)
-    assert stops == [16, 32, 48, 56, 60]  # every 16, the tail (59 // 8 * 8), the prompt end
+    assert stops == [56, 60]  # the tail (59 // 8 * 8), the prompt end: states every 16 cost no stop
+    stops, start = [], 0
+    while start < 60:  # vLLM ends steps every 20 tokens: one that ends mid-chunk past a due state
+        start = w.sched.prefill_stop("r1", start, min(60, start + 20))  # ends on the chunk before
+        stops.append(start)
+    assert stops == [16, 32, 48, 56, 60]
+    assert w.sched.prefill_stop("r1", 0, 40, align=16) == 32  # vLLM ends its steps on 16s: so do we
     # a sibling sharing 40 tokens: attention pages reach 40, no state there -> junction at 40
     w.hold("cpu", w.chunk_keys(tokens, range(5), (ATTN,)))
     sibling = FakeRequest("r2", tokens[:40] + prompt(30, offset=500))
     assert w.sched.get_num_new_matched_tokens(sibling, 0) == (0, False)
     assert w.sched.prefill_stop("r2", 32, 70) == 40
-    assert w.sched.prefill_stop("r2", 0, 70) == 16
+    assert w.sched.prefill_stop("r2", 0, 70) == 40  # no stop for the interval before it
 
 
 def test_a_lookup_waits_for_stores_of_its_prefix(worlds) -> None:

@@ -39,18 +39,26 @@ def vllm_split(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[Any, ...]
 class Connector:
     def __init__(self, stops: list[int]) -> None:
         self.stops = stops
+        self.aligns: list[int] = []
 
-    def prefill_stop(self, request: Any, start: int, end: int) -> int:
+    def prefill_stop(self, request: Any, start: int, end: int, align: int) -> int:
+        self.aligns.append(align)
         return next((s for s in self.stops if start < s < end), end)
+
+
+def scheduler_with(connector: Any, **kw: Any) -> SimpleNamespace:
+    """What the split reads of vLLM's scheduler (its block size: 544 tokens)."""
+    return SimpleNamespace(connector=connector, cache_config=SimpleNamespace(block_size=544), **kw)
 
 
 def test_a_step_stops_at_the_first_checkpoint_inside_it(vllm_split) -> None:
     prefill_stops.register()
     split = Scheduler._mamba_block_aligned_split
     assert patches.is_patched(split)
-    scheduler = SimpleNamespace(connector=Connector([1024, 2944]))
+    scheduler = scheduler_with(Connector([1024, 2944]))
     request = SimpleNamespace(num_computed_tokens=0)
     assert split(scheduler, request, 3000) == 1024
+    assert scheduler.connector.aligns == [544]  # vLLM's own steps end on its blocks
     request.num_computed_tokens = 1024
     assert split(scheduler, request, 1976) == 2944 - 1024
     # local and external hits move the start
@@ -65,8 +73,8 @@ def test_other_connectors_and_no_connector_are_left_alone(vllm_split) -> None:
     prefill_stops.register()
     split = Scheduler._mamba_block_aligned_split
     request = SimpleNamespace(num_computed_tokens=0)
-    assert split(SimpleNamespace(connector=None), request, 3000) == 3000
-    assert split(SimpleNamespace(connector=object()), request, 3000) == 3000
+    assert split(scheduler_with(None), request, 3000) == 3000
+    assert split(scheduler_with(object()), request, 3000) == 3000
 
 
 def test_never_longer_and_at_least_one_token(vllm_split) -> None:
@@ -75,12 +83,12 @@ def test_never_longer_and_at_least_one_token(vllm_split) -> None:
     request = SimpleNamespace(num_computed_tokens=10)
 
     class Wild:
-        def prefill_stop(self, request: Any, start: int, end: int) -> int:
+        def prefill_stop(self, request: Any, start: int, end: int, align: int) -> int:
             return {0: 5000, 1: start}[self.calls.pop(0)]
 
         calls = [0, 1]
 
-    scheduler = SimpleNamespace(connector=Wild())
+    scheduler = scheduler_with(Wild())
     assert split(scheduler, request, 100) == 100  # a stop beyond vLLM's end is ignored
     assert split(scheduler, request, 100) == 1  # a stop at the start still schedules one token
 
@@ -105,8 +113,7 @@ def test_outside_align_mode_the_split_runs_for_the_connectors_stops_only(vllm_sp
 
     def built(connector: Any, mamba: bool = True, align: bool = False) -> Any:
         """A scheduler as vLLM's ``__init__`` left it, then the wrapper's part."""
-        scheduler = SimpleNamespace(connector=connector, has_mamba_layers=mamba,
-                                    need_mamba_block_aligned_split=align)
+        scheduler = scheduler_with(connector, has_mamba_layers=mamba, need_mamba_block_aligned_split=align)
         prefill_stops.split_in_every_mode(lambda self: None)(scheduler)
         return scheduler
 
@@ -115,8 +122,9 @@ def test_outside_align_mode_the_split_runs_for_the_connectors_stops_only(vllm_sp
     request = SimpleNamespace(num_computed_tokens=0)
     assert Scheduler._mamba_block_aligned_split(ours, request, 3000) == 1024
     assert vllm_split == []  # vLLM's own split (align-mode rules) is not asked
+    assert ours.connector.aligns == [1]  # its steps end anywhere
     assert not built(object()).need_mamba_block_aligned_split  # another connector
     assert not built(Connector([1024]), mamba=False).need_mamba_block_aligned_split
     aligned = built(Connector([1024]), align=True)  # align mode: vLLM's split, then our stops
     assert Scheduler._mamba_block_aligned_split(aligned, request, 3000) == 1024
-    assert len(vllm_split) == 1
+    assert len(vllm_split) == 1 and aligned.connector.aligns == [544]

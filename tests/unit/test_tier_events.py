@@ -52,13 +52,14 @@ def external(req: HashedRequest, end: int) -> int:
     return SPEC.external(req.block_hashes[end // HASH_BLOCK - 1])
 
 
-def prefill(w: World, req: HashedRequest, tables: tuple[list[int], ...]):
-    """The request's whole prompt in steps cut where the connector asks; metadata per step."""
+def prefill(w: World, req: HashedRequest, tables: tuple[list[int], ...], budget: int = 0):
+    """The request's whole prompt in steps of at most ``budget`` tokens (0: any) cut where the
+    connector asks; metadata per step."""
     w.sched.get_num_new_matched_tokens(req, 0)
     w.sched.update_state_after_alloc(req, tables, 0)
     metas, computed, n = [], 0, len(req.prompt_token_ids)
     while computed < n:
-        end = w.sched.prefill_stop(req.request_id, computed, n)
+        end = w.sched.prefill_stop(req.request_id, computed, min(n, computed + budget) if budget else n)
         rid = req.request_id
         out = (step(new=[new_req(rid, tables, 0)], scheduled={rid: end}) if computed == 0
                else step(cached=[(rid, None, computed)], scheduled={rid: end - computed}))
@@ -181,10 +182,10 @@ def test_blocks_span_chunks_when_vllm_hashes_are_coarser(worlds, monkeypatch) ->
     coarse = KVEventsSpec(16)
     w = worlds(make_spec(8, 8), 8, [cpu_config()], events=coarse, checkpoint_interval=8)
     req = HashedRequest("r1", prompt(35))
-    metas = prefill(w, req, ([10, 11, 12, 13, 14], [21, 22, 23, 24, 0]))
+    metas = prefill(w, req, ([10, 11, 12, 13, 14], [21, 22, 23, 24, 0]), budget=8)
     stored_pages = [(s.page.group, s.page.chunk_index) for m in metas for s in m.stores if not s.hold]
     assert (MAMBA, 2) in stored_pages and (MAMBA, 3) in stored_pages  # states at 24 and 32 stored
-    w.complete(metas[0])  # chunk 0 only (the first step stops at the checkpoint 8)
+    w.complete(metas[0])  # chunk 0 only (the first step ends at 8, a state due there)
     assert w.sched.take_events() == []
     for meta in metas[1:]:
         w.complete(meta)

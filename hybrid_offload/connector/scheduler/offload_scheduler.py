@@ -11,11 +11,11 @@ pages missing in their backend are tried in the others), so a failed load is rep
 request and vLLM recomputes it. A lookup whose prefix is still being stored waits for it
 (:mod:`.pending`). Stores are planned per step by :class:`~.store_plan.StorePlanner`; for
 models with recurrent state the lookup also fixes where the request's prefill stops so that its
-state can be stored (its tail, every ``checkpoint_interval_tokens``, and the junction where
-earlier traffic shared more of the prefix than any stored state covers), which vLLM's scheduler
-asks through :meth:`OffloadScheduler.prefill_stop` (see ``engine/patches/prefill_stops``). A preempted request
-forgets its blocks and, when resumed, is looked up again, so it loads what was offloaded
-before the preemption instead of recomputing it.
+state can be stored (its tail, and the junction where earlier traffic shared more of the prefix
+than any stored state covers; states every ``checkpoint_interval_tokens`` are taken where
+steps end), which vLLM's scheduler asks through :meth:`OffloadScheduler.prefill_stop` (see
+``engine/patches/prefill_stops``). A preempted request forgets its blocks and, when resumed, is
+looked up again, so it loads what was offloaded before the preemption instead of recomputing it.
 """
 
 from __future__ import annotations
@@ -369,17 +369,20 @@ class OffloadScheduler:
                 tokens,
             )
 
-    def prefill_stop(self, req_id: str, start: int, end: int) -> int:
+    def prefill_stop(self, req_id: str, start: int, end: int, align: int = 1) -> int:
         """Where a step from ``start`` that vLLM would end at ``end`` must stop instead: in the
-        prefill the request's first checkpoint strictly inside; while decoding with drafts
-        before a chunk boundary's last position (:meth:`StorePlanner.decode_stop`); else ``end``."""
+        prefill the request's first checkpoint strictly inside, else where a state between
+        checkpoints is due (:meth:`StorePlanner.interval_stop`; ``align``: what vLLM's own
+        steps end on); while decoding with drafts before a chunk boundary's last position
+        (:meth:`StorePlanner.decode_stop`); else ``end``."""
         state = self._requests.get(req_id)
         if state is None:
             return end
         for stop in state.checkpoints:
             if start < stop < end:
                 return stop
-        return self.stores.decode_stop(state, start, end)
+        stop = self.stores.interval_stop(state, start, end, align)
+        return stop if stop != end else self.stores.decode_stop(state, start, end)
 
     def update_state_after_alloc(
         self, request: Request, block_ids: tuple[list[int], ...], num_external_tokens: int

@@ -56,7 +56,8 @@ class RequestState:
     ``load_phase`` where its load stands (changed only by :meth:`on_load`).
     Stores: chunks below ``store_from_chunk`` are not stored (loaded, or vLLM's own hit);
     ``next_store_chunk`` is the first attention chunk not planned yet; ``checkpoints`` are the
-    prefill positions where the prefill stops and its state is stored; ``held_attention`` and
+    prefill positions where the prefill stops and its state is stored (``last_state``: the last
+    state stored, for those taken between them); ``held_attention`` and
     ``held_state`` are the chunk indices whose pages the worker holds until they are committed;
     ``stored``: pages were sent to a backend since the request's chain was last touched;
     ``state_chunks``: the chunks whose state pages it sent. ``stale``: keyed before a cache
@@ -81,6 +82,8 @@ class RequestState:
     #: per backend, the layout of each page set found in another layout than this engine's
     layouts: dict[str, dict[str, tuple[int, ...]]] = field(default_factory=dict)
     checkpoints: tuple[int, ...] = ()
+    #: where the last state was stored in this prefill, or its start (None: not started)
+    last_state: int | None = None
     held_attention: set[int] = field(default_factory=set)
     held_state: int | None = None
     stored: bool = False

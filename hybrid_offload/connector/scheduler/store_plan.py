@@ -10,7 +10,10 @@ it, ``scheduled`` in it, ``end = computed + scheduled`` after it):
 * Recurrent state (Mamba/GDN): vLLM holds it only at the end of a step. During the prefill it
   is stored when the step ends on one of the request's ``checkpoints`` (see
   :func:`~hybrid_offload.core.planner.prefill_checkpoints`; the scheduler makes prefill steps stop
-  there). During decoding, every step ending on a chunk boundary replaces the worker's held
+  there), and where a step ends on a chunk boundary ``checkpoint_interval_tokens`` or more
+  past the last state (:meth:`StorePlanner.interval_stop` ends a step on one where vLLM would
+  end it elsewhere, never adding a step where vLLM's steps end on block boundaries). During
+  decoding, every step ending on a chunk boundary replaces the worker's held
   copy; the last one is committed when the request finishes or is preempted, so the next turn of
   a conversation, which repeats the reply, resumes at the end of it.
 * Speculative decoding (:mod:`hybrid_offload.core.drafting`): a step's drafts may be rejected,
@@ -35,6 +38,7 @@ workers report it, so a lookup of the same prefix waits for it instead of missin
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -42,7 +46,7 @@ from hybrid_offload.connector.metadata import CommitJob, OffloadMetadata, PageJo
 from hybrid_offload.connector.scheduler.pending import PendingStores
 from hybrid_offload.connector.scheduler.request_state import RequestState, extend_keys, page_job
 from hybrid_offload.core.drafting import Drafting, next_decode_stop
-from hybrid_offload.core.planner import HybridOffloadPlanner, prefill_checkpoints
+from hybrid_offload.core.planner import HybridOffloadPlanner, interval_stop, prefill_checkpoints
 from hybrid_offload.core.spec import GroupKind
 
 if TYPE_CHECKING:
@@ -90,9 +94,27 @@ class StorePlanner:
             return ()
         prefill_end = max(state.prompt_len, state.request.num_tokens - 1)
         named = self.events.block_tokens if self.events is not None else 0
-        return tuple(prefill_checkpoints(
-            prefill_end, self.planner.chunk_tokens, self.checkpoint_interval, junction, named
-        ))
+        return tuple(prefill_checkpoints(prefill_end, self.planner.chunk_tokens, junction, named))
+
+    def interval_stop(self, state: RequestState, start: int, end: int, align: int) -> int:
+        """Where a prefill step over ``[start, end)`` ends so that the state at its end is due
+        (see :func:`~hybrid_offload.core.planner.interval_stop`; ``align``: what vLLM's own
+        steps end on, 1 for any position); ``end`` when none is due or the prefill is past its
+        tail."""
+        checkpoints = state.checkpoints
+        if not checkpoints or end > checkpoints[-1]:
+            return end
+        last = state.last_state if state.last_state is not None else start
+        align = math.lcm(self.planner.chunk_tokens, align)
+        return interval_stop(start, end, last, self.checkpoint_interval, align)
+
+    def _state_due(self, state: RequestState, end: int) -> bool:
+        """Whether the prefill state at ``end`` (a chunk boundary) is stored: a checkpoint, or
+        ``checkpoint_interval`` or more past the last state."""
+        if end in state.checkpoints:
+            return True
+        last = state.last_state if state.last_state is not None else 0
+        return self.checkpoint_interval > 0 and end - last >= self.checkpoint_interval
 
     def decode_states_note(self) -> str:
         """Whether decoding states are stored under drafting, and if not why (for the log)."""
@@ -128,6 +150,7 @@ class StorePlanner:
             # A chunk partly covered by vLLM's local hit is still whole in the request's blocks.
             state.store_from_chunk = computed // chunk
             state.next_store_chunk = state.store_from_chunk
+            state.last_state = computed
         fed = computed + scheduled
         # drafts: only known tokens have final KV
         end = fed if self.drafting is None else self.drafting.verified_end(fed, state.known_tokens)
@@ -149,12 +172,15 @@ class StorePlanner:
         mamba = [p for p in self.planner.plans if p.kind is GroupKind.MAMBA]
         if not mamba:
             return
-        if end % chunk == 0 and end <= limit and end in state.checkpoints and end // chunk - 1 < keyed:
+        in_prefill = end <= (state.checkpoints[-1] if state.checkpoints else 0)
+        due = in_prefill and end % chunk == 0 and end <= limit and self._state_due(state, end)
+        if due and end // chunk - 1 < keyed:
             if end // chunk > state.store_from_chunk:
                 for plan in mamba:
                     job = page_job(self.planner, state, plan, end // chunk - 1)
                     if all(job.block_ids):
                         self._store(meta, state, job)
+                state.last_state = end
             return
         boundary = self._decode_boundary(state, computed, fed, end, limit)
         if boundary and boundary // chunk > state.store_from_chunk:

@@ -5,12 +5,14 @@ prefill steps where *its* block size says (`Scheduler._mamba_block_aligned_split
 size is not even the same in one engine: the EngineCore of a multi-process engine splits at
 multiples of the platform's default block (128 tokens on CPU), an in-process engine at the
 enlarged hybrid block (e.g. 640). The connector needs states at its own checkpoints (the
-prompt's tail, every `checkpoint_interval_tokens`, junctions where requests branch), so the
-wrapped split also stops at the first checkpoint the connector names strictly inside the step
-(`HybridOffloadConnector.prefill_stop`; `HybridMultiConnector.prefill_stop` adds its children's);
-it only ever shortens a step. Other connectors (and a vLLM MultiConnector wrapping ours) have no
-`prefill_stop` and are left alone. vLLM's own scheduler resumes a step that starts inside a
-block (it stops at the next block boundary), as it does for its own tail and junction stops.
+prompt's tail, junctions where requests branch), so the wrapped split also stops at the first
+checkpoint the connector names strictly inside the step (`HybridOffloadConnector.prefill_stop`;
+`HybridMultiConnector.prefill_stop` adds its children's); it only ever shortens a step. States
+every `checkpoint_interval_tokens` are taken where vLLM's steps end (the split tells the
+connector what they end on: blocks in ``align`` mode), so they cost no step. Other connectors
+(and a vLLM MultiConnector wrapping ours) have no `prefill_stop` and are left alone. vLLM's
+own scheduler resumes a step that starts inside a block (it stops at the next block
+boundary), as it does for its own tail and junction stops.
 Applied only where the split has the signature it was written for.
 
 In other Mamba cache modes (``none``: prefix caching off, the mode speculative decoding runs in
@@ -57,7 +59,8 @@ def register() -> None:
         self: Any, request: Any, num_new_tokens: int, num_new_local_computed_tokens: int = 0,
         num_external_computed_tokens: int = 0,
     ) -> int:
-        if getattr(self, _OWN_STOPS_ONLY, False):
+        own_only = getattr(self, _OWN_STOPS_ONLY, False)
+        if own_only:
             n = num_new_tokens
         else:
             n = current(self, request, num_new_tokens, num_new_local_computed_tokens,
@@ -66,7 +69,8 @@ def register() -> None:
         if stop is None or n <= 0:
             return n
         start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
-        return min(n, max(stop(request, start, start + n) - start, 1))
+        align = 1 if own_only else self.cache_config.block_size  # vLLM's own steps end on blocks
+        return min(n, max(stop(request, start, start + n, align) - start, 1))
 
     Scheduler._mamba_block_aligned_split = mark(_mamba_block_aligned_split)  # type: ignore[method-assign]
     if not is_patched(Scheduler.__init__):
