@@ -24,7 +24,6 @@ ROOT = "kv_connector_extra_config"
 SHARED_TYPES = frozenset({"redis", "redis-cluster", "nixl_peer", "lmcache"})
 logger = logging.getLogger(__name__)
 DEFAULT_CAPACITY_BYTES = 1 << 30
-DEFAULT_MAX_PENDING_STORE_BYTES = 256 << 20
 #: the worker process's GIL switch interval while a load is in flight (Python's default: 5 ms)
 DEFAULT_LOAD_SWITCH_INTERVAL_S = 0.0005
 #: in an engine step that schedules no token, the worker waits up to this long for a load
@@ -45,6 +44,7 @@ _TOP_KEYS = frozenset(
         "chunk_tokens",
         "backends",
         "max_pending_store_bytes",
+        "max_held_bytes",
         "load_policy",
         "adaptive_forget_s",
         "connectors",
@@ -132,7 +132,9 @@ class OffloadConfig:
 
     backends: tuple[Tier, ...]
     chunk_tokens: int | None = None
-    max_pending_store_bytes: int = DEFAULT_MAX_PENDING_STORE_BYTES
+    #: None: sized from the model's pages (:func:`hybrid_offload.core.budgets.store_budgets`)
+    max_pending_store_bytes: int | None = None
+    max_held_bytes: int | None = None
     load_policy: str = "weighted"
     adaptive_forget_s: float = DEFAULT_ADAPTIVE_FORGET_S
     connectors: tuple[ChildConnectorConfig, ...] = ()
@@ -265,9 +267,9 @@ def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
     chunk = extra.get("chunk_tokens")
     if chunk is not None:
         chunk = _positive_int(chunk, f"{ROOT}.chunk_tokens")
-    pending = parse_size(
-        extra.get("max_pending_store_bytes", DEFAULT_MAX_PENDING_STORE_BYTES),
-        f"{ROOT}.max_pending_store_bytes",
+    pending, held = (
+        None if extra.get(key) is None else parse_size(extra[key], f"{ROOT}.{key}")
+        for key in ("max_pending_store_bytes", "max_held_bytes")
     )
     policy = extra.get("load_policy", "weighted")
     if policy not in LOAD_POLICIES:
@@ -314,6 +316,7 @@ def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
         backends=backends,
         chunk_tokens=chunk,
         max_pending_store_bytes=pending,
+        max_held_bytes=held,
         load_policy=policy,
         adaptive_forget_s=forget,
         connectors=connectors,

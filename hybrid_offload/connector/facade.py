@@ -38,6 +38,7 @@ from hybrid_offload.connector.prometheus import HybridOffloadPromMetrics, Hybrid
 from hybrid_offload.connector.scheduler.offload_scheduler import OffloadScheduler
 from hybrid_offload.connector.tiers import write_model_card
 from hybrid_offload.connector.worker.offload_worker import OffloadWorker
+from hybrid_offload.core.budgets import host_memory_bytes, store_budgets
 from hybrid_offload.core.layer_parts import LayerPartError
 from hybrid_offload.core.metrics import StatsDelta
 from hybrid_offload.core.planner import (
@@ -46,7 +47,7 @@ from hybrid_offload.core.planner import (
     PlannerConfigError,
     whole_model_layers,
 )
-from hybrid_offload.core.spec import UnidentifiableModelError
+from hybrid_offload.core.spec import ModelSpec, UnidentifiableModelError
 from hybrid_offload.core.tp_shards import ShardLayoutError
 from hybrid_offload.engine.translate import drafting_from_vllm, kv_events_from_vllm, model_spec_from_vllm
 
@@ -143,11 +144,13 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             )
             self._log_drafting(self.scheduler)
         else:
+            pending, held = self._store_budgets(config, spec, vllm_config)
             self.worker = OffloadWorker(
                 spec,
                 self.planner,
                 config.backends,
-                config.max_pending_store_bytes,
+                pending,
+                max_held_bytes=held,
                 load_switch_interval_s=config.load_switch_interval_s,
                 page_key=config.page_key,
             )
@@ -172,6 +175,21 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             [(g.kind.value, g.block_size, g.shards) for g in spec.groups],
             [b.name for b in config.backends],
         )
+
+    def _store_budgets(
+        self, config: OffloadConfig, spec: ModelSpec, vllm_config: VllmConfig
+    ) -> tuple[int, int]:
+        """(pending, held) store budgets: the configured ones, else sized from this rank's
+        pages, vLLM's step and batch limits and (held copies) an eighth of the host's memory."""
+        sched = vllm_config.scheduler_config
+        sized = store_budgets(spec.groups, sched.max_num_batched_tokens, sched.max_num_seqs,
+                              self.planner.chunk_tokens, host_memory_bytes() // 8)  # fmt: skip
+        pending, held = config.max_pending_store_bytes, config.max_held_bytes
+        pending = sized.pending if pending is None else pending
+        held = sized.held if held is None else held
+        logger.info("hybrid-offload worker: store budgets %.0f MiB in flight, %.0f MiB held (%s)",
+                    pending / 2**20, held / 2**20, "configured or sized from the model's pages")  # fmt: skip
+        return pending, held
 
     @staticmethod
     def _log_drafting(scheduler: OffloadScheduler) -> None:

@@ -12,7 +12,6 @@ import pytest
 from hybrid_offload.backends.base import BackendConfig
 from hybrid_offload.connector.config import (
     DEFAULT_CAPACITY_BYTES,
-    DEFAULT_MAX_PENDING_STORE_BYTES,
     ConfigError,
     OffloadConfig,
     Tier,
@@ -39,7 +38,7 @@ def test_happy_path() -> None:
     cfg = parse_offload_config(good())
     assert isinstance(cfg, OffloadConfig)
     assert cfg.chunk_tokens == 256
-    assert cfg.max_pending_store_bytes == DEFAULT_MAX_PENDING_STORE_BYTES
+    assert cfg.max_pending_store_bytes is None and cfg.max_held_bytes is None  # sized from the model
     cpu, (disk, disk_policy) = cfg.backends[0], (cfg.backends[1].backend, cfg.backends[1].policy)
     assert cpu == Tier(BackendConfig(type="cpu", name="cpu0", capacity_bytes=1 << 30, options={}),
                        TierPolicy(load_weight=1.0))
@@ -57,14 +56,15 @@ def test_defaults() -> None:
     assert [b.name for b in cfg.backends] == ["cpu0", "cpu1"]
     assert all(t.backend.capacity_bytes == DEFAULT_CAPACITY_BYTES for t in cfg.backends)
     assert all(t.policy.load_weight == 1.0 for t in cfg.backends)
-    assert cfg.max_pending_store_bytes == DEFAULT_MAX_PENDING_STORE_BYTES
+    assert cfg.max_pending_store_bytes is None and cfg.max_held_bytes is None
     disk = parse_offload_config({"backends": [{"type": "disk", "path": "/x"}]}).backends[0].backend
     assert disk.name == "disk0"
     want = {"path": "/x", "fsync": False, "io_threads": 4, "layout": "files", "segment_mb": 64}
     assert disk.options == want
     cfg = parse_offload_config({"backends": [{"type": "cpu"}], "chunk_tokens": None,
-                                "max_pending_store_bytes": "64MiB"})
+                                "max_pending_store_bytes": "64MiB", "max_held_bytes": "1GiB"})
     assert cfg.chunk_tokens is None and cfg.max_pending_store_bytes == 64 << 20
+    assert cfg.max_held_bytes == 1 << 30
     assert cfg.load_switch_interval_s == 0.0005
     assert cfg.idle_load_wait_s == 0.005
     no_wait = parse_offload_config({"backends": [{"type": "cpu"}], "idle_load_wait_s": 0})

@@ -55,13 +55,16 @@ class OffloadWorker:
         backends: tuple[Tier, ...],
         max_pending_store_bytes: int,
         *,
+        max_held_bytes: int | None = None,
         load_switch_interval_s: float = 0.0,
         page_key: bytes | None = None,
         staging_pool_bytes: int = LOAD_POOL_BYTES,
         clock: Callable[[], float] = time.monotonic,
         timer: Callable[[], float] = time.perf_counter,
     ) -> None:
-        """``page_key``: pages are signed with it and must verify under it (see ``page_format``).
+        """``max_pending_store_bytes``: stores copied out and not yet stored; ``max_held_bytes``:
+        copies held for requests (None: the same). ``page_key``: pages are signed with it and
+        must verify under it (see ``page_format``).
         ``clock`` drives the backends' backoff; ``timer`` times the phases of loads;
         ``staging_pool_bytes``: free load staging memory kept for the next loads."""
         stats = Locked(WorkerCounters())
@@ -77,7 +80,8 @@ class OffloadWorker:
         self.spec, self.planner, self.codecs, self.stats = spec, planner, codecs, stats
         self.backends = self.ctx.backends
         self._unpin: dict[str, Callable[[], object]] = {}
-        self.stores = StorePipeline(self.ctx, max_pending_store_bytes)
+        held = max_pending_store_bytes if max_held_bytes is None else max_held_bytes
+        self.stores = StorePipeline(self.ctx, max_pending_store_bytes, held)
         self.loads = LoadPipeline(self.ctx, staging_pool_bytes, load_switch_interval_s)
         threading.Thread(target=self._prepare_data_paths, name="hybrid-offload-prepare", daemon=True).start()
 

@@ -47,9 +47,10 @@ QueuedShard = tuple[StoreJob, int, bytearray | memoryview]
 class StorePipeline:
     """Copies out (model-runner thread), holds, commits, and the store thread."""
 
-    def __init__(self, ctx: WorkerContext, max_pending_store_bytes: int) -> None:
+    def __init__(self, ctx: WorkerContext, max_pending_store_bytes: int, max_held_bytes: int) -> None:
         self.ctx = ctx
         self._max_pending = max_pending_store_bytes
+        self._max_held = max_held_bytes
         self._pending_bytes = 0
         self._held = HeldCopies()
         self._lock = threading.Lock()
@@ -112,11 +113,11 @@ class StorePipeline:
             self.ctx.stats.counters.copy_out_seconds += elapsed
 
     def _admit(self, job: StoreJob, size: int, queued: int) -> bool:
-        """Whether the pending-bytes budget takes ``size`` more bytes (holds have a budget of
-        their own); a dropped store is counted and settled."""
+        """Whether the pending-bytes budget (for holds: the held-bytes budget) takes ``size``
+        more bytes; a dropped store is counted and settled."""
         with self._lock:
             used = self._held.nbytes if job.hold else self._pending_bytes + queued
-            if used + size <= self._max_pending:
+            if used + size <= (self._max_held if job.hold else self._max_pending):
                 return True
         with self.ctx.stats.lock:
             self.ctx.stats.counters.stores_dropped += 1

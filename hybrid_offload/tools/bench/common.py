@@ -7,7 +7,6 @@ same stem. Nothing here measures anything.
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
 import json
 import os
@@ -15,6 +14,8 @@ import platform
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
+
+from hybrid_offload.core.budgets import host_memory_bytes
 
 RESULTS_DIR = Path("benchmarks/results")
 
@@ -29,9 +30,7 @@ def machine() -> dict[str, Any]:
         except PackageNotFoundError:
             return None
 
-    mem = 0
-    with contextlib.suppress(ValueError, OSError):
-        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    mem = host_memory_bytes()
     return {
         "platform": platform.platform(),
         "cpu": platform.processor() or platform.machine(),
