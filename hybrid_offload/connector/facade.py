@@ -42,6 +42,7 @@ from hybrid_offload.core.budgets import host_memory_bytes, store_budgets
 from hybrid_offload.core.layer_parts import LayerPartError
 from hybrid_offload.core.metrics import StatsDelta
 from hybrid_offload.core.planner import (
+    GPU_HYBRID_ALIGNMENT,
     HybridOffloadPlanner,
     LayerMapError,
     PlannerConfigError,
@@ -123,7 +124,9 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         except LayerPartError as exc:
             raise ConfigError(f"{ROOT}.layer_parts: {exc}") from exc
         try:
-            self.planner = HybridOffloadPlanner(spec, config.chunk_tokens, config.chain_key)
+            on_gpu = getattr(getattr(vllm_config, "device_config", None), "device_type", "") == "cuda"
+            alignment = GPU_HYBRID_ALIGNMENT if on_gpu else 0  # the same chunk at every TP size
+            self.planner = HybridOffloadPlanner(spec, config.chunk_tokens, config.chain_key, alignment)
         except PlannerConfigError as exc:
             raise ConfigError(f"{ROOT}.chunk_tokens: {exc}") from exc
         self.scheduler: OffloadScheduler | None = None

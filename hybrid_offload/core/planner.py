@@ -48,6 +48,10 @@ DEFAULT_MIN_CHUNK_TOKENS = 256
 #: most this. vLLM's CPU scheduler ends prefill steps at multiples of 128 tokens (its default
 #: block size); finer chunks mean more, smaller pages.
 DEFAULT_HYBRID_CHUNK_TOKENS = 128
+#: GPU engines raise a hybrid model's attention block to a multiple of 16 tokens (the attention
+#: kernels' block alignment) that holds a Mamba/GDN state; the multiple depends on the TP size
+#: (Qwen3-Next-80B: 1056 tokens at TP 1 and 2, 528 at TP 4), 16 divides all of them
+GPU_HYBRID_ALIGNMENT = 16
 
 
 class PlannerConfigError(ValueError):
@@ -95,19 +99,23 @@ class LoadablePrefix:
         return any(t != self.tokens for t in self.per_group_tokens)
 
 
-def default_chunk_tokens(groups: Sequence[GroupSpec], max_model_len: int = 0) -> int:
+def default_chunk_tokens(
+    groups: Sequence[GroupSpec], max_model_len: int = 0, hybrid_alignment: int = 0
+) -> int:
     """The default chunk.
 
     With a Mamba group the chunk is also the granularity of state checkpoints (a request
     resumes at a chunk boundary), so it is fine: the largest divisor of every splittable block
     size not above :data:`DEFAULT_HYBRID_CHUNK_TOKENS`, in every Mamba cache mode (an
-    unsplittable group, one block per request, takes a state at any step end). Attention-only
-    models use the lcm of their block sizes, rounded up to at least 256 tokens to keep pages
-    large.
+    unsplittable group, one block per request, takes a state at any step end), and of
+    ``hybrid_alignment`` where given: what every hybrid block size of the platform is a multiple
+    of, at any TP size (:data:`GPU_HYBRID_ALIGNMENT`), so that engines of one model at
+    different TP sizes cut the same chunks and share pages. Attention-only models use the lcm
+    of their block sizes, rounded up to at least 256 tokens to keep pages large.
     """
     sizes = [g.block_size for g in groups if not _is_unsplittable(g, max_model_len)]
     if any(g.kind is GroupKind.MAMBA for g in groups):
-        return math.gcd(DEFAULT_HYBRID_CHUNK_TOKENS, *sizes)
+        return math.gcd(DEFAULT_HYBRID_CHUNK_TOKENS, hybrid_alignment, *sizes)
     if not sizes:
         return DEFAULT_MIN_CHUNK_TOKENS
     chunk = math.lcm(*sizes)
@@ -234,13 +242,16 @@ class HybridOffloadPlanner:
     """Maps token prefixes to page keys and decides the longest loadable prefix."""
 
     def __init__(
-        self, spec: ModelSpec, chunk_tokens: int | None = None, key: bytes | None = None
-    ) -> None:
-        """``key``: the cache's secret (keyed chain hashes); None for sha256."""
+        self, spec: ModelSpec, chunk_tokens: int | None = None, key: bytes | None = None,
+        hybrid_alignment: int = 0,
+    ) -> None:  # fmt: skip
+        """``key``: the cache's secret (keyed chain hashes); None for sha256.
+        ``hybrid_alignment``: see :func:`default_chunk_tokens` (used without ``chunk_tokens``)."""
         if chunk_tokens is not None and chunk_tokens <= 0:
             raise PlannerConfigError(f"chunk_tokens must be positive, got {chunk_tokens}")
         self.spec = spec
-        self.chunk_tokens = chunk_tokens or default_chunk_tokens(spec.groups, spec.max_model_len)
+        default = default_chunk_tokens(spec.groups, spec.max_model_len, hybrid_alignment)
+        self.chunk_tokens = chunk_tokens or default
         self.plans = tuple(_plan_group(g, self.chunk_tokens, spec.max_model_len) for g in spec.groups)
         self.namespace = spec.fingerprint
         self._key = key

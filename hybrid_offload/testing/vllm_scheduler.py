@@ -147,7 +147,8 @@ def build_scheduler(
     from hybrid_offload.engine.patches import prefill_stops
 
     prefill_stops.register()
-    folder = Path(tempfile.mkdtemp(prefix=f"{model}-", dir=workdir))
+    folder = Path(workdir or tempfile.gettempdir()) / f"hybrid-offload-{model}"  # one name at every TP
+    folder.mkdir(parents=True, exist_ok=True)
     hf = MODELS[model]()
     hf.dtype = "bfloat16"
     hf.save_pretrained(folder)

@@ -695,3 +695,18 @@ def test_probed_lookup_of_a_full_hit_asks_one_state_page_per_group() -> None:
     assert probed.tokens == full.tokens == 40 * C
     states = [pl.index for pl in p.plans if pl.kind is GroupKind.MAMBA]
     assert states and len(asked) == everything - len(states) * (40 - 4)
+
+
+GPU_BLOCKS = [(1056, 32, 16), (528, 16, 16), (1040, 16, 16), (640, 128, 16)]
+
+
+@pytest.mark.parametrize(("block", "cpu", "gpu"), GPU_BLOCKS)
+def test_on_a_gpu_the_default_chunk_divides_every_tp_sizes_block(block: int, cpu: int, gpu: int) -> None:
+    """GPU engines align hybrid blocks to 16 tokens at every TP size: the default chunk is 16
+    there whatever this engine's block, so engines at other TP sizes cut the same chunks."""
+    groups = (fa(0, block), mamba(1, block))
+    assert default_chunk_tokens(groups) == cpu
+    assert default_chunk_tokens(groups, hybrid_alignment=16) == gpu
+    assert HybridOffloadPlanner(model(*groups), hybrid_alignment=16).chunk_tokens == gpu
+    assert HybridOffloadPlanner(model(*groups), cpu, hybrid_alignment=16).chunk_tokens == cpu  # configured
+    assert default_chunk_tokens((fa(0, 16),), hybrid_alignment=16) == 256  # attention only: unchanged

@@ -48,3 +48,23 @@ def test_cold_prefills_take_at_most_one_step_more(model: str, tp: int, tmp_path:
         # and at the tail, each group's once
         assert sorted(set(states)) == [e for e in ends if e <= tail], (ends, states)
         assert len(states) == len(mamba) * len(set(states))
+
+
+@pytest.mark.parametrize("model", ["qwen3_next_80b", "nemotron_h_8b"])
+def test_gpu_engines_at_any_tp_cut_the_same_chunks_and_share_pages(model: str, tmp_path: Any) -> None:
+    """On a GPU the default chunk divides the hybrid block of every TP size (16 tokens), so
+    engines at TP 1, 2 and 4 name the same pages; without it Qwen3-Next's TP 1-2 and TP 4
+    engines cut 32- and 16-token chunks and share nothing."""
+    from hybrid_offload.core.planner import GPU_HYBRID_ALIGNMENT, HybridOffloadPlanner
+
+    tokens = list(range(1000, 1000 + 3000))
+    keys, plain = {}, {}
+    for tp in (1, 2, 4):
+        spec = build_scheduler(model, tp, CONNECTOR, workdir=tmp_path).connector.planner.spec
+        planner = HybridOffloadPlanner(spec, hybrid_alignment=GPU_HYBRID_ALIGNMENT)
+        assert all(g.block_size % planner.chunk_tokens == 0 for g in spec.groups)
+        keys[tp] = planner.group_keys(planner.chunk_hashes(tokens))
+        plain[tp] = HybridOffloadPlanner(spec).chunk_tokens
+    assert keys[1] == keys[2] == keys[4]
+    if model == "qwen3_next_80b":
+        assert (plain[1], plain[2], plain[4]) == (32, 32, 16)
