@@ -20,7 +20,7 @@ from hybrid_offload.backends import BackendConfig
 from hybrid_offload.connector.config import DEFAULT_LOAD_SWITCH_INTERVAL_S, Tier, TierPolicy
 from hybrid_offload.connector.metadata import LoadJob, LoadSegment, PageJob, StoreJob
 from hybrid_offload.connector.worker.offload_worker import OffloadWorker
-from hybrid_offload.core.planner import HybridOffloadPlanner
+from hybrid_offload.core.planner import GPU_HYBRID_ALIGNMENT, HybridOffloadPlanner
 from hybrid_offload.core.spec import GroupKind, GroupSpec, ModelSpec, make_model_spec
 from hybrid_offload.core.tp_shards import Component, TensorSplit
 from hybrid_offload.engine.vllm_layouts import allocate
@@ -128,7 +128,8 @@ class KVWorld:
         device, _, path = device.partition("+")
         self.shape, self.device = shape, torch.device(device)
         self.spec = model_spec(shape, num_blocks, tp_size, tp_rank)
-        self.planner = HybridOffloadPlanner(self.spec)
+        on_gpu = self.device.type == "cuda"  # the default chunk a GPU engine's connector takes
+        self.planner = HybridOffloadPlanner(self.spec, hybrid_alignment=GPU_HYBRID_ALIGNMENT if on_gpu else 0)
         self.chunk = self.planner.chunk_tokens
         self.block_size = self.spec.groups[0].block_size
         self.raw, self.views = allocate(self.spec.groups, num_blocks, layout, device)
