@@ -240,18 +240,22 @@ class _Replay:
                     self.stored.remove(prefix)
                 meta.loads.append(LoadJob(req.req_id, (LoadSegment(self.tier, tuple(pages)),)))
                 req.loading, req.loaded = True, n
-        elif roll < 0.8:  # a cold request: prefilled and stored in this step
+        elif roll < 0.75:  # a cold request: prefilled and stored in this step
             req = self._new(rng.randrange(1, 6), None)
             if req is not None:
                 prefill.append((req, range(0, len(req.tokens) // chunk)))
                 pages = self.model.pages(req, len(req.tokens) // chunk)
                 meta.stores.extend(StoreJob(p, (self.tier,)) for p in pages)
                 finished.append(req)
-        elif idle:  # a request ends, is aborted or preempted: its blocks go to the next ones
-            req = rng.choice(idle)
+        else:
+            req = None
+        if req is None and idle:  # a request ends, is aborted or preempted (also when blocks ran
+            req = rng.choice(idle)  # out): its blocks go to the next ones
             if rng.random() < 0.3:
                 meta.preempted.append(req.req_id)
             self._release(req)
+        elif req is None:  # every block held by loads in flight: the engine waits for them
+            meta.idle = True
         self._step_hooks(meta, prefill, finished)
 
     def _step_hooks(self, meta: OffloadMetadata, prefill: list, finished: list[_Request]) -> None:
