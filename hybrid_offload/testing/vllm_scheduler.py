@@ -81,7 +81,7 @@ def gpu_block_size(vllm_config: Any) -> int:
     return GPU_KERNEL_ALIGNMENT * math.ceil(mamba_page / (GPU_KERNEL_ALIGNMENT * attention_token))
 
 
-def _kv_cache_config(vllm_config: Any, block: int, num_blocks: int) -> Any:
+def _kv_cache_config(vllm_config: Any, block: int, num_blocks: int, mode: str) -> Any:
     """The KV cache groups vLLM forms for the model: its attention layers in one group, its
     Mamba layers in groups of as many layers, every page as large as an attention block's."""
     from vllm.model_executor.models import ModelRegistry
@@ -100,8 +100,8 @@ def _kv_cache_config(vllm_config: Any, block: int, num_blocks: int) -> Any:
     mamba_spec = MambaSpec(
         shapes=cls.get_mamba_state_shape_from_config(vllm_config),
         dtypes=cls.get_mamba_state_dtype_from_config(vllm_config),
-        block_size=block, page_size_padded=attention_spec.page_size_bytes, mamba_type=_mamba_type(hf),
-        mamba_cache_mode="align",
+        block_size=block if mode == "align" else model.max_model_len,
+        page_size_padded=attention_spec.page_size_bytes, mamba_type=_mamba_type(hf), mamba_cache_mode=mode,
     )  # fmt: skip
     per_group = len(attention)
     groups = [KVCacheGroupSpec([f"model.layers.{i}.attn" for i in attention], attention_spec)]
@@ -127,12 +127,14 @@ def _mamba_type(hf: Any) -> Any:
 
 def build_scheduler(
     model: str, tp: int, connector: dict[str, Any] | None = None, max_num_batched_tokens: int = 8192,
-    num_blocks: int = 2000, workdir: Path | None = None,
+    num_blocks: int = 2000, workdir: Path | None = None, prefix_caching: bool = True,
 ) -> Any:  # fmt: skip
     """vLLM's scheduler for ``model`` (a :data:`MODELS` name) at tensor parallel size ``tp``,
-    GPU block size, Mamba cache mode ``align`` (prefix caching on), with our connector when
-    ``connector`` (its ``kv_connector_extra_config``) is given; ``scheduler.block_size`` is
-    the block. Registers the ``prefill_stops`` patch, as the engine's plugin does."""
+    GPU block size, Mamba cache mode ``align`` (without ``prefix_caching``: ``none``, one state
+    block of ``max_model_len`` per request), with our connector when ``connector`` (its
+    ``kv_connector_extra_config``) is given; ``scheduler.block_size`` is the scheduling block
+    (the lcm of the groups' blocks, as the engine passes it). Registers the ``prefill_stops``
+    patch, as the engine's plugin does."""
     from vllm.config import (
         CacheConfig,
         KVTransferConfig,
@@ -152,18 +154,19 @@ def build_scheduler(
     hf = MODELS[model]()
     hf.dtype = "bfloat16"
     hf.save_pretrained(folder)
-    max_len = 131072
+    max_len, mode = 131072, "align" if prefix_caching else "none"
     config = VllmConfig(
         model_config=ModelConfig(model=str(folder), skip_tokenizer_init=True, dtype="bfloat16",
                                  max_model_len=max_len),
-        cache_config=CacheConfig(enable_prefix_caching=True, mamba_cache_mode="align"),
+        cache_config=CacheConfig(enable_prefix_caching=prefix_caching, mamba_cache_mode=mode),
         scheduler_config=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=16,
                                          max_model_len=max_len, is_encoder_decoder=False),
         parallel_config=ParallelConfig(tensor_parallel_size=tp),
     )  # fmt: skip
     block = gpu_block_size(config)
-    config.cache_config.block_size = config.cache_config.mamba_block_size = block
-    kv_cache_config = _kv_cache_config(config, block, num_blocks)
+    config.cache_config.block_size = block
+    config.cache_config.mamba_block_size = block if prefix_caching else max_len
+    kv_cache_config = _kv_cache_config(config, block, num_blocks, mode)
     page = kv_cache_config.kv_cache_groups[0].kv_cache_spec.page_size_bytes
     config.cache_config.mamba_page_size_padded = page
     config.cache_config.num_gpu_blocks = num_blocks
@@ -173,7 +176,8 @@ def build_scheduler(
             kv_role="kv_both", kv_connector_extra_config={"model_version": f"{model}-shapes", **connector},
         )  # fmt: skip
     return Scheduler(
-        vllm_config=config, kv_cache_config=kv_cache_config, block_size=block, log_stats=False,
+        vllm_config=config, kv_cache_config=kv_cache_config, log_stats=False,
+        block_size=block if prefix_caching else math.lcm(block, max_len),
         structured_output_manager=StructuredOutputManager(config),
     )
 

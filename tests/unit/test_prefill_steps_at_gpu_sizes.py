@@ -68,3 +68,17 @@ def test_gpu_engines_at_any_tp_cut_the_same_chunks_and_share_pages(model: str, t
     assert keys[1] == keys[2] == keys[4]
     if model == "qwen3_next_80b":
         assert (plain[1], plain[2], plain[4]) == (32, 32, 16)
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_without_prefix_caching_too(tp: int, tmp_path: Any) -> None:
+    """Mamba cache mode ``none`` (prefix caching off): vLLM ends steps on its token budget, not
+    on blocks; a step with a state due ends on the chunk boundary before instead, and the
+    prefill still takes at most one step more."""
+    plain = build_scheduler("qwen3_next_80b", tp, workdir=tmp_path, prefix_caching=False)
+    ours = build_scheduler("qwen3_next_80b", tp, CONNECTOR, workdir=tmp_path, prefix_caching=False)
+    for length in LENGTHS:
+        without = prefill_steps(plain, length, seed=length)
+        with_ = prefill_steps(ours, length, seed=length)
+        assert sum(with_) == sum(without) == length
+        assert len(with_) <= len(without) + 1, (length, without, with_)
