@@ -15,6 +15,7 @@ pick its own.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import tempfile
@@ -61,48 +62,45 @@ def _nemotron_h_8b() -> Any:
 MODELS = {"qwen3_next_80b": _qwen3_next_80b, "nemotron_h_8b": _nemotron_h_8b}
 
 
-def gpu_block_size(vllm_config: Any) -> int:
-    """vLLM's hybrid block size for this config on a GPU (``_align_hybrid_block_size``'s
-    arithmetic with :data:`GPU_KERNEL_ALIGNMENT`)."""
+def _specs(vllm_config: Any, block: int, mode: str = "align") -> tuple[Any, Any]:
+    """(attention, Mamba) KV cache specs of one layer at ``block`` tokens a block (the Mamba
+    page padded to the attention page; ``mode`` ``none``: a state block of ``max_model_len``)."""
     from vllm.model_executor.models import ModelRegistry
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
     model = vllm_config.model_config
     cls, _ = ModelRegistry.resolve_model_cls(model.architecture, model_config=model)
-    mamba_page = MambaSpec(
+    attention = FullAttentionSpec(
+        block_size=block, num_kv_heads=model.get_num_kv_heads(vllm_config.parallel_config),
+        head_size=model.get_head_size(), dtype=model.dtype,
+    )  # fmt: skip
+    mamba = MambaSpec(
         shapes=cls.get_mamba_state_shape_from_config(vllm_config),
         dtypes=cls.get_mamba_state_dtype_from_config(vllm_config),
-        block_size=-1,
-    ).page_size_bytes
-    attention_token = FullAttentionSpec(
-        block_size=1, num_kv_heads=model.get_num_kv_heads(vllm_config.parallel_config),
-        head_size=model.get_head_size(), dtype=model.dtype,
-    ).page_size_bytes  # fmt: skip
-    return GPU_KERNEL_ALIGNMENT * math.ceil(mamba_page / (GPU_KERNEL_ALIGNMENT * attention_token))
+        block_size=block if mode == "align" else model.max_model_len,
+        page_size_padded=attention.page_size_bytes, mamba_type=_mamba_type(model.hf_config),
+        mamba_cache_mode=mode,
+    )  # fmt: skip
+    return attention, mamba
+
+
+def gpu_block_size(vllm_config: Any) -> int:
+    """vLLM's hybrid block size for this config on a GPU (``_align_hybrid_block_size``'s
+    arithmetic with :data:`GPU_KERNEL_ALIGNMENT`)."""
+    attention, mamba = _specs(vllm_config, 1)
+    state = dataclasses.replace(mamba, page_size_padded=None).page_size_bytes
+    return GPU_KERNEL_ALIGNMENT * math.ceil(state / (GPU_KERNEL_ALIGNMENT * attention.page_size_bytes))
 
 
 def _kv_cache_config(vllm_config: Any, block: int, num_blocks: int, mode: str) -> Any:
     """The KV cache groups vLLM forms for the model: its attention layers in one group, its
     Mamba layers in groups of as many layers, every page as large as an attention block's."""
-    from vllm.model_executor.models import ModelRegistry
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
-    model = vllm_config.model_config
-    hf = model.hf_config
-    types = _layer_types(hf)
+    types = _layer_types(vllm_config.model_config.hf_config)
     attention = [i for i, t in enumerate(types) if t == "attention"]
     mamba = [i for i, t in enumerate(types) if t == "mamba"]
-    cls, _ = ModelRegistry.resolve_model_cls(model.architecture, model_config=model)
-    attention_spec = FullAttentionSpec(
-        block_size=block, num_kv_heads=model.get_num_kv_heads(vllm_config.parallel_config),
-        head_size=model.get_head_size(), dtype=model.dtype,
-    )  # fmt: skip
-    mamba_spec = MambaSpec(
-        shapes=cls.get_mamba_state_shape_from_config(vllm_config),
-        dtypes=cls.get_mamba_state_dtype_from_config(vllm_config),
-        block_size=block if mode == "align" else model.max_model_len,
-        page_size_padded=attention_spec.page_size_bytes, mamba_type=_mamba_type(hf), mamba_cache_mode=mode,
-    )  # fmt: skip
+    attention_spec, mamba_spec = _specs(vllm_config, block, mode)
     per_group = len(attention)
     groups = [KVCacheGroupSpec([f"model.layers.{i}.attn" for i in attention], attention_spec)]
     for g in range(math.ceil(len(mamba) / per_group)):
