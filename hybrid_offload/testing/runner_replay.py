@@ -17,10 +17,11 @@ without vLLM) through random steps in one of these orders, hook for hook as
 The fake model writes, in its forward (on the compute stream, after a delay kernel on CUDA so
 the device lags behind the host), K/V and states that are a function of the tokens (per chunk,
 bytes seeded by the chunk's hash: the same prefix gives the same bytes, as a deterministic
-model would). A request either prefills cold (and stores its pages in that step's
-wait_for_save) or loads the pages an earlier request stored into fresh blocks, then computes
-the rest. Blocks are reused at once (last freed, first taken) after requests finish, abort or
-are preempted; some loads are made to fail (a page deleted first), and their requests
+model would). Prompts have any length (a partial last chunk is computed, never stored). A
+request either prefills cold (and stores its whole chunks in that step's wait_for_save) or
+loads the whole chunks an earlier request stored into fresh blocks, then computes the rest.
+Blocks are reused at once (last freed, first taken) after requests finish, abort or are
+preempted; some loads are made to fail (a page deleted first), and their requests
 recompute into the same blocks right after the failure is reported. Every finished load is
 checked byte for byte against what recomputing would write, and every request's blocks again
 before they are freed (a late write of a failed or aborted load would show there).
@@ -56,7 +57,6 @@ class _Request:
     states: dict[int, int]
     loaded: int = 0  # whole chunks loaded (0: computed cold)
     loading: bool = False
-    aborted: bool = False
 
 
 @dataclass
@@ -68,6 +68,10 @@ class ReplayResult:
     failed_loads: int = 0
     checked_bytes: int = 0
     mismatches: list[str] = field(default_factory=list)
+
+
+#: per attention layer: its bytes view, the (kernel block, slot) index of some tokens, their bytes
+_KvSpot = tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor]
 
 
 class _FakeModel:
@@ -92,34 +96,49 @@ class _FakeModel:
         kb = torch.as_tensor(list(blocks))[pos // bs] * (bs // kblock) + (pos % bs) // kblock
         return kb.to(kv.device), (pos % kblock).to(kv.device)
 
-    def want(self, tokens: Sequence[int], chunks: range) -> dict[str, torch.Tensor]:
-        """Per attention layer, the K|V bytes of ``chunks`` (host, ``(tokens, heads, width)``)."""
+    def _chunk_bytes(self, tokens: Sequence[int], c: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """Layer ``name``'s bytes of chunk ``c`` (whole or the prompt's partial last one)."""
         chunk = self.world.chunk
         hashes = self.world.planner.chunk_hashes(tokens)
-        out = {}
+        if c < len(hashes):
+            return self._bytes(hashes[c], name, shape)
+        tail = tokens[c * chunk :]  # a partial chunk: its tokens after the last whole chunk
+        seed = (hashes[-1] if hashes else b"") + b"".join(t.to_bytes(4, "little") for t in tail)
+        return self._bytes(seed, name, shape)[: len(tail)]
+
+    def _kv(self, req: _Request, span: range) -> list[_KvSpot]:
+        """Per attention layer: its bytes view, where ``span``'s tokens of ``req`` are in it, and
+        the bytes recomputing writes there (host)."""
+        chunk = self.world.chunk
+        out = []
         for g in self.attn:
             for name in g.layer_names:
                 kv = self.world.views[name]
-                width = kv.shape[3] * kv.element_size()
-                shape = (chunk, kv.shape[1], width)
-                out[name] = torch.cat([self._bytes(hashes[c], name, shape) for c in chunks])
+                shape = (chunk, kv.shape[1], kv.shape[3] * kv.element_size())
+                first, last = span.start // chunk, (span.stop - 1) // chunk
+                parts = [self._chunk_bytes(req.tokens, c, name, shape) for c in range(first, last + 1)]
+                want = torch.cat(parts)
+                want = want[span.start - first * chunk : span.stop - first * chunk]
+                out.append((kv.view(torch.uint8), self._kv_index(kv, req.blocks, span), want))
         return out
 
-    def want_state(self, tokens: Sequence[int], c: int) -> dict[str, torch.Tensor]:
-        hashes = self.world.planner.chunk_hashes(tokens)
-        return {n: self._bytes(hashes[c], n, (g.state_bytes,)) for g in self.mamba for n in g.layer_names}
+    def _states(self, req: _Request, c: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per Mamba/GDN layer: its state bytes in ``req``'s block, and the state recomputing
+        leaves after whole chunk ``c``."""
+        hashes = self.world.planner.chunk_hashes(req.tokens)
+        return [(self._state(req, n), self._bytes(hashes[c], n, (g.state_bytes,)))
+                for g in self.mamba for n in g.layer_names]  # fmt: skip
 
-    def forward(self, req: _Request, chunks: range) -> None:
-        """Write ``chunks`` of ``req`` (and the state at the last one) into its blocks."""
-        if not chunks:
+    def forward(self, req: _Request, span: range) -> None:
+        """Write the K/V of ``req``'s tokens ``span`` into its blocks and, where ``span`` ends at
+        or past a whole chunk, the state after the last whole chunk (where we store states)."""
+        if not span:
             return
-        tokens = range(chunks.start * self.world.chunk, chunks.stop * self.world.chunk)
-        for name, data in self.want(req.tokens, chunks).items():
-            kv = self.world.views[name]
-            kb, slot = self._kv_index(kv, req.blocks, tokens)
-            kv.view(torch.uint8)[kb, :, slot, :] = data.to(kv.device, non_blocking=True)
-        for name, data in self.want_state(req.tokens, chunks.stop - 1).items():
-            self._state(req, name).copy_(data.to(self.world.device, non_blocking=True))
+        for raw, at, want in self._kv(req, span):
+            raw[at[0], :, at[1], :] = want.to(raw.device, non_blocking=True)
+        if span.stop >= self.world.chunk:
+            for place, want in self._states(req, span.stop // self.world.chunk - 1):
+                place.copy_(want.to(place.device, non_blocking=True))
 
     def _state(self, req: _Request, name: str) -> torch.Tensor:
         """Layer ``name``'s unpadded state bytes in ``req``'s block of its group."""
@@ -132,24 +151,23 @@ class _FakeModel:
         return [p if p.group not in req.states else dataclasses.replace(p, block_ids=(req.states[p.group],))
                 for p in pages]  # fmt: skip
 
-    def check(self, req: _Request, chunks: range, result: ReplayResult, what: str) -> None:
-        """Compare ``req``'s blocks for ``chunks`` (and its state) with what recompute writes."""
-        if not chunks:
+    def check(self, req: _Request, span: range, result: ReplayResult, what: str) -> None:
+        """Compare ``req``'s K/V of ``span`` (and the state after its last whole chunk) with what
+        recomputing writes."""
+        if not span:
             return
-        tokens = range(chunks.start * self.world.chunk, chunks.stop * self.world.chunk)
-        for name, want in self.want(req.tokens, chunks).items():
-            kv = self.world.views[name]
-            kb, slot = self._kv_index(kv, req.blocks, tokens)
-            got = kv.view(torch.uint8)[kb, :, slot, :].cpu()
+        for raw, at, want in self._kv(req, span):
+            got = raw[at[0], :, at[1], :].cpu()
             result.checked_bytes += got.numel()
             if not torch.equal(got, want):
-                bad = int((got != want).any(-1).any(-1).nonzero()[0]) + tokens.start
-                result.mismatches.append(f"{what} {req.req_id} layer {name}: first bad token {bad}")
-        for name, want in self.want_state(req.tokens, chunks.stop - 1).items():
-            got = self._state(req, name).cpu()
-            result.checked_bytes += got.numel()
-            if not torch.equal(got, want):
-                result.mismatches.append(f"{what} {req.req_id} state {name}")
+                bad = int((got != want).any(-1).any(-1).nonzero()[0]) + span.start
+                result.mismatches.append(f"{what} {req.req_id}: first bad token {bad}")
+        if span.stop >= self.world.chunk:
+            for place, want in self._states(req, span.stop // self.world.chunk - 1):
+                got = place.cpu()
+                result.checked_bytes += got.numel()
+                if not torch.equal(got, want):
+                    result.mismatches.append(f"{what} {req.req_id}: state")
 
 
 def _lag(device: torch.device) -> None:
@@ -191,15 +209,14 @@ class _Replay:
 
     def _release(self, req: _Request) -> None:
         """Check the request's blocks once more, then free them (last freed, first reused)."""
-        if not req.aborted:
-            self.model.check(req, range(len(req.tokens) // self.world.chunk), self.result, "before free")
+        self.model.check(req, range(len(req.tokens)), self.result, "before free")
         self.free.extend(reversed([*req.blocks, *req.states.values()]))
         self.running.pop(req.req_id, None)
 
-    def _new(self, chunks: int, prefix: _Request | None) -> _Request | None:
-        chunk, bs = self.world.chunk, self.world.block_size
-        tokens = list(prefix.tokens) if prefix else []
-        tokens += [self.rng.randrange(1, 50_000) for _ in range(chunks * chunk - len(tokens))]
+    def _new(self, length: int, prefix: Sequence[int] = ()) -> _Request | None:
+        """A request of ``length`` tokens starting with ``prefix``, the rest random."""
+        bs = self.world.block_size
+        tokens = [*prefix, *(self.rng.randrange(1, 50_000) for _ in range(length - len(prefix)))]
         groups = [g.index for g in self.model.mamba]
         blocks = self._alloc(-(-len(tokens) // bs) + len(groups))
         if blocks is None:
@@ -228,8 +245,8 @@ class _Replay:
         idle = [r for r in self.running.values() if not r.loading]
         if roll < 0.45 and self.stored:  # a request resuming a stored prefix
             prefix = rng.choice(self.stored)
-            n = len(prefix.tokens) // chunk
-            req = self._new(n + rng.randrange(0, 3), prefix)
+            n = len(prefix.tokens) // chunk  # its whole chunks are stored: any length after them
+            req = self._new(n * chunk + rng.randrange(0, 3 * chunk), prefix.tokens[: n * chunk])
             if req is not None:
                 pages = self.model.pages(req, n)
                 if rng.random() < 0.15:  # make the load fail: one of its pages is gone
@@ -241,12 +258,13 @@ class _Replay:
                 meta.loads.append(LoadJob(req.req_id, (LoadSegment(self.tier, tuple(pages)),)))
                 req.loading, req.loaded = True, n
         elif roll < 0.75:  # a cold request: prefilled and stored in this step
-            req = self._new(rng.randrange(1, 6), None)
+            req = self._new(rng.randrange(1, 6 * chunk))  # any length: a partial last chunk
             if req is not None:
-                prefill.append((req, range(0, len(req.tokens) // chunk)))
+                prefill.append((req, range(len(req.tokens))))
                 pages = self.model.pages(req, len(req.tokens) // chunk)
                 meta.stores.extend(StoreJob(p, (self.tier,)) for p in pages)
-                finished.append(req)
+                if pages:  # shorter than a chunk: nothing to store, it runs on
+                    finished.append(req)
         else:
             req = None
         if req is None and idle:  # a request ends, is aborted or preempted (also when blocks ran
@@ -282,7 +300,8 @@ class _Replay:
             if req_id in failed:  # recompute everything, into the same blocks, at once
                 self.result.failed_loads += 1
                 _lag(device)
-                self.model.forward(req, range(0, len(req.tokens) // self.world.chunk))
+                self.model.forward(req, range(len(req.tokens)))
             else:
-                self.model.check(req, range(req.loaded), self.result, "loaded")
-                self.model.forward(req, range(req.loaded, len(req.tokens) // self.world.chunk))
+                loaded = req.loaded * self.world.chunk
+                self.model.check(req, range(loaded), self.result, "loaded")
+                self.model.forward(req, range(loaded, len(req.tokens)))
