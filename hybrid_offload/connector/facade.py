@@ -123,12 +123,7 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             raise ConfigError(f"{ROOT}.model_version: {exc}") from exc
         except LayerPartError as exc:
             raise ConfigError(f"{ROOT}.layer_parts: {exc}") from exc
-        try:
-            on_gpu = getattr(getattr(vllm_config, "device_config", None), "device_type", "") == "cuda"
-            alignment = GPU_HYBRID_ALIGNMENT if on_gpu else 0  # the same chunk at every TP size
-            self.planner = HybridOffloadPlanner(spec, config.chunk_tokens, config.chain_key, alignment)
-        except PlannerConfigError as exc:
-            raise ConfigError(f"{ROOT}.chunk_tokens: {exc}") from exc
+        self.planner = self._planner(config, spec, vllm_config)
         self.scheduler: OffloadScheduler | None = None
         self.worker: OffloadWorker | None = None
         self._page_key = config.page_key
@@ -178,6 +173,17 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             [(g.kind.value, g.block_size, g.shards) for g in spec.groups],
             [b.name for b in config.backends],
         )
+
+    @staticmethod
+    def _planner(config: OffloadConfig, spec: ModelSpec, vllm_config: VllmConfig) -> HybridOffloadPlanner:
+        """The planner; on a GPU the default chunk of a hybrid model is the one every TP size
+        shares (:data:`GPU_HYBRID_ALIGNMENT`)."""
+        on_gpu = getattr(getattr(vllm_config, "device_config", None), "device_type", "") == "cuda"
+        try:
+            return HybridOffloadPlanner(spec, config.chunk_tokens, config.chain_key,
+                                        GPU_HYBRID_ALIGNMENT if on_gpu else 0)  # fmt: skip
+        except PlannerConfigError as exc:
+            raise ConfigError(f"{ROOT}.chunk_tokens: {exc}") from exc
 
     def _store_budgets(
         self, config: OffloadConfig, spec: ModelSpec, vllm_config: VllmConfig
