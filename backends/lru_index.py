@@ -41,9 +41,10 @@ class EvictionPolicy(ABC):
 
     Contract: the index reports every key that enters (:meth:`added`; only keys not held, so a
     replaced key is :meth:`removed` first), is used (:meth:`used`: a hit or a touch) or leaves
-    (:meth:`removed`, or :meth:`clear` for all). :meth:`order` yields each held key exactly
-    once, the first to evict first; the index does not change while it iterates and starts a
-    new iteration for each victim. A policy serves one index and is called under its lock.
+    (:meth:`removed`, after :meth:`evicting` when it leaves as a victim; :meth:`clear` for
+    all). :meth:`order` yields each held key exactly once, the first to evict first; the index
+    does not change while it iterates and starts a new iteration for each victim. A policy
+    serves one index and is called under its lock.
     """
 
     @abstractmethod
@@ -57,6 +58,10 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def removed(self, key: str) -> None:
         """``key`` left the index (evicted, deleted or about to be replaced)."""
+
+    def evicting(self, key: str) -> None:  # noqa: B027 (optional hook)
+        """``key`` is about to leave as a victim (:meth:`removed` follows); a policy whose order
+        ages with evictions hears it here."""
 
     @abstractmethod
     def clear(self) -> None:
@@ -179,6 +184,7 @@ class LruIndex(Generic[V]):
                 break
         else:
             return None
+        self._policy.evicting(key)
         self.remove(key)
         return entry
 

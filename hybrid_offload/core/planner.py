@@ -50,7 +50,7 @@ DEFAULT_MIN_CHUNK_TOKENS = 256
 DEFAULT_HYBRID_CHUNK_TOKENS = 128
 #: GPU engines raise a hybrid model's attention block to a multiple of 16 tokens (the attention
 #: kernels' block alignment) that holds a Mamba/GDN state; the multiple depends on the TP size
-#: (Qwen3-Next-80B: 1056 tokens at TP 1 and 2, 528 at TP 4), 16 divides all of them
+#: (Qwen3-Next-80B: 544 tokens at TP 1 and 2, 272 at TP 4), 16 divides all of them
 GPU_HYBRID_ALIGNMENT = 16
 
 
@@ -128,8 +128,7 @@ def _is_unsplittable(group: GroupSpec, max_model_len: int) -> bool:
 
 def _plan_group(group: GroupSpec, chunk: int, max_model_len: int) -> GroupPlan:
     if _is_unsplittable(group, max_model_len):
-        return GroupPlan(group, window_chunks=None, blocks_per_chunk=1, chunks_per_block=1,
-                         unsplittable=True)
+        return GroupPlan(group, window_chunks=None, blocks_per_chunk=1, chunks_per_block=1, unsplittable=True)
     block = group.block_size
     if block <= chunk:
         if chunk % block:
@@ -543,44 +542,6 @@ class HybridOffloadPlanner:
     def has_state_groups(self) -> bool:
         """Whether some group restores a recurrent state (whose position must be a checkpoint)."""
         return any(p.kind is GroupKind.MAMBA for p in self.plans)
-
-
-def prefill_checkpoints(prefill_end: int, chunk: int, junction: int = 0, named: int = 0) -> list[int]:
-    """Positions (ascending, each a multiple of ``chunk``, below ``prefill_end``) where a prefill
-    must stop so that its recurrent state can be stored.
-
-    * the tail: the last chunk boundary before ``prefill_end`` (a repeated prompt, or one that
-      extends this one, resumes there; vLLM recomputes at least one token);
-    * ``junction`` (0: none): a boundary up to which earlier traffic shares this prefix
-      without a stored state there (the next request sharing it resumes there);
-    * the last multiple of ``named`` (a multiple of ``chunk``; 0: none) before ``prefill_end``:
-      the last state KV events can name for a router.
-
-    States between them (every ``checkpoint_interval_tokens``) are taken where steps end anyway
-    (:func:`interval_stop`): a stop there would cost a step each.
-    """
-    tail = (prefill_end - 1) // chunk * chunk if prefill_end > 0 else 0
-    stops = {tail} if tail > 0 else set()
-    if named > 0 and prefill_end > named:
-        stops.add((prefill_end - 1) // named * named)
-    if 0 < junction < prefill_end and junction % chunk == 0:
-        stops.add(junction)
-    return sorted(stops)
-
-
-def interval_stop(start: int, end: int, last_state: int, interval: int, align: int) -> int:
-    """Where a prefill step over ``[start, end)`` ends so that a state between the fixed
-    checkpoints can be stored at its end: ``end`` itself unless a state is due (``interval``
-    tokens or more past ``last_state``, the last state stored or loaded) and ``end`` is not a
-    multiple of ``align`` (the chunk, times whatever vLLM's own steps end on); then the last
-    multiple of ``align`` inside the step, where one is due. Never adds a step where vLLM ends
-    its steps on multiples of ``align`` (its block-aligned prefill), and moves the others'
-    ends back by less than ``align`` tokens.
-    """
-    if interval <= 0 or end - last_state < interval or end % align == 0:
-        return end
-    trimmed = end // align * align
-    return trimmed if trimmed > start and trimmed - last_state >= interval else end
 
 
 def _longest_present_run(present: Sequence[bool], start: int, limit: int) -> int:

@@ -1,16 +1,18 @@
 """vLLM's real scheduler at a GPU engine's sizes, on a machine without a GPU.
 
 A GPU engine of a hybrid model raises the attention block until an attention page holds a
-Mamba/GDN state (``Platform._align_hybrid_block_size``): 1056 tokens for Qwen3-Next-80B at TP 1
-and 2, 528 at TP 4. How vLLM then cuts a prefill into steps (its ``align``-mode split, our
-``prefill_stops`` patch, the connector's stops) is scheduler code that runs anywhere, so
+Mamba/GDN state (``Platform._align_hybrid_block_size``): 544 tokens for Qwen3-Next-80B at TP 1
+and 2, 272 at TP 4 (its GDN state in bf16, as a GPU engine keeps it). How vLLM then cuts a
+prefill into steps (its ``align``-mode split, our ``prefill_stops`` patch, the connector's
+stops) is scheduler code that runs anywhere, so
 :func:`build_scheduler` builds vLLM's own :class:`~vllm.v1.core.sched.scheduler.Scheduler`
 from a real model config (written to a directory, no weights) with that block size, and
 :func:`prefill_steps` drives one request through it as the engine core would, counting steps.
 
 The block size is vLLM's formula with the GPU attention backends' kernel alignment (16 tokens,
-FlashAttention's and FlashInfer's smallest kernel block): the CPU platform this runs on would
-pick its own.
+FlashAttention's and FlashInfer's smallest kernel block) and the state dtype a GPU engine keeps:
+the CPU platform this runs on would pick its own (it forces float32 states for its kernels).
+:func:`geometry` gives the bytes a model's pages take, for ``bench trace``.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MODELS", "build_scheduler", "gpu_block_size", "prefill_steps"]
+__all__ = ["MODELS", "SCHEDULER_MODELS", "build_scheduler", "geometry", "gpu_block_size", "prefill_steps"]
 
 #: the smallest kernel block of vLLM's GPU attention backends (FlashAttention, FlashInfer)
 GPU_KERNEL_ALIGNMENT = 16
+#: the context the scheduler is built for
+MAX_MODEL_LEN = 131072
 
 
 def _qwen3_next_80b() -> Any:
@@ -58,8 +62,28 @@ def _nemotron_h_8b() -> Any:
     )  # fmt: skip
 
 
+def _falcon_h1_34b() -> Any:
+    """Falcon-H1-34B: 72 layers, each with attention (20 heads, 4 KV, x 128) and Mamba2 beside
+    it (32 heads x 128, state 256)."""
+    from transformers import FalconH1Config
+
+    return FalconH1Config(
+        hidden_size=5120, num_hidden_layers=72, num_attention_heads=20, num_key_value_heads=4,
+        head_dim=128, intermediate_size=21504, vocab_size=261120, max_position_embeddings=262144,
+        mamba_d_ssm=4096, mamba_n_heads=32, mamba_d_head=128, mamba_n_groups=1, mamba_d_state=256,
+        mamba_d_conv=4, mamba_expand=2,
+    )  # fmt: skip
+
+
+#: the recurrent state's dtype a GPU engine keeps (vLLM's CPU platform forces float32 where its
+#: own kernels need it; NemotronH's config class picks float32 on every platform)
+GPU_SSM_DTYPES = {"qwen3_next_80b": "auto", "nemotron_h_8b": "float32", "falcon_h1_34b": "auto"}
+
 #: model name -> its config (shapes as published; no weights needed)
-MODELS = {"qwen3_next_80b": _qwen3_next_80b, "nemotron_h_8b": _nemotron_h_8b}
+MODELS = {"qwen3_next_80b": _qwen3_next_80b, "nemotron_h_8b": _nemotron_h_8b, "falcon_h1_34b": _falcon_h1_34b}
+
+#: the models :func:`build_scheduler` can build (Falcon-H1's layers hold both kinds: :func:`geometry` only)
+SCHEDULER_MODELS = ("qwen3_next_80b", "nemotron_h_8b")
 
 
 def _specs(vllm_config: Any, block: int, mode: str = "align") -> tuple[Any, Any]:
@@ -110,6 +134,8 @@ def _kv_cache_config(vllm_config: Any, block: int, num_blocks: int, mode: str) -
 
 
 def _layer_types(hf: Any) -> list[str]:
+    if hf.model_type == "falcon_h1":
+        return ["both"] * hf.num_hidden_layers
     if hf.model_type == "qwen3_next":
         return ["attention" if t == "full_attention" else "mamba" for t in hf.layer_types]
     pattern = hf.hybrid_override_pattern
@@ -133,34 +159,15 @@ def build_scheduler(
     ``kv_connector_extra_config``) is given; ``scheduler.block_size`` is the scheduling block
     (the lcm of the groups' blocks, as the engine passes it). Registers the ``prefill_stops``
     patch, as the engine's plugin does."""
-    from vllm.config import (
-        CacheConfig,
-        KVTransferConfig,
-        ModelConfig,
-        ParallelConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
+    from vllm.config import KVTransferConfig
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
     from hybrid_offload.engine.patches import prefill_stops
 
     prefill_stops.register()
-    folder = Path(workdir or tempfile.gettempdir()) / f"hybrid-offload-{model}"  # one name at every TP
-    folder.mkdir(parents=True, exist_ok=True)
-    hf = MODELS[model]()
-    hf.dtype = "bfloat16"
-    hf.save_pretrained(folder)
-    max_len, mode = 131072, "align" if prefix_caching else "none"
-    config = VllmConfig(
-        model_config=ModelConfig(model=str(folder), skip_tokenizer_init=True, dtype="bfloat16",
-                                 max_model_len=max_len),
-        cache_config=CacheConfig(enable_prefix_caching=prefix_caching, mamba_cache_mode=mode),
-        scheduler_config=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=16,
-                                         max_model_len=max_len, is_encoder_decoder=False),
-        parallel_config=ParallelConfig(tensor_parallel_size=tp),
-    )  # fmt: skip
+    max_len, mode = MAX_MODEL_LEN, "align" if prefix_caching else "none"
+    config = _vllm_config(model, tp, max_num_batched_tokens, prefix_caching, workdir)
     block = gpu_block_size(config)
     config.cache_config.block_size = block
     config.cache_config.mamba_block_size = block if prefix_caching else max_len
@@ -174,10 +181,50 @@ def build_scheduler(
             kv_role="kv_both", kv_connector_extra_config={"model_version": f"{model}-shapes", **connector},
         )  # fmt: skip
     return Scheduler(
-        vllm_config=config, kv_cache_config=kv_cache_config, log_stats=False,
+        vllm_config=config,
+        kv_cache_config=kv_cache_config,
+        log_stats=False,
         block_size=block if prefix_caching else math.lcm(block, max_len),
         structured_output_manager=StructuredOutputManager(config),
     )
+
+
+def _vllm_config(
+    model: str, tp: int = 1, max_num_batched_tokens: int = 8192, prefix_caching: bool = True,
+    workdir: Path | None = None,
+) -> Any:  # fmt: skip
+    """vLLM's config of ``model`` (its config written to a folder, no weights), bf16, with the
+    state dtype of a GPU engine (:data:`GPU_SSM_DTYPES`)."""
+    from vllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
+
+    folder = Path(workdir or tempfile.gettempdir()) / f"hybrid-offload-{model}"  # one name at every TP
+    folder.mkdir(parents=True, exist_ok=True)
+    hf = MODELS[model]()
+    hf.dtype = "bfloat16"
+    hf.save_pretrained(folder)
+    max_len, mode = MAX_MODEL_LEN, "align" if prefix_caching else "none"
+    config = VllmConfig(
+        model_config=ModelConfig(model=str(folder), skip_tokenizer_init=True, dtype="bfloat16",
+                                 max_model_len=max_len),
+        cache_config=CacheConfig(enable_prefix_caching=prefix_caching, mamba_cache_mode=mode),
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=16,
+                                         max_model_len=max_len, is_encoder_decoder=False),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp),
+    )  # fmt: skip
+    config.cache_config.mamba_ssm_cache_dtype = GPU_SSM_DTYPES[model]
+    return config
+
+
+def geometry(model: str, workdir: Path | None = None) -> tuple[int, int]:
+    """(attention bytes per token, bytes of one state set) of ``model`` at TP 1 in bf16: its
+    layers' KV cache specs as vLLM sizes them, summed over the layers of each kind."""
+    config = _vllm_config(model, workdir=workdir)
+    attention, mamba = _specs(config, 1)
+    state = dataclasses.replace(mamba, page_size_padded=None).page_size_bytes
+    types = _layer_types(config.model_config.hf_config)
+    n_attention = sum(t in ("attention", "both") for t in types)
+    n_mamba = sum(t in ("mamba", "both") for t in types)
+    return n_attention * attention.page_size_bytes, n_mamba * state
 
 
 def prefill_steps(

@@ -51,7 +51,10 @@ def test_budgets_for_real_models_hold_two_full_steps_and_every_running_requests_
         assert attention == 12 * 2 * min(2, 2 // tp or 1) * 256 * 2
     step = 8192 * attention + 2 * states
     budgets = store_budgets(groups, 8192, 256, connector.planner.chunk_tokens, cap=1 << 50)
-    assert budgets.pending >= 2 * step > MIN_BUDGET_BYTES  # the fixed 256 MiB dropped most of a step
+    assert budgets.pending >= 2 * step
+    if model == "qwen3_next_80b" and tp == 1:  # the fixed 256 MiB dropped most of a step
+        assert 2 * step > MIN_BUDGET_BYTES
     assert budgets.held >= 256 * states > MIN_BUDGET_BYTES
-    capped = store_budgets(groups, 8192, 256, connector.planner.chunk_tokens, cap=4 * GiB)
-    assert capped.held == 4 * GiB and capped.pending == budgets.pending
+    cap = budgets.held // 2
+    capped = store_budgets(groups, 8192, 256, connector.planner.chunk_tokens, cap=cap)
+    assert capped.held == cap and capped.pending == budgets.pending

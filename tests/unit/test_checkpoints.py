@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from hybrid_offload.connector.scheduler.coverage import Coverage, coverage
 from hybrid_offload.connector.scheduler.pending import PendingStores
-from hybrid_offload.core.planner import interval_stop, prefill_checkpoints
+from hybrid_offload.core.checkpoints import interval_stop, prefill_checkpoints
 
 
 # ---- prefill checkpoints ---------------------------------------------------------------------

@@ -697,7 +697,7 @@ def test_probed_lookup_of_a_full_hit_asks_one_state_page_per_group() -> None:
     assert states and len(asked) == everything - len(states) * (40 - 4)
 
 
-GPU_BLOCKS = [(1056, 32, 16), (528, 16, 16), (1040, 16, 16), (640, 128, 16)]
+GPU_BLOCKS = [(544, 32, 16), (272, 16, 16), (1056, 32, 16), (528, 16, 16), (1040, 16, 16), (640, 128, 16)]
 
 
 @pytest.mark.parametrize(("block", "cpu", "gpu"), GPU_BLOCKS)

@@ -17,8 +17,8 @@ from hybrid_offload.testing.vllm_scheduler import build_scheduler, prefill_steps
 
 CONNECTOR = {"backends": [{"type": "cpu", "name": "cpu", "capacity_bytes": 1 << 30}]}
 LENGTHS = (8192, 20001, 32768, 65536)
-#: the block a GPU engine picks (bf16 caches; vLLM keeps Qwen3-Next's GDN state in float32)
-BLOCKS = {("qwen3_next_80b", 1): 1056, ("qwen3_next_80b", 2): 1056, ("qwen3_next_80b", 4): 528,
+#: the block a GPU engine picks (bf16 caches and Qwen3-Next's GDN state; NemotronH's state in float32)
+BLOCKS = {("qwen3_next_80b", 1): 544, ("qwen3_next_80b", 2): 544, ("qwen3_next_80b", 4): 272,
           ("nemotron_h_8b", 1): 1040, ("nemotron_h_8b", 2): 1040, ("nemotron_h_8b", 4): 1040}  # fmt: skip
 
 

@@ -45,8 +45,9 @@ from typing import TYPE_CHECKING
 from hybrid_offload.connector.metadata import CommitJob, OffloadMetadata, PageJob, StoreJob, TouchJob
 from hybrid_offload.connector.scheduler.pending import PendingStores
 from hybrid_offload.connector.scheduler.request_state import RequestState, extend_keys, page_job
+from hybrid_offload.core.checkpoints import interval_stop, prefill_checkpoints, state_due
 from hybrid_offload.core.drafting import Drafting, next_decode_stop
-from hybrid_offload.core.planner import HybridOffloadPlanner, interval_stop, prefill_checkpoints
+from hybrid_offload.core.planner import HybridOffloadPlanner
 from hybrid_offload.core.spec import GroupKind
 
 if TYPE_CHECKING:
@@ -81,7 +82,10 @@ class StorePlanner:
         mamba = [p for p in planner.plans if p.kind is GroupKind.MAMBA]
         #: drafting: decoding states are taken after steps that start on a boundary's last position
         self.decode_stops = bool(
-            drafting is not None and drafting.exact_steps and mamba and self.stores_output
+            drafting is not None
+            and drafting.exact_steps
+            and mamba
+            and self.stores_output
             and all(p.unsplittable for p in mamba)
         )
 
@@ -109,12 +113,9 @@ class StorePlanner:
         return interval_stop(start, end, last, self.checkpoint_interval, align)
 
     def _state_due(self, state: RequestState, end: int) -> bool:
-        """Whether the prefill state at ``end`` (a chunk boundary) is stored: a checkpoint, or
-        ``checkpoint_interval`` or more past the last state."""
-        if end in state.checkpoints:
-            return True
-        last = state.last_state if state.last_state is not None else 0
-        return self.checkpoint_interval > 0 and end - last >= self.checkpoint_interval
+        """Whether the prefill state at ``end`` (a chunk boundary) is stored (see
+        :func:`~hybrid_offload.core.planner.state_due`)."""
+        return state_due(end, state.checkpoints, state.last_state, self.checkpoint_interval)
 
     def decode_states_note(self) -> str:
         """Whether decoding states are stored under drafting, and if not why (for the log)."""
@@ -124,10 +125,14 @@ class StorePlanner:
         if not mamba or not self.stores_output:
             return "none (no state groups, or no backend with store_output)"
         if self.drafting is not None and not self.drafting.exact_steps:
-            return ("not stored: under async scheduling a step is planned before the previous "
-                    "step's drafts are verified (a chat's next turn recomputes the reply)")
-        return ("not stored: Mamba cache mode 'align' keeps draft states in shared slots "
-                "(a chat's next turn recomputes the reply)")
+            return (
+                "not stored: under async scheduling a step is planned before the previous "
+                "step's drafts are verified (a chat's next turn recomputes the reply)"
+            )
+        return (
+            "not stored: Mamba cache mode 'align' keeps draft states in shared slots "
+            "(a chat's next turn recomputes the reply)"
+        )
 
     # ---- per step -----------------------------------------------------------------------
     def decode_stop(self, state: RequestState, start: int, end: int) -> int:
