@@ -37,6 +37,10 @@ Contract (every backend, checked by ``tests/contract``):
   order, without reading them (the connector keeps a prefix more recent than the pages that
   need it). Backends whose LRU it refreshes say so with ``touch_refreshes = True``; the others
   ignore it.
+* **Retention hints (optional).** ``describe_batch(hints)`` says what each page about to be
+  put is for (:class:`~.retention.Retention`: its resume-point chain, its weight), so a backend
+  whose eviction can use it (``cpu``, ``disk``: :class:`~.retention.ResumePointPolicy`) keeps
+  it for the key's next put; the others ignore it. It never fails a store.
 * **Pages in place (optional).** ``lease_batch(keys)`` lends stored pages as read-only views of
   the backend's own memory (:class:`PageLease`: no copy; a page stays as it is, and its memory
   is not reused, until the lease is released), and ``reserve_batch(keys, sizes)`` hands out
@@ -67,7 +71,10 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from .retention import Retention
 
 # ``\Z``, not ``$``: ``$`` also matches before a trailing newline ("...\n" would pass).
 KEY_PATTERN = re.compile(r"\A[0-9a-f]{8,64}-[0-9a-f]{8,64}\Z")
@@ -364,6 +371,12 @@ class Backend(ABC):
         self._check_open()
         self._touch_batch(keys)
 
+    def describe_batch(self, hints: Sequence[tuple[str, Retention]]) -> None:
+        """What each key about to be put is for; optional (see :meth:`_describe_batch`)."""
+        check_keys([key for key, _ in hints])
+        self._check_open()
+        self._describe_batch(hints)
+
     def used_bytes(self) -> int:
         """Bytes of page data held now."""
         self._check_open()
@@ -475,6 +488,10 @@ class Backend(ABC):
 
     def _touch_batch(self, keys: Sequence[str]) -> None:
         """:meth:`touch_batch`; the default does nothing (``touch_refreshes = False``)."""
+        return
+
+    def _describe_batch(self, hints: Sequence[tuple[str, Retention]]) -> None:
+        """:meth:`describe_batch`; the default ignores the hints."""
         return
 
     @abstractmethod

@@ -2,7 +2,8 @@
 one process.
 
 Role: hold pages in this process's memory, bounded by ``capacity_bytes``, evicting the least
-recently used page (by last put or get) to make room; lend them in place, so that a GPU engine
+recently used resume point (:class:`~.retention.ResumePointPolicy`; a page without hints: by last
+put or get) to make room; lend them in place, so that a GPU engine
 copies a load straight out of the tier and a store straight into it.
 
 Contract beyond :mod:`hybrid_offload.backends.base`:
@@ -46,6 +47,7 @@ import numpy as np
 
 from .base import Backend, BackendConfig, Buffer, PageInfo, PageLease, PageReservation
 from .page_pool import PageIndex
+from .retention import ResumePointPolicy, Retention
 
 __all__ = ["CpuBackend", "arena_slack"]
 
@@ -82,8 +84,9 @@ class CpuBackend(Backend):
         #: the pages' memory (writable): leases and reservations are views of it
         self.arena = memoryview(self._map)
         self._lock = threading.Lock()
+        self._retention = ResumePointPolicy(lambda: self._index.capacity)
         self._index = PageIndex(config.capacity_bytes, size, max_pending=1 << 40, reserve_limit=size,
-                                report_removals=True)  # fmt: skip
+                                report_removals=True, policy=self._retention)  # fmt: skip
 
     # -- in place ----------------------------------------------------------------------------
 
@@ -181,6 +184,11 @@ class CpuBackend(Backend):
     def _touch_batch(self, keys: Sequence[str]) -> None:
         with self._lock:
             self._index.touch(list(keys))
+
+    def _describe_batch(self, hints: Sequence[tuple[str, Retention]]) -> None:
+        with self._lock:
+            for key, hint in hints:
+                self._retention.describe(key, hint)
 
     def _delete_batch(self, keys: Sequence[str]) -> int:
         with self._lock:

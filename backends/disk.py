@@ -16,19 +16,19 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
   by scanning the tree in file-mtime order; puts, gets and touches stamp the file's mtime, so
   the order survives restarts (an instance made with ``touch_on_read=False`` leaves mtimes alone on
   gets: maintenance tools read pages without making them recent).
-* **Capacity, across processes.** Page files under ``path`` never exceed ``capacity_bytes``
-  in total, whichever processes wrote them; only temp files of in-flight puts come on top.
-  Every process sharing ``path`` keeps one record of that total, ``<path>/.usage``
+* **Capacity, across processes.** Page files under ``path`` never exceed ``capacity_bytes`` in
+  total, whichever processes wrote them; only temp files of in-flight puts come on top. Every
+  process sharing ``path`` keeps one record of that total, ``<path>/.usage``
   (:mod:`.disk_usage`), and changes it under an ``flock`` of ``path`` held around each rename
   of a page into place, each evicting or deleting unlink and each recount, never around page
-  data I/O (a batch takes it once). A put that does not fit evicts this process's least
-  recently used pages first; when they run out, the tree is walked and every page under
-  ``path`` is a candidate, oldest mtime first. The page a put is storing is never evicted for
-  it. The record is raised before a rename and lowered after unlinks, so a crash leaves it too
-  high, never too low; each start recounts it (also after pages were removed by hand), and a
-  missing or unreadable record is recounted when met. Processes may have different
-  capacities: each keeps its own bound on the shared total. ``used_bytes`` is this
-  instance's index (its pages, and others' it has seen).
+  data I/O (a batch takes it once). A put that does not fit evicts this process's pages first,
+  least recently used resume points first (:class:`~.retention.ResumePointPolicy`); when they
+  run out, the tree is walked and every page under ``path`` is a candidate, oldest mtime first.
+  The page a put is storing is never evicted for it. The record is raised before a rename and
+  lowered after unlinks, so a crash leaves it too high, never too low; each start recounts it
+  (also after pages were removed by hand), and a missing or unreadable record is recounted when
+  met. Processes may have different capacities: each keeps its own bound on the shared total.
+  ``used_bytes`` is this instance's index (its pages, and others' it has seen).
 * **Cross-process visibility** (``shared_index = True``). ``contains_batch`` stats the files
   and gets read them, so pages written or deleted by other processes (the worker, seen from
   vLLM's scheduler process) show at once.
@@ -93,6 +93,7 @@ from .disk_root import check_writable_root, page_problem, root_problem
 from .disk_tree import TMP_SUFFIX, page_paths, scan_pages, walk
 from .disk_usage import UnsafeUsageFileError, UsageRecord, locked_usage
 from .lru_index import LruIndex
+from .retention import ResumePointPolicy, Retention
 
 __all__ = ["DiskBackend"]
 
@@ -135,7 +136,8 @@ class DiskBackend(DiskType, Backend):
         self._touch_on_read = touch_on_read
         self._dirs = PageDirs(self._root)  # read-only descriptors of page directories
         self._lock = threading.RLock()
-        self._index: LruIndex[None] = LruIndex(self.capacity_bytes)  # bounds the shared total
+        self._retention = ResumePointPolicy(lambda: self._index.capacity)
+        self._index: LruIndex[None] = LruIndex(self.capacity_bytes, self._retention)  # the shared total
         self._empty_root: tuple[int, int] | None = None  # (dev, ino) of a root counted empty
         self._pool: ThreadPoolExecutor | None = None
         self._stamper = PageStamper(self._dirs, self.name)  # read pages' mtimes, off the read path
@@ -548,6 +550,11 @@ class DiskBackend(DiskType, Backend):
         found = [self._exists(key) for key in keys]
         self._forget_missing([k for k, f in zip(keys, found, strict=True) if not f])
         return found
+
+    def _describe_batch(self, hints: Sequence[tuple[str, Retention]]) -> None:
+        with self._lock:
+            for key, hint in hints:
+                self._retention.describe(key, hint)
 
     def _touch_batch(self, keys: Sequence[str]) -> None:
         """Stamp each page file's mtime, in order (its LRU position, also after a restart).

@@ -43,7 +43,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from .lru_index import Entry, LruIndex
+from .lru_index import Entry, EvictionPolicy, LruIndex
 
 __all__ = [
     "ALIGN",
@@ -252,11 +252,13 @@ class PageIndex:
         clock: Callable[[], float] = time.monotonic,
         reserve_limit: int | None = None,
         report_removals: bool = False,
+        policy: EvictionPolicy | None = None,
     ) -> None:
         """``reserve_limit``: reserved bytes beyond which ALLOC refuses instead of evicting
         committed pages (default: the pool's slack above ``capacity``, at least 1/8 of it);
         ``report_removals``: keep the keys that leave the index (evicted, deleted; not replaced)
-        in :attr:`removed`, oldest first, for whoever mirrors the index."""
+        in :attr:`removed`, oldest first, for whoever mirrors the index; ``policy``: which
+        committed pages to evict first (least recently used by default)."""
         self.allocator = ExtentAllocator(pool_size)
         size = self.allocator.size
         self.reserve_limit = max(size - capacity, size // 8) if reserve_limit is None else reserve_limit
@@ -266,7 +268,7 @@ class PageIndex:
         self.lease_timeout_s = lease_timeout_s
         self.alloc_timeout_s = alloc_timeout_s
         self._clock = clock
-        self._pages: LruIndex[_Page] = LruIndex(capacity)  # bounds committed page bytes
+        self._pages: LruIndex[_Page] = LruIndex(capacity, policy)  # bounds committed page bytes
         self._reserved = 0
         self._leases: dict[int, _Lease] = {}
         self._allocs: dict[int, _Reservation] = {}

@@ -40,6 +40,7 @@ from .base import (
     PageReservation,
 )
 from .health import BackendHealth
+from .retention import Retention
 
 __all__ = [
     "USAGE_SAMPLE_S",
@@ -126,6 +127,9 @@ class BackendWrapper:
 
     def touch_batch(self, keys: Sequence[str]) -> None:
         self._call("touch_batch", keys)
+
+    def describe_batch(self, hints: Sequence[tuple[str, Retention]]) -> None:
+        self.inner.describe_batch(hints)  # a hint, not a data call: never gated or counted
 
     def get_prefix(self, keys: Sequence[str], nbytes: int, sizes: Sequence[int]) -> list[bytes | None]:
         return self.inner.get_prefix(keys, nbytes, sizes)

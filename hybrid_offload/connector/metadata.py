@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hybrid_offload.backends.retention import Retention
 from hybrid_offload.compat import connector_metadata_bases
 
 KVConnectorHandshakeMetadata, KVConnectorMetadata, KVConnectorWorkerMetadata = connector_metadata_bases()
@@ -94,6 +95,8 @@ class StoreJob:
     backends: tuple[str, ...]
     req_id: str = ""
     hold: bool = False
+    #: what the page is for, told to the backends before it is put (their eviction policy)
+    retention: Retention | None = None
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,7 @@ class CommitJob:
     req_id: str
     page: PageJob
     backends: tuple[str, ...]
+    retention: Retention | None = None
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,11 @@ def disk_config(tmp_path: Path, name: str = "disk", weight: float = 1.0) -> Tier
     return tier(disk, load_weight=weight)
 
 
+def bare(jobs: list[Any]) -> list[Any]:
+    """Store or commit jobs without their retention hints (checked where a test is about them)."""
+    return [dataclasses.replace(j, retention=None) for j in jobs]
+
+
 def store_summary(meta: OffloadMetadata) -> list[tuple[int, int, tuple[int, ...], int]]:
     """(group, chunk, block_ids, first_token) of every StoreJob (not holds), in emitted order."""
     return [
@@ -126,12 +131,18 @@ def test_stores_follow_chunk_completion_and_checkpoints(worlds) -> None:
     meta = w.sched.build_connector_meta(step(new=[new_req("r1", tables, 0)], scheduled={"r1": 24}))
     assert not meta.loads and not meta.idle
     assert w.sched.build_connector_meta(step()).idle  # nothing scheduled: the worker may wait
-    assert meta.stores == [
+    assert bare(meta.stores) == [
         StoreJob(attn_page(w, tokens, 0, (10,)), ("cpu",), "r1"),
         StoreJob(attn_page(w, tokens, 1, (11,)), ("cpu",), "r1"),
         StoreJob(attn_page(w, tokens, 2, (12,)), ("cpu",), "r1"),
         StoreJob(mamba_page(w, tokens, 2, (22,)), ("cpu",), "r1"),  # state at 24: index 2
     ]
+    # what the tiers are told: a chain of chunks, the state needing its chunk's attention
+    hints = [j.retention for j in meta.stores]
+    units = ["a" + j.page.key for j in meta.stores[:3]]
+    assert [h.unit for h in hints[:3]] == units and [h.parent for h in hints[:3]] == ["", *units[:2]]
+    assert hints[3].state and hints[3].parent == units[2] and hints[3].unit == "s" + meta.stores[3].page.key
+    assert all(h.weight == 1.0 and h.request_bytes > 0 for h in hints)
     # 24 -> 28: no chunk completes, 28 is not a chunk boundary
     meta = w.sched.build_connector_meta(step(cached=[("r1", None, 24)], scheduled={"r1": 4}))
     assert meta.stores == []
@@ -144,7 +155,7 @@ def test_stores_follow_chunk_completion_and_checkpoints(worlds) -> None:
         assert meta.stores == []
     meta = w.sched.build_connector_meta(step(cached=[("r1", None, 31)], scheduled={"r1": 1}))
     out = tokens + req.output_token_ids
-    assert meta.stores == [
+    assert bare(meta.stores) == [
         StoreJob(attn_page(w, out, 3, (13,)), ("cpu",), "r1"),
         StoreJob(PageJob("", MAMBA, 3, b"", (23,)), (), "r1", hold=True),
     ]
@@ -152,8 +163,25 @@ def test_stores_follow_chunk_completion_and_checkpoints(worlds) -> None:
     assert w.sched.request_finished(req) == (False, {"hybrid_offload": {
         "local_tokens": 0, "served_tokens": 0, "reusable_tokens": 0, "lost_tokens": {}}})
     meta = w.sched.build_connector_meta(step())
-    assert meta.commits == [CommitJob("r1", mamba_page(w, out, 3, (23,)), ("cpu",))]
+    assert bare(meta.commits) == [CommitJob("r1", mamba_page(w, out, 3, (23,)), ("cpu",))]
+    committed = meta.commits[0].retention
+    assert committed.state and committed.parent == "a" + attn_page(w, out, 3, (13,)).key
     assert meta.releases == ["r1"]
+
+
+@pytest.mark.parametrize(("session", "weight"), [("ends", 0.0), ("continues", 1.0), ("maybe", 1.0), (7, 1.0)])
+def test_the_applications_session_hint_weighs_the_pages_it_stores(worlds, session: Any, weight: float,
+                                                                  caplog: Any) -> None:  # fmt: skip
+    """``kv_transfer_params["hybrid_offload"]["session"]``: a session that ends releases its
+    pages first in the tiers; a value not understood is ignored with a warning, never fails."""
+    w = worlds(make_spec(8, 8), 8)
+    req = FakeRequest("r1", prompt(28), kv_transfer_params={"hybrid_offload": {"session": session}})
+    assert w.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    w.sched.update_state_after_alloc(req, ([10], [20]), 0)
+    tables = ([10, 11, 12, 13], [0, 0, 22, 23])
+    meta = w.sched.build_connector_meta(step(new=[new_req("r1", tables, 0)], scheduled={"r1": 24}))
+    assert len(meta.stores) == 4 and {j.retention.weight for j in meta.stores} == {weight}
+    assert ("ignored" in caplog.text) == (session in ("maybe", 7))
 
 
 def test_async_scheduling_holds_output_chunks_until_their_tokens_are_known(worlds) -> None:

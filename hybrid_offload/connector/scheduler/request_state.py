@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -9,6 +10,7 @@ from typing import TYPE_CHECKING
 from hybrid_offload.connector.metadata import PageJob
 from hybrid_offload.connector.scheduler.coverage import Coverage
 from hybrid_offload.connector.scheduler.policy import LoadChoice
+from hybrid_offload.connector.scheduler.scope import session_hint
 from hybrid_offload.core.planner import GroupPlan, HybridOffloadPlanner
 from hybrid_offload.core.spec import GroupKind
 
@@ -105,6 +107,11 @@ class RequestState:
     @property
     def req_id(self) -> str:
         return self.request.request_id
+
+    @functools.cached_property
+    def session(self) -> str | None:
+        """The caller's session hint (:func:`~.scope.session_hint`), read once."""
+        return session_hint(self.request)
 
     @property
     def known_tokens(self) -> int:

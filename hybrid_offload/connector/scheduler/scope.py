@@ -29,6 +29,7 @@ import os
 import reprlib
 from typing import TYPE_CHECKING, Any
 
+from hybrid_offload.backends.retention import SESSIONS
 from hybrid_offload.connector.config import MAX_VERSION_LEN
 from hybrid_offload.engine.model_identity import adapter_identity
 
@@ -40,6 +41,7 @@ logger = logging.getLogger(__name__)
 #: the request parameter namespace (``kv_transfer_params``) and the key in it
 PARAMS_KEY = "hybrid_offload"
 WEIGHTS_VERSION_KEY = "weights_version"
+SESSION_KEY = "session"
 
 
 class ScopeError(ValueError):
@@ -111,6 +113,28 @@ def weights_version(request: Request) -> str | None:
             f"at most {MAX_VERSION_LEN} characters, got {reprlib.repr(version)}"
         )
     return version
+
+
+def session_hint(request: Request) -> str | None:
+    """What the caller says of the request's session (``kv_transfer_params["hybrid_offload"]
+    ["session"]``: one of :data:`~hybrid_offload.backends.retention.SESSIONS`), None without a
+    hint. Not part of the scope (it changes what is kept, not what is stored); a value not
+    understood is ignored with one warning per value (a hint never fails a request)."""
+    params = getattr(request, "kv_transfer_params", None)
+    ours = params.get(PARAMS_KEY) if isinstance(params, dict) else None
+    value = ours.get(SESSION_KEY) if isinstance(ours, dict) else None
+    if value is None or value in SESSIONS:
+        return value
+    _warn_bad_session(reprlib.repr(value))
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def _warn_bad_session(value: str) -> None:
+    logger.warning(
+        "kv_transfer_params.%s.%s = %s ignored: expected one of %s", PARAMS_KEY, SESSION_KEY, value,
+        ", ".join(SESSIONS),
+    )  # fmt: skip
 
 
 def request_scope(

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 from hybrid_offload.connector.metadata import CommitJob, OffloadMetadata, PageJob, StoreJob, TouchJob
 from hybrid_offload.connector.scheduler.pending import PendingStores
 from hybrid_offload.connector.scheduler.request_state import RequestState, extend_keys, page_job
+from hybrid_offload.connector.scheduler.retention_hints import RetentionHints
 from hybrid_offload.core.checkpoints import interval_stop, prefill_checkpoints, state_due
 from hybrid_offload.core.drafting import Drafting, next_decode_stop
 from hybrid_offload.core.planner import HybridOffloadPlanner
@@ -74,6 +75,7 @@ class StorePlanner:
         self.pending = pending
         #: KV events for the sets sent to tiers (None: the engine publishes no events)
         self.events: TierEvents | None = None
+        self.hints = RetentionHints(planner)
         chunk = planner.chunk_tokens
         self.checkpoint_interval = -(-checkpoint_interval // chunk) * chunk if checkpoint_interval else 0
         writable = [v for v in views if not v.policy.read_only]
@@ -288,7 +290,8 @@ class StorePlanner:
     def _store(self, meta: OffloadMetadata, state: RequestState, page: PageJob) -> None:
         targets = self._targets(page, state)
         if targets:
-            meta.stores.append(StoreJob(page, targets, state.req_id))
+            hint = self.hints.for_page(state, page)
+            meta.stores.append(StoreJob(page, targets, state.req_id, retention=hint))
             self._stored(state, page, targets)
 
     def _stored(self, state: RequestState, page: PageJob, targets: tuple[str, ...]) -> None:
@@ -306,5 +309,5 @@ class StorePlanner:
     def _commit(self, meta: OffloadMetadata, state: RequestState, page: PageJob) -> None:
         targets = self._targets(page, state)
         if targets:
-            meta.commits.append(CommitJob(state.req_id, page, targets))
+            meta.commits.append(CommitJob(state.req_id, page, targets, self.hints.for_page(state, page)))
             self._stored(state, page, targets)

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from hybrid_offload.backends.base import BackendError, BuffersInUseError, PageReservation
+from hybrid_offload.backends.retention import Retention
 from hybrid_offload.connector.metadata import CommitJob, StoreJob, TouchJob
 from hybrid_offload.connector.worker.context import WorkerContext
 from hybrid_offload.connector.worker.device import DeviceTransfers
@@ -137,7 +138,7 @@ class StorePipeline:
             if shards is None:
                 self.ctx.outbox.settle([commit.page.key])
                 continue
-            job = StoreJob(commit.page, commit.backends, commit.req_id)
+            job = StoreJob(commit.page, commit.backends, commit.req_id, retention=commit.retention)
             batch.extend((job, shard, buf) for shard, buf in shards)
             nbytes += sum(len(buf) for _, buf in shards)
         self._queue(batch, nbytes)
@@ -216,11 +217,14 @@ class StorePipeline:
             self._check_namespace(batch[0][0].page.key)
         # Deepest page first: a backend's LRU then keeps a prefix more recent than the pages
         # that need it (a state needs every chunk before it), and evicts from the deep end.
+        keyed = []
         for job, shard, buf in reversed(batch):
             seal_page(buf, self.ctx.codecs[job.page.group].header(job.page, shard), self.ctx.page_key)
             key = self.ctx.planner.piece_key(job.page.key, job.page.group, shard)
+            keyed.append((key, job))
             for name in job.backends:
                 per_backend.setdefault(name, []).append((key, buf))
+        self._describe(keyed)
         for name, items in per_backend.items():
             try:
                 results = self.ctx.backends[name].put_batch(items)
@@ -252,6 +256,7 @@ class StorePipeline:
                 for place, _, job, _ in entries]  # fmt: skip
         plens = [codecs[place.group].page_lens[place.shard] for place, _, _, _ in entries]
         self._check_namespace(entries[0][2].page.key)
+        self._describe([(key, job) for key, (_, _, job, _) in zip(keys, entries, strict=True)])
         home = [next((n for n in job.backends if backends[n].in_place), None) for _, _, job, _ in entries]
         dest: list[tuple[torch.Tensor, int] | None] = [None] * len(entries)
         reservations: dict[str, tuple[PageReservation, list[int]]] = {}
@@ -301,6 +306,20 @@ class StorePipeline:
         for block in (spill, None if on_device else rows.block):
             if block is not None and reusable:
                 self.store_rows.give(block)
+
+    def _describe(self, pages: list[tuple[str, StoreJob]]) -> None:
+        """Tell each target tier what the pages about to be put are for (their retention
+        hints); a tier that cannot take them keeps its own order (never fails a store)."""
+        per_backend: dict[str, list[tuple[str, Retention]]] = {}
+        for key, job in pages:
+            if job.retention is not None:
+                for name in job.backends:
+                    per_backend.setdefault(name, []).append((key, job.retention))
+        for name, hints in per_backend.items():
+            try:
+                self.ctx.backends[name].describe_batch(hints)
+            except BackendError as exc:
+                logger.debug("%s: retention hints not taken: %s", name, exc)
 
     def _deepest_first(self, entries: list) -> list[int]:
         """The order pages go to a tier: the step's jobs last to first (deepest first, a chunk's

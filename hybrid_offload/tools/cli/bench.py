@@ -1,4 +1,4 @@
-"""`hybrid-offload bench {backends,e2e,gpu,load,route,workloads}`: each benchmark module registers its
+"""`hybrid-offload bench {backends,e2e,gpu,load,route,trace,workloads}`: each benchmark module registers its
 own flags with ``add_arguments(parser)`` and runs with ``run(args) -> int``."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ BENCHMARKS = {
     "gpu": "the data path on a GPU (Qwen3-Next-80B-shaped cache): load/store GB/s vs PCIe ceilings",
     "e2e": "TTFT and prefill throughput per prompt length: cold, vLLM hit, our tiers",
     "load": "concurrency load against `vllm serve` by connector configuration",
+    "trace": "a production trace through full tiers: served tokens by retention policy vs LRU and bounds",
     "route": "3 engines sharing Redis: round-robin vs routing by our KV-events index (cache share, TTFT)",
     "workloads": "share of the reusable prefix served on chat, agent, RAG and random traffic",
 }

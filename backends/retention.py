@@ -1,0 +1,259 @@
+"""Retention built for hybrids: an :class:`~.lru_index.EvictionPolicy` that evicts by resume
+point instead of by page.
+
+A hybrid model's prefix is loadable only up to a recurrent state (a *resume point*) with every
+attention page before it. A page is worth keeping only while it serves some resume point, and a
+resume point is worth what the next request that resumes there saves. :class:`ResumePointPolicy`
+keeps that structure from :class:`Retention` hints that the store path gives per page
+(:meth:`ResumePointPolicy.describe`, before the page enters the index):
+
+* **Units.** Pages that leave together (the pieces of one chunk's page sets, and of one state's)
+  share a unit; a unit without a hint is its page alone.
+* **Chains.** A state unit names its chunk's attention unit as ``parent``, an attention unit the
+  previous chunk's. A state *references* every held attention unit up its chain.
+* **Priorities** are GreedyDual's: a unit stored or used gets ``floor + weight`` (the ``floor``
+  rises to the priority of each unit evicted), and the lowest goes first. With equal weights
+  this is least recently used; a unit with twice the weight survives about twice as long. A
+  state's attention is refreshed with it, after it: a state goes before the pages it needs.
+* **Released first**: attention whose last referencing state left (it serves no resume point
+  left), and units hinted with weight 0 (an application said its session ended).
+* Hints for keys that never enter the index are forgotten after :data:`MAX_PENDING_HINTS`.
+
+Called under the index's lock (the :class:`~.lru_index.EvictionPolicy` contract); ``describe``
+too.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from .lru_index import EvictionPolicy
+
+__all__ = ["MAX_PENDING_HINTS", "SCAN_SHARE", "SESSIONS", "ResumePointPolicy", "Retention", "page_weight"]
+
+#: hints described but not (yet) added that a policy remembers
+MAX_PENDING_HINTS = 1 << 16
+#: a request whose new pages take more than this share of a tier is a scan there: they go first
+SCAN_SHARE = 0.5
+#: what an application may say of a request's session (``kv_transfer_params``)
+SESSIONS = ("continues", "ends")
+
+
+def page_weight(new_bytes: int, capacity: int, session: str | None = None) -> float:
+    """The weight of the pages one request stores in a tier of ``capacity`` bytes: 0 (released
+    first) when the application said its session ``ends`` or when they take more than
+    :data:`SCAN_SHARE` of the tier (a one-shot long prompt must not flush it), else 1."""
+    if session is not None and session not in SESSIONS:
+        raise ValueError(f"session must be one of {', '.join(SESSIONS)}, got {session!r}")
+    if session == "ends" or new_bytes > SCAN_SHARE * capacity:
+        return 0.0
+    return 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Retention:
+    """What one stored page is for (see the module docstring).
+
+    ``unit``: the pages that leave together; ``parent``: the attention unit this unit extends
+    ("" at a chain's start); ``state``: a resume point, useless without its chain;
+    ``weight``: value per byte against an unhinted page (1.0); 0 releases it first;
+    ``request_bytes``: what the request storing it stores in all (a scan in a tier it would
+    mostly fill: :func:`page_weight`).
+    """
+
+    unit: str
+    parent: str = ""
+    state: bool = False
+    weight: float = 1.0
+    request_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.unit:
+            raise ValueError("Retention.unit must be non-empty")
+        if not self.weight >= 0:
+            raise ValueError(f"Retention.weight must be >= 0, got {self.weight}")
+        if self.request_bytes < 0:
+            raise ValueError(f"Retention.request_bytes must be >= 0, got {self.request_bytes}")
+
+
+class _Unit:
+    __slots__ = ("chain", "entry", "keys", "parent", "referrers", "state", "waits", "weight")
+
+    def __init__(self, hint: Retention, weight: float) -> None:
+        self.keys: set[str] = set()
+        self.parent = hint.parent
+        self.state = hint.state
+        self.weight = weight
+        self.referrers: set[str] = set()  # an attention unit's states whose chain holds it
+        self.chain: list[str] = []  # a state's referenced attention units, nearest first
+        self.waits = ""  # a state's first chain unit not held (yet): pages arrive deepest first
+        self.entry: tuple[float, int] | None = None  # (priority, seq) in the heap; None: released
+
+
+class ResumePointPolicy(EvictionPolicy):
+    """Evicts released units first, then the lowest GreedyDual priority (module docstring).
+    ``capacity``: the tier's capacity, for the scan rule of :func:`page_weight` (None: none)."""
+
+    def __init__(self, capacity: Callable[[], float] | None = None) -> None:
+        self._capacity = capacity
+        self._units: dict[str, _Unit] = {}
+        self._unit_of: dict[str, str] = {}
+        self._pending: OrderedDict[str, Retention] = OrderedDict()
+        self._released: OrderedDict[str, None] = OrderedDict()  # units evicted first, oldest first
+        self._vacated: dict[str, _Unit] = {}  # attention units that left while states needed them
+        self._waiting: dict[str, set[str]] = {}  # a unit not held -> the states whose chain stops there
+        self._heap: list[tuple[float, int, str]] = []
+        self._seq = itertools.count()
+        self.floor = 0.0
+
+    # ---- hints ------------------------------------------------------------------------
+    def describe(self, key: str, hint: Retention) -> None:
+        """What ``key`` is for; read when it is next added (a held key keeps its unit)."""
+        self._pending[key] = hint
+        self._pending.move_to_end(key)
+        while len(self._pending) > MAX_PENDING_HINTS:
+            self._pending.popitem(last=False)
+
+    # ---- EvictionPolicy ---------------------------------------------------------------
+    def added(self, key: str) -> None:
+        hint = self._pending.pop(key, None) or Retention(key)
+        unit = self._units.get(hint.unit)
+        self._unit_of[key] = hint.unit
+        vacated = self._vacated.pop(hint.unit, None)
+        if unit is None and vacated is not None and not hint.state:  # put again (a replace)
+            unit = self._units[hint.unit] = vacated
+        if unit is not None:
+            unit.keys.add(key)
+            if unit.entry is not None:
+                self._refresh(hint.unit, unit)
+            return
+        weight = hint.weight
+        if self._capacity is not None and hint.request_bytes:
+            weight = min(weight, page_weight(hint.request_bytes, int(self._capacity())))
+        unit = self._units[hint.unit] = _Unit(hint, weight)
+        unit.keys.add(key)
+        if unit.weight == 0:
+            self._release(hint.unit, unit)
+            return
+        self._refresh(hint.unit, unit)
+        if unit.state:
+            self._reference(hint.unit, unit, unit.parent)
+        else:  # states put before it (deepest first) reach up their chains through it now
+            for waiting in self._waiting.pop(hint.unit, ()):
+                state = self._units[waiting]
+                state.waits = ""
+                self._reference(waiting, state, hint.unit)
+
+    def used(self, key: str) -> None:
+        name = self._unit_of[key]
+        unit = self._units[name]
+        if unit.entry is None:
+            return  # released: a hit does not take it back (its chain may be gone)
+        self._refresh(name, unit)
+        if unit.state:
+            for parent in unit.chain:
+                held = self._units.get(parent)  # a vacated one until settled
+                if held is not None:
+                    self._refresh(parent, held, unit.weight)
+
+    def removed(self, key: str) -> None:
+        name = self._unit_of.pop(key)
+        unit = self._units[name]
+        unit.keys.discard(key)
+        if unit.keys:
+            return
+        del self._units[name]
+        self._released.pop(name, None)
+        if unit.waits:
+            waiting = self._waiting[unit.waits]
+            waiting.discard(name)
+            if not waiting:
+                del self._waiting[unit.waits]
+        for parent in unit.chain:  # a state left: attention serving no other resume point goes
+            held = self._units.get(parent) or self._vacated.get(parent)
+            if held is not None:
+                held.referrers.discard(name)
+                if not held.referrers and parent in self._units:
+                    self._release(parent, held)
+        if unit.referrers:  # attention left: settled at the next eviction unless put again
+            self._vacated[name] = unit
+
+    def evicting(self, key: str) -> None:
+        """GreedyDual's floor rises to the priority of each unit evicted."""
+        self._settle()
+        unit = self._units[self._unit_of[key]]
+        if unit.entry is not None:
+            self.floor = max(self.floor, unit.entry[0])
+
+    def clear(self) -> None:
+        self._units.clear()
+        self._unit_of.clear()
+        self._released.clear()
+        self._vacated.clear()
+        self._waiting.clear()
+        self._heap.clear()
+        self.floor = 0.0
+
+    def order(self) -> Iterator[str]:
+        self._settle()
+        for name in self._released:  # the index does not change while it iterates
+            yield from sorted(self._units[name].keys)
+        while self._heap:
+            priority, seq, name = self._heap[0]
+            unit = self._units.get(name)
+            if unit is not None and unit.entry == (priority, seq):
+                break
+            heapq.heappop(self._heap)  # stale: the unit left or was refreshed
+        else:
+            return
+        yield from sorted(unit.keys)
+        rest = sorted((u.entry, n) for n, u in self._units.items() if u.entry is not None and n != name)
+        for _, other in rest:
+            yield from sorted(self._units[other].keys)
+
+    # ---- internals --------------------------------------------------------------------
+    def _refresh(self, name: str, unit: _Unit, weight: float | None = None) -> None:
+        """``unit`` gets ``floor + weight`` (its own weight by default), never lower than it has."""
+        priority = self.floor + (unit.weight if weight is None else max(weight, unit.weight))
+        if unit.entry is not None and unit.entry[0] > priority:
+            return
+        unit.entry = (priority, next(self._seq))
+        heapq.heappush(self._heap, (priority, unit.entry[1], name))
+
+    def _settle(self) -> None:
+        """Attention units that left and were not put again: the states needing them cannot
+        load, and are released."""
+        for name, unit in self._vacated.items():
+            for referrer in unit.referrers:
+                state = self._units.get(referrer)
+                if state is not None and name in state.chain:
+                    state.chain.remove(name)
+                    self._release(referrer, state)
+        self._vacated.clear()
+
+    def _release(self, name: str, unit: _Unit) -> None:
+        unit.entry = None
+        self._released[name] = None
+
+    def _reference(self, state_name: str, state: _Unit, name: str) -> None:
+        """A state references the held attention units up its chain from ``name`` and refreshes
+        them after itself; it waits at the first unit not held (put after it, or never: what
+        lies beyond a gap cannot be loaded with this state)."""
+        while name:
+            unit = self._units.get(name)
+            if unit is None:
+                state.waits = name
+                self._waiting.setdefault(name, set()).add(state_name)
+                return
+            if unit.state:
+                return
+            unit.referrers.add(state_name)
+            if unit.entry is None:  # released attention serves this resume point again
+                self._released.pop(name, None)
+            self._refresh(name, unit, state.weight)
+            state.chain.append(name)
+            name = unit.parent

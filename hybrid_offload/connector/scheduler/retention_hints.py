@@ -1,0 +1,51 @@
+"""What the store plan tells the tiers about each page it sends (their eviction policy's input).
+
+Per page set: its resume-point unit (a chunk's attention sets together; a chunk's state sets
+together), the unit it extends (the previous chunk's attention; a state: its own chunk's
+attention), whether it is a state, the weight the application's session hint gives it
+(``kv_transfer_params["hybrid_offload"]["session"]``: ``ends`` releases the request's new
+pages first), and what the request stores in all (a one-shot prompt that would fill a tier is
+a scan there). See :mod:`hybrid_offload.backends.retention`.
+"""
+
+from __future__ import annotations
+
+from hybrid_offload.backends.retention import Retention, page_weight
+from hybrid_offload.connector.metadata import PageJob
+from hybrid_offload.connector.scheduler.request_state import RequestState
+from hybrid_offload.core.budgets import attention_bytes_per_token, state_set_bytes
+from hybrid_offload.core.planner import HybridOffloadPlanner
+from hybrid_offload.core.spec import GroupKind
+
+__all__ = ["RetentionHints"]
+
+
+class RetentionHints:
+    """Builds each page set's :class:`Retention` (module docstring)."""
+
+    def __init__(self, planner: HybridOffloadPlanner) -> None:
+        self.planner = planner
+        kinds = [p.kind for p in planner.plans]
+        self._attention = next((i for i, k in enumerate(kinds) if k is not GroupKind.MAMBA), None)
+        self._state = next((i for i, k in enumerate(kinds) if k is GroupKind.MAMBA), None)
+        groups = planner.spec.groups
+        self._token_bytes = attention_bytes_per_token(groups)
+        self._state_bytes = state_set_bytes(groups)
+
+    def request_bytes(self, state: RequestState) -> int:
+        """What the request stores of its prompt in a tier: every chunk it computes, and its
+        checkpoints' states (this rank's pieces)."""
+        computed = max(state.prompt_len - state.load_end, 0)
+        return computed * self._token_bytes + len(state.checkpoints) * self._state_bytes
+
+    def for_page(self, state: RequestState, page: PageJob) -> Retention:
+        keys, c = state.keys, page.chunk_index
+        is_state = self.planner.plans[page.group].kind is GroupKind.MAMBA
+        attention = "" if self._attention is None else "a" + keys[self._attention][c]
+        if is_state:
+            unit, parent = "s" + keys[self._state][c], attention  # type: ignore[index]
+        else:
+            unit = attention
+            parent = "a" + keys[self._attention][c - 1] if c else ""  # type: ignore[index]
+        weight = page_weight(0, 1, state.session)
+        return Retention(unit, parent, is_state, weight, self.request_bytes(state))

@@ -1,0 +1,140 @@
+"""`hybrid-offload bench trace`: hits when the tier is full, on a real production trace.
+
+Replays a Mooncake-format trace (default: the conversation trace in ``../shared/data/traces/``)
+through one tier per (model geometry, policy, tier size) with :mod:`.trace_model`, our own
+retention code at full scale. Geometries are read from published model configs with vLLM's own
+page sizes (:func:`~hybrid_offload.testing.vllm_scheduler.geometry`); tier sizes are fractions
+of the working set (every distinct chunk's attention and a state at every boundary). Served
+tokens are reported against a tier that never evicts and holds a state at every boundary (the
+most any tier serves).
+
+Policies (:data:`POLICIES`): ``lru-dense`` (a state at every 512-token boundary, plain LRU: the
+baseline everyone starts from), ``lru`` (the connector's store rules and its deepest-first
+refresh, plain LRU: our default before resume points), ``resume`` (:class:`ResumePointPolicy`
+with the store path's hints), ``resume-sessions`` (the same with the application's session
+hint, taken from the trace: does a later request extend this one), and two bounds that know
+the future: ``oracle-admission`` (LRU storing only pages a later hit uses) and ``belady``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hybrid_offload.tools.bench.common import format_table, line_plot, write_results
+
+if TYPE_CHECKING:  # the model imports vLLM (the scheduler's sightings): not at CLI start-up
+    from hybrid_offload.tools.bench.trace_model import Geometry, Replay, Rules, Traffic
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TRACE = Path("../shared/data/traces/mooncake_conversation.jsonl")
+MODELS = ("qwen3_next_80b", "nemotron_h_8b", "falcon_h1_34b")
+SIZES_PCT = (1.0, 2.0, 5.0, 10.0, 25.0, 50.0)
+POLICIES = ("lru-dense", "lru", "resume", "resume-sessions", "oracle-admission", "belady")
+#: requests of the trace a ``--quick`` run replays
+QUICK_REQUESTS = 1500
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format JSONL trace")
+    parser.add_argument("--models", default=",".join(MODELS), help="comma separated model geometries")
+    parser.add_argument("--sizes", default=",".join(f"{s:g}" for s in SIZES_PCT),
+                        help="tier sizes, percent of the working set")  # fmt: skip
+    parser.add_argument("--policies", default=",".join(POLICIES), help="comma separated policies")
+    parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    parser.add_argument("--interval", type=int, default=1024, help="checkpoint_interval_tokens")
+    parser.add_argument("--step-tokens", type=int, default=8192, help="prefill step (max_num_batched_tokens)")
+
+
+def replay(traffic: Traffic, geometry: Geometry, capacity: int, policy: str, rules: Rules,
+           uses: dict[str, list[int]]) -> Replay:  # fmt: skip
+    """One replay of ``policy`` (see the module docstring)."""
+    from hybrid_offload.backends.retention import ResumePointPolicy
+    from hybrid_offload.tools.bench.trace_model import NextUsePolicy, Replay, Rules
+
+    if policy == "lru-dense":
+        r = Replay(traffic, geometry, capacity, Rules(rules.interval, rules.step_tokens, dense=True))
+    elif policy == "lru":
+        r = Replay(traffic, geometry, capacity, rules)
+    elif policy in ("resume", "resume-sessions"):
+        hints = "sessions" if policy == "resume-sessions" else "pages"
+        r = Replay(traffic, geometry, capacity, rules, ResumePointPolicy(), hints=hints)
+    elif policy == "oracle-admission":
+        r = Replay(traffic, geometry, capacity, rules, admit=uses.__contains__)
+    elif policy == "belady":
+        r = Replay(traffic, geometry, capacity, rules, NextUsePolicy(uses), admit=uses.__contains__)
+    else:
+        raise ValueError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
+    r.run()
+    return r
+
+
+def run(args: argparse.Namespace) -> int:
+    from hybrid_offload.testing.vllm_scheduler import geometry
+    from hybrid_offload.tools.bench.trace_model import (
+        Geometry,
+        Rules,
+        Traffic,
+        load_trace,
+        unlimited,
+        uses_of,
+    )
+
+    limit = QUICK_REQUESTS if args.quick and args.limit is None else args.limit
+    requests = load_trace(args.trace, limit=limit)
+    traffic = Traffic(requests)
+    rules = Rules(args.interval, args.step_tokens)
+    sizes = [float(s) for s in args.sizes.split(",")]
+    policies = args.policies.split(",")
+    for p in policies:
+        if p not in POLICIES:
+            raise SystemExit(f"--policies: unknown {p!r}; expected some of {', '.join(POLICIES)}")
+    rows: list[dict[str, Any]] = []
+    geometries: dict[str, dict[str, int]] = {}
+    for model in args.models.split(","):
+        attention, state = geometry(model)
+        geo = Geometry(model, attention, state)
+        geometries[model] = {"attention_bytes_per_token": attention, "state_bytes": state,
+                             "chunk_bytes": geo.chunk_bytes(traffic.chunk)}  # fmt: skip
+        base = unlimited(traffic, geo, rules)
+        uses = uses_of(traffic, base.hit_chunks)
+        dense = Rules(rules.interval, rules.step_tokens, dense=True)
+        total = unlimited(traffic, geo, dense).outcome.served_tokens  # the most any tier serves
+        working_set = traffic.working_set(geo)
+        for pct in sizes:
+            capacity = int(working_set * pct / 100)
+            for policy in policies:
+                started = time.perf_counter()
+                r = replay(traffic, geo, capacity, policy, rules, uses)
+                rows.append({
+                    "model": model, "policy": policy, "size_pct": pct, "capacity_bytes": capacity,
+                    "served_tokens": r.outcome.served_tokens,
+                    "served_pct": round(100 * r.outcome.served_tokens / total, 2) if total else 0.0,
+                    "hits": r.outcome.hits, "evictions": r.outcome.evictions,
+                    "seconds": round(time.perf_counter() - started, 2),
+                })  # fmt: skip
+                logger.info("%s %s %g%%: %.1f%%", model, policy, pct, rows[-1]["served_pct"])
+        geometries[model].update(working_set_bytes=working_set, unlimited_served_tokens=total,
+                                 unlimited_served_tokens_our_rules=base.outcome.served_tokens)  # fmt: skip
+    payload = {
+        "args": {"trace": str(args.trace), "requests": len(traffic), "sizes_pct": sizes, "policies": policies,
+                 "interval": args.interval, "step_tokens": args.step_tokens, "chunk": traffic.chunk},
+        "traffic": {"requests": len(traffic), "prompt_tokens": sum(traffic.lengths),
+                    "distinct_chunks": traffic.distinct_chunks},
+        "geometries": geometries,
+        "rows": rows,
+    }  # fmt: skip
+    path = write_results("trace", payload, args.out, args.quick)
+    print(format_table(rows, ["model", "policy", "size_pct", "served_pct", "hits", "evictions", "seconds"]))
+    for model in geometries:
+        mine = [r for r in rows if r["model"] == model]
+        series = {p: [r["served_pct"] for r in mine if r["policy"] == p] for p in policies}
+        title = f"{model}: served tokens, tier full"
+        line_plot(path.with_name(f"{path.stem}-{model}.png"), title, sizes, series,
+                  "tier size (% of the working set)", "% of an unlimited tier's tokens")  # fmt: skip
+    print(f"results: {path}")
+    return 0

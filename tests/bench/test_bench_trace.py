@@ -1,0 +1,111 @@
+"""`bench trace`: the trace loader, the replay model, and a quick run of the command."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from hybrid_offload.backends.retention import ResumePointPolicy
+from hybrid_offload.tools.bench.trace_model import (
+    Geometry,
+    NextUsePolicy,
+    Replay,
+    Rules,
+    TraceError,
+    TraceRequest,
+    Traffic,
+    load_trace,
+    unlimited,
+    uses_of,
+)
+
+QWEN = Geometry("qwen3_next_80b", 24576, 39518208)
+
+
+def conversations(n: int, seed: int = 3) -> list[TraceRequest]:
+    """``n`` chats of 1-4 turns interleaved: each turn repeats the last one's prompt (its full
+    blocks) and adds 1-3 blocks; all share block 0 (a system prompt); lengths not on blocks."""
+    rng = random.Random(seed)
+    next_id, out, live = 1, [], []
+    for t in range(n * 3):
+        if live and rng.random() < 0.5:
+            ids, turns = live.pop(rng.randrange(len(live)))
+        else:
+            ids, turns = [0], 0
+        add = rng.randrange(1, 4)
+        ids = [*ids, *range(next_id, next_id + add)]
+        next_id += add
+        length = (len(ids) - 1) * 512 + rng.randrange(1, 512)
+        out.append(TraceRequest(t * 1000, length, 100, tuple(ids)))
+        if turns < 3:
+            live.append((ids[: length // 512], turns + 1))
+    return out
+
+
+def test_load_trace_names_the_bad_line(tmp_path: Path) -> None:
+    good = {"timestamp": 0, "input_length": 1030, "output_length": 5, "hash_ids": [0, 1, 2]}
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(good) + "\n\n" + json.dumps(good) + "\n")
+    assert [r.hash_ids for r in load_trace(path)] == [(0, 1, 2), (0, 1, 2)]
+    for bad, message in [
+        ("{not json", "t.jsonl:2: not JSON"),
+        (json.dumps({**good, "input_length": -1}), "input_length must be an integer >= 0"),
+        (json.dumps({**good, "hash_ids": [0, "x"]}), "hash_ids must be a list"),
+        (json.dumps({**good, "input_length": 5000}), "3 hash_ids cannot name 5000 tokens"),
+    ]:
+        path.write_text(json.dumps(good) + "\n" + bad + "\n")
+        with pytest.raises(TraceError, match=message):
+            load_trace(path)
+
+
+def test_a_next_turn_resumes_where_the_last_one_ended() -> None:
+    turn1 = TraceRequest(0, 3 * 512 + 100, 10, (0, 1, 2, 3))
+    turn2 = TraceRequest(1, 5 * 512 + 7, 10, (0, 1, 2, 4, 5, 6))  # shares turn 1's full blocks
+    replay = unlimited(Traffic([turn1, turn2]), QWEN, Rules())
+    assert replay.hit_chunks == [0, 3]  # the state at turn 1's tail, and all attention before it
+
+
+def test_policies_order_as_the_bounds_say() -> None:
+    traffic = Traffic(conversations(150))
+    rules = Rules()
+    base = unlimited(traffic, QWEN, rules)
+    assert base.outcome.served_tokens > 0
+    uses = uses_of(traffic, base.hit_chunks)
+    capacity = traffic.working_set(QWEN) // 20
+    served = {}
+    for name, replay in {
+        "lru": Replay(traffic, QWEN, capacity, rules),
+        "resume": Replay(traffic, QWEN, capacity, rules, ResumePointPolicy(), hints="pages"),
+        "sessions": Replay(traffic, QWEN, capacity, rules, ResumePointPolicy(), hints="sessions"),
+        "belady": Replay(traffic, QWEN, capacity, rules, NextUsePolicy(uses), admit=uses.__contains__),
+    }.items():
+        served[name] = replay.run().served_tokens
+    assert served["lru"] < base.outcome.served_tokens  # the tier is full
+    assert abs(served["resume"] - served["lru"]) <= 0.01 * base.outcome.served_tokens
+    assert served["sessions"] > served["lru"]
+    assert served["belady"] >= max(served.values())
+
+
+def test_the_command_writes_rows_and_plots(tmp_path: Path) -> None:
+    from hybrid_offload.tools.cli.main import main
+
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(
+        json.dumps({"timestamp": r.timestamp_ms, "input_length": r.input_length, "output_length": 1,
+                    "hash_ids": list(r.hash_ids)}) + "\n"
+        for r in conversations(60)
+    ))  # fmt: skip
+    out = tmp_path / "results"
+    assert main(["bench", "trace", "--trace", str(trace), "--models", "qwen3_next_80b", "--sizes", "2,50",
+                 "--policies", "lru,resume-sessions,belady", "--out", str(out)]) == 0  # fmt: skip
+    doc = json.loads((out / "trace.json").read_text())
+    rows = {(r["policy"], r["size_pct"]): r["served_pct"] for r in doc["rows"]}
+    assert set(rows) == {(p, s) for p in ("lru", "resume-sessions", "belady") for s in (2.0, 50.0)}
+    assert all(0 <= v <= 100 for v in rows.values()) and rows[("belady", 50.0)] == pytest.approx(100, abs=5)
+    assert doc["geometries"]["qwen3_next_80b"]["state_bytes"] == QWEN.state_bytes  # bf16, as a GPU keeps it
+    assert (out / "trace-qwen3_next_80b.png").stat().st_size > 0
+    assert not math.isnan(doc["machine"]["load_average_1m"])
