@@ -25,7 +25,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MODELS", "SCHEDULER_MODELS", "build_scheduler", "geometry", "gpu_block_size", "prefill_steps"]
+__all__ = [
+    "MODELS", "SCHEDULER_MODELS", "build_scheduler", "geometry", "geometry_of", "gpu_block_size",
+    "prefill_steps",
+]  # fmt: skip
 
 #: the smallest kernel block of vLLM's GPU attention backends (FlashAttention, FlashInfer)
 GPU_KERNEL_ALIGNMENT = 16
@@ -216,9 +219,14 @@ def _vllm_config(
 
 
 def geometry(model: str, workdir: Path | None = None) -> tuple[int, int]:
-    """(attention bytes per token, bytes of one state set) of ``model`` at TP 1 in bf16: its
+    """(attention bytes per token, bytes of one state set) of ``model`` (a :data:`MODELS` name)
+    at TP 1 in bf16 on a GPU (see :func:`geometry_of`)."""
+    return geometry_of(_vllm_config(model, workdir=workdir))
+
+
+def geometry_of(config: Any) -> tuple[int, int]:
+    """(attention bytes per token, bytes of one state set) of the model of vLLM ``config``: its
     layers' KV cache specs as vLLM sizes them, summed over the layers of each kind."""
-    config = _vllm_config(model, workdir=workdir)
     attention, mamba = _specs(config, 1)
     state = dataclasses.replace(mamba, page_size_padded=None).page_size_bytes
     types = _layer_types(config.model_config.hf_config)

@@ -10,15 +10,13 @@ from pathlib import Path
 import pytest
 
 from hybrid_offload.backends.retention import ResumePointPolicy
+from hybrid_offload.tools.bench.trace_file import TraceError, TraceRequest, load_trace
 from hybrid_offload.tools.bench.trace_model import (
     Geometry,
     NextUsePolicy,
     Replay,
     Rules,
-    TraceError,
-    TraceRequest,
     Traffic,
-    load_trace,
     unlimited,
     uses_of,
 )

@@ -48,6 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     parser.add_argument("--interval", type=int, default=1024, help="checkpoint_interval_tokens")
     parser.add_argument("--step-tokens", type=int, default=8192, help="prefill step (max_num_batched_tokens)")
+    parser.add_argument("--engine", type=Path, default=None,
+                        help="also replay the trace scaled down through vLLM engines of this model "
+                             "directory (a tiny hybrid from `hybrid-offload make-model`) and the simulator")
+    parser.add_argument("--engine-requests", type=int, default=300, help="requests of the scaled replay")
+    parser.add_argument("--engine-block", type=int, default=32, help="tokens a hash id in the scaled replay")
+    parser.add_argument("--engine-sizes", default="2,10", help="tier sizes of the scaled replay, percent")
 
 
 def replay(traffic: Traffic, geometry: Geometry, capacity: int, policy: str, rules: Rules,
@@ -75,14 +81,8 @@ def replay(traffic: Traffic, geometry: Geometry, capacity: int, policy: str, rul
 
 def run(args: argparse.Namespace) -> int:
     from hybrid_offload.testing.vllm_scheduler import geometry
-    from hybrid_offload.tools.bench.trace_model import (
-        Geometry,
-        Rules,
-        Traffic,
-        load_trace,
-        unlimited,
-        uses_of,
-    )
+    from hybrid_offload.tools.bench.trace_file import load_trace
+    from hybrid_offload.tools.bench.trace_model import Geometry, Rules, Traffic, unlimited, uses_of
 
     limit = QUICK_REQUESTS if args.quick and args.limit is None else args.limit
     requests = load_trace(args.trace, limit=limit)
@@ -120,6 +120,16 @@ def run(args: argparse.Namespace) -> int:
                 logger.info("%s %s %g%%: %.1f%%", model, policy, pct, rows[-1]["served_pct"])
         geometries[model].update(working_set_bytes=working_set, unlimited_served_tokens=total,
                                  unlimited_served_tokens_our_rules=base.outcome.served_tokens)  # fmt: skip
+    engine = []
+    if args.engine is not None:
+        from hybrid_offload.tools.bench.trace_engine import engine_replay
+
+        requests = min(args.engine_requests, 60) if args.quick else args.engine_requests
+        for pct in (float(s) for s in args.engine_sizes.split(",")):
+            engine.append(engine_replay(args.engine, args.trace, requests, args.engine_block, pct))
+            row = engine[-1]
+            logger.info("engine replay %g%%: engine %.2f%%, simulator %.2f%%, tokens identical: %s", pct,
+                        row["engine_served_pct"], row["sim_served_pct"], row["identical_tokens"])
     payload = {
         "args": {"trace": str(args.trace), "requests": len(traffic), "sizes_pct": sizes, "policies": policies,
                  "interval": args.interval, "step_tokens": args.step_tokens, "chunk": traffic.chunk},
@@ -127,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
                     "distinct_chunks": traffic.distinct_chunks},
         "geometries": geometries,
         "rows": rows,
+        "engine_replay": engine,
     }  # fmt: skip
     path = write_results("trace", payload, args.out, args.quick)
     print(format_table(rows, ["model", "policy", "size_pct", "served_pct", "hits", "evictions", "seconds"]))
@@ -136,5 +147,8 @@ def run(args: argparse.Namespace) -> int:
         title = f"{model}: served tokens, tier full"
         line_plot(path.with_name(f"{path.stem}-{model}.png"), title, sizes, series,
                   "tier size (% of the working set)", "% of an unlimited tier's tokens")  # fmt: skip
+    if engine:
+        print(format_table(engine, ["model", "requests", "size_pct", "engine_served_pct", "sim_served_pct",
+                                    "requests_differing", "identical_tokens"]))  # fmt: skip
     print(f"results: {path}")
     return 0

@@ -1,6 +1,6 @@
 """A production trace replayed through one tier at full scale, with our own retention code.
 
-The trace (Mooncake format, :func:`load_trace`) names each request's prompt by *hash ids*, one
+The trace (Mooncake format, :func:`~.trace_file.load_trace`) names each request's prompt by *hash ids*, one
 per ``block`` tokens (512), equal ids meaning equal tokens. :class:`Replay` plays it request by
 request through one tier of a given capacity, as our scheduler would with a chunk of ``block``
 tokens, calling the code the connector runs, not a re-implementation of it:
@@ -24,11 +24,9 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
-import json
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from hybrid_offload.backends.lru_index import EvictionPolicy, LruIndex, LruPolicy
 from hybrid_offload.backends.retention import ResumePointPolicy, Retention
@@ -36,71 +34,22 @@ from hybrid_offload.connector.scheduler.offload_scheduler import ChunkSightings
 from hybrid_offload.core.checkpoints import interval_stop, prefill_checkpoints, state_due
 from hybrid_offload.core.planner import HybridOffloadPlanner, chain_chunk_hashes
 from hybrid_offload.core.spec import GroupKind, GroupSpec, make_model_spec
+from hybrid_offload.tools.bench.trace_file import TRACE_BLOCK_TOKENS, TraceRequest
 
-__all__ = ["Geometry", "Replay", "Rules", "TraceError", "TraceRequest", "Traffic", "load_trace"]
-
-#: tokens per hash id in the Mooncake traces
-TRACE_BLOCK_TOKENS = 512
-
-
-class TraceError(ValueError):
-    """A trace line is not a request (the message names the line and field)."""
-
-
-@dataclass(frozen=True)
-class TraceRequest:
-    timestamp_ms: int
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
-
-
-def load_trace(path: Path, block: int = TRACE_BLOCK_TOKENS, limit: int | None = None) -> list[TraceRequest]:
-    """The requests of a Mooncake-format JSONL trace (at most ``limit``); raises
-    :class:`TraceError` naming the first bad line."""
-    out: list[TraceRequest] = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if limit is not None and len(out) >= limit:
-                break
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TraceError(f"{where}: not JSON ({exc.msg})") from None
-            if not isinstance(row, dict):
-                raise TraceError(f"{where}: expected an object")
-            fields = {}
-            for name in ("timestamp", "input_length", "output_length"):
-                value = row.get(name)
-                if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                    raise TraceError(f"{where}: {name} must be an integer >= 0, got {value!r}")
-                fields[name] = value
-            ids = row.get("hash_ids")
-            if not isinstance(ids, list) or not all(isinstance(i, int) and i >= 0 for i in ids):
-                raise TraceError(f"{where}: hash_ids must be a list of integers >= 0")
-            if len(ids) < fields["input_length"] // block:
-                raise TraceError(
-                    f"{where}: {len(ids)} hash_ids cannot name {fields['input_length']} tokens "
-                    f"of {block}-token blocks"
-                )
-            out.append(TraceRequest(fields["timestamp"], fields["input_length"], fields["output_length"],
-                                    tuple(ids)))  # fmt: skip
-    return out
+__all__ = ["Geometry", "NextUsePolicy", "Replay", "Rules", "Traffic", "unlimited", "uses_of"]
 
 
 @dataclass(frozen=True)
 class Geometry:
-    """A model's page bytes: attention per token (all attention layers) and one state set."""
+    """A model's page bytes: attention per token (all attention layers; a fraction where a
+    chunk's pages carry headers) and one state set."""
 
     model: str
-    attention_bytes_per_token: int
+    attention_bytes_per_token: float
     state_bytes: int
 
     def chunk_bytes(self, chunk: int) -> int:
-        return self.attention_bytes_per_token * chunk
+        return round(self.attention_bytes_per_token * chunk)
 
 
 @dataclass(frozen=True)

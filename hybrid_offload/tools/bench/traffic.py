@@ -13,6 +13,7 @@ chosen to line up with any block or chunk size.
 * ``system_prompt``: one shared system prompt, then varied questions one after another.
 * ``rag``: a few long documents, each asked several questions, in shuffled order.
 * ``random``: prompts of random lengths, then all of them again in another order.
+* ``trace``: a production trace's requests in order (``bench trace --engine``).
 
 :func:`reusable_tokens` defines what a perfect cache could serve a request: the longest prefix
 it shares with the prompts and outputs of earlier waves, floored to the checkpoint granularity,
@@ -24,6 +25,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import xxhash
@@ -51,7 +53,7 @@ class WorkloadSpec:
 
     name: str
     seed: int = 0
-    size: dict[str, int | tuple[int, int]] = field(default_factory=dict)
+    size: dict[str, int | str | tuple[int, int]] = field(default_factory=dict)
 
 
 def _tokens(rng: random.Random, lo_hi: int | tuple[int, int]) -> list[int]:
@@ -102,12 +104,22 @@ def random_prompts(rng: random.Random, prompts: int, length: tuple[int, int], re
         yield [Request(f"p{i}.again", tuple(texts[i]), reply)]
 
 
+def trace(rng: random.Random, path: str, requests: int, block: int, reply: int) -> WorkloadGen:
+    """The first ``requests`` of a Mooncake-format trace at ``path``, one a wave, in order, at
+    ``block`` tokens a hash id (:mod:`.trace_file`; the ids name the tokens, ``rng`` is unused)."""
+    from hybrid_offload.tools.bench.trace_file import load_trace, prompt_tokens, scaled
+
+    for i, r in enumerate(scaled(load_trace(Path(path), limit=requests), block)):
+        yield [Request(f"t{i}", tuple(prompt_tokens(r, block, VOCAB_LOW, VOCAB_HIGH)), reply)]
+
+
 WORKLOADS: dict[str, Callable[..., WorkloadGen]] = {
     "chat": chat,
     "agent": agent,
     "system_prompt": system_prompt,
     "rag": rag,
     "random": random_prompts,
+    "trace": trace,
 }
 #: sizes: "full" for the benchmark, "small" for the e2e tests
 SIZES: dict[str, dict[str, dict[str, int | tuple[int, int]]]] = {
@@ -136,7 +148,7 @@ def make_workload(spec: WorkloadSpec) -> WorkloadGen:
         factory = WORKLOADS[spec.name]
     except KeyError:
         raise ValueError(f"unknown workload {spec.name!r} (known: {', '.join(WORKLOADS)})") from None
-    size = {**SIZES["full"][spec.name], **spec.size}
+    size = {**SIZES["full"].get(spec.name, {}), **spec.size}
     seed = xxhash.xxh64_intdigest(f"{spec.name}:{spec.seed}")
     return factory(random.Random(seed), **size)
 

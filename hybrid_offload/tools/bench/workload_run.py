@@ -10,7 +10,7 @@ Spec (JSON)::
 
     {"model": DIR, "dtype": "float32", "max_model_len": 20000,
      "connector": {... kv_connector_extra_config ...} | null,
-     "reset_prefix_cache": "wave" | "never", "sequential": false, "logprobs": 0,
+     "reset_prefix_cache": "wave" | "never", "sequential": false, "logprobs": 0, "warmup": true,
      "workloads": [{"name": "chat", "seed": 0, "size": {...}}, ...], "llm_kwargs": {...}}
 
 A wave's requests go to the engine together (vLLM batches them), or one after another with
@@ -65,9 +65,10 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
         kwargs["kv_transfer_config"] = kv_transfer_config(spec["connector"])
     llm = LLM(model=spec["model"], **kwargs)
     reset = spec.get("reset_prefix_cache", "wave") == "wave"
-    warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": [3 + (7 * i) % 97 for i in range(200)]}], warm, use_tqdm=False)
-    llm.reset_prefix_cache()
+    if spec.get("warmup", True):  # off where its pages would take room the traffic is measured in
+        warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": [3 + (7 * i) % 97 for i in range(200)]}], warm, use_tqdm=False)
+        llm.reset_prefix_cache()
 
     groups_of = (lambda wave: [[r] for r in wave]) if spec.get("sequential") else (lambda wave: [wave])
     logprobs = spec.get("logprobs")
