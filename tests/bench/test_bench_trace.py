@@ -99,10 +99,12 @@ def test_the_command_writes_rows_and_plots(tmp_path: Path) -> None:
     ))  # fmt: skip
     out = tmp_path / "results"
     assert main(["bench", "trace", "--trace", str(trace), "--models", "qwen3_next_80b", "--sizes", "2,50",
-                 "--policies", "lru,resume-sessions,belady", "--out", str(out)]) == 0  # fmt: skip
+                 "--policies", "lru,resume,resume-sessions,belady", "--out", str(out)]) == 0  # fmt: skip
     doc = json.loads((out / "trace.json").read_text())
     rows = {(r["policy"], r["size_pct"]): r["served_pct"] for r in doc["rows"]}
-    assert set(rows) == {(p, s) for p in ("lru", "resume-sessions", "belady") for s in (2.0, 50.0)}
+    assert set(rows) == {(p, s) for p in ("lru", "resume", "resume-sessions", "belady") for s in (2.0, 50.0)}
+    (hierarchy,) = [h for h in doc["hierarchy"] if h["disk_pct"] == 2.0]  # a cpu tier of 1 % above it
+    assert hierarchy["served_pct"] >= rows[("resume", 2.0)] and 0 < hierarchy["cpu_share_pct"] <= 100
     assert all(0 <= v <= 100 for v in rows.values()) and rows[("belady", 50.0)] == pytest.approx(100, abs=5)
     assert doc["geometries"]["qwen3_next_80b"]["state_bytes"] == QWEN.state_bytes  # bf16, as a GPU keeps it
     assert (out / "trace-qwen3_next_80b.png").stat().st_size > 0

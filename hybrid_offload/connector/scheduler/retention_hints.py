@@ -17,7 +17,13 @@ from hybrid_offload.core.budgets import attention_bytes_per_token, state_set_byt
 from hybrid_offload.core.planner import HybridOffloadPlanner
 from hybrid_offload.core.spec import GroupKind
 
-__all__ = ["RetentionHints"]
+__all__ = ["RetentionHints", "request_bytes"]
+
+
+def request_bytes(computed_tokens: int, states: int, token_bytes: float, state_bytes: int) -> int:
+    """What a request stores of its prompt in a tier: the chunks it computes and its
+    checkpoints' states."""
+    return round(max(computed_tokens, 0) * token_bytes) + states * state_bytes
 
 
 class RetentionHints:
@@ -35,8 +41,8 @@ class RetentionHints:
     def request_bytes(self, state: RequestState) -> int:
         """What the request stores of its prompt in a tier: every chunk it computes, and its
         checkpoints' states (this rank's pieces)."""
-        computed = max(state.prompt_len - state.load_end, 0)
-        return computed * self._token_bytes + len(state.checkpoints) * self._state_bytes
+        computed = state.prompt_len - state.load_end
+        return request_bytes(computed, len(state.checkpoints), self._token_bytes, self._state_bytes)
 
     def for_page(self, state: RequestState, page: PageJob) -> Retention:
         keys, c = state.keys, page.chunk_index

@@ -14,6 +14,8 @@ refresh, plain LRU: our default before resume points), ``resume`` (:class:`Resum
 with the store path's hints), ``resume-sessions`` (the same with the application's session
 hint, taken from the trace: does a later request extend this one), and two bounds that know
 the future: ``oracle-admission`` (LRU storing only pages a later hit uses) and ``belady``.
+``hierarchy`` rows: a cpu tier of ``--hierarchy`` percent above a disk tier of each larger size
+(resume points, write-through): served tokens and the share the cpu tier served.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     parser.add_argument("--interval", type=int, default=1024, help="checkpoint_interval_tokens")
     parser.add_argument("--step-tokens", type=int, default=8192, help="prefill step (max_num_batched_tokens)")
+    parser.add_argument("--hierarchy", type=float, default=1.0,
+                        help="a cpu tier of this percent above each larger size's disk tier (resume points)")
     parser.add_argument("--engine", type=Path, default=None,
                         help="also replay the trace scaled down through vLLM engines of this model "
                              "directory (a tiny hybrid from `hybrid-offload make-model`) and the simulator")
@@ -68,7 +72,7 @@ def replay(traffic: Traffic, geometry: Geometry, capacity: int, policy: str, rul
         r = Replay(traffic, geometry, capacity, rules)
     elif policy in ("resume", "resume-sessions"):
         hints = "sessions" if policy == "resume-sessions" else "pages"
-        r = Replay(traffic, geometry, capacity, rules, ResumePointPolicy(), hints=hints)
+        r = Replay(traffic, geometry, capacity, rules, ResumePointPolicy(lambda: capacity), hints=hints)
     elif policy == "oracle-admission":
         r = Replay(traffic, geometry, capacity, rules, admit=uses.__contains__)
     elif policy == "belady":
@@ -80,9 +84,10 @@ def replay(traffic: Traffic, geometry: Geometry, capacity: int, policy: str, rul
 
 
 def run(args: argparse.Namespace) -> int:
+    from hybrid_offload.backends.retention import ResumePointPolicy
     from hybrid_offload.testing.vllm_scheduler import geometry
     from hybrid_offload.tools.bench.trace_file import load_trace
-    from hybrid_offload.tools.bench.trace_model import Geometry, Rules, Traffic, unlimited, uses_of
+    from hybrid_offload.tools.bench.trace_model import Geometry, Replay, Rules, Traffic, unlimited, uses_of
 
     limit = QUICK_REQUESTS if args.quick and args.limit is None else args.limit
     requests = load_trace(args.trace, limit=limit)
@@ -94,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         if p not in POLICIES:
             raise SystemExit(f"--policies: unknown {p!r}; expected some of {', '.join(POLICIES)}")
     rows: list[dict[str, Any]] = []
+    hierarchy: list[dict[str, Any]] = []
     geometries: dict[str, dict[str, int]] = {}
     for model in args.models.split(","):
         attention, state = geometry(model)
@@ -118,6 +124,16 @@ def run(args: argparse.Namespace) -> int:
                     "seconds": round(time.perf_counter() - started, 2),
                 })  # fmt: skip
                 logger.info("%s %s %g%%: %.1f%%", model, policy, pct, rows[-1]["served_pct"])
+        for pct in (p for p in sizes if p > args.hierarchy):
+            cpu, disk = int(working_set * args.hierarchy / 100), int(working_set * pct / 100)
+            r = Replay(traffic, geo, cpu, rules, ResumePointPolicy(lambda cpu=cpu: cpu), hints="pages",
+                       lower=[(disk, ResumePointPolicy(lambda disk=disk: disk))])  # fmt: skip
+            r.run()
+            hierarchy.append({
+                "model": model, "cpu_pct": args.hierarchy, "disk_pct": pct,
+                "served_pct": round(100 * r.outcome.served_tokens / total, 2),
+                "cpu_share_pct": round(100 * r.outcome.served_by[0] / max(1, r.outcome.served_tokens), 2),
+            })  # fmt: skip
         geometries[model].update(working_set_bytes=working_set, unlimited_served_tokens=total,
                                  unlimited_served_tokens_our_rules=base.outcome.served_tokens)  # fmt: skip
     engine = []
@@ -137,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
                     "distinct_chunks": traffic.distinct_chunks},
         "geometries": geometries,
         "rows": rows,
+        "hierarchy": hierarchy,
         "engine_replay": engine,
     }  # fmt: skip
     path = write_results("trace", payload, args.out, args.quick)
@@ -147,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
         title = f"{model}: served tokens, tier full"
         line_plot(path.with_name(f"{path.stem}-{model}.png"), title, sizes, series,
                   "tier size (% of the working set)", "% of an unlimited tier's tokens")  # fmt: skip
+    print(format_table(hierarchy, ["model", "cpu_pct", "disk_pct", "served_pct", "cpu_share_pct"]))
     if engine:
         print(format_table(engine, ["model", "requests", "size_pct", "engine_served_pct", "sim_served_pct",
                                     "requests_differing", "identical_tokens"]))  # fmt: skip

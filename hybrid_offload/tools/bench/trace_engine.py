@@ -80,7 +80,7 @@ def engine_replay(
     total = unlimited(traffic, geometry, dense).outcome.served_tokens
     capacity = int(traffic.working_set(geometry) * size_pct / 100)
     connector["backends"] = [{"type": "cpu", "name": "cpu", "capacity_bytes": capacity}]
-    sim = Replay(traffic, geometry, capacity, rules, ResumePointPolicy(), hints="pages")
+    sim = Replay(traffic, geometry, capacity, rules, ResumePointPolicy(lambda: capacity), hints="pages")
     sim.run()
     spec: dict[str, Any] = {
         "model": str(model), "dtype": dtype, "max_model_len": max_model_len, "sequential": True,

@@ -26,11 +26,12 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hybrid_offload.backends.lru_index import EvictionPolicy, LruIndex, LruPolicy
 from hybrid_offload.backends.retention import ResumePointPolicy, Retention
 from hybrid_offload.connector.scheduler.offload_scheduler import ChunkSightings
+from hybrid_offload.connector.scheduler.retention_hints import request_bytes
 from hybrid_offload.core.checkpoints import interval_stop, prefill_checkpoints, state_due
 from hybrid_offload.core.planner import HybridOffloadPlanner, chain_chunk_hashes
 from hybrid_offload.core.spec import GroupKind, GroupSpec, make_model_spec
@@ -168,12 +169,17 @@ class Outcome:
     hits: int = 0
     evictions: int = 0
     stored_bytes: int = 0
+    #: served tokens per tier (the tier each request loaded from)
+    served_by: list[int] = field(default_factory=list)
 
 
 class Replay:
-    """Plays :class:`Traffic` through one tier (module docstring).
+    """Plays :class:`Traffic` through a tier, or tiers in order (module docstring).
 
-    ``policy``: the tier's eviction policy; ``hints``: describe each page to a
+    ``policy``: the first tier's eviction policy; ``lower``: more tiers below it, (capacity,
+    policy) each. Stores go to every tier that lacks the page (write-through, as the store plan
+    sends them), a request loads from the tier with the longest loadable prefix (the first of
+    equals), and every tier is refreshed deepest first. ``hints``: describe each page to a
     :class:`ResumePointPolicy` (``"sessions"``: also the session hint, weight 0 for a request
     no later request extends); ``admit``: a filter on keys (the oracle bound).
     """
@@ -181,23 +187,31 @@ class Replay:
     def __init__(
         self, traffic: Traffic, geometry: Geometry, capacity: int, rules: Rules,
         policy: EvictionPolicy | None = None, hints: str = "", admit: Callable[[str], bool] | None = None,
+        lower: Sequence[tuple[int, EvictionPolicy | None]] = (),
     ) -> None:  # fmt: skip
         self.traffic = traffic
         self.rules = rules
-        self.policy = policy or LruPolicy()
-        self.tier: LruIndex[None] = LruIndex(capacity, self.policy)
+        self.policies = [p or LruPolicy() for p in (policy, *(p for _, p in lower))]
+        capacities = (capacity, *(c for c, _ in lower))
+        self.tiers: list[LruIndex[None]] = [
+            LruIndex(c, p) for c, p in zip(capacities, self.policies, strict=True)
+        ]
+        self.policy, self.tier = self.policies[0], self.tiers[0]
         self.hints = hints
         self.admit = admit
+        self.geometry = geometry
         self.sizes = {"a": geometry.chunk_bytes(traffic.chunk), "s": geometry.state_bytes}
         self.sightings = ChunkSightings(capacity=1 << 40)
-        self.outcome = Outcome()
+        self.outcome = Outcome(served_by=[0] * len(self.tiers))
+        self._request_bytes = 0
         #: per request, the boundary (chunks) it loaded
         self.hit_chunks: list[int] = []
 
     def run(self) -> Outcome:
         for i in range(len(self.traffic)):
-            if isinstance(self.policy, NextUsePolicy):
-                self.policy.now = i
+            for policy in self.policies:
+                if isinstance(policy, NextUsePolicy):
+                    policy.now = i
             self.request(i)
         return self.outcome
 
@@ -208,27 +222,35 @@ class Replay:
         hashes = [bytes.fromhex(k) for k in keys]
         self.sightings.see(hashes)
         k_max = min(traffic.planner.max_boundary_chunks(n), len(keys))
-        presence = [[attention_key(k) in self.tier for k in keys[:k_max]],
-                    [state_key(k) in self.tier for k in keys[:k_max]]]  # fmt: skip
-        found = traffic.planner.loadable_prefix(presence, n)
-        served = found.tokens
+        found = [traffic.planner.loadable_prefix([[attention_key(k) in tier for k in keys[:k_max]],
+                                                  [state_key(k) in tier for k in keys[:k_max]]], n)
+                 for tier in self.tiers]  # fmt: skip
+        best = max(range(len(found)), key=lambda t: (found[t].tokens, -t))
+        served = found[best].tokens
         loaded = served // chunk
         self.hit_chunks.append(loaded)
         if loaded:
             self.outcome.served_tokens += served
+            self.outcome.served_by[best] += served
             self.outcome.hits += 1
+            source = self.tiers[best]
             for k in keys[:loaded]:
-                self.tier.touch(attention_key(k))
-            self.tier.touch(state_key(keys[loaded - 1]))
+                source.touch(attention_key(k))
+            source.touch(state_key(keys[loaded - 1]))
         limit = k_max * chunk
         shared = self.sightings.shared_chunks(hashes, loaded) * chunk
-        reach = max(min(found.attention_tokens, limit), min(shared, limit))
+        attention = max(f.attention_tokens for f in found)
+        reach = max(min(attention, limit), min(shared, limit))
         checkpoints = prefill_checkpoints(n, chunk, reach if reach > served else 0)
+        geo = self.geometry
+        self._request_bytes = request_bytes(n - served, len(checkpoints), geo.attention_bytes_per_token,
+                                            geo.state_bytes)  # fmt: skip
         states = self._prefill(i, keys, n, served, checkpoints, limit)
-        for c in reversed(range(len(keys))):  # the scheduler's TouchJob: deepest first
-            if c + 1 in states or c + 1 == loaded:
-                self.tier.touch(state_key(keys[c]))
-            self.tier.touch(attention_key(keys[c]))
+        for tier in self.tiers:  # the scheduler's TouchJob: deepest first
+            for c in reversed(range(len(keys))):
+                if c + 1 in states or c + 1 == loaded:
+                    tier.touch(state_key(keys[c]))
+                tier.touch(attention_key(keys[c]))
 
     def _prefill(self, i: int, keys: list[str], n: int, served: int, checkpoints: list[int],
                  limit: int) -> set[int]:  # fmt: skip
@@ -259,22 +281,22 @@ class Replay:
         return stored
 
     def _put(self, key: str, keys: list[str], c: int, i: int, state: bool) -> bool:
-        if key in self.tier:
-            return True
+        """Put ``key`` into every tier lacking it; whether the first tier holds it."""
         if self.admit is not None and not self.admit(key):
             return False
-        if self.hints and isinstance(self.policy, ResumePointPolicy):
-            ends = self.hints == "sessions" and not self.traffic.continues[i]
-            parent = attention_key(keys[c]) if state else (attention_key(keys[c - 1]) if c else "")
-            weight = 0.0 if ends else 1.0
-            self.policy.describe(key, Retention(key, parent, state, weight))
         size = self.sizes[key[0]]
-        evicted = self.tier.put(key, size, None)
-        if evicted is None:
-            return False
-        self.outcome.evictions += len(evicted)
-        self.outcome.stored_bytes += size
-        return True
+        for tier, policy in zip(self.tiers, self.policies, strict=True):
+            if key in tier:
+                continue
+            if self.hints and isinstance(policy, ResumePointPolicy):
+                ends = self.hints == "sessions" and not self.traffic.continues[i]
+                parent = attention_key(keys[c]) if state else (attention_key(keys[c - 1]) if c else "")
+                policy.describe(key, Retention(key, parent, state, 0.0 if ends else 1.0, self._request_bytes))
+            evicted = tier.put(key, size, None)
+            if evicted is not None:
+                self.outcome.evictions += len(evicted)
+                self.outcome.stored_bytes += size
+        return key in self.tier
 
 
 def uses_of(traffic: Traffic, hit_chunks: Sequence[int]) -> dict[str, list[int]]:
