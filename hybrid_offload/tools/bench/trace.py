@@ -89,6 +89,9 @@ def run(args: argparse.Namespace) -> int:
     from hybrid_offload.tools.bench.trace_file import load_trace
     from hybrid_offload.tools.bench.trace_model import Geometry, Replay, Rules, Traffic, unlimited, uses_of
 
+    if not args.trace.is_file():
+        raise SystemExit(f"--trace: {args.trace} is not a file (a Mooncake-format JSONL trace, e.g. "
+                         "FAST25-release/traces/conversation_trace.jsonl of kvcache-ai/Mooncake)")
     limit = QUICK_REQUESTS if args.quick and args.limit is None else args.limit
     requests = load_trace(args.trace, limit=limit)
     traffic = Traffic(requests)
