@@ -104,10 +104,14 @@ class ResumePointPolicy(EvictionPolicy):
         self._unit_of: dict[str, str] = {}
         self._pending: OrderedDict[str, Retention] = OrderedDict()
         self._released: OrderedDict[str, None] = OrderedDict()  # units evicted first, oldest first
-        self._vacated: dict[str, _Unit] = {}  # attention units that left while states needed them
+        #: units whose last key left other than as a victim (a delete, or the first half of a
+        #: replace: remove, make room, add): settled when another unit is added or, but the
+        #: last one, when the index asks for the order
+        self._vacated: dict[str, _Unit] = {}
         self._waiting: dict[str, set[str]] = {}  # a unit not held -> the states whose chain stops there
         self._heap: list[tuple[float, int, str]] = []
         self._seq = itertools.count()
+        self._victim: str | None = None
         self.floor = 0.0
 
     # ---- hints ------------------------------------------------------------------------
@@ -121,44 +125,52 @@ class ResumePointPolicy(EvictionPolicy):
     # ---- EvictionPolicy ---------------------------------------------------------------
     def added(self, key: str) -> None:
         hint = self._pending.pop(key, None) or Retention(key)
-        unit = self._units.get(hint.unit)
-        self._unit_of[key] = hint.unit
-        vacated = self._vacated.pop(hint.unit, None)
-        if unit is None and vacated is not None and not hint.state:  # put again (a replace)
-            unit = self._units[hint.unit] = vacated
+        name = hint.unit
+        if self._vacated and name not in self._vacated:
+            self._settle()
+        self._unit_of[key] = name
+        unit = self._units.get(name)
+        if unit is None and name in self._vacated:  # put back (a replace): as it was
+            unit = self._units[name] = self._vacated.pop(name)
+            unit.keys.add(key)
+            if unit.entry is None:
+                self._released[name] = None
+            elif unit.state:
+                self._touch(name, unit)
+            else:  # after the states it serves, at the weight of the heaviest
+                weights = [u.weight for r in unit.referrers if (u := self._units.get(r)) is not None]
+                self._refresh(name, unit, max(weights, default=None))
+            if unit.state and unit.waits:  # what it waited for may have come meanwhile
+                self._waiting.get(unit.waits, set()).discard(name)
+                waits, unit.waits = unit.waits, ""
+                self._reference(name, unit, waits)
+            else:
+                self._wake(name)
+            return
         if unit is not None:
             unit.keys.add(key)
             if unit.entry is not None:
-                self._refresh(hint.unit, unit)
+                self._touch(name, unit)
             return
         weight = hint.weight
         if self._capacity is not None and hint.request_bytes:
             weight = min(weight, page_weight(hint.request_bytes, int(self._capacity())))
-        unit = self._units[hint.unit] = _Unit(hint, weight)
+        unit = self._units[name] = _Unit(hint, weight)
         unit.keys.add(key)
         if unit.weight == 0:
-            self._release(hint.unit, unit)
+            self._release(name, unit)
             return
-        self._refresh(hint.unit, unit)
+        self._refresh(name, unit)
         if unit.state:
-            self._reference(hint.unit, unit, unit.parent)
-        else:  # states put before it (deepest first) reach up their chains through it now
-            for waiting in self._waiting.pop(hint.unit, ()):
-                state = self._units[waiting]
-                state.waits = ""
-                self._reference(waiting, state, hint.unit)
+            self._reference(name, unit, unit.parent)
+        else:
+            self._wake(name)
 
     def used(self, key: str) -> None:
         name = self._unit_of[key]
         unit = self._units[name]
-        if unit.entry is None:
-            return  # released: a hit does not take it back (its chain may be gone)
-        self._refresh(name, unit)
-        if unit.state:
-            for parent in unit.chain:
-                held = self._units.get(parent)  # a vacated one until settled
-                if held is not None:
-                    self._refresh(parent, held, unit.weight)
+        if unit.entry is not None:  # a released unit stays released (its chain may be gone)
+            self._touch(name, unit)
 
     def removed(self, key: str) -> None:
         name = self._unit_of.pop(key)
@@ -168,23 +180,16 @@ class ResumePointPolicy(EvictionPolicy):
             return
         del self._units[name]
         self._released.pop(name, None)
-        if unit.waits:
-            waiting = self._waiting[unit.waits]
-            waiting.discard(name)
-            if not waiting:
-                del self._waiting[unit.waits]
-        for parent in unit.chain:  # a state left: attention serving no other resume point goes
-            held = self._units.get(parent) or self._vacated.get(parent)
-            if held is not None:
-                held.referrers.discard(name)
-                if not held.referrers and parent in self._units:
-                    self._release(parent, held)
-        if unit.referrers:  # attention left: settled at the next eviction unless put again
+        evicted, self._victim = self._victim == key, None
+        if evicted:
+            self._gone(name, unit)
+        else:
             self._vacated[name] = unit
 
     def evicting(self, key: str) -> None:
-        """GreedyDual's floor rises to the priority of each unit evicted."""
-        self._settle()
+        """GreedyDual's floor rises to the priority of each unit evicted; a victim's unit leaves
+        at once (its orphans go next), where a deleted or replaced one waits (:meth:`added`)."""
+        self._victim = key
         unit = self._units[self._unit_of[key]]
         if unit.entry is not None:
             self.floor = max(self.floor, unit.entry[0])
@@ -196,26 +201,40 @@ class ResumePointPolicy(EvictionPolicy):
         self._vacated.clear()
         self._waiting.clear()
         self._heap.clear()
+        self._victim = None
         self.floor = 0.0
 
     def order(self) -> Iterator[str]:
-        self._settle()
+        self._settle(keep_last=True)
         for name in self._released:  # the index does not change while it iterates
             yield from sorted(self._units[name].keys)
-        while self._heap:
+        while self._heap:  # stale entries off the top: the unit left or was refreshed
             priority, seq, name = self._heap[0]
             unit = self._units.get(name)
             if unit is not None and unit.entry == (priority, seq):
                 break
-            heapq.heappop(self._heap)  # stale: the unit left or was refreshed
+            heapq.heappop(self._heap)
         else:
             return
         yield from sorted(unit.keys)
-        rest = sorted((u.entry, n) for n, u in self._units.items() if u.entry is not None and n != name)
-        for _, other in rest:
-            yield from sorted(self._units[other].keys)
+        heap = self._heap[:]  # beyond the first unit (its keys could not be evicted): a copy
+        heapq.heappop(heap)
+        while heap:
+            priority, seq, name = heapq.heappop(heap)
+            unit = self._units.get(name)
+            if unit is not None and unit.entry == (priority, seq):
+                yield from sorted(unit.keys)
 
     # ---- internals --------------------------------------------------------------------
+    def _touch(self, name: str, unit: _Unit) -> None:
+        """A unit used or stored again: refreshed, and a state's chain after it."""
+        self._refresh(name, unit)
+        if unit.state:
+            for parent in unit.chain:
+                held = self._units.get(parent)  # a vacated one until settled
+                if held is not None:
+                    self._refresh(parent, held, unit.weight)
+
     def _refresh(self, name: str, unit: _Unit, weight: float | None = None) -> None:
         """``unit`` gets ``floor + weight`` (its own weight by default), never lower than it has."""
         priority = self.floor + (unit.weight if weight is None else max(weight, unit.weight))
@@ -223,17 +242,48 @@ class ResumePointPolicy(EvictionPolicy):
             return
         unit.entry = (priority, next(self._seq))
         heapq.heappush(self._heap, (priority, unit.entry[1], name))
+        if len(self._heap) > 2 * len(self._units) + 64:  # stale entries: rebuild from the live ones
+            self._heap = [(u.entry[0], u.entry[1], n) for n, u in self._units.items() if u.entry is not None]
+            heapq.heapify(self._heap)
 
-    def _settle(self) -> None:
-        """Attention units that left and were not put again: the states needing them cannot
-        load, and are released."""
-        for name, unit in self._vacated.items():
-            for referrer in unit.referrers:
-                state = self._units.get(referrer)
-                if state is not None and name in state.chain:
-                    state.chain.remove(name)
+    def _gone(self, name: str, unit: _Unit) -> None:
+        """``unit`` (no longer in :attr:`_units`) left for good: a state's attention that no other
+        state needs is released, and so are the states needing a unit of attention."""
+        if unit.waits:
+            waiting = self._waiting.get(unit.waits, set())
+            waiting.discard(name)
+            if not waiting:
+                self._waiting.pop(unit.waits, None)
+        for parent in unit.chain:
+            held = self._units.get(parent) or self._vacated.get(parent)
+            if held is not None:
+                held.referrers.discard(name)
+                if not held.referrers and parent in self._units:
+                    self._release(parent, held)
+        for referrer in unit.referrers:
+            state = self._units.get(referrer) or self._vacated.get(referrer)
+            if state is not None and name in state.chain:
+                state.chain.remove(name)
+                if referrer in self._units:
                     self._release(referrer, state)
-        self._vacated.clear()
+
+    def _settle(self, keep_last: bool = False) -> None:
+        """Units that left and were not put back: gone for good (:meth:`_gone`). ``keep_last``:
+        not the one that left last (a replace making room before it puts the page back)."""
+        vacated, self._vacated = self._vacated, {}
+        if keep_last and vacated:
+            last = next(reversed(vacated))
+            self._vacated[last] = vacated.pop(last)
+        for name, unit in vacated.items():
+            self._gone(name, unit)
+
+    def _wake(self, name: str) -> None:
+        """States put before attention unit ``name`` (deepest first) reach up through it now."""
+        for waiting in self._waiting.pop(name, ()):
+            state = self._units.get(waiting)
+            if state is not None:
+                state.waits = ""
+                self._reference(waiting, state, name)
 
     def _release(self, name: str, unit: _Unit) -> None:
         unit.entry = None

@@ -58,6 +58,7 @@ def test_a_state_goes_before_its_attention_and_orphaned_attention_goes_first() -
     # a state leaving releases the attention only it needed, even when recently used
     index.touch(new[0])
     index.remove(new[-1])
+    index.put("later", 1 * MB, None)  # a deleted page is settled by the next put
     assert index.ordered()[:3] == new[2::-1]  # deepest first
 
 
@@ -83,6 +84,7 @@ def test_a_page_put_again_keeps_the_states_that_need_it() -> None:
     index.insert(keys[0], 10 * MB, None)
     assert index.ordered()[0] == keys[-1]  # still the oldest resume point, not a released one
     index.remove(newer[0])  # gone for good: its state cannot load and goes first
+    index.put("later", 1 * MB, None)
     index.evict()
     assert newer[-1] not in index and keys[-1] in index
 
@@ -142,29 +144,57 @@ def test_a_one_shot_long_prompt_does_not_flush_the_tier(policy_cls: type[Evictio
         assert kept == 0
 
 
-def test_random_traffic_keeps_the_index_and_policy_in_step() -> None:
-    """Chains, states, replaces, deletes and evictions at random: every held key is ordered
-    exactly once and nothing the policy tracks outlives the index."""
-    rng = random.Random(7)
-    policy = ResumePointPolicy()
+def check_policy(index: LruIndex[None], policy: ResumePointPolicy) -> None:
+    """Every held key ordered once; every live state ahead of the held attention it needs."""
+    assert sorted(index.ordered()) == sorted(index)
+    units = policy._units
+    for unit in units.values():
+        if unit.state and unit.entry is not None:
+            for parent in unit.chain:
+                held = units.get(parent)
+                assert held is None or (held.entry is not None and held.entry > unit.entry)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_traffic_keeps_the_index_and_policy_in_step(seed: int) -> None:
+    """Chains put deepest first or not, several pages a state, states stored over held
+    attention, replaces, deletes, touches and evictions at random: every held key is ordered
+    exactly once, states stay ahead of their attention, nothing outlives the index."""
+    rng = random.Random(seed)
+    policy = ResumePointPolicy(lambda: index.capacity)
     index = LruIndex[None](200 * MB, policy)
     for step in range(3000):
         name = f"r{rng.randrange(60)}"
         chunks = rng.randrange(1, 6)
         action = rng.random()
-        if action < 0.6:
-            put_chain(index, policy, name, chunks, rng.choice([4, 8]) * MB, rng.choice([2, 12]) * MB,
-                      weight=rng.choice([0.0, 1.0, 2.0]))  # fmt: skip
-        elif action < 0.8:
-            for key in list(index)[: rng.randrange(4)]:
+        if action < 0.5:
+            pages = [(f"{name}.a{c}", Retention(f"{name}.A{c}", f"{name}.A{c - 1}" if c else "", False))
+                     for c in range(chunks)]  # fmt: skip
+            state = Retention(f"{name}.S", f"{name}.A{chunks - 1}", True, rng.choice([0.0, 1.0, 2.0]),
+                              rng.choice([0, 150 * MB]))  # fmt: skip
+            pages += [(f"{name}.s.g{g}", state) for g in range(rng.randrange(1, 3))]
+            if rng.random() < 0.5:
+                pages.reverse()  # as the store path puts them
+            for key, hint in pages:
+                policy.describe(key, hint)
+                index.put(key, rng.choice([4, 8, 12]) * MB, None)
+        elif action < 0.7:
+            for key in rng.sample(list(index), min(4, len(index))):
                 index.touch(key)
+        elif action < 0.8:
+            for key in rng.sample(list(index), min(2, len(index))):
+                policy.describe(key, Retention(key))
+                index.put(key, 8 * MB, None)  # replaced (unhinted now)
         else:
             for key in rng.sample(list(index), min(3, len(index))):
                 index.remove(key)
-        ordered = index.ordered()
-        assert sorted(ordered) == sorted(index), step
+        if step % 10 == 0:
+            check_policy(index, policy)
         assert index.used <= index.capacity
+    check_policy(index, policy)
     assert set(policy._unit_of) == set(index)
+    index.clear()
+    assert index.ordered() == [] and not policy._units and not policy._waiting
 
 
 def test_pages_put_deepest_first_still_make_one_chain() -> None:
@@ -184,4 +214,98 @@ def test_pages_put_deepest_first_still_make_one_chain() -> None:
     for c in range(3):
         index.touch(f"r.a{c}")  # used after "other", yet useless once the state leaves
     index.remove(state)
+    index.put("later", 1 * MB, None)
     assert set(index.ordered()[:3]) == {"r.a0", "r.a1", "r.a2"}  # they served only it
+
+
+def test_a_state_of_several_pages_stored_over_held_attention_goes_first() -> None:
+    """A state set is a page per group and shard: every one of them refreshes the chain after
+    itself, so the state stays ahead of the attention it needs."""
+    policy = ResumePointPolicy()
+    index = LruIndex[None](100 * MB, policy)
+    policy.describe("a0", Retention("A0"))
+    index.put("a0", 10 * MB, None)
+    for shard in ("s0.g0", "s0.g1"):
+        policy.describe(shard, Retention("S0", "A0", True))
+        index.put(shard, 5 * MB, None)
+    assert index.ordered() == ["s0.g0", "s0.g1", "a0"]
+    index.capacity = 15 * MB
+    index.make_room(0)
+    assert "a0" in index and "s0.g0" not in index  # not the attention, keeping a useless state
+
+
+def test_a_state_put_while_its_attention_is_replaced_still_needs_it() -> None:
+    policy = ResumePointPolicy()
+    index = LruIndex[None](100 * MB, policy)
+    policy.describe("a0", Retention("A0"))
+    index.put("a0", 10 * MB, None)
+    policy.describe("s0", Retention("S0", "A0", True))
+    index.put("s0", 5 * MB, None)
+    index.remove("a0")  # the first half of a replace
+    policy.describe("s1", Retention("S1", "A0", True))
+    index.put("s1", 5 * MB, None)
+    policy.describe("a0", Retention("A0"))
+    index.insert("a0", 10 * MB, None)
+    index.remove("s0")
+    assert index.ordered() == ["s1", "a0"]  # a0 still serves s1, after it
+
+
+def test_replacing_a_page_when_room_must_be_made_evicts_the_least_recent_other() -> None:
+    policy = ResumePointPolicy()
+    index = LruIndex[None](40, policy)
+    for key, hint in [("x", Retention("X")), ("a0", Retention("A0")), ("s0", Retention("S0", "A0", True)),
+                      ("y", Retention("Y"))]:  # fmt: skip
+        policy.describe(key, hint)
+        index.put(key, 10, None)
+    policy.describe("a0", Retention("A0"))
+    assert [e.key for e in index.put("a0", 20, None) or []] == ["x"]
+    policy.describe("s0", Retention("S0", "A0", True))
+    assert [e.key for e in index.put("s0", 20, None) or []] == ["y"]
+    assert set(index) == {"a0", "s0"} and index.ordered() == ["s0", "a0"]
+
+
+def test_the_heap_stays_bounded_without_evictions() -> None:
+    policy = ResumePointPolicy()
+    index = LruIndex[None](1 << 40, policy)
+    for i in range(100):
+        index.put(f"k{i}", 1, None)
+    for i in range(100_000):
+        index.touch(f"k{i % 100}")
+    assert len(policy._heap) <= 2 * 100 + 65
+
+
+def test_a_victim_the_index_may_not_evict_is_skipped() -> None:
+    policy = ResumePointPolicy()
+    index = LruIndex[None](100, policy)
+    for key in ("k0", "k1", "k2"):
+        index.put(key, 10, None)
+    assert index.evict(lambda e: e.key != "k0").key == "k1"  # k0 pinned (a lease)
+    assert index.ordered() == ["k0", "k2"]
+
+
+def test_the_scan_rule_applies_with_the_tiers_capacity() -> None:
+    policy = ResumePointPolicy(lambda: 100)
+    index = LruIndex[None](100, policy)
+    index.put("old", 10, None)
+    policy.describe("scan", Retention("SCAN", request_bytes=60))  # more than half the tier
+    index.put("scan", 10, None)
+    assert index.ordered() == ["scan", "old"]
+
+
+def test_the_cpu_tier_orders_by_the_hints_it_is_given() -> None:
+    from hybrid_offload.backends import BackendConfig
+    from hybrid_offload.backends.cpu import CpuBackend
+
+    a0, x, s0, y, z, w = (f"{'ab' * 8}-{i:016x}" for i in range(6))
+    with CpuBackend(BackendConfig(type="cpu", name="cpu", capacity_bytes=3000)) as cpu:
+        cpu.describe_batch([(a0, Retention("A0"))])
+        cpu.put_batch([(a0, b"a" * 1000)])
+        cpu.put_batch([(x, b"x" * 1000)])
+        cpu.describe_batch([(s0, Retention("S0", "A0", True))])
+        cpu.put_batch([(s0, b"s" * 1000)])  # refreshes the attention it needs after itself
+        cpu.put_batch([(y, b"y" * 1000)])
+        assert cpu.take_evicted() == [x]  # plain LRU evicts a0, leaving s0 useless
+        cpu.put_batch([(z, b"z" * 1000)])
+        assert cpu.take_evicted() == [s0]
+        cpu.put_batch([(w, b"w" * 1000)])
+        assert cpu.take_evicted() == [a0]  # it served only s0: before y, which is older
