@@ -17,6 +17,14 @@ keeps that structure from :class:`Retention` hints that the store path gives per
   state's attention is refreshed with it, after it: a state goes before the pages it needs.
 * **Released first**: attention whose last referencing state left (it serves no resume point
   left), and units hinted with weight 0 (an application said its session ended).
+* **Order of arrival.** Pages may come deepest first (a state before its attention): a state
+  reaches up its chain as its attention arrives.
+* **Leaving.** A victim's unit leaves at once (what only it needed is released). A unit whose
+  last page is deleted, or removed to be put again (a replace: remove, make room, add), leaves
+  when another unit is added, or, unless it left last, when the index asks for the order; one
+  put back before then keeps its place in the chains.
+* **Scans.** A unit whose request stores more than :data:`SCAN_SHARE` of the tier (``capacity``
+  given) weighs 0.
 * Hints for keys that never enter the index are forgotten after :data:`MAX_PENDING_HINTS`.
 
 Called under the index's lock (the :class:`~.lru_index.EvictionPolicy` contract); ``describe``
