@@ -187,8 +187,7 @@ class CpuBackend(Backend):
 
     def _describe_batch(self, hints: Sequence[tuple[str, Retention]]) -> None:
         with self._lock:
-            for key, hint in hints:
-                self._retention.describe(key, hint)
+            self._retention.describe_batch(hints)
 
     def _delete_batch(self, keys: Sequence[str]) -> int:
         with self._lock:

@@ -553,8 +553,7 @@ class DiskBackend(DiskType, Backend):
 
     def _describe_batch(self, hints: Sequence[tuple[str, Retention]]) -> None:
         with self._lock:
-            for key, hint in hints:
-                self._retention.describe(key, hint)
+            self._retention.describe_batch(hints)
 
     def _touch_batch(self, keys: Sequence[str]) -> None:
         """Stamp each page file's mtime, in order (its LRU position, also after a restart).

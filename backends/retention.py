@@ -36,12 +36,15 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from .lru_index import EvictionPolicy
 
-__all__ = ["MAX_PENDING_HINTS", "SCAN_SHARE", "SESSIONS", "ResumePointPolicy", "Retention", "page_weight"]
+__all__ = [
+    "MAX_PENDING_HINTS", "SCAN_SHARE", "SESSIONS", "ResumePointPolicy", "Retention", "page_weight",
+    "session_weight",
+]  # fmt: skip
 
 #: hints described but not (yet) added that a policy remembers
 MAX_PENDING_HINTS = 1 << 16
@@ -51,15 +54,20 @@ SCAN_SHARE = 0.5
 SESSIONS = ("continues", "ends")
 
 
-def page_weight(new_bytes: int, capacity: int, session: str | None = None) -> float:
-    """The weight of the pages one request stores in a tier of ``capacity`` bytes: 0 (released
-    first) when the application said its session ``ends`` or when they take more than
-    :data:`SCAN_SHARE` of the tier (a one-shot long prompt must not flush it), else 1."""
+def session_weight(session: str | None) -> float:
+    """The weight of a request's pages by what the application said of its session: 0 (released
+    first) when it ``ends``, else 1."""
     if session is not None and session not in SESSIONS:
         raise ValueError(f"session must be one of {', '.join(SESSIONS)}, got {session!r}")
-    if session == "ends" or new_bytes > SCAN_SHARE * capacity:
-        return 0.0
-    return 1.0
+    return 0.0 if session == "ends" else 1.0
+
+
+def page_weight(new_bytes: int, capacity: int, session: str | None = None) -> float:
+    """The weight of the pages one request stores in a tier of ``capacity`` bytes: its
+    :func:`session_weight`, and 0 when they take more than :data:`SCAN_SHARE` of the tier (a
+    one-shot long prompt must not flush it)."""
+    weight = session_weight(session)
+    return 0.0 if new_bytes > SCAN_SHARE * capacity else weight
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +137,11 @@ class ResumePointPolicy(EvictionPolicy):
         self._pending.move_to_end(key)
         while len(self._pending) > MAX_PENDING_HINTS:
             self._pending.popitem(last=False)
+
+    def describe_batch(self, hints: Sequence[tuple[str, Retention]]) -> None:
+        """:meth:`describe` each (key, hint): a backend's ``describe_batch``, under its lock."""
+        for key, hint in hints:
+            self.describe(key, hint)
 
     # ---- EvictionPolicy ---------------------------------------------------------------
     def added(self, key: str) -> None:

@@ -128,7 +128,8 @@ def _is_unsplittable(group: GroupSpec, max_model_len: int) -> bool:
 
 def _plan_group(group: GroupSpec, chunk: int, max_model_len: int) -> GroupPlan:
     if _is_unsplittable(group, max_model_len):
-        return GroupPlan(group, window_chunks=None, blocks_per_chunk=1, chunks_per_block=1, unsplittable=True)
+        return GroupPlan(group, window_chunks=None, blocks_per_chunk=1, chunks_per_block=1,
+                         unsplittable=True)
     block = group.block_size
     if block <= chunk:
         if chunk % block:

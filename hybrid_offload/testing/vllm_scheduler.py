@@ -184,12 +184,10 @@ def build_scheduler(
             kv_role="kv_both", kv_connector_extra_config={"model_version": f"{model}-shapes", **connector},
         )  # fmt: skip
     return Scheduler(
-        vllm_config=config,
-        kv_cache_config=kv_cache_config,
-        log_stats=False,
+        vllm_config=config, kv_cache_config=kv_cache_config, log_stats=False,
         block_size=block if prefix_caching else math.lcm(block, max_len),
         structured_output_manager=StructuredOutputManager(config),
-    )
+    )  # fmt: skip
 
 
 def _vllm_config(

@@ -10,7 +10,7 @@ a scan there). See :mod:`hybrid_offload.backends.retention`.
 
 from __future__ import annotations
 
-from hybrid_offload.backends.retention import Retention, page_weight
+from hybrid_offload.backends.retention import Retention, session_weight
 from hybrid_offload.connector.metadata import PageJob
 from hybrid_offload.connector.scheduler.request_state import RequestState
 from hybrid_offload.core.budgets import attention_bytes_per_token, state_set_bytes
@@ -53,5 +53,4 @@ class RetentionHints:
         else:
             unit = attention
             parent = "a" + keys[self._attention][c - 1] if c else ""  # type: ignore[index]
-        weight = page_weight(0, 1, state.session)
-        return Retention(unit, parent, is_state, weight, self.request_bytes(state))
+        return Retention(unit, parent, is_state, session_weight(state.session), self.request_bytes(state))

@@ -84,10 +84,7 @@ class StorePlanner:
         mamba = [p for p in planner.plans if p.kind is GroupKind.MAMBA]
         #: drafting: decoding states are taken after steps that start on a boundary's last position
         self.decode_stops = bool(
-            drafting is not None
-            and drafting.exact_steps
-            and mamba
-            and self.stores_output
+            drafting is not None and drafting.exact_steps and mamba and self.stores_output
             and all(p.unsplittable for p in mamba)
         )
 
@@ -116,7 +113,7 @@ class StorePlanner:
 
     def _state_due(self, state: RequestState, end: int) -> bool:
         """Whether the prefill state at ``end`` (a chunk boundary) is stored (see
-        :func:`~hybrid_offload.core.planner.state_due`)."""
+        :func:`~hybrid_offload.core.checkpoints.state_due`)."""
         return state_due(end, state.checkpoints, state.last_state, self.checkpoint_interval)
 
     def decode_states_note(self) -> str:
@@ -127,14 +124,10 @@ class StorePlanner:
         if not mamba or not self.stores_output:
             return "none (no state groups, or no backend with store_output)"
         if self.drafting is not None and not self.drafting.exact_steps:
-            return (
-                "not stored: under async scheduling a step is planned before the previous "
-                "step's drafts are verified (a chat's next turn recomputes the reply)"
-            )
-        return (
-            "not stored: Mamba cache mode 'align' keeps draft states in shared slots "
-            "(a chat's next turn recomputes the reply)"
-        )
+            return ("not stored: under async scheduling a step is planned before the previous "
+                    "step's drafts are verified (a chat's next turn recomputes the reply)")
+        return ("not stored: Mamba cache mode 'align' keeps draft states in shared slots "
+                "(a chat's next turn recomputes the reply)")
 
     # ---- per step -----------------------------------------------------------------------
     def decode_stop(self, state: RequestState, start: int, end: int) -> int:

@@ -83,90 +83,115 @@ def replay(traffic: Traffic, geometry: Geometry, capacity: int, policy: str, rul
     return r
 
 
-def run(args: argparse.Namespace) -> int:
+Rows = list[dict[str, Any]]
+
+
+def model_rows(traffic: Traffic, model: str, rules: Rules, sizes: list[float], policies: list[str],
+               cpu_pct: float) -> tuple[dict[str, Any], Rows, Rows]:  # fmt: skip
+    """One geometry: its bytes and bounds, a row per (size, policy), and the hierarchy rows (a
+    cpu tier of ``cpu_pct`` above each larger disk size, resume points)."""
     from hybrid_offload.backends.retention import ResumePointPolicy
     from hybrid_offload.testing.vllm_scheduler import geometry
+    from hybrid_offload.tools.bench.trace_model import Geometry, Replay, Rules, unlimited, uses_of
+
+    attention, state = geometry(model)
+    geo = Geometry(model, attention, state)
+    base = unlimited(traffic, geo, rules)
+    uses = uses_of(traffic, base.hit_chunks)
+    dense = Rules(rules.interval, rules.step_tokens, dense=True)
+    total = unlimited(traffic, geo, dense).outcome.served_tokens  # the most any tier serves
+    working_set = traffic.working_set(geo)
+
+    def pct_of_total(served: int) -> float:
+        return round(100 * served / total, 2) if total else 0.0
+
+    rows = []
+    for pct in sizes:
+        capacity = int(working_set * pct / 100)
+        for policy in policies:
+            started = time.perf_counter()
+            r = replay(traffic, geo, capacity, policy, rules, uses)
+            rows.append({
+                "model": model, "policy": policy, "size_pct": pct, "capacity_bytes": capacity,
+                "served_tokens": r.outcome.served_tokens, "served_pct": pct_of_total(r.outcome.served_tokens),
+                "hits": r.outcome.hits, "evictions": r.outcome.evictions,
+                "seconds": round(time.perf_counter() - started, 2),
+            })  # fmt: skip
+            logger.info("%s %s %g%%: %.1f%%", model, policy, pct, rows[-1]["served_pct"])
+    hierarchy = []
+    for pct in (p for p in sizes if p > cpu_pct):
+        cpu, disk = int(working_set * cpu_pct / 100), int(working_set * pct / 100)
+        r = Replay(traffic, geo, cpu, rules, ResumePointPolicy(lambda cpu=cpu: cpu), hints="pages",
+                   lower=[(disk, ResumePointPolicy(lambda disk=disk: disk))])  # fmt: skip
+        r.run()
+        hierarchy.append({
+            "model": model, "cpu_pct": cpu_pct, "disk_pct": pct,
+            "served_pct": pct_of_total(r.outcome.served_tokens),
+            "cpu_share_pct": round(100 * r.outcome.served_by[0] / max(1, r.outcome.served_tokens), 2),
+        })  # fmt: skip
+    info = {
+        "attention_bytes_per_token": attention, "state_bytes": state,
+        "chunk_bytes": geo.chunk_bytes(traffic.chunk),
+        "working_set_bytes": working_set, "unlimited_served_tokens": total,
+        "unlimited_served_tokens_our_rules": base.outcome.served_tokens,
+    }  # fmt: skip
+    return info, rows, hierarchy
+
+
+def engine_rows(args: argparse.Namespace) -> Rows:
+    """The scaled replay through engines of ``--engine`` at each ``--engine-sizes`` (none without)."""
+    if args.engine is None:
+        return []
+    from hybrid_offload.tools.bench.trace_engine import engine_replay
+
+    requests = min(args.engine_requests, 60) if args.quick else args.engine_requests
+    rows = []
+    for pct in (float(s) for s in args.engine_sizes.split(",")):
+        row = engine_replay(args.engine, args.trace, requests, args.engine_block, pct)
+        logger.info("engine replay %g%%: engine %.2f%%, simulator %.2f%%, tokens identical: %s", pct,
+                    row["engine_served_pct"], row["sim_served_pct"], row["identical_tokens"])
+        rows.append(row)
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
     from hybrid_offload.tools.bench.trace_file import load_trace
-    from hybrid_offload.tools.bench.trace_model import Geometry, Replay, Rules, Traffic, unlimited, uses_of
+    from hybrid_offload.tools.bench.trace_model import Rules, Traffic
 
     if not args.trace.is_file():
         raise SystemExit(f"--trace: {args.trace} is not a file (a Mooncake-format JSONL trace, e.g. "
                          "FAST25-release/traces/conversation_trace.jsonl of kvcache-ai/Mooncake)")
-    limit = QUICK_REQUESTS if args.quick and args.limit is None else args.limit
-    requests = load_trace(args.trace, limit=limit)
-    traffic = Traffic(requests)
-    rules = Rules(args.interval, args.step_tokens)
-    sizes = [float(s) for s in args.sizes.split(",")]
     policies = args.policies.split(",")
     for p in policies:
         if p not in POLICIES:
             raise SystemExit(f"--policies: unknown {p!r}; expected some of {', '.join(POLICIES)}")
-    rows: list[dict[str, Any]] = []
-    hierarchy: list[dict[str, Any]] = []
-    geometries: dict[str, dict[str, int]] = {}
+    limit = QUICK_REQUESTS if args.quick and args.limit is None else args.limit
+    traffic = Traffic(load_trace(args.trace, limit=limit))
+    rules = Rules(args.interval, args.step_tokens)
+    sizes = [float(s) for s in args.sizes.split(",")]
+    rows: Rows = []
+    hierarchy: Rows = []
+    geometries: dict[str, dict[str, Any]] = {}
     for model in args.models.split(","):
-        attention, state = geometry(model)
-        geo = Geometry(model, attention, state)
-        geometries[model] = {"attention_bytes_per_token": attention, "state_bytes": state,
-                             "chunk_bytes": geo.chunk_bytes(traffic.chunk)}  # fmt: skip
-        base = unlimited(traffic, geo, rules)
-        uses = uses_of(traffic, base.hit_chunks)
-        dense = Rules(rules.interval, rules.step_tokens, dense=True)
-        total = unlimited(traffic, geo, dense).outcome.served_tokens  # the most any tier serves
-        working_set = traffic.working_set(geo)
-        for pct in sizes:
-            capacity = int(working_set * pct / 100)
-            for policy in policies:
-                started = time.perf_counter()
-                r = replay(traffic, geo, capacity, policy, rules, uses)
-                rows.append({
-                    "model": model, "policy": policy, "size_pct": pct, "capacity_bytes": capacity,
-                    "served_tokens": r.outcome.served_tokens,
-                    "served_pct": round(100 * r.outcome.served_tokens / total, 2) if total else 0.0,
-                    "hits": r.outcome.hits, "evictions": r.outcome.evictions,
-                    "seconds": round(time.perf_counter() - started, 2),
-                })  # fmt: skip
-                logger.info("%s %s %g%%: %.1f%%", model, policy, pct, rows[-1]["served_pct"])
-        for pct in (p for p in sizes if p > args.hierarchy):
-            cpu, disk = int(working_set * args.hierarchy / 100), int(working_set * pct / 100)
-            r = Replay(traffic, geo, cpu, rules, ResumePointPolicy(lambda cpu=cpu: cpu), hints="pages",
-                       lower=[(disk, ResumePointPolicy(lambda disk=disk: disk))])  # fmt: skip
-            r.run()
-            hierarchy.append({
-                "model": model, "cpu_pct": args.hierarchy, "disk_pct": pct,
-                "served_pct": round(100 * r.outcome.served_tokens / total, 2),
-                "cpu_share_pct": round(100 * r.outcome.served_by[0] / max(1, r.outcome.served_tokens), 2),
-            })  # fmt: skip
-        geometries[model].update(working_set_bytes=working_set, unlimited_served_tokens=total,
-                                 unlimited_served_tokens_our_rules=base.outcome.served_tokens)  # fmt: skip
-    engine = []
-    if args.engine is not None:
-        from hybrid_offload.tools.bench.trace_engine import engine_replay
-
-        requests = min(args.engine_requests, 60) if args.quick else args.engine_requests
-        for pct in (float(s) for s in args.engine_sizes.split(",")):
-            engine.append(engine_replay(args.engine, args.trace, requests, args.engine_block, pct))
-            row = engine[-1]
-            logger.info("engine replay %g%%: engine %.2f%%, simulator %.2f%%, tokens identical: %s", pct,
-                        row["engine_served_pct"], row["sim_served_pct"], row["identical_tokens"])
+        geometries[model], model_table, model_hierarchy = model_rows(traffic, model, rules, sizes, policies,
+                                                                     args.hierarchy)  # fmt: skip
+        rows += model_table
+        hierarchy += model_hierarchy
+    engine = engine_rows(args)
     payload = {
         "args": {"trace": str(args.trace), "requests": len(traffic), "sizes_pct": sizes, "policies": policies,
                  "interval": args.interval, "step_tokens": args.step_tokens, "chunk": traffic.chunk},
         "traffic": {"requests": len(traffic), "prompt_tokens": sum(traffic.lengths),
                     "distinct_chunks": traffic.distinct_chunks},
-        "geometries": geometries,
-        "rows": rows,
-        "hierarchy": hierarchy,
-        "engine_replay": engine,
+        "geometries": geometries, "rows": rows, "hierarchy": hierarchy, "engine_replay": engine,
     }  # fmt: skip
     path = write_results("trace", payload, args.out, args.quick)
     print(format_table(rows, ["model", "policy", "size_pct", "served_pct", "hits", "evictions", "seconds"]))
     for model in geometries:
         mine = [r for r in rows if r["model"] == model]
         series = {p: [r["served_pct"] for r in mine if r["policy"] == p] for p in policies}
-        title = f"{model}: served tokens, tier full"
-        line_plot(path.with_name(f"{path.stem}-{model}.png"), title, sizes, series,
-                  "tier size (% of the working set)", "% of an unlimited tier's tokens")  # fmt: skip
+        line_plot(path.with_name(f"{path.stem}-{model}.png"), f"{model}: served tokens, tier full", sizes,
+                  series, "tier size (% of the working set)", "% of an unlimited tier's tokens")  # fmt: skip
     print(format_table(hierarchy, ["model", "cpu_pct", "disk_pct", "served_pct", "cpu_share_pct"]))
     if engine:
         print(format_table(engine, ["model", "requests", "size_pct", "engine_served_pct", "sim_served_pct",

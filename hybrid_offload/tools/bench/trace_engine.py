@@ -104,5 +104,5 @@ def engine_replay(
         "state_bytes": geometry.state_bytes,
         "engine_served_pct": round(engine_pct, 2), "sim_served_pct": round(sim_pct, 2),
         "requests_differing": sum(1 for e, s in per_request if e != s), "identical_tokens": same,
-        "per_request_engine_sim_tokens": json.loads(json.dumps(per_request)),
+        "per_request_engine_sim_tokens": per_request,
     }  # fmt: skip

@@ -196,7 +196,6 @@ class Replay:
         self.tiers: list[LruIndex[None]] = [
             LruIndex(c, p) for c, p in zip(capacities, self.policies, strict=True)
         ]
-        self.policy, self.tier = self.policies[0], self.tiers[0]
         self.hints = hints
         self.admit = admit
         self.geometry = geometry
@@ -296,7 +295,7 @@ class Replay:
             if evicted is not None:
                 self.outcome.evictions += len(evicted)
                 self.outcome.stored_bytes += size
-        return key in self.tier
+        return key in self.tiers[0]
 
 
 def uses_of(traffic: Traffic, hit_chunks: Sequence[int]) -> dict[str, list[int]]:
