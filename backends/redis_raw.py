@@ -17,6 +17,10 @@ Contract:
   closes that connection, whose position in the stream is then unknown, and raises a redis-py
   exception (``ConnectionError``, ``TimeoutError``, ``AuthenticationError``, ``ResponseError``;
   all ``RedisError``). The next call connects again.
+* A kept connection the server dropped (it restarted, or closed idle clients) is not a failure:
+  when one closes or resets under a call, every kept connection is closed and the call is sent
+  once more on a new connection (GETRANGE is a read; the views are filled again), as redis-py's
+  one retry does for the backend's other commands.
 * Thread-safe: each call takes an idle connection or opens one; at most ``max_idle`` idle ones
   are kept. ``close()`` closes the idle ones; a connection in use is closed when its call ends.
 """
@@ -50,6 +54,10 @@ def _command(*args: bytes | str | int) -> bytes:
     return b"".join(parts)
 
 
+class _DroppedError(RedisConnectionError):
+    """The server closed or reset the connection."""
+
+
 class _Connection:
     """One socket and the few bytes read past the last reply's header."""
 
@@ -60,7 +68,7 @@ class _Connection:
     def _fill(self) -> None:
         chunk = self.sock.recv(_HEADER_READ)
         if not chunk:
-            raise RedisConnectionError("the redis server closed the connection")
+            raise _DroppedError("the redis server closed the connection")
         self.pending += chunk
 
     def line(self) -> bytes:
@@ -80,7 +88,7 @@ class _Connection:
         while done < view.nbytes:
             got = self.sock.recv_into(view[done:])
             if got == 0:
-                raise RedisConnectionError("the redis server closed the connection")
+                raise _DroppedError("the redis server closed the connection")
             done += got
 
     def skip(self, count: int) -> None:
@@ -169,11 +177,18 @@ class RawReader:
             raise
         return conn
 
-    def _take(self) -> _Connection:
+    def _take(self) -> tuple[_Connection, bool]:
+        """An idle connection (True: kept from an earlier call) or a new one (False)."""
         with self._lock:
             if self._idle:
-                return self._idle.pop()
-        return self._connect()
+                return self._idle.pop(), True
+        return self._connect(), False
+
+    def _drop_idle(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
 
     def _give(self, conn: _Connection) -> None:
         with self._lock:
@@ -187,18 +202,28 @@ class RawReader:
         full lengths (see the module docstring)."""
         if not keys:
             return []
-        conn = self._take()
+        request = b"".join(_command("GETRANGE", k, 0, e) for k, e in zip(keys, ends, strict=True))
+        conn, kept = self._take()
         try:
-            conn.sock.sendall(
-                b"".join(_command("GETRANGE", k, 0, e) for k, e in zip(keys, ends, strict=True))
-            )
+            return self._exchange(conn, request, views)
+        except _DroppedError:
+            if not kept:
+                raise
+        self._drop_idle()  # kept ones opened before the server dropped this one are stale too
+        return self._exchange(self._connect(), request, views)
+
+    def _exchange(self, conn: _Connection, request: bytes, views: Sequence[memoryview]) -> list[int]:
+        """Send ``request`` on ``conn`` and receive one reply per view; ``conn`` is kept after
+        a success and closed after any failure."""
+        try:
+            conn.sock.sendall(request)
             lengths = [conn.reply_into(view) for view in views]
         except TimeoutError as exc:
             conn.close()
             raise RedisTimeoutError(f"reading from {self._address[0]}:{self._address[1]}: {exc}") from exc
         except OSError as exc:
             conn.close()
-            raise RedisConnectionError(f"reading from {self._address[0]}:{self._address[1]}: {exc}") from exc
+            raise _DroppedError(f"reading from {self._address[0]}:{self._address[1]}: {exc}") from exc
         except BaseException:
             conn.close()
             raise

@@ -331,11 +331,17 @@ def test_server_killed_then_restarted_same_instance_recovers(
         assert backend.put_batch([(key(2), page(2, 500))]) == [True]
         assert backend.get_batch([key(2)]) == [page(2, 500)]
         assert backend.used_bytes() == 500
+        buf = bytearray(1000)
+        assert backend.get_into([key(2)], [memoryview(buf)]) == [500]  # keeps a raw connection
         # a restart between two calls: the pooled connections are stale, redis-py reconnects
         srv.restart()
         assert backend.contains_batch([key(2)]) == [False]
         assert backend.put_batch([(key(3), b"abc")]) == [True]
         assert backend.used_bytes() == 3
+        # and so does the raw reader of get_into: the restart is not an outage
+        assert backend.get_into([key(3), key(2)], [memoryview(buf), memoryview(bytearray(8))]) == [3, None]
+        assert bytes(buf[:3]) == b"abc"
+        assert backend.stats.errors == len(all_calls(backend))
 
 
 def test_hung_server_times_out(own_server: Callable[..., RedisServer]) -> None:

@@ -110,6 +110,33 @@ def test_an_error_reply_raises_and_the_connection_is_dropped(server: Scripted) -
     reader.close()
 
 
+def test_a_kept_connection_the_server_dropped_is_retried_once_on_a_new_one(server: Scripted) -> None:
+    """A server restart closes kept connections: the call is sent again, not failed."""
+    server.script(1, bulk(b"one"))
+    server.script(1, b"", close=True)  # the kept connection: the server closes it unanswered
+    server.script(1, bulk(b"two"))
+    reader = RawReader("127.0.0.1", server.port)
+    buf = bytearray(8)
+    assert reader.read_into(["a"], [8], [memoryview(buf)]) == [3]
+    assert reader.read_into(["b"], [8], [memoryview(buf)]) == [3]
+    assert bytes(buf[:3]) == b"two"
+    assert len(server.received) == 3 and b"$1\r\nb\r\n" in server.received[2]
+    reader.close()
+
+
+def test_a_new_connection_the_server_drops_is_not_retried(server: Scripted) -> None:
+    server.script(1, bulk(b"one"))
+    server.script(1, b"", close=True)
+    server.script(1, b"", close=True)  # the retry's new connection is dropped too
+    reader = RawReader("127.0.0.1", server.port)
+    buf = bytearray(8)
+    reader.read_into(["a"], [8], [memoryview(buf)])
+    with pytest.raises(RedisConnectionError, match="closed"):
+        reader.read_into(["b"], [8], [memoryview(buf)])
+    assert len(server.received) == 3  # one retry, not more
+    reader.close()
+
+
 @pytest.mark.parametrize(
     ("reply", "close", "match"),
     [(b"$100\r\n" + b"z" * 40, True, "closed"), (b"+OK\r\n", False, "unexpected reply")],
