@@ -68,14 +68,28 @@ class LoadSegment:
 
 
 @dataclass(frozen=True)
+class Promotion:
+    """After a load, put page set ``key`` (KV cache group ``group``), the bytes read and
+    checked, into ``backends`` too: faster tiers of this engine's own memory that lack it."""
+
+    key: str
+    group: int
+    backends: tuple[str, ...]
+    retention: Retention | None = None
+
+
+@dataclass(frozen=True)
 class LoadJob:
     """Load the pages of request ``req_id``: each segment from its backend; a page missing or
-    bad there is tried in the ``fallbacks`` backends, in order, before the load fails."""
+    bad there is tried in the ``fallbacks`` backends, in order, before the load fails. Once the
+    load succeeded, the worker puts the pages named in ``promotions`` into their tiers (best
+    effort, in background)."""
 
     req_id: str
     segments: tuple[LoadSegment, ...]
     fallbacks: tuple[str, ...] = ()
     clears: tuple[ClearRange, ...] = ()
+    promotions: tuple[Promotion, ...] = ()
 
     @property
     def pages(self) -> tuple[PageJob, ...]:

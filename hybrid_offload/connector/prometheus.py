@@ -68,6 +68,11 @@ CONNECTOR_COUNTERS = {
     "external_tokens": ("external_tokens", "Prompt tokens scheduled to load from any backend."),
     "failed_loads": ("failed_loads", "Loads that failed (the request was recomputed)."),
     "stores_dropped": ("stores_dropped", "Pages not stored because the store queue was full."),
+    "pages_promoted": ("pages_promoted", "Pages a load read from a tier and put into a faster one."),
+    "promotions_dropped": (
+        "promotions_dropped",
+        "Loaded pages not promoted into a faster tier because the store queue was full.",
+    ),
     "store_batch_errors": (
         "store_batch_errors",
         "Store batches that failed with an unexpected error, a bug (logged with its traceback).",

@@ -146,6 +146,10 @@ class WorkerCounters:
     bad_pages: int = 0
     missing_pages: int = 0
     stores_dropped: int = 0
+    #: pages a load read from a tier and put into a faster one (promoted), and those dropped
+    #: for the pending-bytes budget
+    pages_promoted: int = 0
+    promotions_dropped: int = 0
     #: store batches that raised an unexpected error (not a BackendError): a bug, logged with
     #: its traceback; the batch's remaining pages were not stored
     store_batch_errors: int = 0

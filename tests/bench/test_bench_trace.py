@@ -88,6 +88,24 @@ def test_policies_order_as_the_bounds_say() -> None:
     assert served["belady"] >= max(served.values())
 
 
+def test_a_hit_in_the_lower_tier_is_promoted_into_the_upper_one() -> None:
+    """A cpu tier too small for two chats above a disk tier that holds both: the chat whose
+    pages the cpu tier lost is served from disk once, then (promoted) from cpu."""
+    a = [TraceRequest(0, 2 * 512 + 9, 10, (10, 11, 12))]
+    b = [TraceRequest(1, 2 * 512 + 9, 10, (20, 21, 22))]
+    turns = a + b + [TraceRequest(2, 2 * 512 + 9, 10, (10, 11, 13)), TraceRequest(3, 2 * 512 + 9, 10, (10, 11, 14))]
+    traffic = Traffic(turns)
+    cpu = 2 * QWEN.chunk_bytes(512) + QWEN.state_bytes + 1  # one chat's pages
+    served_by = {}
+    for promote in (False, True):
+        replay = Replay(traffic, QWEN, cpu, Rules(), lower=[(10 * cpu, None)], promote=promote)
+        replay.run()
+        assert replay.hit_chunks == [0, 0, 2, 2]
+        served_by[promote] = replay.outcome.served_by
+    assert served_by[False] == [0, 2048]  # both hits from disk
+    assert served_by[True] == [1024, 1024]  # the second from cpu
+
+
 def test_the_command_writes_rows_and_plots(tmp_path: Path) -> None:
     from hybrid_offload.tools.cli.main import main
 
@@ -103,8 +121,10 @@ def test_the_command_writes_rows_and_plots(tmp_path: Path) -> None:
     doc = json.loads((out / "trace.json").read_text())
     rows = {(r["policy"], r["size_pct"]): r["served_pct"] for r in doc["rows"]}
     assert set(rows) == {(p, s) for p in ("lru", "resume", "resume-sessions", "belady") for s in (2.0, 50.0)}
-    (hierarchy,) = [h for h in doc["hierarchy"] if h["disk_pct"] == 2.0]  # a cpu tier of 1 % above it
-    assert hierarchy["served_pct"] >= rows[("resume", 2.0)] and 0 < hierarchy["cpu_share_pct"] <= 100
+    plain, promoted = [h for h in doc["hierarchy"] if h["disk_pct"] == 2.0]  # a cpu tier of 1 % above it
+    assert not plain["promote"] and promoted["promote"]
+    for row in (plain, promoted):
+        assert row["served_pct"] >= rows[("resume", 2.0)] and 0 < row["cpu_share_pct"] <= 100
     assert all(0 <= v <= 100 for v in rows.values()) and rows[("belady", 50.0)] == pytest.approx(100, abs=5)
     assert doc["geometries"]["qwen3_next_80b"]["state_bytes"] == QWEN.state_bytes  # bf16, as a GPU keeps it
     assert (out / "trace-qwen3_next_80b.png").stat().st_size > 0

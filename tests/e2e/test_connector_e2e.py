@@ -2,8 +2,10 @@
 
 For each arch: a baseline engine without the connector; engine A (cpu + disk) runs the prompts
 twice (the second pass must load >= 99 % of the chunk-aligned prefix from the cpu tier); then
-engine B, a new process with only the disk tier on the same directory (a restart), must load
->= 99 % from disk (one case with the disk's segment layout). Every pass must give the baseline's greedy
+engine B, a new process on the same disk directory with an empty cpu tier (a restart), must load
+>= 99 % from disk (one case with the disk's segment layout), promoting what it loads into its cpu
+tier, and in its second pass serve from the cpu tier what it promoted (a lookup before the
+worker's report of the promotion still loads from disk). Every pass must give the baseline's greedy
 tokens. vLLM's own prefix cache is reset before every request, so hits can only come from the
 connector. Async scheduling is on in engine A and off in engine B (and the other way round for
 qwen3_next and llama).
@@ -69,15 +71,22 @@ def test_cpu_then_disk_after_restart(
     engine_b = run_session_subprocess(
         {
             **base,
-            "connector": connector(disk, False, layout),
-            "passes": 1,
+            "connector": connector(disk, True, layout),
+            "passes": 2,
             "llm_kwargs": {"async_scheduling": not async_a},
         }
     )
     assert tokens(engine_b, 0) == expected
-    assert hit_rate(engine_b, 0, "disk") >= 0.99
-    worker = engine_b["passes"][0]["worker_total"]
+    assert tokens(engine_b, 1) == expected
+    # after the restart the disk serves, and what it served is promoted: the later prompt of a
+    # document (in the same pass) and the second pass are served from the cpu tier
+    assert hit_rate(engine_b, 0, "disk") > 0
+    for index in range(2):
+        assert hit_rate(engine_b, index, "cpu") + hit_rate(engine_b, index, "disk") >= 0.99
+    assert hit_rate(engine_b, 1, "cpu") >= 0.5
+    worker = engine_b["passes"][1]["worker_total"]
     assert worker["bad_pages"] == 0 and worker["missing_pages"] == 0
+    assert worker["pages_promoted"] > 0 and worker["promotions_dropped"] == 0
 
 
 ZEROING_CHILD = """

@@ -626,6 +626,37 @@ def test_load_job_pages_for_an_unaligned_start(worlds) -> None:
     assert w.sched.build_connector_meta(step()).loads == []  # one LoadJob per load
 
 
+def test_pages_loaded_from_a_slower_tier_are_promoted_into_the_cpu_tier(worlds, tmp_path: Path) -> None:
+    """cpu (weight 1) holds chunks 0-1, disk (0.75) chunks 0-3: the load reads from disk and
+    promotes what cpu lacks (with its retention) into cpu only."""
+    w = worlds(make_spec(8, 8), 8, backends=(cpu_config(), disk_config(tmp_path, weight=0.75)))
+    tokens = prompt(40)
+    w.hold("cpu", w.chunk_keys(tokens, range(2)))
+    w.hold("disk", w.chunk_keys(tokens, range(4)))
+    job = start_load(w, FakeRequest("r1", tokens), 0, (list(range(10, 15)), [0, 0, 0, 33, 0]))
+    assert {s.backend for s in job.segments} == {"disk"}
+    keys = w.keys(tokens)
+    assert [(p.key, p.group, p.backends) for p in job.promotions] == [
+        (keys[ATTN][2], ATTN, ("cpu",)), (keys[ATTN][3], ATTN, ("cpu",)), (keys[MAMBA][3], MAMBA, ("cpu",))
+    ]  # fmt: skip
+    hints = {p.key: p.retention for p in job.promotions}
+    assert hints[keys[MAMBA][3]].state and hints[keys[MAMBA][3]].parent == "a" + keys[ATTN][3]
+    assert hints[keys[ATTN][3]].parent == "a" + keys[ATTN][2]
+    assert hints[keys[ATTN][2]].request_bytes > 0  # what it loads counts: a huge load is a scan
+
+
+@pytest.mark.parametrize(
+    "cpu_policy", [{"read_only": True}, {"weight": 0.25}], ids=["cpu read-only", "cpu slower than disk"]
+)
+def test_no_promotion_into_a_read_only_or_slower_tier(worlds, tmp_path: Path, cpu_policy: dict) -> None:
+    w = worlds(make_spec(8, 8), 8, backends=(cpu_config(**cpu_policy), disk_config(tmp_path, weight=0.5)))
+    tokens = prompt(40)
+    w.hold("disk", w.chunk_keys(tokens, range(4)))
+    job = start_load(w, FakeRequest("r1", tokens), 0, (list(range(10, 15)), [0, 0, 0, 33, 0]))
+    assert {s.backend for s in job.segments} == {"disk"}
+    assert job.promotions == ()
+
+
 def test_load_job_for_split_blocks_and_aligned_start(worlds) -> None:
     """chunk 4 < block 8 with a local hit of 8 tokens: chunks 2..6, two per block; the load
     ends inside block 13, whose rest is zeroed."""

@@ -45,6 +45,7 @@ from hybrid_offload.backends import (
     BuffersInUseError,
     create_backend,
 )
+from hybrid_offload.backends.retention import Retention
 from hybrid_offload.backends.wrappers import FaultInjectingBackend
 from hybrid_offload.connector.config import Tier
 from hybrid_offload.connector.metadata import (
@@ -54,6 +55,7 @@ from hybrid_offload.connector.metadata import (
     LoadSegment,
     OffloadMetadata,
     PageJob,
+    Promotion,
     StoreJob,
     TouchJob,
 )
@@ -591,6 +593,68 @@ def test_worker_meta_reports_stores_once_and_cpu_evictions(world, tmp_path: Path
     assert meta.stored == {"cpu": [keys[1], keys[0], keys[2]], "disk": [keys[1], keys[0], keys[2]]}
     assert meta.evicted == {"cpu": [keys[1]]}  # LRU; the disk backend's index is shared: no report
     assert w.worker.worker_meta() is None
+
+
+# ---- promotion ---------------------------------------------------------------------------------
+def promotion_world(world, tmp_path: Path, **kwargs: Any) -> tuple[World, list[PageJob], LoadJob]:
+    """Pages stored in cpu and disk, then gone from cpu (evicted); a load of them from disk that
+    promotes them into cpu."""
+    disk = BackendConfig("disk", "disk", 1 << 30, options={"path": str(tmp_path / "disk")})
+    w, pages, _ = stored_world(world, cpu(), disk, **kwargs)
+    w.backend("cpu").delete_batch([p.key for p in pages])
+    w.worker.worker_meta()  # drain the stores' reports
+    dst = [11, 6, 13]
+    load = (*(w.attn_page(c, dst) for c in range(3)), w.mamba_page(2, (12,)))
+    hint = Retention("unit-x", weight=0.5)
+    promotions = tuple(Promotion(p.key, p.group, ("cpu",), hint) for p in load)
+    job = LoadJob("req", (LoadSegment("disk", load),), ("disk",), promotions=promotions)
+    return w, pages, job
+
+
+def test_a_load_promotes_what_it_read_into_the_faster_tier(world, tmp_path: Path) -> None:
+    """After the load is written the store thread puts the pages, as read and checked, into the
+    cpu tier (hints first), reports them stored, and gives the staging memory back."""
+    w, pages, job = promotion_world(world, tmp_path)
+    described: list[tuple[str, Retention]] = []
+    cpu_tier = w.backend("cpu").raw
+    real_describe = cpu_tier.describe_batch
+    cpu_tier.describe_batch = lambda hints: (described.extend(hints), real_describe(hints))[1]
+    w.worker.start_loads([job])
+    assert w.finish("req") == ({"req"}, set())
+    w.worker.flush(10)
+    keys = [w.piece_key(p.key) for p in pages]
+    disk = w.backend("disk")
+    assert w.backend("cpu").get_batch([p.key for p in pages]) == disk.get_batch([p.key for p in pages])
+    assert sorted(w.worker.worker_meta().stored["cpu"]) == sorted(keys)
+    assert sorted(k for k, _ in described) == sorted(keys) and {r.weight for _, r in described} == {0.5}
+    counters = w.counters()
+    assert counters["pages_promoted"] == 4 and counters["promotions_dropped"] == 0
+    assert counters["backends"]["cpu"]["stored_pages"] == 8  # 4 stored, 4 promoted
+    assert w.worker.loads.staging.free_bytes > 0  # given back after the puts
+
+
+def test_a_failed_load_promotes_nothing(world, tmp_path: Path) -> None:
+    w, pages, job = promotion_world(world, tmp_path)
+    w.backend("disk").delete_batch([pages[1].key])
+    w.worker.start_loads([job])
+    assert w.finish("req") == ({"req"}, {"req"})
+    w.worker.flush(10)
+    assert w.backend("cpu").contains_batch([p.key for p in pages]) == [False] * 4
+    assert w.counters()["pages_promoted"] == 0
+
+
+def test_promotions_past_the_pending_budget_are_dropped(world, tmp_path: Path) -> None:
+    """The load itself is not affected; its staging goes back at once."""
+    w, pages, job = promotion_world(world, tmp_path, max_pending=4 * attn_page_len())
+    opened = gate(w.backend("disk"), "put_batch")
+    w.worker.copy_out([StoreJob(w.attn_page(0, [3]), ("disk",))])  # pending while the gate holds it
+    w.worker.start_loads([job])
+    assert w.finish("req") == ({"req"}, set())
+    opened.set()
+    w.worker.flush(10)
+    assert w.backend("cpu").contains_batch([p.key for p in pages]) == [False] * 4
+    assert w.counters()["promotions_dropped"] == 4
+    assert w.worker.loads.staging.free_bytes > 0
 
 
 # ---- broken backends ---------------------------------------------------------------------------

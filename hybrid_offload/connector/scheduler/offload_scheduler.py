@@ -41,6 +41,7 @@ from hybrid_offload.connector.metadata import (
     OffloadMetadata,
     OffloadWorkerMetadata,
     PageJob,
+    Promotion,
 )
 from hybrid_offload.connector.scheduler.coverage import coverage
 from hybrid_offload.connector.scheduler.events import TierEvents
@@ -501,12 +502,16 @@ class OffloadScheduler:
         start, end = state.load_start // chunk, state.load_end // chunk
         segments: dict[str, list[PageJob]] = {}
         clears: list[ClearRange] = []
+        promotions: list[Promotion] = []
         for plan in self.planner.plans:
             for c in self.planner.needed_chunks(plan, end, start):
                 source = state.choice.sources[(plan.index, c)]
                 page = page_job(self.planner, state, plan, c, load_start=state.load_start)
                 layout = state.layouts.get(source, {}).get(page.key)
                 segments.setdefault(source, []).append(replace(page, layout=layout) if layout else page)
+                promotion = None if layout else self.stores.promotion(state, page, source)
+                if promotion is not None:
+                    promotions.append(promotion)
             bs = plan.group.block_size
             if plan.kind is not GroupKind.MAMBA and state.load_end % bs:
                 block = state.block_ids[plan.index][state.load_end // bs]
@@ -522,6 +527,7 @@ class OffloadScheduler:
             tuple(LoadSegment(name, tuple(pages)) for name, pages in segments.items()),
             self._fallback_order,
             tuple(clears),
+            tuple(promotions),
         )
 
     # ---- worker feedback and request end ---------------------------------------------

@@ -45,6 +45,16 @@ class RetentionHints:
         return request_bytes(computed, len(state.checkpoints), self._token_bytes, self._state_bytes)
 
     def for_page(self, state: RequestState, page: PageJob) -> Retention:
+        """A page the request stores."""
+        return self._hint(state, page, self.request_bytes(state))
+
+    def for_loaded_page(self, state: RequestState, page: PageJob) -> Retention:
+        """A page the request loads and promotes: the request then puts what it loads, its
+        resume point's state and what it computes and stores."""
+        loaded = request_bytes(state.load_end - state.load_start, 1, self._token_bytes, self._state_bytes)
+        return self._hint(state, page, self.request_bytes(state) + loaded)
+
+    def _hint(self, state: RequestState, page: PageJob, nbytes: int) -> Retention:
         keys, c = state.keys, page.chunk_index
         is_state = self.planner.plans[page.group].kind is GroupKind.MAMBA
         attention = "" if self._attention is None else "a" + keys[self._attention][c]
@@ -53,4 +63,4 @@ class RetentionHints:
         else:
             unit = attention
             parent = "a" + keys[self._attention][c - 1] if c else ""  # type: ignore[index]
-        return Retention(unit, parent, is_state, session_weight(state.session), self.request_bytes(state))
+        return Retention(unit, parent, is_state, session_weight(state.session), nbytes)

@@ -31,6 +31,11 @@ it, ``scheduled`` in it, ``end = computed + scheduled`` after it):
   attention beyond the deepest state left) are the next to go.
 * Output pages only for backends with ``store_output``; a chunk only once ``store_threshold``
   requests have seen it; never into ``read_only`` backends or pages a backend is known to hold.
+* *Promotion*: a page a load reads from a tier is also put into the tiers it is to be stored
+  in by the rules above that live in this engine's own memory (the cpu tier) and are faster
+  (a higher ``load_weight``) than that tier, when their lookup did not find it
+  (:meth:`StorePlanner.promotion`): the next hit of the prefix is served from there. The
+  worker puts the bytes it read and checked, after the load; nothing waits for it.
 
 Every store or commit sent to the workers is registered in :class:`PendingStores` until the
 workers report it, so a lookup of the same prefix waits for it instead of missing it.
@@ -42,7 +47,14 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from hybrid_offload.connector.metadata import CommitJob, OffloadMetadata, PageJob, StoreJob, TouchJob
+from hybrid_offload.connector.metadata import (
+    CommitJob,
+    OffloadMetadata,
+    PageJob,
+    Promotion,
+    StoreJob,
+    TouchJob,
+)
 from hybrid_offload.connector.scheduler.pending import PendingStores
 from hybrid_offload.connector.scheduler.request_state import RequestState, extend_keys, page_job
 from hybrid_offload.connector.scheduler.retention_hints import RetentionHints
@@ -267,6 +279,18 @@ class StorePlanner:
         return waiting
 
     # ---- jobs ---------------------------------------------------------------------------
+    def promotion(self, state: RequestState, page: PageJob, source: str) -> Promotion | None:
+        """What a load reading ``page`` from ``source`` also puts into faster tiers of this
+        engine's own memory (module docstring); None: nothing."""
+        weights = {v.name: v.policy.load_weight for v in self.views}
+        own = {v.name for v in self.views if not v.shared}
+        targets = tuple(
+            name for name in self._targets(page, state) if name in own and weights[name] > weights[source]
+        )
+        if not targets:
+            return None
+        return Promotion(page.key, page.group, targets, self.hints.for_loaded_page(state, page))
+
     def _targets(self, page: PageJob, state: RequestState) -> tuple[str, ...]:
         output = (page.chunk_index + 1) * self.planner.chunk_tokens > state.prompt_len
         seen = self.sightings.count(page.chunk_hash)

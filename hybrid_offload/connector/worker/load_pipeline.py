@@ -20,6 +20,10 @@ writes (:mod:`.load_writes`). Where the payload is checked depends on the device
 A backend error or a bad page never raises into vLLM: the page is a miss (a page that fails
 its header or host check is read from the next backend in the fallback order), the load fails
 as a whole, and vLLM recomputes the request.
+
+Once a load is written, the pages its job names for promotion (``LoadJob.promotions``) go to
+the store thread (``promote``) with the memory they were read into, which it gives back after
+the puts; a failed load promotes nothing.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
@@ -35,8 +39,9 @@ import numpy as np
 import torch
 
 from hybrid_offload.backends.base import Backend, BackendError, PageLease
+from hybrid_offload.backends.retention import Retention
 from hybrid_offload.backends.wrappers import BackendSkippedError
-from hybrid_offload.connector.metadata import ClearRange, LoadJob
+from hybrid_offload.connector.metadata import ClearRange, LoadJob, Promotion
 from hybrid_offload.connector.worker.context import WorkerContext
 from hybrid_offload.connector.worker.device import DeviceTransfers
 from hybrid_offload.connector.worker.load_writes import (
@@ -52,6 +57,7 @@ from hybrid_offload.connector.worker.load_writes import (
 )
 from hybrid_offload.connector.worker.page_codec import PageCodec
 from hybrid_offload.connector.worker.staging import stage_reads
+from hybrid_offload.connector.worker.store_pipeline import PromotedPages
 from hybrid_offload.connector.worker.switch_interval import LoadSwitchInterval
 from hybrid_offload.core.checksum import fold64, fold64_rows
 from hybrid_offload.core.layer_parts import LayerPartError
@@ -89,6 +95,8 @@ class LoadRun:
     plan: WritePlan | None = None
     #: CUDA: written into vLLM's blocks by the load thread (complete)
     written: bool = False
+    #: the job's pages to put into faster tiers once the load is written
+    promotions: tuple[Promotion, ...] = ()
 
 
 def _headers(found: Sequence[tuple[torch.Tensor, np.ndarray, int, int]], hlen: int) -> np.ndarray:
@@ -129,8 +137,15 @@ def _payload_sums(found: Sequence[tuple[torch.Tensor, np.ndarray, int, int]], hl
 class LoadPipeline:
     """The load thread and the writes of finished loads."""
 
-    def __init__(self, ctx: WorkerContext, staging_pool_bytes: int, switch_interval_s: float) -> None:
+    def __init__(
+        self,
+        ctx: WorkerContext,
+        staging_pool_bytes: int,
+        switch_interval_s: float,
+        promote: Callable[[PromotedPages], None] | None = None,
+    ) -> None:
         self.ctx = ctx
+        self._promote = promote
         self._staging_pool_bytes = staging_pool_bytes
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="hybrid-offload-load")
         self._loads: dict[str, Future] = {}
@@ -160,7 +175,7 @@ class LoadPipeline:
     def _load(self, job: LoadJob, submitted: float, after: torch.cuda.Event | None) -> LoadRun:
         """Load thread: take and check this rank's pieces of every page of a job (pages None
         if any is unusable), then write them on a GPU or plan the writes on a CPU, timed."""
-        run = LoadRun(submitted=submitted, started=self.ctx.timer())
+        run = LoadRun(submitted=submitted, started=self.ctx.timer(), promotions=job.promotions)
         try:
             run.pages = self._load_pages(job, run)
             if run.pages is not None and self.ctx.transfers.device_path:
@@ -173,7 +188,7 @@ class LoadPipeline:
             if self.ctx.transfers.device_path:
                 self.ctx.transfers.drain_loads()  # nothing of it may still write into the blocks
         if run.pages is None or run.written:
-            self._done_with(run)
+            self._done_with(run, written=run.written and run.pages is not None)
         run.finished = self.ctx.timer()
         return run
 
@@ -192,15 +207,34 @@ class LoadPipeline:
         if bad:
             run.pages = None
 
-    def _done_with(self, run: LoadRun) -> None:
-        """Nothing reads the load's host memory any more: release its leases, give its staging
-        back (unless a failed read may still write into it)."""
+    def _done_with(self, run: LoadRun, written: bool = False) -> None:
+        """The load is over (``written``: into the KV cache): release its leases, promote its
+        pages, give its staging back once nothing reads it (never where a failed read may
+        still write into it)."""
         for lease in run.leases:
             lease.release()
         run.leases = []
-        if run.staging is not None and not run.tainted:
-            self.staging.give(run.staging)
+        staging = run.staging if not run.tainted else None
         run.staging = None
+        pages = self._promoted(run) if written and not run.tainted else []
+        give = self.staging.give
+        if pages and self._promote is not None:
+            self._promote(PromotedPages(pages, lambda: None if staging is None else give(staging)))
+        elif staging is not None:
+            give(staging)
+
+    def _promoted(self, run: LoadRun) -> list[tuple[str, memoryview, tuple[str, ...], Retention | None]]:
+        """The pieces of the run's pages its job promotes, where they lie (never lent memory)."""
+        wanted = {p.key: p for p in run.promotions}
+        out = []
+        for page in run.pages or ():
+            promotion = wanted.get(page.read.page.key)
+            if promotion is None or self.ctx.backends[page.source].in_place:
+                continue
+            targets = tuple(t for t in promotion.backends if t != page.source)
+            view = memoryview(page.base.numpy()[page.offset : page.offset + page.read.page_len])
+            out.append((page.read.key, view, targets, promotion.retention))
+        return out
 
     def _load_pages(self, job: LoadJob, run: LoadRun) -> list[Verified] | None:
         reads: list[ShardRead] = []
@@ -443,7 +477,7 @@ class LoadPipeline:
                     logger.exception("hybrid-offload load of request %s failed", req_id)
                     failed.add(req_id)
                 finally:
-                    self._done_with(run)
+                    self._done_with(run, written=req_id not in failed)
             self._count(run, writing, self.ctx.timer())
         self.switch.loading(bool(self._loads))
         return recving, failed

@@ -82,7 +82,7 @@ class OffloadWorker:
         self._unpin: dict[str, Callable[[], object]] = {}
         held = max_pending_store_bytes if max_held_bytes is None else max_held_bytes
         self.stores = StorePipeline(self.ctx, max_pending_store_bytes, held)
-        self.loads = LoadPipeline(self.ctx, staging_pool_bytes, load_switch_interval_s)
+        self.loads = LoadPipeline(self.ctx, staging_pool_bytes, load_switch_interval_s, self.stores.promote)
         threading.Thread(target=self._prepare_data_paths, name="hybrid-offload-prepare", daemon=True).start()
 
     @property

@@ -6,7 +6,9 @@ boundary states out of the KV cache into page buffers (on a GPU: enqueuing the g
 copy to pinned memory, see :mod:`.device`). Pages the scheduler cannot key yet are *held* (kept
 by request, group and chunk) until a commit names their key, or dropped when their request is
 released. Sealing (checksums) and backend puts run on the store thread, which reports every page
-set it finished (``settled``) so that lookups waiting for it go on.
+set it finished (``settled``) so that lookups waiting for it go on. Promotions
+(:meth:`StorePipeline.promote`: pages a load read and checked, for faster tiers) are put there
+too, within the same pending-bytes budget.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -43,6 +46,15 @@ _STOP = object()
 
 #: one shard's sealed-to-be page buffer, queued for the store thread
 QueuedShard = tuple[StoreJob, int, bytearray | memoryview]
+
+
+@dataclass
+class PromotedPages:
+    """Sealed pages a load read and checked, to put into faster tiers: ``pages`` are (piece key,
+    bytes, target backends, retention); ``release`` gives their memory back once put."""
+
+    pages: list[tuple[str, memoryview, tuple[str, ...], Retention | None]]
+    release: Callable[[], None]
 
 
 class StorePipeline:
@@ -126,6 +138,21 @@ class StorePipeline:
             self.ctx.outbox.settle([job.page.key])
         return False
 
+    def promote(self, work: PromotedPages) -> None:
+        """Queue ``work`` for the store thread (any thread may call it); past the pending-bytes
+        budget it is dropped (``promotions_dropped``) and its memory given back at once."""
+        nbytes = sum(view.nbytes for _, view, _, _ in work.pages)
+        with self._lock:
+            admitted = bool(work.pages) and self._pending_bytes + nbytes <= self._max_pending
+            if admitted:
+                self._pending_bytes += nbytes
+        if admitted:
+            self._store_queue.put((work, nbytes))
+            return
+        with self.ctx.stats.lock:
+            self.ctx.stats.counters.promotions_dropped += len(work.pages)
+        work.release()
+
     def commit(self, commits: list[CommitJob]) -> None:
         """Queue held pages under the keys the scheduler knows now (a page no longer held,
         e.g. dropped for the budget, is settled as it is)."""
@@ -177,6 +204,11 @@ class StorePipeline:
                 if isinstance(work, GatheredRows):
                     keys = [job.page.key for job in work.jobs]
                     self._store_rows(work)
+                elif isinstance(work, PromotedPages):
+                    try:
+                        self._put_promoted(work)
+                    finally:
+                        work.release()
                 else:
                     batch, blocks, ready = work
                     keys = [job.page.key for job, _, _ in batch]
@@ -306,6 +338,33 @@ class StorePipeline:
         for block in (spill, None if on_device else rows.block):
             if block is not None and reusable:
                 self.store_rows.give(block)
+
+    def _put_promoted(self, work: PromotedPages) -> None:
+        """Store thread: put promoted pages (sealed already) into their tiers, deepest first as
+        the load read them, and report what each stored."""
+        per_backend: dict[str, list[tuple[str, memoryview]]] = {}
+        hints: dict[str, list[tuple[str, Retention]]] = {}
+        for key, view, backends, retention in work.pages:
+            for name in backends:
+                per_backend.setdefault(name, []).append((key, view))
+                if retention is not None:
+                    hints.setdefault(name, []).append((key, retention))
+        for name, items in per_backend.items():
+            backend = self.ctx.backends[name]
+            try:
+                if name in hints:
+                    backend.describe_batch(hints[name])
+                ok = backend.put_batch(items)
+            except BackendError:  # counted by the tier's wrappers; a promotion is best effort
+                ok = [False] * len(items)
+            stored = [key for (key, _), o in zip(items, ok, strict=True) if o]
+            self.ctx.outbox.add_stored(name, stored)
+            with self.ctx.stats.lock:
+                self.ctx.stats.counters.pages_promoted += len(stored)
+                counters = self.ctx.stats.counters.backend(name)
+                counters.stored_pages += len(stored)
+                counters.stored_bytes += sum(v.nbytes for (_, v), o in zip(items, ok, strict=True) if o)
+                counters.store_failures += len(items) - len(stored)
 
     def _describe(self, pages: list[tuple[str, StoreJob]]) -> None:
         """Tell each target tier what the pages about to be put are for (their retention

@@ -15,7 +15,8 @@ with the store path's hints), ``resume-sessions`` (the same with the application
 hint, taken from the trace: does a later request extend this one), and two bounds that know
 the future: ``oracle-admission`` (LRU storing only pages a later hit uses) and ``belady``.
 ``hierarchy`` rows: a cpu tier of ``--hierarchy`` percent above a disk tier of each larger size
-(resume points, write-through): served tokens and the share the cpu tier served.
+(resume points, write-through), with and without the promotion of disk hits into the cpu tier:
+served tokens and the share the cpu tier served.
 """
 
 from __future__ import annotations
@@ -119,13 +120,13 @@ def model_rows(traffic: Traffic, model: str, rules: Rules, sizes: list[float], p
             })  # fmt: skip
             logger.info("%s %s %g%%: %.1f%%", model, policy, pct, rows[-1]["served_pct"])
     hierarchy = []
-    for pct in (p for p in sizes if p > cpu_pct):
+    for pct, promote in ((p, promote) for p in sizes if p > cpu_pct for promote in (False, True)):
         cpu, disk = int(working_set * cpu_pct / 100), int(working_set * pct / 100)
         r = Replay(traffic, geo, cpu, rules, ResumePointPolicy(lambda cpu=cpu: cpu), hints="pages",
-                   lower=[(disk, ResumePointPolicy(lambda disk=disk: disk))])  # fmt: skip
+                   lower=[(disk, ResumePointPolicy(lambda disk=disk: disk))], promote=promote)  # fmt: skip
         r.run()
         hierarchy.append({
-            "model": model, "cpu_pct": cpu_pct, "disk_pct": pct,
+            "model": model, "cpu_pct": cpu_pct, "disk_pct": pct, "promote": promote,
             "served_pct": pct_of_total(r.outcome.served_tokens),
             "cpu_share_pct": round(100 * r.outcome.served_by[0] / max(1, r.outcome.served_tokens), 2),
         })  # fmt: skip
@@ -192,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
         series = {p: [r["served_pct"] for r in mine if r["policy"] == p] for p in policies}
         line_plot(path.with_name(f"{path.stem}-{model}.png"), f"{model}: served tokens, tier full", sizes,
                   series, "tier size (% of the working set)", "% of an unlimited tier's tokens")  # fmt: skip
-    print(format_table(hierarchy, ["model", "cpu_pct", "disk_pct", "served_pct", "cpu_share_pct"]))
+    print(format_table(hierarchy, ["model", "cpu_pct", "disk_pct", "promote", "served_pct", "cpu_share_pct"]))
     if engine:
         print(format_table(engine, ["model", "requests", "size_pct", "engine_served_pct", "sim_served_pct",
                                     "requests_differing", "identical_tokens"]))  # fmt: skip

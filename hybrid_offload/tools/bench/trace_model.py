@@ -179,17 +179,20 @@ class Replay:
     ``policy``: the first tier's eviction policy; ``lower``: more tiers below it, (capacity,
     policy) each. Stores go to every tier that lacks the page (write-through, as the store plan
     sends them), a request loads from the tier with the longest loadable prefix (the first of
-    equals), and every tier is refreshed deepest first. ``hints``: describe each page to a
-    :class:`ResumePointPolicy` (``"sessions"``: also the session hint, weight 0 for a request
-    no later request extends); ``admit``: a filter on keys (the oracle bound).
+    equals) and, with ``promote``, puts what it loaded into the tiers above that one lacking it
+    (deepest first, as the worker does), and every tier is refreshed deepest first. ``hints``:
+    describe each page to a :class:`ResumePointPolicy` (``"sessions"``: also the session hint,
+    weight 0 for a request no later request extends); ``admit``: a filter on keys (the oracle
+    bound).
     """
 
     def __init__(
         self, traffic: Traffic, geometry: Geometry, capacity: int, rules: Rules,
         policy: EvictionPolicy | None = None, hints: str = "", admit: Callable[[str], bool] | None = None,
-        lower: Sequence[tuple[int, EvictionPolicy | None]] = (),
+        lower: Sequence[tuple[int, EvictionPolicy | None]] = (), promote: bool = True,
     ) -> None:  # fmt: skip
         self.traffic = traffic
+        self.promote = promote
         self.rules = rules
         self.policies = [p or LruPolicy() for p in (policy, *(p for _, p in lower))]
         capacities = (capacity, *(c for c, _ in lower))
@@ -244,6 +247,13 @@ class Replay:
         geo = self.geometry
         self._request_bytes = request_bytes(n - served, len(checkpoints), geo.attention_bytes_per_token,
                                             geo.state_bytes)  # fmt: skip
+        if loaded and best and self.promote:  # what the load read, also the state, deepest first
+            stored = self._request_bytes
+            self._request_bytes += request_bytes(served, 1, geo.attention_bytes_per_token, geo.state_bytes)
+            self._put(state_key(keys[loaded - 1]), keys, loaded - 1, i, state=True, upto=best)
+            for c in reversed(range(loaded)):
+                self._put(attention_key(keys[c]), keys, c, i, state=False, upto=best)
+            self._request_bytes = stored
         states = self._prefill(i, keys, n, served, checkpoints, limit)
         for tier in self.tiers:  # the scheduler's TouchJob: deepest first
             for c in reversed(range(len(keys))):
@@ -279,12 +289,13 @@ class Replay:
             pos = end
         return stored
 
-    def _put(self, key: str, keys: list[str], c: int, i: int, state: bool) -> bool:
-        """Put ``key`` into every tier lacking it; whether the first tier holds it."""
+    def _put(self, key: str, keys: list[str], c: int, i: int, state: bool, upto: int | None = None) -> bool:
+        """Put ``key`` into every tier lacking it (of the first ``upto``); whether the first
+        tier holds it."""
         if self.admit is not None and not self.admit(key):
             return False
         size = self.sizes[key[0]]
-        for tier, policy in zip(self.tiers, self.policies, strict=True):
+        for tier, policy in list(zip(self.tiers, self.policies, strict=True))[:upto]:
             if key in tier:
                 continue
             if self.hints and isinstance(policy, ResumePointPolicy):
