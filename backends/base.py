@@ -382,6 +382,12 @@ class Backend(ABC):
         self._check_open()
         return self._used_bytes()
 
+    def state_bytes(self) -> int | None:
+        """Of :meth:`used_bytes`, the bytes of recurrent-state pages as retention hints told
+        them (:meth:`describe_batch`); None where the backend does not tell them apart."""
+        self._check_open()
+        return self._state_bytes()
+
     def scan(self, prefix: str = "") -> Iterator[PageInfo]:
         """Yield a :class:`PageInfo` for every page whose key starts with ``prefix``.
 
@@ -497,6 +503,10 @@ class Backend(ABC):
     @abstractmethod
     def _used_bytes(self) -> int:
         """:meth:`used_bytes`."""
+
+    def _state_bytes(self) -> int | None:
+        """:meth:`state_bytes`; the default does not know (None)."""
+        return None
 
     def _scan(self, prefix: str) -> Iterator[PageInfo]:
         """:meth:`scan` (the prefix checked); the default raises ``NotImplementedError``

@@ -197,6 +197,10 @@ class CpuBackend(Backend):
         with self._lock:
             return self._index.stats().used
 
+    def _state_bytes(self) -> int | None:
+        with self._lock:
+            return self._index.stats().state
+
     def take_evicted(self) -> list[str]:
         """Keys that left the index since the last call, oldest first."""
         with self._lock:

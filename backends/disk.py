@@ -604,6 +604,10 @@ class DiskBackend(DiskType, Backend):
         with self._lock:
             return self._index.used
 
+    def _state_bytes(self) -> int | None:
+        with self._lock:
+            return self._index.used_by_kind().get("state", 0)
+
     def _scan(self, prefix: str) -> Iterator[PageInfo]:
         """Every page file under ``path`` whose key starts with ``prefix``, also those other
         processes wrote; ``mtime`` is the file's (last put or get). Temp files are skipped."""

@@ -6,7 +6,9 @@ names first (:class:`LruPolicy`, least recently used, by default). Used by the `
 (value: the page bytes), ``disk`` and ``lmcache`` (no value) and the cache peer's pool
 (value: the page's extent). Redis keeps its index on the server (:mod:`.redis_index`).
 
-* **Sizes** are what the capacity counts (page bytes). ``used`` is their sum.
+* **Sizes** are what the capacity counts (page bytes). ``used`` is their sum;
+  :meth:`LruIndex.used_by_kind` splits it by what the policy says each key is
+  (:meth:`EvictionPolicy.kind`: ``"state"`` or ``"attention"`` for hinted pages).
 * **Recency.** :meth:`LruIndex.insert` and :meth:`LruIndex.put` make a key the most recent,
   :meth:`LruIndex.touch` refreshes one; :meth:`LruIndex.get` and listing do not.
 * **Making room.** :meth:`LruIndex.make_room` evicts until ``used + nbytes <= capacity`` or no
@@ -63,6 +65,10 @@ class EvictionPolicy(ABC):
         """``key`` is about to leave as a victim (:meth:`removed` follows); a policy whose order
         ages with evictions hears it here."""
 
+    def kind(self, key: str) -> str:
+        """What the held ``key`` is, for :meth:`LruIndex.used_by_kind` ("" if unknown)."""
+        return ""
+
     @abstractmethod
     def clear(self) -> None:
         """Every key left the index."""
@@ -104,11 +110,18 @@ class LruIndex(Generic[V]):
         self._sizes: dict[str, int] = {}
         self._values: dict[str, V] = {}
         self._used = 0
+        self._kinds: dict[str, str] = {}  # keys of a kind other than ""
+        self._by_kind: dict[str, int] = {}
 
     @property
     def used(self) -> int:
         """Sum of the sizes held."""
         return self._used
+
+    def used_by_kind(self) -> dict[str, int]:
+        """Bytes held per kind of page (:meth:`EvictionPolicy.kind`; "" for the rest)."""
+        known = {k: v for k, v in self._by_kind.items() if v}
+        return {**known, "": self._used - sum(known.values())}
 
     def __len__(self) -> int:
         return len(self._sizes)
@@ -148,11 +161,18 @@ class LruIndex(Generic[V]):
         self._values[key] = value
         self._used += size
         self._policy.added(key)
+        kind = self._policy.kind(key)
+        if kind:
+            self._kinds[key] = kind
+            self._by_kind[kind] = self._by_kind.get(kind, 0) + size
         return replaced
 
     def relocate(self, key: str, size: int, value: V) -> None:
         """Give the held ``key`` a new size and value, keeping its place in the eviction order."""
         self._used += size - self._sizes[key]
+        kind = self._kinds.get(key)
+        if kind:
+            self._by_kind[kind] += size - self._sizes[key]
         self._sizes[key] = size
         self._values[key] = value
 
@@ -166,6 +186,9 @@ class LruIndex(Generic[V]):
         if size is None:
             return None
         self._used -= size
+        kind = self._kinds.pop(key, None)
+        if kind:
+            self._by_kind[kind] -= size
         self._policy.removed(key)
         return Entry(key, size, self._values.pop(key))
 
@@ -173,6 +196,8 @@ class LruIndex(Generic[V]):
         self._sizes.clear()
         self._values.clear()
         self._used = 0
+        self._kinds.clear()
+        self._by_kind.clear()
         self._policy.clear()
 
     def evict(self, eligible: Callable[[Entry[V]], bool] | None = None) -> Entry[V] | None:

@@ -236,6 +236,8 @@ class PoolStats:
     reserved: int
     free: int
     pages: int
+    #: of ``used``, the bytes of recurrent-state pages (as the policy tells them)
+    state: int = 0
 
 
 class PageIndex:
@@ -496,7 +498,8 @@ class PageIndex:
             self.abort(alloc_id)
 
     def stats(self) -> PoolStats:
-        return PoolStats(self._pages.used, self._reserved, self.allocator.free_bytes, len(self._pages))
+        state = self._pages.used_by_kind().get("state", 0)
+        return PoolStats(self._pages.used, self._reserved, self.allocator.free_bytes, len(self._pages), state)
 
     # -- listing ----------------------------------------------------------------------------
 

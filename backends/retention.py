@@ -215,6 +215,10 @@ class ResumePointPolicy(EvictionPolicy):
         if unit.entry is not None:
             self.floor = max(self.floor, unit.entry[0])
 
+    def kind(self, key: str) -> str:
+        """``"state"`` or ``"attention"`` (a page without hints counts as attention)."""
+        return "state" if self._units[self._unit_of[key]].state else "attention"
+
     def clear(self) -> None:
         self._units.clear()
         self._unit_of.clear()

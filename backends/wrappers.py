@@ -137,6 +137,9 @@ class BackendWrapper:
     def used_bytes(self) -> int:
         return self.inner.used_bytes()
 
+    def state_bytes(self) -> int | None:
+        return self.inner.state_bytes()
+
     def prepare_data_path(self) -> None:
         self.inner.prepare_data_path()
 
@@ -212,10 +215,12 @@ class CallRecorder(Protocol):
     def skipped(self, backend: str, op: str) -> None:
         """A call was not made: the backend is backing off."""
 
-    def usage(self, backend: str, used_bytes: int | None, evictions: int) -> None:
+    def usage(
+        self, backend: str, used_bytes: int | None, evictions: int, state_bytes: int | None = None
+    ) -> None:
         """After a successful call that brings news: the backend's own cumulative evictions
-        (reported when they changed), and its ``used_bytes()`` when sampled (at most every
-        :data:`USAGE_SAMPLE_S`; else None)."""
+        (reported when they changed), and its ``used_bytes()`` and ``state_bytes()`` when
+        sampled (at most every :data:`USAGE_SAMPLE_S`; else None)."""
 
 
 class InstrumentedBackend(BackendWrapper):
@@ -256,20 +261,20 @@ class InstrumentedBackend(BackendWrapper):
         return result
 
     def _report_usage(self, now: float) -> None:
-        used, evictions = self._sample_used(now), self._storage.stats.evictions
+        (used, state), evictions = self._sample_used(now), self._storage.stats.evictions
         if used is not None or evictions != self._evictions_seen:  # else nothing new to report
             self._evictions_seen = evictions
-            self._recorder.usage(self._name, used, evictions)
+            self._recorder.usage(self._name, used, evictions, state)
 
-    def _sample_used(self, now: float) -> int | None:
+    def _sample_used(self, now: float) -> tuple[int | None, int | None]:
         with self._lock:
             if self._usage_at is not None and now - self._usage_at < USAGE_SAMPLE_S:
-                return None
+                return None, None
             self._usage_at = now
         try:
-            return self.inner.used_bytes()
+            return self.inner.used_bytes(), self.inner.state_bytes()
         except BackendError:
-            return None
+            return None, None
 
 
 class FaultInjectingBackend(BackendWrapper):

@@ -100,6 +100,10 @@ PHASE_COUNTERS = {f"load_{phase}_seconds": phase for phase in LOAD_PHASES}
 GAUGE_METRICS = {
     "available": ("backend_available", "1 while the backend is usable, 0 while it backs off."),
     "used_bytes": ("capacity_used_bytes", "Bytes of page data the backend holds."),
+    "state_bytes": (
+        "capacity_state_bytes",
+        "Of capacity_used_bytes, the bytes of recurrent-state (Mamba/GDN) pages; the rest is attention.",
+    ),
     "capacity_bytes": ("capacity_bytes", "Configured capacity of the backend in bytes."),
 }
 #: payload sample list -> (metric name, help), label ``backend``

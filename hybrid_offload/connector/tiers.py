@@ -96,8 +96,12 @@ class WorkerRecorder:
             self._stats.counters.backend(backend).unavailable += 1
         self._stats.record_error(backend, "skipped")
 
-    def usage(self, backend: str, used_bytes: int | None, evictions: int) -> None:
-        self._stats.update_backend(backend, used_bytes=used_bytes, evictions=evictions)
+    def usage(
+        self, backend: str, used_bytes: int | None, evictions: int, state_bytes: int | None = None
+    ) -> None:
+        self._stats.update_backend(
+            backend, used_bytes=used_bytes, evictions=evictions, state_bytes=state_bytes
+        )
 
 
 class SchedulerRecorder:
@@ -118,7 +122,9 @@ class SchedulerRecorder:
     def skipped(self, backend: str, op: str) -> None:
         self._stats.record_error(backend, "skipped")
 
-    def usage(self, backend: str, used_bytes: int | None, evictions: int) -> None:
+    def usage(
+        self, backend: str, used_bytes: int | None, evictions: int, state_bytes: int | None = None
+    ) -> None:
         return  # the scheduler reports availability and capacity only (refresh_gauges)
 
 

@@ -34,6 +34,7 @@ ERROR_KINDS = ("lookup", "get", "put", "delete", "touch", "bad_page", "missing_p
 GAUGES: dict[str, Callable[[float, float], float]] = {
     "available": min,
     "used_bytes": max,
+    "state_bytes": max,
     "capacity_bytes": max,
 }
 #: latency sample lists per backend (seconds per backend call)
@@ -55,7 +56,8 @@ class BackendCounters:
     that group alone could load. ``load_seconds`` / ``store_seconds`` sum the wall time of
     ``get_into`` / ``put_batch`` calls (``load_calls`` / ``store_calls`` of them).
     ``errors`` counts by kind (:data:`ERROR_KINDS`). Gauges (``available``, ``used_bytes``,
-    ``capacity_bytes``) hold the last value seen; None where this side cannot know it.
+    ``state_bytes``: of it, recurrent-state pages, ``capacity_bytes``) hold the last value
+    seen; None where this side cannot know it.
     """
 
     lookups: int = 0
@@ -78,6 +80,7 @@ class BackendCounters:
     group_hit_tokens: dict[str, int] = field(default_factory=dict)
     available: int | None = None
     used_bytes: int | None = None
+    state_bytes: int | None = None
     capacity_bytes: int | None = None
 
     def record_lookup(self, hit_tokens: int, aligned_tokens: int, per_group: Mapping[str, int]) -> None:
@@ -230,6 +233,7 @@ class Locked:
         used_bytes: int | None = None,
         capacity_bytes: int | None = None,
         evictions: int | None = None,
+        state_bytes: int | None = None,
     ) -> None:
         """Set gauges to their current values, and ``evictions`` from the backend's own
         cumulative count (never lowered); None leaves a field as it is."""
@@ -239,6 +243,8 @@ class Locked:
                 counters.available = available
             if used_bytes is not None:
                 counters.used_bytes = used_bytes
+            if state_bytes is not None:
+                counters.state_bytes = state_bytes
             if capacity_bytes is not None:
                 counters.capacity_bytes = capacity_bytes
             if evictions is not None:

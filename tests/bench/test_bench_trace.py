@@ -91,10 +91,9 @@ def test_policies_order_as_the_bounds_say() -> None:
 def test_a_hit_in_the_lower_tier_is_promoted_into_the_upper_one() -> None:
     """A cpu tier too small for two chats above a disk tier that holds both: the chat whose
     pages the cpu tier lost is served from disk once, then (promoted) from cpu."""
-    a = [TraceRequest(0, 2 * 512 + 9, 10, (10, 11, 12))]
-    b = [TraceRequest(1, 2 * 512 + 9, 10, (20, 21, 22))]
-    turns = a + b + [TraceRequest(2, 2 * 512 + 9, 10, (10, 11, 13)), TraceRequest(3, 2 * 512 + 9, 10, (10, 11, 14))]
-    traffic = Traffic(turns)
+    n = 2 * 512 + 9
+    chats = [(10, 11, 12), (20, 21, 22), (10, 11, 13), (10, 11, 14)]
+    traffic = Traffic([TraceRequest(t, n, 10, ids) for t, ids in enumerate(chats)])
     cpu = 2 * QWEN.chunk_bytes(512) + QWEN.state_bytes + 1  # one chat's pages
     served_by = {}
     for promote in (False, True):

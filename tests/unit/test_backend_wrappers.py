@@ -11,6 +11,7 @@ import pytest
 from hybrid_offload.backends import Backend, BackendConfig, BackendUnavailableError, InvalidKeyError
 from hybrid_offload.backends.cpu import CpuBackend
 from hybrid_offload.backends.health import BackendHealth
+from hybrid_offload.backends.retention import Retention
 from hybrid_offload.backends.wrappers import (
     USAGE_SAMPLE_S,
     BackendSkippedError,
@@ -32,6 +33,7 @@ class Recorder:
 
     def __init__(self) -> None:
         self.events: list[tuple[Any, ...]] = []
+        self.state_bytes: list[int | None] = []
 
     def called(self, backend: str, op: str, seconds: float) -> None:
         self.events.append(("called", op, seconds))
@@ -42,8 +44,11 @@ class Recorder:
     def skipped(self, backend: str, op: str) -> None:
         self.events.append(("skipped", op))
 
-    def usage(self, backend: str, used_bytes: int | None, evictions: int) -> None:
+    def usage(
+        self, backend: str, used_bytes: int | None, evictions: int, state_bytes: int | None = None
+    ) -> None:
         self.events.append(("usage", used_bytes, evictions))
+        self.state_bytes.append(state_bytes)
 
 
 def cpu(capacity: int = 1 << 20) -> CpuBackend:
@@ -99,6 +104,18 @@ def test_instruments_time_count_and_sample_usage() -> None:
         ("called", "contains_batch", USAGE_SAMPLE_S / 2),  # no usage: not sampled, no new evictions
         ("failed", "get_into", "BackendUnavailableError"),
     ]
+
+
+def test_usage_samples_tell_the_bytes_of_state_pages() -> None:
+    """The tier's retention hints say which pages are states: the sampled gauge counts them."""
+    recorder, clock = Recorder(), [0.0]
+    backend = InstrumentedBackend(cpu(), recorder, clock=lambda: clock[0])
+    backend.describe_batch([(KEY, Retention("s-unit", "a-unit", state=True)), (OTHER, Retention("a-unit"))])
+    assert backend.put_batch([(KEY, b"state-page"), (OTHER, b"attn")]) == [True, True]
+    assert recorder.events[-1] == ("usage", 14, 0) and recorder.state_bytes[-1] == 10
+    clock[0] += USAGE_SAMPLE_S
+    backend.delete_batch([KEY])
+    assert recorder.events[-1] == ("usage", 4, 0) and recorder.state_bytes[-1] == 0
 
 
 def test_evictions_are_reported_between_usage_samples() -> None:
