@@ -197,6 +197,21 @@ def _zamba2(dims: Dims) -> Any:
     )
 
 
+def _lfm2(dims: Dims) -> Any:
+    """LFM2: gated short-conv layers (a state of ``conv_L_cache - 1`` tokens) with attention at
+    layers 1, 3, 5, ..."""
+    from transformers import Lfm2Config
+
+    return Lfm2Config(
+        **dims.common(),
+        layer_types=_pattern(dims.layers, lambda i: i % 2 == 1, "full_attention", "conv"),
+        block_dim=dims.hidden,
+        conv_dim=dims.hidden,
+        block_auto_adjust_ff_dim=False,
+        conv_L_cache=3,
+    )
+
+
 def _llama(dims: Dims) -> Any:
     """Plain Llama (attention only), the non-hybrid baseline."""
     from transformers import LlamaConfig
@@ -211,6 +226,7 @@ _ARCH_TABLE: dict[str, tuple[Callable[[Dims], Any], int]] = {
     "nemotron_h": (_nemotron_h, 4),
     "granite_hybrid": (_granite_hybrid, 2),
     "zamba2": (_zamba2, 2),
+    "lfm2": (_lfm2, 4),
     "llama": (_llama, 2),
 }
 ARCHS: tuple[str, ...] = tuple(_ARCH_TABLE)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hybrid_offload.backends.retention import ResumePointPolicy
-from hybrid_offload.tools.bench.trace_file import TraceError, TraceRequest, load_trace
+from hybrid_offload.tools.bench.trace_file import TraceError, TraceRequest, load_trace, scaled, session_ends
 from hybrid_offload.tools.bench.trace_model import (
     Geometry,
     NextUsePolicy,
@@ -65,6 +65,18 @@ def test_a_next_turn_resumes_where_the_last_one_ended() -> None:
     turn2 = TraceRequest(1, 5 * 512 + 7, 10, (0, 1, 2, 4, 5, 6))  # shares turn 1's full blocks
     replay = unlimited(Traffic([turn1, turn2]), QWEN, Rules())
     assert replay.hit_chunks == [0, 3]  # the state at turn 1's tail, and all attention before it
+
+
+def test_a_session_ends_where_no_later_request_extends_it() -> None:
+    requests = [
+        TraceRequest(0, 2 * 512 + 5, 1, (0, 1, 2)),  # turn 2 repeats its full blocks: continues
+        TraceRequest(1, 3 * 512 + 5, 1, (9, 9, 9, 9)),  # nothing later starts with 9, 9, 9
+        TraceRequest(2, 3 * 512 + 1, 1, (0, 1, 7, 8)),  # extends request 0; nothing extends it
+        TraceRequest(3, 100, 1, (0,)),  # no full block
+    ]
+    assert session_ends(requests, 512) == [False, True, True, True]
+    assert Traffic(requests).continues == [True, False, False, False]
+    assert session_ends(scaled(requests, 32), 32) == [False, True, True, True]
 
 
 def test_policies_order_as_the_bounds_say() -> None:

@@ -6,7 +6,9 @@ id, go one by one through an engine whose cpu tier holds 15 % of their working s
 evicts (~2,400 pages); vLLM's own prefix cache is reset before each request. The same replay
 through :class:`~hybrid_offload.tools.bench.trace_model.Replay` (our keys, lookup, checkpoint
 rules and the tier's ResumePointPolicy) must serve within 5 points of the engine; a float32
-engine without the connector must generate the same tokens.
+engine without the connector must generate the same tokens. Then again with every request's
+session hint (``kv_transfer_params``: ``"ends"`` where no later request extends it), against the
+simulator with the same hints: the hint reaches the tier through vLLM's request path.
 """
 
 from __future__ import annotations
@@ -27,3 +29,11 @@ def test_the_scaled_trace_serves_what_the_simulator_predicts(model_dir) -> None:
     assert result["identical_tokens"] is True
     assert 20 < result["engine_served_pct"] < 95  # the tier is full and still serves
     assert abs(result["engine_served_pct"] - result["sim_served_pct"]) <= 5, result["requests_differing"]
+
+
+def test_session_hints_through_the_engine_serve_what_the_simulator_predicts(model_dir) -> None:
+    model = model_dir("falcon_h1")
+    plain = engine_replay(model, TRACE, requests=200, block=32, size_pct=5.0, baseline=False)
+    hinted = engine_replay(model, TRACE, requests=200, block=32, size_pct=5.0, baseline=False, sessions=True)
+    assert abs(hinted["engine_served_pct"] - hinted["sim_served_pct"]) <= 5, hinted["requests_differing"]
+    assert hinted["engine_served_pct"] > plain["engine_served_pct"]  # ended sessions make room

@@ -59,6 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-requests", type=int, default=300, help="requests of the scaled replay")
     parser.add_argument("--engine-block", type=int, default=32, help="tokens a hash id in the scaled replay")
     parser.add_argument("--engine-sizes", default="2,10", help="tier sizes of the scaled replay, percent")
+    parser.add_argument("--engine-sessions", action="store_true",
+                        help="also replay with every request's session hint (kv_transfer_params)")
 
 
 def replay(traffic: Traffic, geometry: Geometry, capacity: int, policy: str, rules: Rules,
@@ -148,10 +150,12 @@ def engine_rows(args: argparse.Namespace) -> Rows:
     requests = min(args.engine_requests, 60) if args.quick else args.engine_requests
     rows = []
     for pct in (float(s) for s in args.engine_sizes.split(",")):
-        row = engine_replay(args.engine, args.trace, requests, args.engine_block, pct)
-        logger.info("engine replay %g%%: engine %.2f%%, simulator %.2f%%, tokens identical: %s", pct,
-                    row["engine_served_pct"], row["sim_served_pct"], row["identical_tokens"])
-        rows.append(row)
+        for sessions in (False, True) if args.engine_sessions else (False,):
+            row = engine_replay(args.engine, args.trace, requests, args.engine_block, pct, sessions=sessions)
+            logger.info("engine replay %g%%%s: engine %.2f%%, simulator %.2f%%, tokens identical: %s", pct,
+                        " (session hints)" if sessions else "", row["engine_served_pct"],
+                        row["sim_served_pct"], row["identical_tokens"])  # fmt: skip
+            rows.append(row)
     return rows
 
 

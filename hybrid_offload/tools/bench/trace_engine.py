@@ -6,7 +6,9 @@ engine with a cpu tier of ``size_pct`` of the scaled working set (in this model'
 through :class:`~.trace_model.Replay` with the same tier, chunk, checkpoint interval and
 prefill step, its page bytes those the engine stores (:func:`engine_geometry`). vLLM's own
 prefix cache is reset before every request, so every cached token is the connector's. A second
-engine without the connector gives the tokens every request must generate (float32).
+engine without the connector gives the tokens every request must generate (float32). With
+``sessions`` every request carries the application's session hint (``"ends"`` where no later
+request extends it) and the simulator describes pages with it (``hints="sessions"``).
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def engine_geometry(model: Path, dtype: str, connector: dict[str, Any]) -> Geome
 
 def engine_replay(
     model: Path, trace: Path, requests: int, block: int, size_pct: float, dtype: str = "float32",
-    baseline: bool = True,
+    baseline: bool = True, sessions: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """Served tokens of the scaled trace through the engine and through the simulator, as % of
     a tier that never evicts and holds a state at every boundary (module docstring)."""
@@ -80,13 +82,14 @@ def engine_replay(
     total = unlimited(traffic, geometry, dense).outcome.served_tokens
     capacity = int(traffic.working_set(geometry) * size_pct / 100)
     connector["backends"] = [{"type": "cpu", "name": "cpu", "capacity_bytes": capacity}]
-    sim = Replay(traffic, geometry, capacity, rules, ResumePointPolicy(lambda: capacity), hints="pages")
+    hints = "sessions" if sessions else "pages"
+    sim = Replay(traffic, geometry, capacity, rules, ResumePointPolicy(lambda: capacity), hints=hints)
     sim.run()
     spec: dict[str, Any] = {
         "model": str(model), "dtype": dtype, "max_model_len": max_model_len, "sequential": True,
         "warmup": False, "llm_kwargs": {"max_num_batched_tokens": STEP_TOKENS},
         "workloads": [{"name": "trace", "size": {"path": str(trace), "requests": requests, "block": block,
-                                                 "reply": 2}}],
+                                                 "reply": 2, "sessions": int(sessions)}}],
     }  # fmt: skip
     ours = run_engine_subprocess({**spec, "connector": connector})
     waves = ours["workloads"]["trace"]["waves"]
@@ -100,6 +103,7 @@ def engine_replay(
     per_request = [(e, s * block) for e, s in zip(served, sim.hit_chunks, strict=True)]
     return {
         "model": geometry.model, "requests": len(trace_requests), "block": block, "size_pct": size_pct,
+        "sessions": sessions,
         "capacity_bytes": capacity, "attention_bytes_per_token": geometry.attention_bytes_per_token,
         "state_bytes": geometry.state_bytes,
         "engine_served_pct": round(engine_pct, 2), "sim_served_pct": round(sim_pct, 2),

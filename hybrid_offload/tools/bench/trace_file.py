@@ -16,7 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["TRACE_BLOCK_TOKENS", "TraceError", "TraceRequest", "load_trace", "prompt_tokens", "scaled"]
+__all__ = [
+    "TRACE_BLOCK_TOKENS", "TraceError", "TraceRequest", "load_trace", "prompt_tokens", "scaled",
+    "session_ends",
+]  # fmt: skip
 
 #: tokens per hash id in the Mooncake traces
 TRACE_BLOCK_TOKENS = 512
@@ -75,6 +78,21 @@ def scaled(requests: Sequence[TraceRequest], block: int) -> list[TraceRequest]:
     token; the ids stay, so what requests share stays)."""
     return [replace(r, input_length=max(1, round(r.input_length * block / TRACE_BLOCK_TOKENS)))
             for r in requests]  # fmt: skip
+
+
+def session_ends(requests: Sequence[TraceRequest], block: int) -> list[bool]:
+    """Per request (lengths at ``block`` tokens a hash id), whether no later request extends
+    its prompt (its full blocks, ids alike): the session hint an application keeping the
+    session would send. A prompt of no full block never continues."""
+    last: dict[tuple[int, int], int] = {}  # (blocks, digest of the ids) -> the last request
+    prefixes = []
+    for i, r in enumerate(requests):
+        digest, full = 0, r.input_length // block
+        for m, hash_id in enumerate(r.hash_ids[:full], start=1):
+            digest = (digest * 1_000_003 + hash_id + 1) % (1 << 61)
+            last[(m, digest)] = i
+        prefixes.append((full, digest))
+    return [full == 0 or last[(full, d)] == i for i, (full, d) in enumerate(prefixes)]
 
 
 def prompt_tokens(request: TraceRequest, block: int, low: int, high: int) -> list[int]:

@@ -35,7 +35,7 @@ from hybrid_offload.connector.scheduler.retention_hints import request_bytes
 from hybrid_offload.core.checkpoints import interval_stop, prefill_checkpoints, state_due
 from hybrid_offload.core.planner import HybridOffloadPlanner, chain_chunk_hashes
 from hybrid_offload.core.spec import GroupKind, GroupSpec, make_model_spec
-from hybrid_offload.tools.bench.trace_file import TRACE_BLOCK_TOKENS, TraceRequest
+from hybrid_offload.tools.bench.trace_file import TRACE_BLOCK_TOKENS, TraceRequest, session_ends
 
 __all__ = ["Geometry", "NextUsePolicy", "Replay", "Rules", "Traffic", "unlimited", "uses_of"]
 
@@ -89,12 +89,8 @@ class Traffic:
         chunks = {k for keys in self.keys for k in keys}
         self.distinct_chunks = len(chunks)
         #: whether a later request extends each request's prompt (an application that keeps the
-        #: session knows it): its last full chunk appears in a later request
-        last_seen: dict[str, int] = {}
-        for i, keys in enumerate(self.keys):
-            for k in keys:
-                last_seen[k] = i
-        self.continues = [bool(keys) and last_seen[keys[-1]] > i for i, keys in enumerate(self.keys)]
+        #: session knows it): its full chunks begin a later request
+        self.continues = [not ends for ends in session_ends(requests, chunk)]
 
     def __len__(self) -> int:
         return len(self.keys)

@@ -40,6 +40,8 @@ class Request:
     label: str
     prompt: tuple[int, ...]
     max_tokens: int
+    #: the application's session hint sent with it (``kv_transfer_params``), None: none
+    session: str | None = None
 
 
 Wave = list[Request]
@@ -104,13 +106,20 @@ def random_prompts(rng: random.Random, prompts: int, length: tuple[int, int], re
         yield [Request(f"p{i}.again", tuple(texts[i]), reply)]
 
 
-def trace(rng: random.Random, path: str, requests: int, block: int, reply: int) -> WorkloadGen:
+def trace(
+    rng: random.Random, path: str, requests: int, block: int, reply: int, sessions: int = 0
+) -> WorkloadGen:
     """The first ``requests`` of a Mooncake-format trace at ``path``, one a wave, in order, at
-    ``block`` tokens a hash id (:mod:`.trace_file`; the ids name the tokens, ``rng`` is unused)."""
-    from hybrid_offload.tools.bench.trace_file import load_trace, prompt_tokens, scaled
+    ``block`` tokens a hash id (:mod:`.trace_file`; the ids name the tokens, ``rng`` is unused).
+    ``sessions``: each request says whether its session continues (``"ends"`` where no later
+    request extends it: what the application would know)."""
+    from hybrid_offload.tools.bench.trace_file import load_trace, prompt_tokens, scaled, session_ends
 
-    for i, r in enumerate(scaled(load_trace(Path(path), limit=requests), block)):
-        yield [Request(f"t{i}", tuple(prompt_tokens(r, block, VOCAB_LOW, VOCAB_HIGH)), reply)]
+    trace_requests = scaled(load_trace(Path(path), limit=requests), block)
+    ends = session_ends(trace_requests, block) if sessions else [False] * len(trace_requests)
+    for i, r in enumerate(trace_requests):
+        session = ("ends" if ends[i] else "continues") if sessions else None
+        yield [Request(f"t{i}", tuple(prompt_tokens(r, block, VOCAB_LOW, VOCAB_HIGH)), reply, session)]
 
 
 WORKLOADS: dict[str, Callable[..., WorkloadGen]] = {

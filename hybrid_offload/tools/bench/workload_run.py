@@ -48,6 +48,12 @@ ENGINE_ENV = {
 }
 
 
+def _session_args(session: str | None) -> dict[str, Any] | None:
+    """A request's ``SamplingParams.extra_args`` carrying its session hint (vLLM hands
+    ``extra_args["kv_transfer_params"]`` to the connector), None without one."""
+    return None if session is None else {"kv_transfer_params": {"hybrid_offload": {"session": session}}}
+
+
 def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     """Build the engine, run every workload of ``spec`` through it, return the records."""
     from vllm import LLM, SamplingParams
@@ -74,8 +80,9 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     logprobs = spec.get("logprobs")
 
     def generate(group: Wave) -> list[tuple[Any, float]]:
-        params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs)
-                  for r in group]
+        params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs,
+                                 extra_args=_session_args(r.session))
+                  for r in group]  # fmt: skip
         start = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": list(r.prompt)} for r in group], params, use_tqdm=False)
         wall = time.perf_counter() - start
