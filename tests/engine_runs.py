@@ -12,7 +12,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-CHUNK_TOKENS = {"qwen3_next": 128, "falcon_h1": 128, "llama": 256}  # the defaults
+CHUNK_TOKENS = {"qwen3_next": 128, "falcon_h1": 128, "llama": 256, "lfm2": 128}  # the defaults
 VOCAB = 2048
 
 

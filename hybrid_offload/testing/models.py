@@ -212,6 +212,22 @@ def _lfm2(dims: Dims) -> Any:
     )
 
 
+def _lfm2_moe(dims: Dims) -> Any:
+    """LFM2-MoE: LFM2's layers with a sparse MoE MLP after the first (dense) layer: 4 experts,
+    2 a token."""
+    from transformers import Lfm2MoeConfig
+
+    return Lfm2MoeConfig(
+        **dims.common(),
+        layer_types=_pattern(dims.layers, lambda i: i % 2 == 1, "full_attention", "conv"),
+        conv_L_cache=3,
+        num_dense_layers=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=dims.hidden,
+    )
+
+
 def _llama(dims: Dims) -> Any:
     """Plain Llama (attention only), the non-hybrid baseline."""
     from transformers import LlamaConfig
@@ -227,6 +243,7 @@ _ARCH_TABLE: dict[str, tuple[Callable[[Dims], Any], int]] = {
     "granite_hybrid": (_granite_hybrid, 2),
     "zamba2": (_zamba2, 2),
     "lfm2": (_lfm2, 4),
+    "lfm2_moe": (_lfm2_moe, 4),
     "llama": (_llama, 2),
 }
 ARCHS: tuple[str, ...] = tuple(_ARCH_TABLE)

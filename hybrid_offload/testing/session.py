@@ -8,7 +8,7 @@ as JSON files, never pickles.
 Spec (JSON)::
 
     {"model": DIR, "prompts": [[token ids], ...], "pass_prompts": [[[token ids], ...], ...] | null,
-     "max_tokens": 8,
+     "max_tokens": 8, "logprobs": null,
      "connector": {... kv_connector_extra_config ...} | null,
      "passes": 2, "reset_prefix_cache": "pass" | "request" | "never",
      "warmup": true, "llm_kwargs": {...}, "pass_barrier": DIR | null}
@@ -25,7 +25,8 @@ waits until ``DIR/pass-<i>.go`` exists (at most ``barrier_timeout_s``, default 3
 pass. A ``DIR/pass-<i>.prompts.json`` written before ``.go`` gives the next pass its prompts (a
 chat's next turns, built from the replies).
 
-Result: per pass, per prompt: output token ids, time to first token, cached tokens; and per
+Result: per pass, per prompt: output token ids, time to first token, cached tokens (with
+``logprobs: k``, also the top-``k`` logprobs of every generated position); and per
 pass the connector's scheduler counters (tokens loaded per backend, aligned prompt tokens).
 ``groups`` lists the top-level connector's KV cache groups with their page sizes (``page_len``:
 bytes of one stored page set, all shards and headers included) and ``chunk_tokens``; empty
@@ -174,9 +175,15 @@ def _generate(llm: Any, prompts: list[list[int]], params: Any, reset: bool, batc
                     "wall_s": wall,
                     "cached_tokens": out.num_cached_tokens or 0,
                     "prompt_tokens": len(prompt),
+                    **({"logprobs": _logprobs(out)} if params.logprobs else {}),
                 }
             )
     return rows
+
+
+def _logprobs(out: Any) -> list[dict[str, float]]:
+    """Per generated position, the logprobs vLLM returned (token id as a JSON key -> logprob)."""
+    return [{str(t): float(lp.logprob) for t, lp in pos.items()} for pos in out.outputs[0].logprobs or []]
 
 
 def run_session(spec: dict[str, Any]) -> dict[str, Any]:
@@ -193,7 +200,9 @@ def run_session(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("connector") is not None:
         kwargs["kv_transfer_config"] = kv_transfer_config(spec["connector"])
     llm = LLM(model=spec["model"], **kwargs)
-    params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=spec.get("max_tokens", 8), temperature=0.0, ignore_eos=True, logprobs=spec.get("logprobs")
+    )
     if spec.get("warmup", True):  # one-time engine costs must not count as a cold request
         llm.generate([{"prompt_token_ids": [3 + i % 97 for i in range(64)]}], params, use_tqdm=False)
         llm.reset_prefix_cache()

@@ -43,6 +43,7 @@ def connector(disk: Path, with_cpu: bool, layout: str = "files") -> dict[str, An
         ("qwen3_next", False, "segments"),
         ("falcon_h1", True, "files"),
         ("llama", False, "files"),
+        ("lfm2", True, "files"),
     ],
 )
 def test_cpu_then_disk_after_restart(
@@ -51,7 +52,12 @@ def test_cpu_then_disk_after_restart(
     model = model_dir(arch)
     prompts = shared_prefix_prompts(CHUNK_TOKENS[arch])
     base = {"model": str(model), "prompts": prompts, "max_tokens": 12, "reset_prefix_cache": "request"}
-    baseline = run_session_subprocess({**base, "connector": None, "passes": 1})
+    # LFM2: a wrong short-conv state leaves greedy tokens as they are (see test_short_conv_e2e):
+    # its check is the logprobs, bit for bit, against engine A's cold pass (the same step cuts)
+    dtype = {"dtype": "float32"} if arch == "lfm2" else {}
+    if arch == "lfm2":
+        base["logprobs"] = 20
+    baseline = run_session_subprocess({**base, "connector": None, "passes": 1, "llm_kwargs": dtype})
     expected = tokens(baseline, 0)
 
     disk = tmp_path / "disk"
@@ -60,7 +66,7 @@ def test_cpu_then_disk_after_restart(
             **base,
             "connector": connector(disk, True, layout),
             "passes": 2,
-            "llm_kwargs": {"async_scheduling": async_a},
+            "llm_kwargs": {"async_scheduling": async_a, **dtype},
         }
     )
     assert f"chunk_tokens={CHUNK_TOKENS[arch]}" in engine_a["log"]
@@ -73,7 +79,7 @@ def test_cpu_then_disk_after_restart(
             **base,
             "connector": connector(disk, True, layout),
             "passes": 2,
-            "llm_kwargs": {"async_scheduling": not async_a},
+            "llm_kwargs": {"async_scheduling": not async_a, **dtype},
         }
     )
     assert tokens(engine_b, 0) == expected
@@ -87,6 +93,14 @@ def test_cpu_then_disk_after_restart(
     worker = engine_b["passes"][1]["worker_total"]
     assert worker["bad_pages"] == 0 and worker["missing_pages"] == 0
     assert worker["pages_promoted"] > 0 and worker["promotions_dropped"] == 0
+    if "logprobs" in base:
+        cold = logprobs(engine_a, 0)
+        assert logprobs(engine_a, 1) == cold
+        assert logprobs(engine_b, 0) == cold and logprobs(engine_b, 1) == cold
+
+
+def logprobs(result: dict[str, Any], index: int) -> list[list[dict[str, float]]]:
+    return [r["logprobs"] for r in result["passes"][index]["requests"]]
 
 
 ZEROING_CHILD = """
@@ -105,15 +119,21 @@ main(sys.argv[1:])
 """
 
 
-def test_wrong_mamba_state_changes_output(model_dir, tmp_path: Path) -> None:
+@pytest.mark.parametrize("arch", ["qwen3_next", "lfm2"])
+def test_wrong_mamba_state_changes_output(arch: str, model_dir, tmp_path: Path) -> None:
     """Negative control: the e2e comparison is sensitive to the Mamba/GDN state we restore.
 
     A child engine loads the same pages but writes zeros instead of the recurrent state; its
     output must differ from the baseline, or the identical-output tests above prove nothing.
+    LFM2's short-conv state (2 tokens of context) leaves greedy tokens unchanged when zeroed:
+    there the logprobs of the loaded pass must differ from the cold pass's, which they equal bit
+    for bit when the state is restored (test_cpu_then_disk_after_restart[lfm2]).
     """
-    model = model_dir("qwen3_next")
-    prompts = shared_prefix_prompts(CHUNK_TOKENS["qwen3_next"])
+    model = model_dir(arch)
+    prompts = shared_prefix_prompts(CHUNK_TOKENS[arch])
     base = {"model": str(model), "prompts": prompts, "max_tokens": 12, "reset_prefix_cache": "request"}
+    if arch == "lfm2":
+        base.update(logprobs=20, llm_kwargs={"dtype": "float32"})
     baseline = run_session_subprocess({**base, "connector": None, "passes": 1})
     spec = {**base, "connector": connector(tmp_path / "disk", True), "passes": 2}
     spec_path, out_path = tmp_path / "spec.json", tmp_path / "out.json"
@@ -127,4 +147,7 @@ def test_wrong_mamba_state_changes_output(model_dir, tmp_path: Path) -> None:
     )
     result = json.loads(out_path.read_text())
     assert hit_rate(result, 1, "cpu") >= 0.99
-    assert tokens(result, 1) != tokens(baseline, 0)
+    if arch == "lfm2":
+        assert logprobs(result, 1) != logprobs(result, 0)
+    else:
+        assert tokens(result, 1) != tokens(baseline, 0)

@@ -5,11 +5,13 @@ worker side in a worker process) runs a multi-turn chat whose turns carry the ge
 replies (two conversations at once) and prompts of random lengths (1k-6k tokens, up to beyond
 ``max_num_batched_tokens``) asked twice: with async scheduling on (falcon_h1), off (zamba2) and
 pipeline parallel (nemotron_h at PP=2, its stages each storing and loading their layers, against
-a PP=1 engine's tokens). vLLM's own prefix cache is reset before every wave, so every cached
-token is the connector's. The reusable prefix of a request is what the prompts and outputs of
-earlier waves share with it, floored to the chunk (128 tokens here), below its length
-(``hybrid_offload.tools.bench.traffic``); the connector must serve >= 95 % of it, and, for the
-float32 archs, the greedy tokens of an engine without the connector.
+a PP=1 engine's tokens); LFM2 and LFM2-MoE (short-conv state) are checked by logprobs, see
+:func:`test_short_conv_states_are_restored_bit_for_bit`. vLLM's own prefix cache is reset
+before every wave, so every cached token is the connector's. The reusable prefix of a request
+is what the prompts and outputs of earlier waves share with it, floored to the chunk (128
+tokens here), below its length (``hybrid_offload.tools.bench.traffic``); the connector must
+serve >= 95 % of it, and, for the float32 archs, the greedy tokens of an engine without the
+connector.
 """
 
 from __future__ import annotations
@@ -68,3 +70,26 @@ def test_qwen3_next_traffic_is_served(model_dir) -> None:
     spec = {"model": str(model_dir("qwen3_next")), "dtype": "bfloat16", "max_model_len": 8192,
             "workloads": TRAFFIC, "llm_kwargs": {"async_scheduling": True}}
     check(run_engine_subprocess({**spec, "connector": connector()}), None)
+
+
+@pytest.mark.parametrize(("arch", "engine"), [("lfm2", "sync"), ("lfm2_moe", "async")])
+def test_short_conv_states_are_restored_bit_for_bit(arch: str, engine: str, model_dir) -> None:
+    """LFM2's output in vLLM shifts with where a prefill is cut into steps (float32, no
+    connector, measured: first-token logprobs move up to 0.09 between max_num_batched_tokens 256
+    and the default, 0.003-0.018 between prefix caching on and off, on prompts nothing served),
+    and the connector cuts prefills at its checkpoints: tokens against an engine without it would
+    differ for reasons that are not the cache. A zeroed conv state, on the other hand, leaves
+    greedy tokens unchanged (``test_wrong_mamba_state_changes_output[lfm2]``). So: hits as above,
+    and every prompt asked again, served from the cache, gives the first token's logprobs of its
+    first ask (cold, cut at the same places) bit for bit. One request at a time (a batch's shape
+    changes float32 sums)."""
+    spec = {"model": str(model_dir(arch)), "dtype": "float32", "max_model_len": 8192, "workloads": TRAFFIC,
+            "sequential": True, "logprobs": 20, "llm_kwargs": {"async_scheduling": engine == "async"}}
+    ours = run_engine_subprocess({**spec, "connector": connector()})
+    check(ours, None)
+    rows = {r["label"]: r for wave in ours["workloads"]["random"]["waves"] for r in wave}
+    again = [label for label in rows if label.endswith(".again")]
+    assert again and all(rows[label]["cached"] > 0 for label in again)
+    for label in again:
+        first = rows[label.replace(".again", ".first")]
+        assert rows[label]["first_logprobs"] == first["first_logprobs"], label
