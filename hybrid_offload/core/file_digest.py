@@ -5,6 +5,12 @@
 or a ``chmod`` changes the ctime, which a user cannot set back, so a cached digest is never
 reused for other bytes; a copy is a new inode and is hashed once.
 
+That holds where the kernel sets the times. On file systems made from an image (squashfs/SIF,
+erofs, iso9660, any file system on a loop device, FUSE) inode numbers and all times come from
+the image, and two images of equal sizes with normalized times give equal stamps for different
+bytes: there the digest is never cached, the file is hashed in full at every start
+(:func:`image_file_system`, read from ``/proc/self/mountinfo``; where it cannot be read, the same).
+
 The cache is one small file per stamp in ``<cache home>/file-digests`` (:func:`cache_home`).
 It is used only where that directory is owned by this user and not group/other-writable, and
 an entry only where it is a regular file owned by this user: a digest someone else wrote would
@@ -33,13 +39,51 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CACHE_ENV", "CHUNK_BYTES", "cache_home", "digest_dir", "file_sha256", "file_sha256_many"]
+__all__ = [
+    "CACHE_ENV", "CHUNK_BYTES", "cache_home", "digest_dir", "file_sha256", "file_sha256_many",
+    "image_file_system",
+]  # fmt: skip
 
 #: overrides the cache home (default ``$XDG_CACHE_HOME/hybrid-offload``)
 CACHE_ENV = "HYBRID_OFFLOAD_CACHE"
 #: bytes read per call while hashing
 CHUNK_BYTES = 8 << 20
 _HEX = re.compile(r"[0-9a-f]{64}")
+#: file system types whose inode numbers and times come from an image
+IMAGE_FS_TYPES = frozenset({"squashfs", "erofs", "iso9660", "cramfs", "romfs", "udf", "zisofs"})
+#: the block device major number of loop devices (a file system image mounted as a disk)
+LOOP_MAJOR = 7
+MOUNTINFO = Path("/proc/self/mountinfo")
+_warned: set[str] = set()
+
+
+def _unescape(field: str) -> str:
+    """mountinfo escapes space, tab, newline and backslash as octal (``\\040``)."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def image_file_system(st_dev: int, mountinfo: Path | None = None) -> str | None:
+    """Why the file system of device ``st_dev`` takes its inode numbers and times from an image
+    (e.g. ``"squashfs on /dev/loop3"``), or None where the kernel sets them. A device missing
+    from ``mountinfo``, or ``mountinfo`` unreadable, counts as an image (nothing known)."""
+    if os.major(st_dev) == LOOP_MAJOR:
+        return f"a loop device ({os.major(st_dev)}:{os.minor(st_dev)})"
+    wanted = f"{os.major(st_dev)}:{os.minor(st_dev)}"
+    mountinfo = MOUNTINFO if mountinfo is None else mountinfo
+    try:
+        lines = mountinfo.read_text().splitlines()
+    except OSError as exc:
+        return f"{mountinfo} unreadable ({exc.strerror})"
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 7 or fields[2] != wanted or "-" not in fields[6:]:
+            continue
+        dash = fields.index("-", 6)
+        fstype, source = fields[dash + 1], _unescape(fields[dash + 2]) if len(fields) > dash + 2 else ""
+        if fstype in IMAGE_FS_TYPES or fstype.startswith("fuse") or source.startswith("/dev/loop"):
+            return f"{fstype} on {source}"
+        return None
+    return f"device {wanted} not in {mountinfo}"
 
 
 def cache_home() -> Path:
@@ -132,6 +176,15 @@ def file_sha256(path: str | os.PathLike[str], *, cache: Path | None = None) -> s
     path = Path(path)
     st = os.stat(path)
     directory = digest_dir() if cache is None else cache
+    image = image_file_system(st.st_dev)
+    if image is not None:
+        if image not in _warned:
+            _warned.add(image)
+            logger.info(
+                "hybrid-offload hashes weight files on %s in full at every start: there inode "
+                "numbers and times come from the image, so its digests are not cached", image
+            )
+        return _hash(path)[0]
     if not _usable_dir(directory):
         return _hash(path)[0]
     entry = directory / f"{_stamp_name(st)}.sha256"

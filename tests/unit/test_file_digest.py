@@ -93,3 +93,59 @@ def test_files_are_hashed_in_parallel_and_each_version_once(tmp_path: Path, coun
     digests = file_sha256_many([*files, files[0]], cache=tmp_path / "cache", threads=4)
     assert digests == [hashlib.sha256(bytes([i]) * (1 << 20)).hexdigest() for i in [*range(5), 0]]
     assert sorted(counted) == sorted(files)  # the repeated path waited for the first one's entry
+
+
+# ---- file systems made from images (issue 45 N2) ----------------------------------------------
+MOUNTINFO = """\
+22 27 0:21 / /proc rw,relatime - proc proc rw
+31 27 253:1 / /models rw,relatime shared:1 - ext4 /dev/vda1 rw
+40 27 7:3 / /mnt/a\\040b ro,relatime - ext4 /dev/loop3 ro
+41 27 0:55 / /sif ro,nodev - squashfs /opt/images/model\\040v2.sif ro
+42 27 0:56 / /hub rw - fuse.sshfs host:/hub rw
+"""
+
+
+@pytest.mark.parametrize(
+    ("dev", "why"),
+    [
+        ((253, 1), None),
+        ((7, 3), "a loop device (7:3)"),
+        ((0, 55), "squashfs on /opt/images/model v2.sif"),
+        ((0, 56), "fuse.sshfs on host:/hub"),
+        ((9, 9), "device 9:9 not in"),
+    ],
+)
+def test_image_file_systems_are_told_from_mountinfo(
+    tmp_path: Path, dev: tuple[int, int], why: str | None
+) -> None:
+    info = tmp_path / "mountinfo"
+    info.write_text(MOUNTINFO)
+    got = file_digest.image_file_system(os.makedev(*dev), info)
+    assert got == why if why is None or not why.endswith("not in") else got.startswith(why)
+
+
+def test_on_an_image_file_system_equal_stamps_never_share_a_digest(
+    tmp_path: Path, counted: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two fine-tunes of equal size in two images with normalized times: the same (dev, inode,
+    size, mtime, ctime) for other bytes, as an image file system reports them (a stand-in
+    reproduces its stat values). Each is hashed in full: neither gets the other's digest."""
+    cache = tmp_path / "cache"
+    first, second = tmp_path / "a.bin", tmp_path / "b.bin"
+    first.write_bytes(b"\x01" * 4096)
+    second.write_bytes(b"\x02" * 4096)
+    forged = os.stat_result((0o100644, 1234, os.makedev(0, 55), 1, 0, 0, 4096, 0, 0, 0))
+    real_stat = os.stat
+
+    def image_stat(path: Path, *args: object, **kwargs: object) -> os.stat_result:
+        return forged if Path(path).suffix == ".bin" else real_stat(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(file_digest.os, "stat", image_stat)
+    monkeypatch.setattr(file_digest, "_same_version", lambda a, b: True)  # reads see the forged stamp
+    info = tmp_path / "mountinfo"
+    info.write_text(MOUNTINFO)
+    monkeypatch.setattr(file_digest, "MOUNTINFO", info)
+    assert file_sha256(first, cache=cache) == hashlib.sha256(first.read_bytes()).hexdigest()
+    assert file_sha256(second, cache=cache) == hashlib.sha256(second.read_bytes()).hexdigest()
+    assert file_sha256(first, cache=cache) == hashlib.sha256(first.read_bytes()).hexdigest()
+    assert counted == [first, second, first] and not list(cache.glob("*.sha256"))
