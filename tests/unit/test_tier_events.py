@@ -215,3 +215,26 @@ def test_a_cache_reset_removes_every_published_block(events_world) -> None:
     w.sched.update_connector_output(OffloadWorkerMetadata(evicted={"cpu": w.pieces(
         [k for keys in w.keys(req.prompt_token_ids) for k in keys])}), None, None)
     assert w.sched.take_events() == []  # forgotten: removed once
+
+
+def test_a_promoted_set_is_published_in_the_cpu_tier_once_stored_there(events_world, tmp_path: Path) -> None:
+    """A load from disk promotes its pages into cpu: when the worker reports them stored, cpu
+    publishes them (LOCAL), as for a store."""
+    disk_config = BackendConfig("disk", "disk", 1 << 30, options={"path": str(tmp_path / "disk")})
+    disk = tier(disk_config, load_weight=0.5)
+    w = events_world([cpu_config(), disk])
+    req = HashedRequest("r1", prompt(20))
+    w.hold("disk", w.chunk_keys(req.prompt_token_ids, range(2)))
+    n, _ = w.sched.get_num_new_matched_tokens(req, 0)
+    assert n == 16
+    w.sched.update_state_after_alloc(req, ([10, 11, 12], [0, 21, 22]), n)
+    (job,) = w.sched.build_connector_meta(step()).loads
+    assert {p.backends for p in job.promotions} == {("cpu",)}
+    w.sched.take_events()  # what the lookup saw on disk
+    pieces = [k for p in job.promotions for k in w.planner.piece_keys(p.key, p.group)]
+    w.sched.update_connector_output(OffloadWorkerMetadata(stored={"cpu": pieces}), None, None)
+    published = [e for e in w.sched.take_events() if isinstance(e, BlockStored)]
+    assert {(e.medium, e.locality) for e in published} == {("cpu", "LOCAL")}
+    assert {(e.group_idx, e.block_hashes[0]) for e in published} == {
+        (ATTN, external(req, 8)), (ATTN, external(req, 16)), (MAMBA, external(req, 16))
+    }

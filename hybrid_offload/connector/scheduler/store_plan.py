@@ -289,6 +289,8 @@ class StorePlanner:
         )
         if not targets:
             return None
+        if self.events is not None:  # published once the worker reports it stored there
+            self.events.planned(state, page, targets)
         return Promotion(page.key, page.group, targets, self.hints.for_loaded_page(state, page))
 
     def _targets(self, page: PageJob, state: RequestState) -> tuple[str, ...]:
