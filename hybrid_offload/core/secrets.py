@@ -12,6 +12,7 @@ Pure: no vLLM, no torch.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hmac
 import logging
@@ -76,7 +77,10 @@ def read_secret(*, file: str | None = None, env: str | None = None, what: str) -
 
     Raises :class:`SecretError` naming ``what`` when both are given, the variable is unset or
     empty, or the file is missing, empty, not a regular file, owned by a user other than this
-    one or root, or writable by group or others (whoever can write it chooses the secret). A
+    one or root, or writable by group or others (whoever can write it chooses the secret), or
+    when the directory it is named in is writable by group or others (``/tmp`` too, sticky or
+    not: another user could put a link there, before the file exists, to a file whose content
+    they know), or the directory of the file a link leads to is (without the sticky bit). A
     file readable by others is accepted with a warning: Kubernetes mounts secrets 0644 by
     default (set ``defaultMode: 0400``). A symlink is followed (Kubernetes secret files are
     symlinks); the checks apply to the file it names, as opened.
@@ -85,6 +89,7 @@ def read_secret(*, file: str | None = None, env: str | None = None, what: str) -
         raise SecretError(f"{what}: give a file or an environment variable, not both")
     if file is not None:
         path = os.path.expanduser(file)
+        _check_secret_dirs(file, path, what)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as exc:
@@ -109,6 +114,26 @@ def read_secret(*, file: str | None = None, env: str | None = None, what: str) -
     return None
 
 
+def _check_secret_dirs(file: str, path: str, what: str) -> None:
+    """The directory ``file`` is named in must be writable by its owner only; the directory of
+    the file it leads to (through links), by its owner or, with the sticky bit, by whoever
+    (a file there can only be replaced by its owner, and the file's owner is checked)."""
+    named = os.path.dirname(os.path.abspath(path))
+    target = os.path.dirname(os.path.realpath(path))
+    for directory, sticky_ok in ((named, False), (target, True)):
+        try:
+            st = os.stat(directory)
+        except OSError:
+            continue  # the file's open says what is wrong
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not (sticky_ok and st.st_mode & stat.S_ISVTX):
+            raise SecretError(
+                f"{what}: secret file {file!r} is in {directory!r}, a directory other users can "
+                "write: one of them could replace it, or put a link there to a file whose content "
+                "they know. Keep secret files in a directory only you can write (e.g. "
+                "~/.config/hybrid-offload, 0700)"
+            )
+
+
 def _check_secret_file(file: str, st: os.stat_result, what: str) -> None:
     if not stat.S_ISREG(st.st_mode):
         raise SecretError(f"{what}: secret file {file!r} is not a regular file")
@@ -125,18 +150,31 @@ def _check_secret_file(file: str, st: os.stat_result, what: str) -> None:
 
 def create_secret_file(file: str) -> bool:
     """Create ``file`` (a leading ``~`` expanded) holding a new random secret (32 bytes, hex),
-    mode 0600, in a directory created 0700, unless it exists; whether it was created. Two
-    processes racing get the same file. Raises :class:`SecretError` when it cannot."""
+    mode 0600, in a directory created 0700, unless it exists; whether it was created. The file
+    appears whole or not at all (written and synced under a temporary name, then hard-linked to
+    ``file``, which fails where it exists): two processes racing get the same file and never
+    read a half-written one, and a crash leaves no empty file. Raises :class:`SecretError` when
+    it cannot."""
     path = os.path.expanduser(file)
+    tmp = f"{path}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
     try:
         os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise SecretError(f"cannot create secret file {file!r}: {exc.strerror}") from None
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(os.urandom(32).hex() + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.link(tmp, path, follow_symlinks=False)
     except FileExistsError:
         return False
     except OSError as exc:
         raise SecretError(f"cannot create secret file {file!r}: {exc.strerror}") from None
-    with os.fdopen(fd, "w") as f:
-        f.write(os.urandom(32).hex() + "\n")
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
     return True
 
 

@@ -361,3 +361,65 @@ def test_secret_files_only_their_owner_can_choose(tmp_path: Path) -> None:
         assert oct(created.parent.stat().st_mode & 0o777) == "0o700"
         secret = read_secret(file="~/.config/hybrid-offload/cache-secret", what="t")
         assert secret is not None and len(secret.value) == 64
+
+
+def test_secret_files_in_directories_others_can_write_are_refused(tmp_path: Path) -> None:
+    """Issue 45 N9: in a directory others can write (``/tmp``-like, sticky), another user puts a
+    link where the secret file will be, to a root-owned file whose content they know; it was
+    read with only a warning. Now refused; a link from a safe directory into a sticky one is
+    fine (only the file's owner can replace a file there), into a non-sticky one refused."""
+    from hybrid_offload.core.secrets import SecretError, read_secret
+
+    known = tmp_path / "known"
+    known.write_text("everyone-knows-this\n")
+    known.chmod(0o644)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    (shared / "cache-secret").symlink_to(known)  # planted before the engine created its file
+    with pytest.raises(SecretError, match="a directory other users can write"):
+        read_secret(file=str(shared / "cache-secret"), what="t")
+    group = tmp_path / "group"
+    group.mkdir()
+    (group / "secret").write_text("s")
+    (group / "secret").chmod(0o600)
+    group.chmod(0o770)
+    with pytest.raises(SecretError, match="a directory other users can write"):
+        read_secret(file=str(group / "secret"), what="t")
+    (shared / "mine").write_text("fine")
+    (shared / "mine").chmod(0o600)
+    safe = tmp_path / "safe"
+    safe.mkdir(mode=0o700)
+    (safe / "secret").symlink_to(shared / "mine")
+    assert read_secret(file=str(safe / "secret"), what="t").value == b"fine"  # type: ignore[union-attr]
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    (open_dir / "theirs").write_text("x")
+    (open_dir / "theirs").chmod(0o600)
+    open_dir.chmod(0o777)
+    (safe / "other").symlink_to(open_dir / "theirs")
+    with pytest.raises(SecretError, match="a directory other users can write"):
+        read_secret(file=str(safe / "other"), what="t")
+
+
+def test_a_secret_file_appears_whole_or_not_at_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 45 N10: a crash while writing a new secret file left it empty for good (and a
+    racing process read it empty). Now it is written under another name and linked into place:
+    a failure leaves nothing, and the next start creates it."""
+    from hybrid_offload.core import secrets
+    from hybrid_offload.core.secrets import SecretError, create_secret_file, read_secret
+
+    path = tmp_path / "cfg" / "cache-secret"
+
+    def crash(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(secrets.os, "fsync", crash)
+        with pytest.raises(SecretError, match="Input/output error"):
+            create_secret_file(str(path))
+    assert not path.exists() and list(path.parent.iterdir()) == []
+    assert create_secret_file(str(path)) and not create_secret_file(str(path))
+    secret = read_secret(file=str(path), what="t")
+    assert secret is not None and len(secret.value) == 64
+    assert [p.name for p in path.parent.iterdir()] == ["cache-secret"]
