@@ -95,7 +95,7 @@ def main() -> None:
         chunks = range(0, args.pages, args.batch)
         results = {}
         for zero_copy in (True, False):
-            options = {"peers": [address], "zero_copy": zero_copy}
+            options = {"peers": [address], "zero_copy": zero_copy, "insecure": True}
             backend = create_backend(BackendConfig("nixl_peer", "bench", 2 * total, options=options))
 
             def put(backend: Any = backend) -> None:

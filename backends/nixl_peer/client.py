@@ -8,8 +8,10 @@ READ (load) or WRITE (store) per peer between the peer's pool and the caller's b
 Contract beyond :mod:`hybrid_offload.backends.base`:
 
 * **Options.** ``peers`` (required, list of ``"host:port"``), ``token_file`` / ``token_env``
-  (optional shared secret, from a file or an environment variable; a literal ``token`` is
-  refused: configs end up on command lines), ``staging_bytes`` (64 MiB), ``timeout_s`` (2.0:
+  (the peers' shared secret, from a file or an environment variable; a literal ``token`` is
+  refused: configs end up on command lines; without one the client refuses to start unless
+  ``insecure: true`` says every user who can reach the peers is trusted, as the peer's own
+  ``--insecure`` does), ``staging_bytes`` (64 MiB), ``timeout_s`` (2.0:
   every socket wait, and a transfer per staging buffer's worth of bytes),
   ``retry_backoff_s`` (0.5, doubling up to ``max_backoff_s`` = 30 after each failure of a peer).
 * **Placement.** Keys are spread over peers by consistent hashing (:mod:`.ring`, xxh3, virtual
@@ -103,6 +105,7 @@ class NixlPeerBackend(Backend):
         "retry_backoff_s": 0.5,
         "max_backoff_s": 30.0,
         "zero_copy": True,
+        "insecure": False,
     }
 
     @classmethod
@@ -118,7 +121,15 @@ class NixlPeerBackend(Backend):
                 raise BackendConfigError(f"'peers': {exc}") from exc
         if len(set(peers)) != len(peers):
             raise BackendConfigError(f"'peers' lists a peer twice: {peers}")
-        cls._token_of(opts)
+        if not isinstance(opts["insecure"], bool):
+            raise BackendConfigError(f"'insecure' must be true or false, got {opts['insecure']!r}")
+        if cls._token_of(opts) is None and not opts["insecure"]:
+            raise BackendConfigError(
+                "no 'token_file' or 'token_env': without the peers' token anyone who can reach them "
+                "could answer as a peer (and read or write every page). Give the token the peers "
+                "use (hybrid-offload peer --token-file), or set 'insecure': true where every user "
+                "who can reach the peers is trusted"
+            )
         staging = opts["staging_bytes"]
         if isinstance(staging, bool) or not isinstance(staging, int) or staging < 4096:
             raise BackendConfigError(f"'staging_bytes' must be an integer >= 4096, got {staging!r}")
@@ -148,6 +159,8 @@ class NixlPeerBackend(Backend):
         self._backoff0 = float(opts["retry_backoff_s"])
         self._backoff_max = float(opts["max_backoff_s"])
         token = self._token_of(opts)
+        if token is None:
+            logger.warning("nixl_peer backend %r runs WITHOUT a token (insecure: true)", config.name)
         self._token = Secret(b"") if token is None else token
         self._peers = [_Peer(address, self._backoff0, self._backoff_max) for address in opts["peers"]]
         self._ring = HashRing(opts["peers"])

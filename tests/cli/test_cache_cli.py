@@ -211,7 +211,7 @@ def _redis_cache(server: RedisServer) -> Cache:
 
 
 def _peer_cache(peer: InProcessPeer) -> Cache:
-    options = {"peers": [peer.address], "timeout_s": 5.0}
+    options = {"peers": [peer.address], "timeout_s": 5.0, "insecure": True}
     backend = create_backend(BackendConfig("nixl_peer", "w", 1 << 30, options=options))
     backend.delete_batch([info.key for info in backend.scan()])  # the peer is shared by the module
 
@@ -222,7 +222,7 @@ def _peer_cache(peer: InProcessPeer) -> Cache:
         peer.now[0] += AGED_S  # every page on the peer ages: callers put the young ones after
         return "7d"
 
-    return Cache("nixl_peer", ["--peer", peer.address], backend, corrupt, make_old)
+    return Cache("nixl_peer", ["--peer", peer.address, "--peer-insecure"], backend, corrupt, make_old)
 
 
 @pytest.fixture(

@@ -35,7 +35,9 @@ def clients() -> Iterator[Callable[..., NixlPeerBackend]]:
     opened: list[NixlPeerBackend] = []
 
     def factory(addresses: list[str], **options: Any) -> NixlPeerBackend:
-        config = BackendConfig("nixl_peer", "t", 1 << 30, options={"peers": addresses, **options})
+        tokened = options.get("token_file") is not None or options.get("token_env") is not None
+        defaults = {} if tokened else {"insecure": True}  # these peers run --insecure
+        config = BackendConfig("nixl_peer", "t", 1 << 30, options={"peers": addresses, **defaults, **options})
         backend = create_backend(config)
         assert isinstance(backend, NixlPeerBackend)
         opened.append(backend)

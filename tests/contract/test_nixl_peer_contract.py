@@ -29,7 +29,7 @@ class TestNixlPeerContract(BackendContract):
     def make_backend(self, tmp_path: Path, capacity_bytes: int) -> Backend:
         peer = start_peer(capacity_bytes)
         self._started.append(peer)
-        options = {"peers": [peer.address], "timeout_s": 5.0}
+        options = {"peers": [peer.address], "timeout_s": 5.0, "insecure": True}
         return create_backend(BackendConfig("nixl_peer", "nixl-peer-test", capacity_bytes, options=options))
 
     def reopen(self, backend: Backend, tmp_path: Path) -> Backend | None:

@@ -228,7 +228,7 @@ from hybrid_offload.testing.services import start_peer
 zero_copy, op = sys.argv[1] == "1", sys.argv[2]
 a, b = start_peer(64 << 20), start_peer(64 << 20)
 try:
-    opts = {"peers": [a.address, b.address], "zero_copy": zero_copy, "timeout_s": 0.5,
+    opts = {"peers": [a.address, b.address], "zero_copy": zero_copy, "timeout_s": 0.5, "insecure": True,
             "retry_backoff_s": 0.05, "max_backoff_s": 0.1}
     client = create_backend(BackendConfig("nixl_peer", "t", 1 << 30, options=opts))
     keys = [f"abcdef01-{i:032x}" for i in range(64)]
@@ -459,11 +459,23 @@ def test_sigterm_exits_cleanly(peers: PeerFactory, clients: Any) -> None:
      {"peers": ["h:1"], "token_file": "/nonexistent/token"}, {"peers": ["h:1"], "staging_bytes": 10},
      {"peers": ["h:1"], "zero_copy": "yes"},
      {"peers": ["h:1"], "timeout_s": 0}, {"peers": ["h:1"], "retry_backoff_s": 5, "max_backoff_s": 1},
-     {"peers": ["h:1"], "bogus": 1}],
+     {"peers": ["h:1"], "bogus": 1}, {"peers": ["h:1"], "insecure": "yes"}],
 )  # fmt: skip
 def test_invalid_options(options: dict[str, Any]) -> None:
     with pytest.raises(BackendConfigError):
         create_backend(BackendConfig("nixl_peer", "t", 1000, options=options))
+
+
+def test_a_client_without_a_token_needs_insecure(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 45 N12: a client without a token ran the handshake with an empty key, unasked."""
+    with pytest.raises(BackendConfigError, match=r"no 'token_file' or 'token_env'.*'insecure': true"):
+        create_backend(BackendConfig("nixl_peer", "t", 1000, options={"peers": ["127.0.0.1:1"]}))
+    with caplog.at_level("WARNING"):
+        backend = create_backend(
+            BackendConfig("nixl_peer", "t", 1000, options={"peers": ["127.0.0.1:1"], "insecure": True})
+        )
+    assert "WITHOUT a token" in caplog.text
+    backend.close()
 
 
 # -- pool bookkeeping (pure) ---------------------------------------------------------------------

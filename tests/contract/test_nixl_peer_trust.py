@@ -225,7 +225,8 @@ def test_handshake_and_idle_timeouts_with_injected_clock() -> None:
     server.start()
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    backend = create_backend(BackendConfig("nixl_peer", "t", MiB, options={"peers": [server.address]}))
+    options = {"peers": [server.address], "insecure": True}
+    backend = create_backend(BackendConfig("nixl_peer", "t", MiB, options=options))
     try:
         assert backend.contains_batch([key(1)]) == [False]
         silent, greeted = _connect(server.address), _hello(server.address)

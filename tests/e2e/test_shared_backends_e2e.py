@@ -31,7 +31,8 @@ def redis_backend(url: str, prefix: str) -> dict[str, Any]:
 
 
 def peer_backend(address: str) -> dict[str, Any]:
-    return {"type": "nixl_peer", "name": "peer", "peers": [address], "capacity_bytes": "512MiB"}
+    return {"type": "nixl_peer", "name": "peer", "peers": [address], "capacity_bytes": "512MiB",
+            "insecure": True}
 
 
 def test_prefill_engine_stores_decode_engines_load_from_redis_and_peer(model_dir, tmp_path: Path) -> None:

@@ -128,7 +128,8 @@ def test_unreachable_backends_at_startup_are_a_warning_not_a_failure(model_dir, 
     connector = {
         "backends": [
             {"type": "redis", "name": "redis", "url": f"redis://127.0.0.1:{closed}"},
-            {"type": "nixl_peer", "name": "peer", "peers": [f"127.0.0.1:{closed}"], "timeout_s": 0.5},
+            {"type": "nixl_peer", "name": "peer", "peers": [f"127.0.0.1:{closed}"], "timeout_s": 0.5,
+             "insecure": True},
             {"type": "disk", "name": "disk", "path": str(tmp_path / "disk"), "load_weight": 0.5},
         ]
     }

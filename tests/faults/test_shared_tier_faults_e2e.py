@@ -43,7 +43,8 @@ def redis_server(tmp_path: Path) -> tuple[dict[str, Any], Callable[[], None], Ca
 
 def nixl_peer(tmp_path: Path) -> tuple[dict[str, Any], Callable[[], None], Callable[[], None]]:
     peer = start_peer(256 << 20)
-    cfg = {"type": "nixl_peer", "name": "nixl_peer", "peers": [peer.address], **BACKOFF, **PEER_BACKOFF}
+    cfg = {"type": "nixl_peer", "name": "nixl_peer", "peers": [peer.address], "insecure": True, **BACKOFF,
+           **PEER_BACKOFF}
     return cfg, peer.kill, peer.start
 
 
@@ -102,7 +103,7 @@ def test_hung_peer_is_bounded_by_its_timeout_and_used_again_after(model_dir, tmp
     peer = start_peer(256 << 20)
     timeout_s = 0.5
     cfg = {"type": "nixl_peer", "name": "peer", "peers": [peer.address], "timeout_s": timeout_s,
-           **BACKOFF, **PEER_BACKOFF}
+           "insecure": True, **BACKOFF, **PEER_BACKOFF}
     barrier = tmp_path / "barrier"
     barrier.mkdir()
     spec = {**base, "connector": {"backends": [cfg]}, "passes": 3, "pass_barrier": str(barrier)}

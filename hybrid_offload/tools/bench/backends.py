@@ -153,7 +153,8 @@ def backend_configs(tmp: Path, redis_port: int, peer: str) -> dict[str, dict[str
                            "options": {"path": str(tmp / "diskseg"), "layout": "segments"}},
         "redis": {"type": "redis", "capacity_bytes": big,
                   "options": {"url": f"redis://127.0.0.1:{redis_port}/0", "prefix": "bench"}},
-        "nixl_peer": {"type": "nixl_peer", "capacity_bytes": big, "options": {"peers": [peer]}},
+        "nixl_peer": {"type": "nixl_peer", "capacity_bytes": big,
+                      "options": {"peers": [peer], "insecure": True}},  # its own peer, on loopback
     }  # fmt: skip
 
 

@@ -146,7 +146,7 @@ def _backend(kind: str, work: Path, urls: dict[str, str]) -> dict[str, Any]:
     elif kind == "redis":
         entry.update(url=urls["redis"], prefix="bench-e2e")
     elif kind == "nixl_peer":
-        entry["peers"] = [urls["nixl_peer"]]
+        entry["peers"], entry["insecure"] = [urls["nixl_peer"]], True  # the bench's own peer on loopback
     return entry
 
 

@@ -3,8 +3,9 @@
 Target (exactly one): ``--disk PATH`` (with ``--disk-layout``), ``--redis URL`` (with
 ``--redis-prefix`` and, for a server with AUTH, ``--redis-password-file`` or
 ``--redis-password-env``), ``--peer HOST:PORT`` (repeatable, with ``--peer-token-file`` or
-``--peer-token-env``; a literal token or password is refused: command lines are visible to every
-local user), ``--backend-config FILE`` (one backend entry, YAML or JSON, shaped like an element of
+``--peer-token-env``, or ``--peer-insecure`` for peers that run without a token; a literal token
+or password is refused: command lines are visible to every local user), ``--backend-config
+FILE`` (one backend entry, YAML or JSON, shaped like an element of
 ``kv_connector_extra_config.backends``) or ``--config FILE --name NAME`` (a backend of a serve
 config such as ``configs/redis.yaml``). Every entry is validated by the connector's own config
 parser, so errors name the offending key.
@@ -79,6 +80,9 @@ def target_arguments() -> argparse.ArgumentParser:
         "--peer-token-env", metavar="VAR", help="with --peer: environment variable holding the peers' token"
     )
     token.add_argument("--peer-token", help=argparse.SUPPRESS)  # refused: visible in ps
+    token.add_argument(
+        "--peer-insecure", action="store_true", help="with --peer: peers running without a token (--insecure)"
+    )
     password = target.add_mutually_exclusive_group()
     password.add_argument(
         "--redis-password-file", metavar="PATH", help="with --redis: file holding the server's password"
@@ -154,6 +158,8 @@ def target_config(args: argparse.Namespace) -> BackendConfig:
     for flag, (target, _) in _SECRET_FLAGS.items():
         if getattr(args, _dest(flag)) is not None and getattr(args, target) is None:
             raise CacheCliError(f"{flag} only goes with --{target}")
+    if args.peer_insecure and args.peer is None:
+        raise CacheCliError("--peer-insecure only goes with --peer")
     if args.config is not None:
         if args.name is None:
             raise CacheCliError(f"--config {args.config}: give --name BACKEND_NAME to pick its backend")
@@ -170,6 +176,8 @@ def target_config(args: argparse.Namespace) -> BackendConfig:
             entry["prefix"] = args.redis_prefix
         return _entry_config(_with_secrets(entry, args, "redis"), "--redis")
     entry = {"type": "nixl_peer", "name": "peer", "peers": list(args.peer)}
+    if args.peer_insecure:
+        entry["insecure"] = True
     return _entry_config(_with_secrets(entry, args, "peer"), "--peer")
 
 
