@@ -56,6 +56,7 @@ _TOP_KEYS = frozenset(
         "pending_store_wait_s",
         "model_version",
         "accept_weights_version",
+        "kv_events_token_ids",
         "secret",
         "secret_file",
         "secret_env",
@@ -147,6 +148,8 @@ class OffloadConfig:
     pending_store_wait_s: float = DEFAULT_PENDING_STORE_WAIT_S
     model_version: str | None = None
     accept_weights_version: bool = False
+    #: our KV events carry each block's token ids (false: hashes only; see docs/operations.md)
+    kv_events_token_ids: bool = True
     secret: Secret | None = None
 
     @property
@@ -306,6 +309,9 @@ def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
     accept_version = extra.get("accept_weights_version", False)
     if not isinstance(accept_version, bool):
         raise ConfigError(f"{ROOT}.accept_weights_version: must be true or false, got {accept_version!r}")
+    token_ids = extra.get("kv_events_token_ids", True)
+    if not isinstance(token_ids, bool):
+        raise ConfigError(f"{ROOT}.kv_events_token_ids: must be true or false, got {token_ids!r}")
     try:
         secret = secret_from_options(extra, "secret", what=ROOT)
     except SecretError as exc:
@@ -328,6 +334,7 @@ def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
         pending_store_wait_s=wait,
         model_version=version,
         accept_weights_version=accept_version,
+        kv_events_token_ids=token_ids,
         secret=secret,
     )
 

@@ -138,7 +138,7 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 pending_wait_s=config.pending_store_wait_s,
                 accept_weights_version=config.accept_weights_version,
                 drafting=drafting_from_vllm(vllm_config),
-                events=kv_events_from_vllm(vllm_config, kv_cache_config),
+                events=kv_events_from_vllm(vllm_config, kv_cache_config, config.kv_events_token_ids),
             )
             self._log_drafting(self.scheduler)
         else:

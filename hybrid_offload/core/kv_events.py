@@ -52,6 +52,8 @@ class KVEventsSpec:
 
     hash_block_size: int
     int_hashes: bool = True
+    #: ``BlockStored`` carries the block's token ids (False: an empty list; hashes only)
+    token_ids: bool = True
 
     def block_tokens(self, chunk_tokens: int) -> int:
         """Tokens of one published block: the shortest span both our chunks and vLLM's hashes

@@ -378,9 +378,12 @@ def drafting_from_vllm(vllm_config: VllmConfig) -> Drafting | None:
     )
 
 
-def kv_events_from_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KVEventsSpec | None:
+def kv_events_from_vllm(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, token_ids: bool = True
+) -> KVEventsSpec | None:
     """How vLLM publishes KV events in this engine (None when it publishes none): the block
-    size its requests' hashes cover (as its engine core resolves it) and how hashes travel."""
+    size its requests' hashes cover (as its engine core resolves it) and how hashes travel;
+    ``token_ids``: whether ours carry the blocks' tokens (``kv_events_token_ids``)."""
     events = getattr(vllm_config, "kv_events_config", None)
     if events is None or not events.enable_kv_cache_events or events.publisher == "null":
         return None
@@ -388,4 +391,4 @@ def kv_events_from_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig)
     from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
     _, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
-    return KVEventsSpec(hash_block_size, bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES))
+    return KVEventsSpec(hash_block_size, bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES), token_ids)

@@ -238,3 +238,22 @@ def test_a_promoted_set_is_published_in_the_cpu_tier_once_stored_there(events_wo
     assert {(e.group_idx, e.block_hashes[0]) for e in published} == {
         (ATTN, external(req, 8)), (ATTN, external(req, 16)), (MAMBA, external(req, 16))
     }
+
+
+def test_events_without_token_ids_carry_hashes_only(worlds) -> None:
+    """Issue 45 N4: ``kv_events_token_ids: false``: a block's tokens (the prompt) stay out of the
+    events; what routers need, the hashes, is the same."""
+    hashed = worlds(make_spec(8, 8), 8, [cpu_config()], events=SPEC)
+    bare = worlds(make_spec(8, 8), 8, [cpu_config()], events=dataclasses.replace(SPEC, token_ids=False))
+    published = []
+    for w in (hashed, bare):
+        req = HashedRequest("r1", prompt(27))
+        for meta in prefill(w, req, ([10, 11, 12, 13], [0, 0, 22, 23])):
+            w.complete(meta)
+        published.append(w.sched.take_events())
+    with_tokens, without = published
+    assert [e.token_ids for e in without] == [[]] * len(with_tokens) and with_tokens[0].token_ids
+    def named(events: list) -> list[tuple]:
+        return [(e.block_hashes, e.parent_block_hash, e.group_idx, e.medium, e.block_size) for e in events]
+
+    assert named(with_tokens) == named(without)

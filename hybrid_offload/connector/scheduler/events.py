@@ -241,7 +241,7 @@ class TierEvents:
         return BlockStored(
             block_hashes=[block.block_hash],
             parent_block_hash=block.parent,
-            token_ids=block.token_ids,
+            token_ids=block.token_ids if self.spec.token_ids else [],
             block_size=self.block_tokens,
             lora_id=block.lora_id,
             medium=tier,
