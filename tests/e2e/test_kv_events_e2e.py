@@ -6,7 +6,10 @@ evicts) and a disk tier, KV events on. Turn 1 of three chats (prompts of arbitra
 between the turns the test reads the events, checks them, builds each chat's turn 2 from turn 1's
 prompt, its generated reply and a new message, and asks the index how much of it the engine can
 restore from each tier. Turn 2 then runs with vLLM's own prefix cache emptied, so every cached
-token came from a tier: it must be what the index said, within one chunk.
+token came from a tier: it must be what the index said, within one chunk. The connector runs with
+``kv_events_token_ids: false``: the tiers' events carry hashes only (no prompt text), and the
+index still predicts (it needs only hashes; it learns vLLM's hash block size from vLLM's own
+GPU events).
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ def test_events_name_tiers_and_kinds_and_the_index_predicts_the_next_turn(model_
             "kv_events_config": {"enable_kv_cache_events": True, "publisher": "zmq",
                                  "endpoint": sub.endpoint, "replay_endpoint": sub.replay_endpoint},
         },
-        "connector": {"backends": [
+        "connector": {"kv_events_token_ids": False, "backends": [
             {"type": "cpu", "name": "cpu", "capacity_bytes": "1MiB"},
             {"type": "disk", "name": "disk", "capacity_bytes": "256MiB", "path": str(tmp_path / "disk")},
         ]},
@@ -90,6 +93,8 @@ def test_events_name_tiers_and_kinds_and_the_index_predicts_the_next_turn(model_
             assert {("cpu", "full_attention", "LOCAL"), ("cpu", "mamba", "LOCAL"),
                     ("disk", "full_attention", "REMOTE"), ("disk", "mamba", "REMOTE")} <= tiers
             assert any(e.medium == "cpu" for e in removed), "the 1 MiB cpu tier evicted nothing"
+            assert all(not e.token_ids for e in stored if e.medium != "GPU")  # hashes only
+            assert any(e.token_ids for e in stored if e.medium == "GPU")  # vLLM's own carry them
             assert sub.stats.gaps == 0 and sub.stats.malformed == 0
 
             replies = [r["tokens"] for r in json.loads((barrier / "pass-0.done").read_text())["requests"]]
