@@ -10,7 +10,8 @@ default and always appear, nil or not). Hashes are ints (64-bit) or bytes.
 
 Events of other types are skipped (a newer engine may send more); unknown fields are ignored.
 A payload that is no such batch, or a known event with fields of the wrong type, raises
-:class:`MalformedBatchError` (the subscriber counts and skips it).
+:class:`MalformedBatchError` (the subscriber counts and skips it), also one nested too deep to
+decode (``RecursionError``: a 2 KB payload of nested arrays).
 """
 
 from __future__ import annotations
@@ -114,8 +115,8 @@ def _event(raw: Any) -> Event | None:
         return None
     try:
         wire = msgspec.convert(raw, _Wire, builtin_types=(bytes,))
-    except msgspec.ValidationError as exc:
-        raise MalformedBatchError(f"{raw['type']}: {exc}") from None
+    except (msgspec.ValidationError, RecursionError) as exc:
+        raise MalformedBatchError(f"{raw['type']}: {type(exc).__name__}: {exc}") from None
     if isinstance(wire, _Stored):
         # vLLM lists one entry per block, None for a block hashed without extra keys
         keyed = wire.lora_id or wire.lora_name or any(k is not None for k in wire.extra_keys or ())
@@ -141,8 +142,8 @@ def decode_batch(payload: bytes) -> Batch:
     """One payload's batch; raises :class:`MalformedBatchError`."""
     try:
         raw = msgspec.msgpack.decode(payload)
-    except msgspec.DecodeError as exc:
-        raise MalformedBatchError(f"not msgpack: {exc}") from None
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise MalformedBatchError(f"not msgpack: {type(exc).__name__}: {exc}") from None
     if not (isinstance(raw, list) and 2 <= len(raw) <= 3 and isinstance(raw[1], list)):
         raise MalformedBatchError(f"not a [ts, events, dp_rank] batch: {raw!r:.120}")
     ts, rank = raw[0], raw[2] if len(raw) == 3 else None

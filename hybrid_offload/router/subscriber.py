@@ -28,12 +28,24 @@ per engine process. With ``last`` the last applied number:
   have restarted and its new stream reached ``last + 1`` unseen, so batch ``last`` is checked
   as on a gap (without a replay socket: a resync).
 
+**A stream it cannot trust.** Whoever can reach the endpoint can publish (see the security
+model in docs/operations.md: publish on ``ipc://`` in a directory only the engine's user can
+enter). So nothing a message holds stops the subscriber: where it binds (others connect to
+publish), messages over :data:`MAX_MESSAGE_BYTES` are refused by ZMQ (``MAXMSGSIZE``: that
+sender's connection is dropped; where it connects to the engine, the engine is the only
+sender, and ZMQ would not connect again after such a drop);
+a payload that does not decode (nested too deep, wrong types) is counted ``malformed``; a gap
+of more than :data:`MAX_GAP` batches is not asked of the replay socket, it is a resync; any
+other error while applying a batch is counted in ``errors`` and resyncs the engine (its
+entries may hold half the batch), and polling goes on.
+
 One thread owns the sockets: call :meth:`poll` from yours, or :meth:`start` one (a daemon) and
 :meth:`stop` it. The index has its own lock (queries come from the router's thread).
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 import time
@@ -45,7 +57,14 @@ import zmq
 from hybrid_offload.router.events import Event, MalformedBatchError, decode_batch
 from hybrid_offload.router.index import CacheIndex
 
+logger = logging.getLogger(__name__)
+
 END_SEQ = -1
+#: the largest message taken from an engine's sockets (a step's batch is far smaller)
+MAX_MESSAGE_BYTES = 64 << 20
+#: a gap of more batches than this is a resync without asking the replay socket (vLLM keeps
+#: ``buffer_steps``, 10,000 by default): a forged sequence number must not size a request
+MAX_GAP = 1 << 20
 _WILDCARD = re.compile(r"^(tcp://)(\*|\[::\]|::|0\.0\.0\.0)(:\d+)$")
 
 
@@ -67,7 +86,8 @@ def reachable(endpoint: str) -> str:
 class SubscriberStats:
     """Counters, plain data: ``batches`` / ``events`` applied (replayed ones included), ``gaps``
     seen, ``replayed`` batches, ``resyncs`` (the engine's entries dropped: events lost),
-    ``restarts`` of the engine, ``malformed`` messages skipped, ``duplicates`` ignored."""
+    ``restarts`` of the engine, ``malformed`` messages skipped, ``duplicates`` ignored,
+    ``errors``: batches that failed otherwise (the engine resynced)."""
 
     batches: int = 0
     events: int = 0
@@ -77,6 +97,7 @@ class SubscriberStats:
     restarts: int = 0
     malformed: int = 0
     duplicates: int = 0
+    errors: int = 0
 
 
 class EventSubscriber:
@@ -105,8 +126,10 @@ class EventSubscriber:
         self._ctx = context or zmq.Context.instance()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self._logged: set[str] = set()
         try:
             if bind if bind is not None else not engine_binds(endpoint):
+                self._sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # any local user may connect
                 self._sub.bind(endpoint)
                 endpoint = self._sub.getsockopt_string(zmq.LAST_ENDPOINT)
             else:
@@ -143,8 +166,23 @@ class EventSubscriber:
             if len(frames) != 3 or len(frames[1]) != 8:
                 self.stats.malformed += 1
                 continue
-            done += self._receive(int.from_bytes(frames[1], "big"), frames[2])
+            try:
+                done += self._receive(int.from_bytes(frames[1], "big"), frames[2])
+            except Exception as exc:  # nothing a message holds may stop the subscriber
+                self._failed(exc)
         return done
+
+    def _failed(self, exc: Exception) -> None:
+        """A batch failed other than by not decoding: the engine's entries may hold part of
+        it, so they are dropped (a resync); logged once per kind of error."""
+        self.stats.errors += 1
+        self.stats.resyncs += 1
+        self.index.reset_engine(self.engine)
+        kind = type(exc).__name__
+        if kind not in self._logged:
+            self._logged.add(kind)
+            logger.warning("KV events of %s: a batch failed (%s: %.200s); the engine's entries were "
+                           "dropped and are learnt again", self.engine, kind, exc)  # fmt: skip
 
     def start(self) -> None:
         """Poll on a daemon thread until :meth:`stop`."""
@@ -193,6 +231,11 @@ class EventSubscriber:
 
     def _recover(self, last: int | None, seq: int, payload: bytes) -> int:
         """Replay ``(last, seq)`` (``[0, seq)`` when ``last`` is None), then apply ``seq``."""
+        first = 0 if last is None else last + 1
+        if seq - first > MAX_GAP:  # more than any engine keeps: nothing to ask, start over
+            self.stats.resyncs += 1
+            self.index.reset_engine(self.engine)
+            return self._apply(seq, payload)
         got = self._fetch(0 if last is None else last, seq)
         if got and last is not None and got[0][0] == last:
             if got[0][1] != self._last_payload:  # the engine's batch ``last`` is another one
@@ -201,8 +244,7 @@ class EventSubscriber:
                 self._last = None
                 return self._recover(None, seq, payload)
             got = got[1:]
-        first = 0 if last is None else last + 1
-        if got is not None and [s for s, _ in got] == list(range(first, seq)):
+        if got is not None and [s for s, _ in got] == list(range(first, seq)):  # at most MAX_GAP
             run = got
         else:
             self.stats.resyncs += 1

@@ -690,7 +690,7 @@ def test_unreachable_backends_exit_3(tmp_path: Path) -> None:
     port = free_port()
     down = cli("ls", "--redis", f"redis://127.0.0.1:{port}/0", check=3)
     assert "backend unavailable" in down.stderr and f"127.0.0.1:{port}" in down.stderr
-    peer_down = cli("verify", "--peer", f"127.0.0.1:{port}", check=3)
+    peer_down = cli("verify", "--peer", f"127.0.0.1:{port}", "--peer-insecure", check=3)
     assert "backend unavailable" in peer_down.stderr
 
 

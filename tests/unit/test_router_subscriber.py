@@ -301,3 +301,69 @@ def test_a_daemon_thread_feeds_the_index(ipc, closing) -> None:
     until(lambda: held(index, range(1)) == {0}, lambda: pub.publish(batch(0)), lambda: arrived.wait(0.05))
     sub.stop()
     assert sub.stats.malformed == 0 and sub.stats.batches >= 1
+
+
+def test_nothing_a_message_holds_stops_the_subscriber(ipc, closing, monkeypatch) -> None:
+    """Issue 45 N5: a 2 KB nested payload (RecursionError) or a huge sequence number (a replay
+    request sized by it: MemoryError) killed the subscriber's thread for good, the index then
+    silently stale. Now: the nested one is malformed, the huge number a resync (the engine's next
+    batch then reads as a restart and is replayed), an error inside the index an ``errors``
+    resync, a message over MAX_MESSAGE_BYTES refused by ZMQ; the daemon thread feeds the index on."""
+    from hybrid_offload.router import subscriber as subscriber_module
+
+    monkeypatch.setattr(subscriber_module, "MAX_MESSAGE_BYTES", 64 << 10)
+    pub = ZmqEventPublisher(0, endpoint=ipc("pub"), replay_endpoint=ipc("replay"))
+    relay = Relay(ipc("pub"), ipc("relay"))
+    index = CacheIndex(hash_block_size=HBS)
+    sub = EventSubscriber(index, "e", ipc("relay"), replay_endpoint=ipc("replay"))
+    closing += [pub, relay, sub]
+    join(pub, sub, relay.pump)
+    first = relay.last + 1
+    nested = b"\x91" * 2000 + b"\xc0"  # [[[...[nil]...]]]: msgpack, 2,000 deep
+    relay.replace = {first: [b"", first.to_bytes(8, "big"), nested]}
+    relayed(pub, relay, range(1))
+    until(lambda: sub.stats.malformed == 1, lambda: sub.poll(0.05))
+
+    calls = []
+    real_apply = index.apply
+
+    def failing_apply(engine, events):  # an index that fails once
+        calls.append(engine)
+        if len(calls) == 1:
+            raise RuntimeError("index broke")
+        return real_apply(engine, events)
+
+    monkeypatch.setattr(index, "apply", failing_apply)
+    relayed(pub, relay, range(1, 2))
+    until(lambda: sub.stats.errors == 1, lambda: sub.poll(0.05))
+
+    relay.pub.send_multipart([b"", (1 << 62).to_bytes(8, "big"), b"\x93\x00\x90\xc0"])  # [0, [], nil]
+    sub.start()
+    relayed(pub, relay, range(2, 6))
+    # the engine goes on publishing; the first batch that arrives reads as a restart (its number
+    # is below the forged one), and the replay brings back 2-5
+    until(lambda: held(index, range(2, 6)) == {2, 3, 4, 5}, lambda: relayed(pub, relay, range(6, 7)))
+    sub.stop()
+    assert sub.stats.malformed == 1 and sub.stats.errors == 1 and sub.stats.restarts >= 1
+
+
+def test_a_bound_router_refuses_oversized_messages_and_hears_the_engine_on(closing, monkeypatch) -> None:
+    """Where the router binds (loopback tcp), any local user can connect and publish: a message
+    over MAX_MESSAGE_BYTES drops that sender's connection (ZMQ), not the engine's."""
+    from hybrid_offload.router import subscriber as subscriber_module
+
+    monkeypatch.setattr(subscriber_module, "MAX_MESSAGE_BYTES", 64 << 10)
+    index = CacheIndex(hash_block_size=HBS)
+    sub = EventSubscriber(index, "e", "tcp://127.0.0.1:0")  # binds
+    pub = ZmqEventPublisher(0, endpoint=sub.endpoint)  # the engine connects
+    closing += [pub, sub]
+    join(pub, sub)
+    attacker = zmq.Context.instance().socket(zmq.PUB)
+    closing.append(attacker)
+    attacker.connect(sub.endpoint)
+    until(lambda: sub.stats.malformed > 0, lambda: attacker.send(b"probe"), lambda: sub.poll(0.05))
+    probes = sub.stats.malformed  # the attacker is connected: what it sends arrives
+    attacker.send_multipart([b"", (1).to_bytes(8, "big"), b"x" * (128 << 10)])
+    pub.publish(batch(7))
+    until(lambda: held(index, range(7, 8)) == {7}, lambda: sub.poll(0.05))
+    assert sub.stats.malformed == probes and sub.stats.errors == 0  # never reached the decoder

@@ -66,11 +66,12 @@ class PeerProcess(Service):
         cmd = [sys.executable, "-m", "hybrid_offload", "peer", "--listen", f"127.0.0.1:{self.port}"]
         cmd += ["--capacity-bytes", str(self.capacity_bytes)]
         if self.token is not None:
-            if self.token_path is None:
-                fd, name = tempfile.mkstemp(prefix="hybrid-offload-peer-token-")
+            if self.token_path is None:  # in a directory of its own: secret files never sit in /tmp
+                directory = Path(tempfile.mkdtemp(prefix="hybrid-offload-peer-token-"))
+                fd = os.open(directory / "token", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
                 with os.fdopen(fd, "w") as f:
                     f.write(self.token)
-                self.token_path = Path(name)
+                self.token_path = directory / "token"
             cmd += ["--token-file", str(self.token_path)]
         else:
             cmd += ["--insecure"]  # a peer without a token must say so
@@ -135,6 +136,9 @@ class PeerProcess(Service):
             if path is not None:
                 with contextlib.suppress(OSError):
                     path.unlink()
+        if self.token_path is not None:
+            with contextlib.suppress(OSError):
+                self.token_path.parent.rmdir()
         self.token_path = None
 
     def stop(self) -> None:
