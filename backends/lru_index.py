@@ -66,7 +66,8 @@ class EvictionPolicy(ABC):
         ages with evictions hears it here."""
 
     def kind(self, key: str) -> str:
-        """What the held ``key`` is, for :meth:`LruIndex.used_by_kind` ("" if unknown)."""
+        """What the held ``key`` is, for :meth:`LruIndex.used_by_kind` ("" if unknown); the same
+        from :meth:`added` until :meth:`removed`."""
         return ""
 
     @abstractmethod
@@ -110,8 +111,7 @@ class LruIndex(Generic[V]):
         self._sizes: dict[str, int] = {}
         self._values: dict[str, V] = {}
         self._used = 0
-        self._kinds: dict[str, str] = {}  # keys of a kind other than ""
-        self._by_kind: dict[str, int] = {}
+        self._by_kind: dict[str, int] = {}  # bytes per kind the policy names (not "")
 
     @property
     def used(self) -> int:
@@ -161,18 +161,19 @@ class LruIndex(Generic[V]):
         self._values[key] = value
         self._used += size
         self._policy.added(key)
+        self._count_kind(key, size)
+        return replaced
+
+    def _count_kind(self, key: str, delta: int) -> None:
+        """``delta`` bytes of held ``key`` in the tally of its kind (a held key keeps its kind)."""
         kind = self._policy.kind(key)
         if kind:
-            self._kinds[key] = kind
-            self._by_kind[kind] = self._by_kind.get(kind, 0) + size
-        return replaced
+            self._by_kind[kind] = self._by_kind.get(kind, 0) + delta
 
     def relocate(self, key: str, size: int, value: V) -> None:
         """Give the held ``key`` a new size and value, keeping its place in the eviction order."""
         self._used += size - self._sizes[key]
-        kind = self._kinds.get(key)
-        if kind:
-            self._by_kind[kind] += size - self._sizes[key]
+        self._count_kind(key, size - self._sizes[key])
         self._sizes[key] = size
         self._values[key] = value
 
@@ -182,13 +183,11 @@ class LruIndex(Generic[V]):
 
     def remove(self, key: str) -> Entry[V] | None:
         """Drop ``key``; its entry, or None if not held."""
-        size = self._sizes.pop(key, None)
-        if size is None:
+        if key not in self._sizes:
             return None
+        self._count_kind(key, -self._sizes[key])  # before the policy forgets the key
+        size = self._sizes.pop(key)
         self._used -= size
-        kind = self._kinds.pop(key, None)
-        if kind:
-            self._by_kind[kind] -= size
         self._policy.removed(key)
         return Entry(key, size, self._values.pop(key))
 
@@ -196,7 +195,6 @@ class LruIndex(Generic[V]):
         self._sizes.clear()
         self._values.clear()
         self._used = 0
-        self._kinds.clear()
         self._by_kind.clear()
         self._policy.clear()
 

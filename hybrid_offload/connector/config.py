@@ -306,12 +306,8 @@ def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
             f"{ROOT}.model_version: expected a non-empty string of at most "
             f"{MAX_VERSION_LEN} characters naming the weights, got {version!r}"
         )
-    accept_version = extra.get("accept_weights_version", False)
-    if not isinstance(accept_version, bool):
-        raise ConfigError(f"{ROOT}.accept_weights_version: must be true or false, got {accept_version!r}")
-    token_ids = extra.get("kv_events_token_ids", True)
-    if not isinstance(token_ids, bool):
-        raise ConfigError(f"{ROOT}.kv_events_token_ids: must be true or false, got {token_ids!r}")
+    accept_version = _flag(extra.get("accept_weights_version", False), f"{ROOT}.accept_weights_version")
+    token_ids = _flag(extra.get("kv_events_token_ids", True), f"{ROOT}.kv_events_token_ids")
     try:
         secret = secret_from_options(extra, "secret", what=ROOT)
     except SecretError as exc:

@@ -64,8 +64,9 @@ from hybrid_offload.core.planner import HybridOffloadPlanner
 from hybrid_offload.core.spec import GroupKind
 
 if TYPE_CHECKING:
+    from hybrid_offload.connector.scheduler.backend_view import BackendView
     from hybrid_offload.connector.scheduler.events import TierEvents
-    from hybrid_offload.connector.scheduler.offload_scheduler import BackendView, ChunkSightings
+    from hybrid_offload.connector.scheduler.offload_scheduler import ChunkSightings
 
 
 class StorePlanner:
@@ -88,6 +89,9 @@ class StorePlanner:
         #: KV events for the sets sent to tiers (None: the engine publishes no events)
         self.events: TierEvents | None = None
         self.hints = RetentionHints(planner)
+        #: tiers of this engine's own memory (promotion targets) -> load weight; every tier's
+        self._own_weights = {v.name: v.policy.load_weight for v in views if not v.shared}
+        self._weights = {v.name: v.policy.load_weight for v in views}
         chunk = planner.chunk_tokens
         self.checkpoint_interval = -(-checkpoint_interval // chunk) * chunk if checkpoint_interval else 0
         writable = [v for v in views if not v.policy.read_only]
@@ -282,11 +286,8 @@ class StorePlanner:
     def promotion(self, state: RequestState, page: PageJob, source: str) -> Promotion | None:
         """What a load reading ``page`` from ``source`` also puts into faster tiers of this
         engine's own memory (module docstring); None: nothing."""
-        weights = {v.name: v.policy.load_weight for v in self.views}
-        own = {v.name for v in self.views if not v.shared}
-        targets = tuple(
-            name for name in self._targets(page, state) if name in own and weights[name] > weights[source]
-        )
+        floor = self._weights[source]
+        targets = tuple(t for t in self._targets(page, state) if self._own_weights.get(t, floor) > floor)
         if not targets:
             return None
         if self.events is not None:  # published once the worker reports it stored there

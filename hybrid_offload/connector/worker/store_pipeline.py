@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybrid_offload.backends.base import BackendError, BuffersInUseError, PageReservation
+from hybrid_offload.backends.base import BackendError, Buffer, BuffersInUseError, PageReservation
 from hybrid_offload.backends.retention import Retention
 from hybrid_offload.connector.metadata import CommitJob, StoreJob, TouchJob
 from hybrid_offload.connector.worker.context import WorkerContext
@@ -256,7 +256,7 @@ class StorePipeline:
             keyed.append((key, job))
             for name in job.backends:
                 per_backend.setdefault(name, []).append((key, buf))
-        self._describe(keyed)
+        self._describe([(key, job.backends, job.retention) for key, job in keyed])
         for name, items in per_backend.items():
             try:
                 results = self.ctx.backends[name].put_batch(items)
@@ -265,14 +265,20 @@ class StorePipeline:
                 with self.ctx.stats.lock:
                     self.ctx.stats.counters.backend(name).store_failures += len(items)
                 continue
-            stored = [key for (key, _), ok in zip(items, results, strict=True) if ok]
-            self.ctx.outbox.add_stored(name, stored)
-            with self.ctx.stats.lock:
-                counters = self.ctx.stats.counters.backend(name)
-                counters.stored_pages += len(stored)
-                counters.stored_bytes += sum(len(b) for (k, b), ok in zip(items, results, strict=True) if ok)
-                counters.store_failures += len(items) - len(stored)
+            self._record_puts(name, items, results)
         return reusable
+
+    def _record_puts(self, name: str, items: Sequence[tuple[str, Buffer]], ok: Sequence[bool]) -> int:
+        """Report the pages of one ``put_batch`` that tier ``name`` stored (the outbox, the
+        counters); how many it stored."""
+        stored = [(key, buf) for (key, buf), o in zip(items, ok, strict=True) if o]
+        self.ctx.outbox.add_stored(name, [key for key, _ in stored])
+        with self.ctx.stats.lock:
+            counters = self.ctx.stats.counters.backend(name)
+            counters.stored_pages += len(stored)
+            counters.stored_bytes += sum(memoryview(buf).nbytes for _, buf in stored)
+            counters.store_failures += len(items) - len(stored)
+        return len(stored)
 
     def _store_rows(self, rows: GatheredRows) -> None:
         """Store thread: a step's gathered rows to their tiers. Each page's first tier that
@@ -288,7 +294,8 @@ class StorePipeline:
                 for place, _, job, _ in entries]  # fmt: skip
         plens = [codecs[place.group].page_lens[place.shard] for place, _, _, _ in entries]
         self._check_namespace(entries[0][2].page.key)
-        self._describe([(key, job) for key, (_, _, job, _) in zip(keys, entries, strict=True)])
+        jobs = [job for _, _, job, _ in entries]
+        self._describe([(key, job.backends, job.retention) for key, job in zip(keys, jobs, strict=True)])
         home = [next((n for n in job.backends if backends[n].in_place), None) for _, _, job, _ in entries]
         dest: list[tuple[torch.Tensor, int] | None] = [None] * len(entries)
         reservations: dict[str, tuple[PageReservation, list[int]]] = {}
@@ -342,38 +349,29 @@ class StorePipeline:
     def _put_promoted(self, work: PromotedPages) -> None:
         """Store thread: put promoted pages (sealed already) into their tiers, deepest first as
         the load read them, and report what each stored."""
+        self._describe([(key, backends, retention) for key, _, backends, retention in work.pages])
         per_backend: dict[str, list[tuple[str, memoryview]]] = {}
-        hints: dict[str, list[tuple[str, Retention]]] = {}
-        for key, view, backends, retention in work.pages:
+        for key, view, backends, _ in work.pages:
             for name in backends:
                 per_backend.setdefault(name, []).append((key, view))
-                if retention is not None:
-                    hints.setdefault(name, []).append((key, retention))
         for name, items in per_backend.items():
-            backend = self.ctx.backends[name]
             try:
-                if name in hints:
-                    backend.describe_batch(hints[name])
-                ok = backend.put_batch(items)
+                ok = self.ctx.backends[name].put_batch(items)
             except BackendError:  # counted by the tier's wrappers; a promotion is best effort
                 ok = [False] * len(items)
-            stored = [key for (key, _), o in zip(items, ok, strict=True) if o]
-            self.ctx.outbox.add_stored(name, stored)
+            promoted = self._record_puts(name, items, ok)
             with self.ctx.stats.lock:
-                self.ctx.stats.counters.pages_promoted += len(stored)
-                counters = self.ctx.stats.counters.backend(name)
-                counters.stored_pages += len(stored)
-                counters.stored_bytes += sum(v.nbytes for (_, v), o in zip(items, ok, strict=True) if o)
-                counters.store_failures += len(items) - len(stored)
+                self.ctx.stats.counters.pages_promoted += promoted
 
-    def _describe(self, pages: list[tuple[str, StoreJob]]) -> None:
-        """Tell each target tier what the pages about to be put are for (their retention
-        hints); a tier that cannot take them keeps its own order (never fails a store)."""
+    def _describe(self, pages: Sequence[tuple[str, Sequence[str], Retention | None]]) -> None:
+        """Tell each target tier what the pages about to be put are for, (key, tiers,
+        retention) each; a tier that cannot take them keeps its own order (never fails a
+        store)."""
         per_backend: dict[str, list[tuple[str, Retention]]] = {}
-        for key, job in pages:
-            if job.retention is not None:
-                for name in job.backends:
-                    per_backend.setdefault(name, []).append((key, job.retention))
+        for key, backends, retention in pages:
+            if retention is not None:
+                for name in backends:
+                    per_backend.setdefault(name, []).append((key, retention))
         for name, hints in per_backend.items():
             try:
                 self.ctx.backends[name].describe_batch(hints)
