@@ -42,7 +42,7 @@ def best(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
 def raw_nixl(address: str, total: int, page: int, batch: int, repeats: int) -> dict[str, float]:
     host, port = address.split(":")
     with socket.create_connection((host, int(port))) as sock:
-        hello = raw_handshake(sock, b"", "bench-raw")
+        hello = raw_handshake(sock, b"", "bench-raw").hello
     api = nixl_api()
     agent = api.nixl_agent(f"bench-{uuid.uuid4().hex}", api.nixl_agent_config(False, backends=["UCX"]))
     buf = np.ones(total, dtype=np.uint8)

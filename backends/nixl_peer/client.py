@@ -42,7 +42,9 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
   again is re-handshaken. Construction never contacts a peer. The handshake proves the token
   both ways without sending it (:mod:`.auth`): a wrong token is refused by the peer, and a
   process at the peer's address that cannot prove the token is refused by the client; both
-  are reported as down with the reason.
+  are reported as down with the reason. The handshake also binds the address dialed: another
+  peer relayed to from that address cannot answer for it, and one agent answering at two
+  addresses is refused; every later control frame carries a session MAC.
 * **Threading.** One lock per peer serializes its control socket; the data path's lock the
   NIXL agent and the staging buffer. Counters have their own lock.
 * **Listing.** ``scan`` pages through each peer with SCAN; ``mtime`` is the peer's last commit
@@ -74,6 +76,7 @@ from ..base import (
     PageInfo,
 )
 from . import protocol as p
+from .auth import PeerAuthError
 from .data_path import DataPath
 from .peers import PeerDownError as _PeerDownError
 from .peers import PeerState as _Peer
@@ -87,6 +90,9 @@ logger = logging.getLogger(__name__)
 
 _MiB = 1 << 20
 _KEYS_PER_REQUEST = 8192  # keeps every control message far below protocol.MAX_BODY
+#: errors after which a peer closes the connection (a framing, MAC or internal failure)
+_CLOSING = frozenset({p.ErrorCode.MALFORMED, p.ErrorCode.UNSUPPORTED_VERSION, p.ErrorCode.TOO_LARGE,
+                      p.ErrorCode.AUTH_FAILED, p.ErrorCode.INTERNAL})  # fmt: skip
 
 
 class NixlPeerBackend(Backend):
@@ -204,6 +210,7 @@ class NixlPeerBackend(Backend):
                 try:
                     if fresh:
                         peer.connect(self._token.value, self.agent_name, self._timeout)
+                        self._check_one_address(peer)
                     reply = peer.exchange(request, wait=wait)
                     if not wait:
                         return None, peer.hello  # type: ignore[return-value]
@@ -217,12 +224,28 @@ class NixlPeerBackend(Backend):
                 assert peer.hello is not None
                 peer.health.record_success()
                 if isinstance(reply, p.Error):
+                    if reply.code in _CLOSING:  # the peer closed this connection after it
+                        peer.disconnect()
                     raise _PeerDownError(f"{peer.address}: error {reply.code}: {reply.message}")
                 if reply.TYPE != request.TYPE | 0x80:
                     peer.disconnect()
                     raise _PeerDownError(f"{peer.address}: unexpected {type(reply).__name__}")
                 return reply, peer.hello
         raise AssertionError("unreachable")
+
+    def _check_one_address(self, peer: _Peer) -> None:
+        """Refuse the agent ``peer`` just greeted when it already answered at another of our
+        addresses (a relay, or one peer listed twice): PeerAuthError."""
+        assert peer.hello is not None
+        name = peer.hello.agent_name
+        for other in self._peers:
+            hello = other.hello
+            if other is not peer and hello is not None and hello.agent_name == name:
+                peer.hello = None
+                raise PeerAuthError(
+                    f"agent {name} answers at both {other.address} and {peer.address}: a relay, "
+                    "or one peer listed twice under two addresses"
+                )
 
     def _per_peer(self, keys: Sequence[str]) -> list[tuple[int, _Peer, list[int]]]:
         """``(peer index, peer, key positions)``, at most ``_KEYS_PER_REQUEST`` keys each."""

@@ -34,6 +34,7 @@ class ErrorCode(IntEnum):
     UNKNOWN_ALLOC = 7
     INTERNAL = 8
     BUSY = 9  # too many connections, or too many open ids on this one
+    NOT_THIS_PEER = 10  # HELLO names an address this peer does not answer to
 
 
 class ProtocolError(Exception):

@@ -8,6 +8,10 @@ metadata, which HELLO hands out after the token check.
 * :func:`check_bind`: a peer must have a token, unless the operator says ``--insecure``
   explicitly: off loopback anyone who reaches the port, on loopback every local user, could
   otherwise read and write every page.
+* :func:`names_this_peer`: which dialed ``host:port`` a peer proves in the handshake
+  (:mod:`.auth`): one of its ``--advertise`` addresses, or its own port at a host that resolves
+  to the local address of the connection (the interface the client reached). Behind NAT or a
+  port forward, ``--advertise`` the address clients dial.
 * :func:`ucx_env`: UCX listens for the data path on every network interface by default
   (measured here: the control port on 127.0.0.1, UCX on 127.0.0.1 *and* the Ethernet address).
   ``UCX_NET_DEVICES`` set to the interface of the listen address confines it there (UCX's TCP
@@ -27,7 +31,7 @@ import socket
 import struct
 from pathlib import Path
 
-__all__ = ["check_bind", "interface_of", "is_loopback", "is_wildcard", "ucx_env"]
+__all__ = ["check_bind", "interface_of", "is_loopback", "is_wildcard", "names_this_peer", "ucx_env"]
 
 _SIOCGIFADDR = 0x8915
 
@@ -108,3 +112,28 @@ def ucx_env(host: str) -> tuple[dict[str, str], str]:
     if device is None:
         return {}, f"no interface found for {host}: UCX data path on every interface (set UCX_NET_DEVICES)"
     return {"UCX_NET_DEVICES": device}, f"UCX data path confined to {device}"
+
+
+def _unmapped(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    ip = ipaddress.ip_address(address.split("%")[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def names_this_peer(dialed: str, local: tuple[str, int], advertise: frozenset[str] = frozenset()) -> bool:
+    """Whether a client that dialed ``dialed`` (``host:port``) meant the peer whose end of the
+    connection is ``local`` (``getsockname()``): ``dialed`` is advertised, or its port is
+    ``local``'s and its host resolves to ``local``'s address. Never raises (an unresolvable
+    or malformed address: False)."""
+    if dialed in advertise:
+        return True
+    host, sep, port = dialed.rpartition(":")
+    if not sep or not port.isdigit() or int(port) != local[1]:
+        return False
+    try:
+        want = _unmapped(local[0])
+        infos = socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)
+        return any(_unmapped(str(info[4][0])) == want for info in infos)
+    except (OSError, ValueError, UnicodeError):
+        return False

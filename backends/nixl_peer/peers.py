@@ -9,7 +9,7 @@ import threading
 
 from ..health import BackendHealth
 from . import protocol as p
-from .auth import client_handshake
+from .auth import Session, client_handshake
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,7 @@ class PeerState:
         self.lock = threading.Lock()  # the socket and request ids
         self.sock: socket.socket | None = None
         self.hello: p.HelloReply | None = None
+        self.session: Session | None = None  # seals the frames of the current connection
         self.request_id = 0
         self.unanswered = 0  # requests sent without waiting; their replies are skipped later
         #: the backend's backoff, per peer: down from a failure until a call succeeds again
@@ -53,6 +54,7 @@ class PeerState:
             with contextlib.suppress(OSError):
                 self.sock.close()
         self.sock = None
+        self.session = None
         self.unanswered = 0
 
     def exchange(self, request: p.Message, *, wait: bool = True) -> p.Message | None:
@@ -60,12 +62,12 @@ class PeerState:
         sent with ``wait=False`` (RELEASE: nothing to wait for, saves a round trip per load)."""
         assert self.sock is not None
         self.request_id = (self.request_id + 1) & 0xFFFFFFFF
-        p.send_message(self.sock, request, self.request_id)
+        p.send_message(self.sock, request, self.request_id, self.session)
         if not wait:
             self.unanswered += 1
             return None
         while True:
-            reply, request_id = p.recv_message(self.sock)
+            reply, request_id = p.recv_message(self.sock, session=self.session)
             # an ERROR with request id 0 is about the connection (framing): it answers this call
             stale = request_id != self.request_id and not (isinstance(reply, p.Error) and request_id == 0)
             if self.unanswered and stale:
@@ -76,15 +78,15 @@ class PeerState:
             return reply
 
     def connect(self, token: bytes, name: str, timeout: float) -> None:
-        """Connect and run the handshake (:mod:`.auth`); raises OSError / ProtocolError
-        (ConnectionRefusedError naming the reason when the peer refuses or fails to prove the
-        token)."""
+        """Connect and run the handshake (:mod:`.auth`) for this peer's address; raises
+        OSError / ProtocolError (ConnectionRefusedError naming the reason when the peer refuses
+        or fails to prove the token for that address)."""
         sock = socket.create_connection((self.host, self.port), timeout=timeout)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(timeout)
             self.sock = sock
-            reply = client_handshake(self.exchange, token, name)
+            reply, self.session = client_handshake(self.exchange, token, name, self.address)
         except BaseException:
             self.disconnect()
             raise

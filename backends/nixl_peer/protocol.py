@@ -3,18 +3,20 @@
 Page bytes never travel here: they move with NIXL READ/WRITE between the peer's registered pool
 and the client's staging buffer. This channel carries only keys, sizes, offsets and ids.
 
-Frame: a 16-byte header ``!4sBBHII`` = magic ``b"HOPP"``, version, message type, flags (0),
+Frame: a 16-byte header ``!4sBBHII`` = magic ``b"HOPP"``, version, message type, flags,
 request id, body length; then the body, read as it arrives (a declared length is never
-allocated up front). Bodies use the field codec of :mod:`.codec`. A body longer than
-:data:`MAX_BODY` (:data:`MAX_HELLO_BODY` before HELLO), more than :data:`MAX_KEYS` items, an
-unknown type or version, trailing bytes or a truncated field raise :class:`ProtocolError` (the
-peer answers :class:`Error` and closes that connection). Nothing is pickled or parsed as JSON.
+allocated up front); then, on frames after the handshake (flag :data:`FLAG_SEALED`, required
+there and refused before), the :data:`TAG_BYTES`-byte session MAC of :class:`.auth.Session`.
+Bodies use the field codec of :mod:`.codec`. A body longer than :data:`MAX_BODY`
+(:data:`MAX_HELLO_BODY` before HELLO), more than :data:`MAX_KEYS` items, an unknown type or
+version, trailing bytes, a truncated field or a wrong tag raise :class:`ProtocolError` (the peer
+answers :class:`Error` and closes that connection). Nothing is pickled or parsed as JSON.
 
 Requests and their replies (reply type = request type | 0x80; any request may get
 :class:`Error` instead):
 
 =========  ==================================  =============================================
-HELLO      client nonce, client name           CHALLENGE: peer nonce, peer proof
+HELLO      client nonce, name, dialed address  CHALLENGE: peer nonce, peer proof
 PROVE      client proof                        peer agent name, NIXL metadata, pool info, MAC
 LOOKUP     keys                                present bitmap (no LRU refresh)
 GET        keys                                lease id, per key (offset, length) or miss
@@ -40,7 +42,7 @@ from __future__ import annotations
 import socket
 import struct
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 from ..base import KEY_PATTERN, KEY_PREFIX_PATTERN
 from .codec import (
@@ -59,6 +61,7 @@ from .codec import (
 )
 
 __all__ = [
+    "FLAG_SEALED",
     "HEADER",
     "MAGIC",
     "MAX_BODY",
@@ -66,6 +69,7 @@ __all__ = [
     "MAX_KEYS",
     "MISS",
     "SCAN_MAX_ENTRIES",
+    "TAG_BYTES",
     "VERSION",
     "Alloc",
     "AllocReply",
@@ -99,16 +103,19 @@ __all__ = [
 ]
 
 MAGIC = b"HOPP"
-VERSION = 2  # 2: the handshake proves the token instead of sending it
+VERSION = 3  # 2: the handshake proves the token instead of sending it; 3: bound to the
+#: dialed address, later frames sealed
+FLAG_SEALED = 0x1
+TAG_BYTES = 16
 HEADER = struct.Struct("!4sBBHII")  # magic, version, type, flags, request id, body length
 MAX_BODY = 16 << 20
 MISS = (1 << 64) - 1  # offset meaning "no such page" / "refused"
 #: entries per SCAN reply at most (a reply then stays below ~2.5 MiB, far under MAX_BODY)
 SCAN_MAX_ENTRIES = 16384
 _REPLY = 0x80
-#: the largest HELLO body (two 16-bit length-prefixed fields): all a peer reads before the
+#: the largest HELLO body (three 16-bit length-prefixed fields): all a peer reads before the
 #: handshake is done (PROVE is smaller)
-MAX_HELLO_BODY = 2 * (2 + 0xFFFF)
+MAX_HELLO_BODY = 3 * (2 + 0xFFFF)
 
 # -- messages ---------------------------------------------------------------------------------
 
@@ -128,18 +135,21 @@ class Message:
 
 @dataclass(frozen=True)
 class Hello(Message):
-    """Opens the handshake (:mod:`.auth`): the client's nonce, never its token."""
+    """Opens the handshake (:mod:`.auth`): the client's nonce (never its token) and the
+    ``host:port`` it dialed."""
 
     TYPE: ClassVar[int] = 1
     nonce: bytes
     client_name: str
+    dialed: str
 
     def body(self) -> bytes:
-        return blob16_field(self.nonce) + blob16_field(self.client_name.encode())
+        name, dialed = self.client_name.encode(), self.dialed.encode()
+        return blob16_field(self.nonce) + blob16_field(name) + blob16_field(dialed)
 
     @classmethod
     def parse(cls, reader: Reader) -> Hello:
-        return cls(reader.blob16(), reader.text16())
+        return cls(reader.blob16(), reader.text16(), reader.text16())
 
 
 @dataclass(frozen=True)
@@ -476,17 +486,28 @@ _TYPES: dict[int, type[Message]] = {
 # -- framing ----------------------------------------------------------------------------------
 
 
-def encode(message: Message, request_id: int) -> bytes:
-    """One frame: header + body. Raises ValueError if the body exceeds :data:`MAX_BODY`."""
+class Sealer(Protocol):
+    """What frames after the handshake are sealed and checked with (:class:`.auth.Session`)."""
+
+    def seal(self, header: bytes, body: bytes) -> bytes: ...
+
+    def check(self, header: bytes, body: bytes, tag: bytes) -> None: ...
+
+
+def encode(message: Message, request_id: int, session: Sealer | None = None) -> bytes:
+    """One frame: header + body (+ tag with ``session``). Raises ValueError if the body
+    exceeds :data:`MAX_BODY`."""
     body = message.body()
     if len(body) > MAX_BODY:
         raise ValueError(f"{type(message).__name__} body of {len(body)} bytes exceeds {MAX_BODY}")
-    return HEADER.pack(MAGIC, VERSION, message.TYPE, 0, request_id & 0xFFFFFFFF, len(body)) + body
+    flags = 0 if session is None else FLAG_SEALED
+    header = HEADER.pack(MAGIC, VERSION, message.TYPE, flags, request_id & 0xFFFFFFFF, len(body))
+    return header + body + (b"" if session is None else session.seal(header, body))
 
 
-def decode_header(header: bytes, max_body: int = MAX_BODY) -> tuple[int, int, int]:
-    """``(type, request_id, body_length)`` of a 16-byte header; ProtocolError if invalid or if
-    the body declared is longer than ``max_body``."""
+def decode_header(header: bytes, max_body: int = MAX_BODY, *, sealed: bool = False) -> tuple[int, int, int]:
+    """``(type, request_id, body_length)`` of a 16-byte header; ProtocolError if invalid, if
+    its seal flag is not ``sealed`` or if the body declared is longer than ``max_body``."""
     if len(header) != HEADER.size:
         raise ProtocolError(ErrorCode.MALFORMED, "truncated header")
     magic, version, msg_type, flags, request_id, length = HEADER.unpack(header)
@@ -498,8 +519,11 @@ def decode_header(header: bytes, max_body: int = MAX_BODY) -> tuple[int, int, in
         )
     if msg_type not in _TYPES:
         raise ProtocolError(ErrorCode.MALFORMED, f"unknown message type {msg_type}")
-    if flags != 0:
+    if flags & ~FLAG_SEALED:
         raise ProtocolError(ErrorCode.MALFORMED, f"unknown flags {flags:#x}")
+    if bool(flags & FLAG_SEALED) != sealed:
+        what = "an unsealed frame after the handshake" if sealed else "a sealed frame before the handshake"
+        raise ProtocolError(ErrorCode.AUTH_FAILED if sealed else ErrorCode.MALFORMED, what)
     if length > max_body:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"body of {length} bytes exceeds {max_body}")
     return msg_type, request_id, length
@@ -540,17 +564,25 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(parts)
 
 
-def recv_message(sock: socket.socket, max_body: int = MAX_BODY) -> tuple[Message, int]:
+def recv_message(
+    sock: socket.socket, max_body: int = MAX_BODY, session: Sealer | None = None
+) -> tuple[Message, int]:
     """Read one frame from ``sock``: ``(message, request_id)``; a declared body longer than
-    ``max_body`` raises ProtocolError (``TOO_LARGE``) before any of it is read.
+    ``max_body`` raises ProtocolError (``TOO_LARGE``) before any of it is read. With a
+    ``session`` the frame must be sealed and its tag is checked before the body is parsed.
 
-    Raises ProtocolError for a malformed frame, ConnectionError / OSError / socket.timeout
-    when the connection fails.
+    Raises ProtocolError for a malformed frame or a wrong tag, ConnectionError / OSError /
+    socket.timeout when the connection fails.
     """
-    msg_type, request_id, length = decode_header(_recv_exact(sock, HEADER.size), max_body)
+    header = _recv_exact(sock, HEADER.size)
+    msg_type, request_id, length = decode_header(header, max_body, sealed=session is not None)
     body = _recv_exact(sock, length) if length else b""
+    if session is not None:
+        session.check(header, body, _recv_exact(sock, TAG_BYTES))
     return decode_body(msg_type, body), request_id
 
 
-def send_message(sock: socket.socket, message: Message, request_id: int) -> None:
-    sock.sendall(encode(message, request_id))
+def send_message(
+    sock: socket.socket, message: Message, request_id: int, session: Sealer | None = None
+) -> None:
+    sock.sendall(encode(message, request_id, session))

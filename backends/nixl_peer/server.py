@@ -9,8 +9,9 @@ protocol (:mod:`.protocol`) and keeps the index (:mod:`.pool`).
   initiators would otherwise get connection refused). The pool is one ``numpy.uint8`` array,
   registered once; HELLO replies carry the agent metadata and the pool's base address.
 * **Control channel.** A thread per connection (blocking sockets); one lock guards the index.
-  The handshake (HELLO, PROVE: :mod:`.auth`) must come first and prove the token, else ERROR
-  and the connection closes.
+  The handshake (HELLO, PROVE: :mod:`.auth`) must come first, name an address this peer
+  answers to (``advertise``, else its port on the connection's local address) and prove the
+  token, else ERROR and the connection closes; every later frame must carry its session MAC.
   A malformed or oversized message gets ERROR and closes that connection only. Before HELLO a
   frame may be no larger than HELLO can be; bodies are read as they arrive.
 * **Untrusted clients** (:mod:`.connections`): connections are capped in all and before HELLO,
@@ -52,9 +53,9 @@ from hybrid_offload.core.secrets import Secret
 
 from ..page_pool import ALIGN, NotOwnedError, PageIndex, PendingLimitError, scan_pages
 from . import protocol as p
-from .auth import challenge, check_client, welcome_mac
+from .auth import Session, challenge, check_client, peer_session, welcome_mac
 from .connections import Connection, ConnectionTable, Limits
-from .exposure import check_bind, ucx_env
+from .exposure import check_bind, names_this_peer, ucx_env
 
 __all__ = ["PeerOptions", "PeerServer", "default_pool_bytes", "run_peer"]
 
@@ -91,6 +92,8 @@ class PeerOptions:
     handshake_timeout_s: float = Limits.handshake_timeout_s
     idle_timeout_s: float = Limits.idle_timeout_s
     max_pending_per_connection: int = 64
+    #: ``host:port`` addresses clients dial besides the listen address (NAT, port forwards)
+    advertise: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         positive = ("lease_timeout_s", "alloc_timeout_s", "max_connections", "max_unauthenticated",
@@ -282,30 +285,30 @@ class PeerServer:
         logger.warning("connections closed: %s", ", ".join(f"{n} {r}" for r, n in dropped.items()))
 
     def _serve(self, conn: Connection) -> None:
-        greeted = False
-        nonces: tuple[bytes, bytes] | None = None  # (client's, ours) once HELLO was answered
+        session: Session | None = None  # once the handshake is done
+        opened: tuple[p.Hello, bytes] | None = None  # (HELLO, our nonce) once it was answered
         try:
             while not self._stop.is_set():
                 try:
-                    max_body = p.MAX_BODY if greeted else p.MAX_HELLO_BODY
-                    request, request_id = p.recv_message(conn.sock, max_body)
-                    if nonces is None:
-                        nonces = self._challenge(conn, request, request_id)
-                        if nonces is None:
+                    max_body = p.MAX_BODY if session else p.MAX_HELLO_BODY
+                    request, request_id = p.recv_message(conn.sock, max_body, session)
+                    if opened is None:
+                        opened = self._challenge(conn, request, request_id)
+                        if opened is None:
                             return
                         continue
                 except p.ProtocolError as exc:
-                    if greeted:
+                    if session:
                         logger.warning("client %s: %s; closing", conn.address, exc)
                     else:  # unauthenticated: counted into the rate-limited report
                         logger.debug("client %s: %s; closing", conn.address, exc)
                         self._note_dropped("malformed handshake")
                         self._report_dropped()
-                    self._send(conn, p.Error(exc.code, str(exc)), 0)
+                    self._send(conn, p.Error(exc.code, str(exc)), 0, session)
                     return
-                if not greeted:
-                    greeted = self._greet(conn, request, request_id, nonces)
-                    if not greeted:
+                if session is None:
+                    session = self._greet(conn, request, request_id, *opened)
+                    if session is None:
                         return
                     continue
                 self._table.touch(conn)
@@ -313,9 +316,10 @@ class PeerServer:
                     reply = self._dispatch(conn, request)
                 except Exception as exc:  # a bug: answer, drop this connection, keep serving
                     logger.exception("client %s: internal error", conn.address)
-                    self._send(conn, p.Error(p.ErrorCode.INTERNAL, f"internal error: {exc}"), request_id)
+                    internal = p.Error(p.ErrorCode.INTERNAL, f"internal error: {exc}")
+                    self._send(conn, internal, request_id, session)
                     return
-                self._send(conn, reply, request_id)
+                self._send(conn, reply, request_id, session)
         except (OSError, ConnectionError):
             logger.debug("client %s disconnected", conn.address)
         finally:
@@ -325,37 +329,54 @@ class PeerServer:
             with contextlib.suppress(OSError):
                 conn.sock.close()
 
-    def _send(self, conn: Connection, message: p.Message, request_id: int) -> None:
+    def _send(
+        self, conn: Connection, message: p.Message, request_id: int, session: Session | None = None
+    ) -> None:
         with contextlib.suppress(OSError):
-            p.send_message(conn.sock, message, request_id)
+            p.send_message(conn.sock, message, request_id, session)
 
     def _challenge(
         self, conn: Connection, request: p.Message, request_id: int
-    ) -> tuple[bytes, bytes] | None:
-        """Answer HELLO with our nonce and proof: ``(client nonce, our nonce)``, or None when
-        the first message is not HELLO (answered with ERROR)."""
+    ) -> tuple[p.Hello, bytes] | None:
+        """Answer HELLO with our nonce and proof: ``(HELLO, our nonce)``, or None when the first
+        message is not HELLO or names an address this peer does not answer to (answered with
+        ERROR)."""
         if not isinstance(request, p.Hello):
             self._send(conn, p.Error(p.ErrorCode.HELLO_REQUIRED, "first message must be HELLO"), request_id)
             return None
+        if not self._answers_to(conn, request.dialed):
+            logger.debug("client %s dialed %r: not this peer; closing", conn.address, request.dialed[:200])
+            self._note_dropped("another peer's address")
+            self._report_dropped()
+            refusal = f"this peer does not answer at {request.dialed[:200]!r} (see its --advertise)"
+            self._send(conn, p.Error(p.ErrorCode.NOT_THIS_PEER, refusal), request_id)
+            return None
         reply, nonce = challenge(self._token, request)
         self._send(conn, reply, request_id)
-        return request.nonce, nonce
+        return request, nonce
+
+    def _answers_to(self, conn: Connection, dialed: str) -> bool:
+        try:
+            local = conn.sock.getsockname()
+        except OSError:
+            return False
+        return names_this_peer(dialed, (str(local[0]), int(local[1])), frozenset(self.options.advertise))
 
     def _greet(
-        self, conn: Connection, request: p.Message, request_id: int, nonces: tuple[bytes, bytes]
-    ) -> bool:
+        self, conn: Connection, request: p.Message, request_id: int, hello: p.Hello, nonce: bytes
+    ) -> Session | None:
         if not isinstance(request, p.Prove):
             out_of_turn = p.Error(p.ErrorCode.HELLO_REQUIRED, "HELLO must be followed by PROVE")
             self._send(conn, out_of_turn, request_id)
-            return False
-        if not check_client(self._token, *nonces, request):
+            return None
+        if not check_client(self._token, hello, nonce, request):
             # no client-controlled text is logged, and the warning is the rate-limited report of
             # closed connections (a flood of handshakes must not flood the log)
             logger.debug("client %s: wrong token; closing", conn.address)
             self._note_dropped("wrong token")
             self._report_dropped()
             self._send(conn, p.Error(p.ErrorCode.AUTH_FAILED, "wrong token"), request_id)
-            return False
+            return None
         self._table.greeted(conn)  # before the reply: the client may connect again at once
         reply = p.HelloReply(
             self.agent_name,
@@ -364,9 +385,9 @@ class PeerServer:
             int(self._pool.nbytes),
             self.options.capacity_bytes,
         )
-        reply = dataclasses.replace(reply, mac=welcome_mac(self._token, *nonces, reply))
+        reply = dataclasses.replace(reply, mac=welcome_mac(self._token, hello, nonce, reply))
         self._send(conn, reply, request_id)
-        return True
+        return peer_session(self._token, hello, nonce, reply)
 
     def _scan(self, request: p.Scan) -> p.ScanReply:
         """Copy the index under the lock, pick the reply's slice outside it."""

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,14 @@ from hybrid_offload.backends import (
     create_backend,
 )
 from hybrid_offload.backends.nixl_peer import protocol as p
-from hybrid_offload.backends.nixl_peer.auth import NONCE_BYTES, challenge, raw_handshake, welcome_mac
+from hybrid_offload.backends.nixl_peer.auth import (
+    NONCE_BYTES,
+    RawChannel,
+    challenge,
+    peer_session,
+    raw_handshake,
+    welcome_mac,
+)
 from hybrid_offload.backends.nixl_peer.connections import Connection, ConnectionTable, Limits
 from hybrid_offload.backends.nixl_peer.exposure import check_bind, interface_of, is_loopback
 from hybrid_offload.backends.page_pool import ALIGN, ExtentAllocator, NotOwnedError, PageIndex
@@ -35,17 +43,16 @@ MiB = 1 << 20
 FAST = {"timeout_s": 1.0, "retry_backoff_s": 0.05, "max_backoff_s": 0.2}
 
 
-def _raw_client(address: str) -> tuple[socket.socket, p.HelloReply]:
+def _raw_client(address: str) -> RawChannel:
     host, port = address.split(":")
     sock = socket.create_connection((host, int(port)), timeout=5)
-    return sock, raw_handshake(sock, b"", "raw-test-client")
+    return raw_handshake(sock, b"", "raw-test-client")
 
 
 def _usage(address: str) -> p.UsedReply:
-    sock, _ = _raw_client(address)
-    with sock:
-        p.send_message(sock, p.Used(), 2)
-        reply, _ = p.recv_message(sock)
+    channel = _raw_client(address)
+    with channel.sock:
+        reply = channel.ask(p.Used(), 2)
     assert isinstance(reply, p.UsedReply)
     return reply
 
@@ -343,7 +350,7 @@ def test_wrong_token_refused_clearly(peers: PeerFactory, clients: Any, tmp_path:
             backend.put_batch([(key(1), b"x")])
     host, port = peer.address.split(":")
     with socket.create_connection((host, int(port)), timeout=5) as sock:
-        p.send_message(sock, p.Hello(bytes(NONCE_BYTES), "raw-test-client"), 1)
+        p.send_message(sock, p.Hello(bytes(NONCE_BYTES), "raw-test-client", peer.address), 1)
         assert isinstance(p.recv_message(sock)[0], p.Challenge)
         p.send_message(sock, p.Prove(b"a guess".ljust(32)), 2)
         reply = p.recv_message(sock)[0]
@@ -362,9 +369,8 @@ from hybrid_offload.backends.nixl_peer import protocol as p
 from hybrid_offload.backends.nixl_peer.auth import raw_handshake
 host, port = sys.argv[1].split(":")
 sock = socket.create_connection((host, int(port)))
-raw_handshake(sock, b"", "dying")
-p.send_message(sock, p.Alloc(["5eed0001-00000000000000000000000000000001"], [8 << 20]), 3)
-reply, _ = p.recv_message(sock)
+channel = raw_handshake(sock, b"", "dying")
+reply = channel.ask(p.Alloc(["5eed0001-00000000000000000000000000000001"], [8 << 20]), 3)
 assert reply.offsets[0] is not None
 print("allocated", flush=True)
 sys.stdin.read()  # holds the connection open until killed
@@ -392,17 +398,15 @@ def test_killed_client_between_alloc_and_commit_leaks_nothing(peers: PeerFactory
 def test_hung_client_reservation_expires(peers: PeerFactory, clients: Any) -> None:
     peer = peers(16 * MiB, alloc_timeout_s=0.5)
     free0 = _usage(peer.address).free
-    sock, _ = _raw_client(peer.address)
-    with sock:
-        p.send_message(sock, p.Alloc([key(1)], [4 * MiB]), 2)
-        reply, _ = p.recv_message(sock)
+    channel = _raw_client(peer.address)
+    with channel.sock:
+        reply = channel.ask(p.Alloc([key(1)], [4 * MiB]), 2)
         assert isinstance(reply, p.AllocReply) and reply.offsets[0] is not None
         assert _usage(peer.address).reserved == 4 * MiB
         # the connection stays open: only the timeout reclaims the reservation
         wait_until(lambda: _usage(peer.address).reserved == 0, "the reservation expiring")
         assert (_usage(peer.address).reserved, _usage(peer.address).free) == (0, free0)
-        p.send_message(sock, p.Commit(reply.alloc_id, [True]), 3)
-        late, _ = p.recv_message(sock)
+        late = channel.ask(p.Commit(reply.alloc_id, [True]), 3)
         assert isinstance(late, p.Error) and late.code == p.ErrorCode.UNKNOWN_ALLOC
     assert clients([peer.address]).contains_batch([key(1)]) == [False]
 
@@ -410,27 +414,39 @@ def test_hung_client_reservation_expires(peers: PeerFactory, clients: Any) -> No
 # -- control channel defences, lifecycle ---------------------------------------------------------
 
 
+def _sealed(channel: RawChannel, msg_type: int, body: bytes) -> bytes:
+    """A frame of ``msg_type`` with this body and a valid session tag."""
+    header = p.HEADER.pack(p.MAGIC, p.VERSION, msg_type, p.FLAG_SEALED, 2, len(body))
+    return header + body + channel.session.seal(header, body)
+
+
+def _header(version: int, length: int) -> bytes:
+    return p.HEADER.pack(p.MAGIC, version, p.Lookup.TYPE, p.FLAG_SEALED, 2, length)
+
+
 @pytest.mark.parametrize(
-    "frame",
+    ("frame", "code"),
     [
-        b"GET / HTTP/1.1\r\n\r\n",
-        p.HEADER.pack(p.MAGIC, p.VERSION, p.Lookup.TYPE, 0, 2, p.MAX_BODY + 1),
-        p.HEADER.pack(p.MAGIC, 9, p.Lookup.TYPE, 0, 2, 0),
-        p.HEADER.pack(p.MAGIC, p.VERSION, p.Lookup.TYPE, 0, 2, 5) + b"\0\0\0\x01\x03",
+        (lambda ch: b"GET / HTTP/1.1\r\n\r\n", p.ErrorCode.MALFORMED),
+        (lambda ch: _header(p.VERSION, p.MAX_BODY + 1), p.ErrorCode.TOO_LARGE),
+        (lambda ch: _header(9, 0), p.ErrorCode.UNSUPPORTED_VERSION),
+        (lambda ch: _sealed(ch, p.Lookup.TYPE, b"\0\0\0\x01\x03"), p.ErrorCode.MALFORMED),
+        (lambda ch: p.encode(p.Used(), 2), p.ErrorCode.AUTH_FAILED),
+        (lambda ch: _sealed(ch, p.Used.TYPE, b"")[:-1] + b"\0", p.ErrorCode.AUTH_FAILED),
     ],
-    ids=["http", "oversized", "version", "bad-body"],
+    ids=["http", "oversized", "version", "bad-body", "unsealed", "bad-tag"],
 )
 def test_malformed_messages_close_only_that_connection(
-    peers: PeerFactory, clients: Any, frame: bytes
+    peers: PeerFactory, clients: Any, frame: Callable[[RawChannel], bytes], code: p.ErrorCode
 ) -> None:
     peer = peers()
     backend = clients([peer.address], timeout_s=5.0)  # the first write builds the agent
     backend.put_batch([(key(1), b"kept")])
-    sock, _ = _raw_client(peer.address)
-    with sock:
-        sock.sendall(frame)
-        reply, _ = p.recv_message(sock)
-        assert isinstance(reply, p.Error)
+    channel = _raw_client(peer.address)
+    with channel.sock as sock:
+        sock.sendall(frame(channel))
+        reply, _ = channel.recv()
+        assert isinstance(reply, p.Error) and reply.code == code, reply
         with contextlib.suppress(ConnectionResetError):  # a reset if unread bytes were left
             assert sock.recv(1) == b""
     assert backend.get_batch([key(1)]) == [b"kept"]
@@ -629,11 +645,13 @@ def test_scan_on_a_peer_without_scan_is_reported(clients: Any) -> None:
             p.send_message(conn, reply, rid)
             _, rid = p.recv_message(conn)
             welcome = p.HelloReply("old-peer", b"", 0, 1 << 20, 1 << 20)
-            mac = welcome_mac(b"", hello.nonce, nonce, welcome)
-            p.send_message(conn, dataclasses.replace(welcome, mac=mac), rid)
+            welcome = dataclasses.replace(welcome, mac=welcome_mac(b"", hello, nonce, welcome))
+            p.send_message(conn, welcome, rid)
+            session = peer_session(b"", hello, nonce, welcome)
             header = conn.recv(p.HEADER.size)
             msg_type = p.HEADER.unpack(header)[2]
-            p.send_message(conn, p.Error(p.ErrorCode.MALFORMED, f"unknown message type {msg_type}"), 0)
+            unknown = p.Error(p.ErrorCode.MALFORMED, f"unknown message type {msg_type}")
+            p.send_message(conn, unknown, 0, session)
 
     thread = threading.Thread(target=old_peer, daemon=True)
     thread.start()

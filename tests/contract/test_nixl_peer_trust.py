@@ -26,7 +26,7 @@ from deadlines import wait_until
 
 from hybrid_offload.backends import BackendConfig, BackendConfigError, BackendUnavailableError, create_backend
 from hybrid_offload.backends.nixl_peer import protocol as p
-from hybrid_offload.backends.nixl_peer.auth import NONCE_BYTES, raw_handshake
+from hybrid_offload.backends.nixl_peer.auth import NONCE_BYTES, RawChannel, raw_handshake
 from hybrid_offload.testing.services import PeerFactory
 from hybrid_offload.testing.services.peer import READY
 
@@ -39,15 +39,12 @@ def _connect(address: str) -> socket.socket:
     return socket.create_connection((host, int(port)), timeout=10)
 
 
-def _hello(address: str, token: str = "") -> socket.socket:
-    sock = _connect(address)
-    raw_handshake(sock, token.encode(), "trust-test")
-    return sock
+def _hello(address: str, token: str = "") -> RawChannel:
+    return raw_handshake(_connect(address), token.encode(), "trust-test")
 
 
-def _ask(sock: socket.socket, message: p.Message, request_id: int = 2) -> p.Message:
-    p.send_message(sock, message, request_id)
-    return p.recv_message(sock)[0]
+def _ask(channel: RawChannel, message: p.Message, request_id: int = 2) -> p.Message:
+    return channel.ask(message, request_id)
 
 
 def _closed_by_peer(sock: socket.socket, timeout: float = 10.0) -> bool:
@@ -172,12 +169,12 @@ def test_connection_caps_total_and_before_hello(peers: PeerFactory, clients: Any
     assert isinstance(reply, p.Error) and "too many connections" in reply.message
     assert _closed_by_peer(refused)
     assert isinstance(_ask(greeted[0], p.Used()), p.UsedReply)  # the others are served
-    greeted.pop().close()
+    greeted.pop().sock.close()
     # a freed slot is taken by a real client
     wait_until(lambda: clients([peer.address], **FAST).put_batch([(key(1), b"ok")]) == [True],
                "a freed slot taken", ignore=(BackendUnavailableError,), poll_s=0.05)  # fmt: skip
-    for sock in greeted:
-        sock.close()
+    for channel in greeted:
+        channel.sock.close()
 
 
 def test_declared_huge_bodies_allocate_nothing_up_front(peers: PeerFactory, clients: Any) -> None:
@@ -194,8 +191,8 @@ def test_declared_huge_bodies_allocate_nothing_up_front(peers: PeerFactory, clie
         reply, _ = p.recv_message(sock)
         assert isinstance(reply, p.Error) and reply.code == p.ErrorCode.TOO_LARGE
         sock.close()
-    lookup = p.HEADER.pack(p.MAGIC, p.VERSION, p.Lookup.TYPE, 0, 2, p.MAX_BODY)
-    greeted = [_hello(peer.address) for _ in range(24)]
+    lookup = p.HEADER.pack(p.MAGIC, p.VERSION, p.Lookup.TYPE, p.FLAG_SEALED, 2, p.MAX_BODY)
+    greeted = [_hello(peer.address).sock for _ in range(24)]
     for sock in greeted:  # after HELLO: allowed, but memory follows the bytes that arrive
         sock.sendall(lookup + b"\0" * 1000)
     pid, port = peer.proc.pid, _port(peer.address)
@@ -236,12 +233,12 @@ def test_handshake_and_idle_timeouts_with_injected_clock() -> None:
         assert _closed_by_peer(silent)
         assert isinstance(_ask(greeted, p.Used()), p.UsedReply)  # activity: idle clock restarts
         now[0] += 59
-        assert not _closed_by_peer(greeted, timeout=0.5)
+        assert not _closed_by_peer(greeted.sock, timeout=0.5)
         now[0] += 2  # 61 s after its last request
-        assert _closed_by_peer(greeted)
+        assert _closed_by_peer(greeted.sock)
         fresh = _hello(server.address)  # and the peer still serves
         assert isinstance(_ask(fresh, p.Used()), p.UsedReply)
-        fresh.close()
+        fresh.sock.close()
         # the idle client's connection was closed too: it reconnects on its next call, silently
         assert backend.contains_batch([key(1)]) == [False] and backend.stats.errors == 0
     finally:
@@ -294,28 +291,28 @@ def test_uncommitted_reservations_do_not_evict_committed_pages(peers: PeerFactor
 
 def test_open_reservations_per_connection_are_capped(peers: PeerFactory) -> None:
     peer = peers(extra_args=["--max-pending-per-connection", "3"])
-    sock = _hello(peer.address)
+    channel = _hello(peer.address)
     for i in range(3):
-        assert isinstance(_ask(sock, p.Alloc([key(i)], [10]), 10 + i), p.AllocReply)
-    over = _ask(sock, p.Alloc([key(9)], [10]), 20)
+        assert isinstance(_ask(channel, p.Alloc([key(i)], [10]), 10 + i), p.AllocReply)
+    over = _ask(channel, p.Alloc([key(9)], [10]), 20)
     assert isinstance(over, p.Error) and "3 open reservations" in over.message
-    sock.close()
+    channel.sock.close()
 
 
 def test_too_many_keys_in_one_message_refused_quickly(peers: PeerFactory, clients: Any) -> None:
     peer = peers()
     backend = clients([peer.address], **FAST)
     assert backend.put_batch([(key(1), b"kept")]) == [True]
-    sock = _hello(peer.address)
+    channel = _hello(peer.address)
     n = 500_000  # short keys, so that the message stays under MAX_BODY
     keys = [f"5eed0001-{i:08x}" for i in range(n)]
-    frame = p.encode(p.Alloc(keys, [1] * n), 2)
+    frame = p.encode(p.Alloc(keys, [1] * n), 2, channel.session)
     assert peer.proc is not None
     cpu0 = _cpu_s(peer.proc.pid)
-    sock.sendall(frame)
-    reply, _ = p.recv_message(sock)
+    channel.sock.sendall(frame)
+    reply, _ = channel.recv()
     assert isinstance(reply, p.Error) and reply.code == p.ErrorCode.TOO_LARGE, reply
-    assert _closed_by_peer(sock)
+    assert _closed_by_peer(channel.sock)
     assert _cpu_s(peer.proc.pid) - cpu0 < 0.5, "the peer decoded the keys before refusing"  # ~1 s if it did
     assert backend.get_batch([key(1)]) == [b"kept"]
     assert backend.used_bytes() == 4
@@ -442,7 +439,7 @@ def test_wrong_tokens_neither_flood_nor_forge_the_peer_log(peers: PeerFactory) -
     for _ in range(300):
         sock = _connect(peer.address)
         try:
-            p.send_message(sock, p.Hello(os.urandom(NONCE_BYTES), name), 1)
+            p.send_message(sock, p.Hello(os.urandom(NONCE_BYTES), name, peer.address), 1)
             assert isinstance(p.recv_message(sock)[0], p.Challenge)
             p.send_message(sock, p.Prove(b"a guess at the token's proof".ljust(32)), 2)
             reply, _ = p.recv_message(sock)
@@ -514,46 +511,81 @@ def test_the_token_never_crosses_the_wire_and_an_impostor_is_refused(clients: An
         impostor.close()
 
 
-def _relay(target: str, tamper: Callable[[p.Message], p.Message]) -> tuple[str, socket.socket]:
-    """A machine in the middle between a client and ``target``: frames pass through, each reply
-    through ``tamper``."""
-    listener = socket.create_server(("127.0.0.1", 0))
+def _frame(sock: socket.socket) -> tuple[bytes, bytes, bytes]:
+    """One whole frame off ``sock`` as it travels: ``(header, body, tag)``."""
+    header = p._recv_exact(sock, p.HEADER.size)
+    flags, length = p.HEADER.unpack(header)[3], p.HEADER.unpack(header)[5]
+    body = p._recv_exact(sock, length) if length else b""
+    return header, body, p._recv_exact(sock, p.TAG_BYTES) if flags & p.FLAG_SEALED else b""
 
-    def pipe(client: socket.socket) -> None:
-        broken = (OSError, ConnectionError, p.ProtocolError)
-        with client, _connect(target) as upstream, contextlib.suppress(*broken):
-            while True:
-                request, request_id = p.recv_message(client)
-                p.send_message(upstream, request, request_id)
-                reply, reply_id = p.recv_message(upstream)
-                p.send_message(client, tamper(reply), reply_id)
 
-    def accept() -> None:
-        with contextlib.suppress(OSError):
-            while True:
-                threading.Thread(target=pipe, args=(listener.accept()[0],), daemon=True).start()
+Tamper = Callable[[bytes, bytes, bytes], list[bytes]]
 
-    threading.Thread(target=accept, daemon=True).start()
-    return f"127.0.0.1:{listener.getsockname()[1]}", listener
+
+def _with_length(header: bytes, length: int) -> bytes:
+    return header[:12] + length.to_bytes(4, "big")
+
+
+def _as_is(header: bytes, body: bytes, tag: bytes) -> list[bytes]:
+    return [header + body + tag]
+
+
+class _Relay:
+    """A machine in the middle, listening at ``address`` (``at``: an address to take over):
+    it passes each request to ``target`` through ``requests`` and each reply back through
+    ``replies`` (both see whole frames and return the frames to send on). ``seen`` counts
+    the requests it passed on."""
+
+    def __init__(self, at: str = "127.0.0.1:0") -> None:
+        host, port = at.rsplit(":", 1)
+        self.listener = socket.create_server((host, int(port)))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.seen = 0
+
+    def start(self, target: str, requests: Tamper = _as_is, replies: Tamper = _as_is) -> _Relay:
+        def pipe(client: socket.socket) -> None:
+            broken = (OSError, ConnectionError, p.ProtocolError)
+            with client, _connect(target) as upstream, contextlib.suppress(*broken):
+                while True:
+                    for frame in requests(*_frame(client)):
+                        upstream.sendall(frame)
+                        self.seen += 1
+                        client.sendall(b"".join(replies(*_frame(upstream))))
+
+        def accept() -> None:
+            with contextlib.suppress(OSError):
+                while True:
+                    threading.Thread(target=pipe, args=(self.listener.accept()[0],), daemon=True).start()
+
+        threading.Thread(target=accept, daemon=True).start()
+        return self
+
+    def close(self) -> None:
+        self.listener.close()
 
 
 def test_peer_metadata_altered_in_transit_is_never_loaded(
     peers: PeerFactory, clients: Any, tmp_path: Path
 ) -> None:
     """Issue 31 M2: the HELLO reply (the NIXL metadata the client loads into its agent) is bound
-    to the handshake by a MAC: a relay that rewrites it is refused; one that does not is served."""
-    peer = peers(token="tok-relay")
+    to the handshake by a MAC: a relay that rewrites it is refused; one that does not (a port
+    forward the peer advertises) is served."""
+    relays = [_Relay(), _Relay()]
+    peer = peers(token="tok-relay", extra_args=[a for r in relays for a in ("--advertise", r.address)])
     (tmp_path / "token").write_text("tok-relay")
 
-    def swap_metadata(reply: p.Message) -> p.Message:
-        if isinstance(reply, p.HelloReply):
-            return dataclasses.replace(reply, metadata=reply.metadata[:-1] + b"\x00")
-        return reply
+    def swap_metadata(header: bytes, body: bytes, tag: bytes) -> list[bytes]:
+        if p.HEADER.unpack(header)[2] == p.HelloReply.TYPE:
+            reply = p.decode_body(p.HelloReply.TYPE, body)
+            assert isinstance(reply, p.HelloReply)
+            body = dataclasses.replace(reply, metadata=reply.metadata[:-1] + b"\x00").body()
+            header = _with_length(header, len(body))
+        return [header + body + tag]
 
-    for tamper, served in ((lambda reply: reply, True), (swap_metadata, False)):
-        address, listener = _relay(peer.address, tamper)
+    for relay, tamper, served in ((relays[0], _as_is, True), (relays[1], swap_metadata, False)):
+        relay.start(peer.address, replies=tamper)
         try:
-            backend = clients([address], token_file=str(tmp_path / "token"), **FAST)
+            backend = clients([relay.address], token_file=str(tmp_path / "token"), **FAST)
             if served:
                 assert backend.put_batch([(key(1), b"through the relay")]) == [True]
                 assert backend.get_batch([key(1)]) == [b"through the relay"]
@@ -561,7 +593,125 @@ def test_peer_metadata_altered_in_transit_is_never_loaded(
                 with pytest.raises(BackendUnavailableError, match="altered in transit"):
                     backend.get_batch([key(1)])
         finally:
-            listener.close()
+            relay.close()
+
+
+def _ring(peers: PeerFactory, clients: Any, tmp_path: Path) -> tuple[list[Any], Any, dict[str, list[str]]]:
+    """Two peers with one token, a client over both and 40 pages: ``(peers, client, keys by
+    peer address)``."""
+    ring = [peers(token="tok-ring"), peers(token="tok-ring")]
+    (tmp_path / "token").write_text("tok-ring")
+    backend = clients([peer.address for peer in ring], token_file=str(tmp_path / "token"), **FAST)
+    keys = [key(i) for i in range(40)]
+    assert backend.put_batch([(k, k.encode()) for k in keys]) == [True] * len(keys)
+    owned: dict[str, list[str]] = {peer.address: [] for peer in ring}
+    for k in keys:
+        owned[backend.peer_for(k)].append(k)
+    assert all(owned.values())
+    return ring, backend, owned
+
+
+@pytest.mark.parametrize("rewrite", [False, True], ids=["as-is", "rewritten"])
+def test_a_relay_at_a_down_peers_address_reaches_no_other_peer(
+    peers: PeerFactory, clients: Any, tmp_path: Path, rewrite: bool
+) -> None:
+    """Issue 45 N1: peer A of a ring is down; a local user without the token takes A's address
+    and relays the client's handshake to peer B. Relayed as it is, B refuses the address (it is
+    not B's); rewritten to B's address, B's proof no longer covers the address the client
+    dialed and the client refuses. Either way the client's requests for A's keys never reach
+    B: they miss, A's pages never land in B, and B's pages are untouched."""
+    (a, b), backend, owned = _ring(peers, clients, tmp_path)
+    with _hello(b.address, "tok-ring") as channel:
+        b_usage = channel.ask(p.Used())
+    a.kill()
+
+    def to_b(header: bytes, body: bytes, tag: bytes) -> list[bytes]:
+        if rewrite and p.HEADER.unpack(header)[2] == p.Hello.TYPE:
+            hello = p.decode_body(p.Hello.TYPE, body)
+            assert isinstance(hello, p.Hello)
+            body = dataclasses.replace(hello, dialed=b.address).body()
+            header = _with_length(header, len(body))
+        return [header + body + tag]
+
+    relay = _Relay(at=a.address).start(b.address, requests=to_b)
+    try:
+        mine = owned[a.address]
+        reason = "does not answer at" if not rewrite else "did not prove our token for " + a.address
+        for _ in range(3):
+            assert backend.get_batch(mine) == [None] * len(mine)
+            assert backend.put_batch([(k, b"forged") for k in mine]) == [False] * len(mine)
+            assert backend.contains_batch(mine) == [False] * len(mine)
+            assert reason in backend._peers[0].last_error
+        assert relay.seen <= 3 * 6  # HELLO (and PROVE) of each attempt, nothing after
+        with _hello(b.address, "tok-ring") as channel:
+            assert channel.ask(p.Used()) == b_usage  # nothing landed in B
+        assert backend.get_batch(owned[b.address]) == [k.encode() for k in owned[b.address]]
+    finally:
+        relay.close()
+
+
+def test_frames_altered_or_injected_after_the_handshake_close_the_connection(
+    peers: PeerFactory, clients: Any, tmp_path: Path
+) -> None:
+    """Issue 45 N1: a machine in the middle of a connection that completed the handshake (a
+    port forward the peer advertises) alters a DELETE's key, then injects a DELETE of its own:
+    the peer checks each frame's session MAC, closes the connection and deletes nothing; the
+    client reconnects and is served."""
+    relay = _Relay()
+    peer = peers(token="tok-mitm", extra_args=["--advertise", relay.address])
+    (tmp_path / "token").write_text("tok-mitm")
+    victim, other = key(1), key(2)
+    attacks = ["alter", "inject"]
+    tried: list[str] = []
+
+    def mitm(header: bytes, body: bytes, tag: bytes) -> list[bytes]:
+        if p.HEADER.unpack(header)[2] != p.Delete.TYPE or not attacks:
+            return [header + body + tag]
+        tried.append(attacks.pop(0))
+        if tried[-1] == "alter":  # the client deletes `other`; the relay makes it `victim`
+            return [header + body.replace(other.encode(), victim.encode()) + tag]
+        forged = p.Delete([victim]).body()  # a DELETE of the victim before the client's own
+        forged_header = p.HEADER.pack(p.MAGIC, p.VERSION, p.Delete.TYPE, p.FLAG_SEALED, 9, len(forged))
+        return [forged_header + forged + tag, header + body + tag]
+
+    relay.start(peer.address, requests=mitm)
+    try:
+        backend = clients([relay.address], token_file=str(tmp_path / "token"), **FAST)
+        assert backend.put_batch([(victim, b"victim"), (other, b"other")]) == [True, True]
+
+        def delete_other() -> bool:
+            with contextlib.suppress(BackendUnavailableError):
+                backend.delete_batch([other])
+            return len(tried) == 2
+
+        wait_until(delete_other, "both attacks tried", poll_s=0.05)
+        direct = clients([peer.address], token_file=str(tmp_path / "token"), **FAST)
+        assert direct.get_batch([victim]) == [b"victim"]
+
+        def deleted() -> bool:
+            backend.delete_batch([other])  # the client's own DELETE, now passed as it is
+            return direct.get_batch([other]) == [None]
+
+        wait_until(deleted, "the client served again", ignore=(BackendUnavailableError,), poll_s=0.05)
+        assert peer.log.count("session MAC") >= 2, peer.log
+    finally:
+        relay.close()
+
+
+def test_one_agent_at_two_addresses_is_refused(peers: PeerFactory, clients: Any) -> None:
+    """Issue 45 N1: the client refuses an agent it already reached at another of its addresses
+    (a relay, or one peer listed twice): its keys there miss, with the reason."""
+    peer = peers()
+    port = peer.address.rsplit(":", 1)[1]
+    backend = clients([peer.address, f"localhost:{port}"], **FAST)
+    keys = [key(i) for i in range(40)]
+    backend.put_batch([(k, b"x") for k in keys])
+    refused = [state.address for state in backend._peers if "answers at both" in state.last_error]
+    assert len(refused) == 1  # whichever address answered second
+    twice = [k for k in keys if backend.peer_for(k) == refused[0]]
+    served = [k for k in keys if k not in twice]
+    assert twice and backend.get_batch(twice) == [None] * len(twice)
+    assert served and backend.get_batch(served) == [b"x"] * len(served)
 
 
 def test_one_alloc_holds_the_peer_lock_for_bounded_time(peers: PeerFactory) -> None:

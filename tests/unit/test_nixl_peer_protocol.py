@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import struct
 
 import pytest
 
 from hybrid_offload.backends.nixl_peer import protocol as p
+from hybrid_offload.backends.nixl_peer.auth import (
+    PeerAuthError,
+    Session,
+    challenge,
+    check_client,
+    client_handshake,
+    peer_session,
+    welcome_mac,
+)
+from hybrid_offload.backends.nixl_peer.exposure import names_this_peer
 
 K1 = "5eed0001-" + "ab" * 16
 K2 = "0123abcd-" + "0" * 64
 
 MESSAGES: list[p.Message] = [
-    p.Hello(b"n" * 32, "client-1"),
-    p.Hello(b"", ""),
+    p.Hello(b"n" * 32, "client-1", "peer-0.example:5555"),
+    p.Hello(b"", "", ""),
     p.Challenge(b"n" * 32, b"p" * 32),
     p.Prove(b"c" * 32),
     p.HelloReply("peer-x", b"\x00metadata\xff" * 100, 0x7F0000001000, 1 << 30, 1 << 29, b"m" * 32),
@@ -140,3 +151,110 @@ def test_socket_framing() -> None:
         left.shutdown(socket.SHUT_WR)
         with pytest.raises(ConnectionError):
             p.recv_message(right)
+
+
+# -- sessions (issue 45 N1): every frame after the handshake carries a MAC ----------------------
+
+
+def _pair() -> tuple[Session, Session]:
+    key = b"k" * 32
+    return Session(key, client=True), Session(key, client=False)
+
+
+def test_sealed_frames_pass_in_order_both_ways() -> None:
+    client, peer = _pair()
+    left, right = socket.socketpair()
+    with left, right:
+        for i in range(3):
+            p.send_message(left, p.Lookup([K1]), i, client)
+            assert p.recv_message(right, session=peer) == (p.Lookup([K1]), i)
+            p.send_message(right, p.LookupReply([True]), i, peer)
+            assert p.recv_message(left, session=client) == (p.LookupReply([True]), i)
+
+
+def _frames(session: Session, *messages: p.Message) -> list[bytes]:
+    return [p.encode(m, i + 1, session) for i, m in enumerate(messages)]
+
+
+def _check(session: Session, frame: bytes) -> p.Message:
+    left, right = socket.socketpair()
+    with left, right:
+        left.sendall(frame)
+        return p.recv_message(right, session=session)[0]
+
+
+@pytest.mark.parametrize("attack", ["altered", "injected", "replayed", "reflected", "dropped", "unsealed"])
+def test_frames_changed_in_transit_fail_their_mac(attack: str) -> None:
+    client, peer = _pair()
+    first, second = _frames(client, p.Delete([K1]), p.Delete([K2]))
+    if attack == "altered":  # one key swapped for another of the same length
+        forged = first.replace(K1.encode(), K1[:-1].encode() + b"0")
+        with pytest.raises(p.ProtocolError, match="session MAC"):
+            _check(peer, forged)
+    elif attack == "injected":  # a frame sealed under another session's key
+        other = Session(b"x" * 32, client=True)
+        with pytest.raises(p.ProtocolError, match="session MAC"):
+            _check(peer, p.encode(p.Delete([K2]), 1, other))
+    elif attack == "replayed":
+        assert _check(peer, first) == p.Delete([K1])
+        with pytest.raises(p.ProtocolError, match="session MAC"):
+            _check(peer, first)
+    elif attack == "reflected":  # the client's own frame sent back to it as if from the peer
+        with pytest.raises(p.ProtocolError, match="session MAC"):
+            _check(client, first)
+    elif attack == "dropped":
+        with pytest.raises(p.ProtocolError, match="session MAC"):
+            _check(peer, second)
+    else:
+        with pytest.raises(p.ProtocolError, match="unsealed") as info:
+            _check(peer, p.encode(p.Delete([K1]), 1))
+        assert info.value.code == p.ErrorCode.AUTH_FAILED
+
+
+def test_sealed_frame_before_the_handshake_is_malformed() -> None:
+    client, _ = _pair()
+    with pytest.raises(p.ProtocolError, match="sealed frame before"):
+        p.decode_header(p.encode(p.Used(), 1, client)[: p.HEADER.size])
+
+
+def _handshake(token: bytes, dialed: str, peer_dialed: str | None = None) -> tuple[Session, Session]:
+    """Steps 1-4 in memory: ``(client session, peer session)``; ``peer_dialed``: the address
+    a relay rewrote HELLO to."""
+    opened: list[tuple[p.Hello, bytes]] = []
+    sessions: list[Session] = []
+
+    def exchange(message: p.Message) -> p.Message:
+        if isinstance(message, p.Hello):
+            hello = dataclasses.replace(message, dialed=peer_dialed or message.dialed)
+            reply, nonce = challenge(token, hello)
+            opened.append((hello, nonce))
+            return reply
+        assert isinstance(message, p.Prove)
+        hello, nonce = opened[0]
+        assert check_client(token, hello, nonce, message)
+        welcome = p.HelloReply("peer-agent", b"meta", 0, 1, 1)
+        welcome = dataclasses.replace(welcome, mac=welcome_mac(token, hello, nonce, welcome))
+        sessions.append(peer_session(token, hello, nonce, welcome))
+        return welcome
+
+    _, session = client_handshake(exchange, token, "c", dialed)
+    return session, sessions[0]
+
+
+def test_the_handshake_binds_the_address_dialed() -> None:
+    client, peer = _handshake(b"tok", "10.0.0.1:5555")
+    assert _check(peer, p.encode(p.Used(), 1, client)) == p.Used()
+    with pytest.raises(PeerAuthError, match=r"did not prove our token for 10\.0\.0\.1:5556"):
+        _handshake(b"tok", "10.0.0.1:5556", peer_dialed="10.0.0.1:5555")
+
+
+def test_names_this_peer() -> None:
+    local = ("127.0.0.1", 5555)
+    assert names_this_peer("127.0.0.1:5555", local)
+    assert names_this_peer("localhost:5555", local)
+    assert not names_this_peer("127.0.0.1:5556", local)  # another peer's port on this host
+    assert not names_this_peer("10.255.255.1:5555", local)  # another host
+    assert not names_this_peer("no-such-host.invalid:5555", local)
+    assert not names_this_peer("garbage", local)
+    assert names_this_peer("[::ffff:127.0.0.1]:5555", local)
+    assert names_this_peer("gateway.example:80", local, frozenset({"gateway.example:80"}))

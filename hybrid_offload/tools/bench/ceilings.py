@@ -175,7 +175,7 @@ class RawNixl:
 
         host, port = address.rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=10) as sock:
-            hello = raw_handshake(sock, b"", "bench-raw")
+            hello = raw_handshake(sock, b"", "bench-raw").hello
         self.hello = hello
         self.agent = nixl_agent(f"bench-raw-{uuid.uuid4().hex}", progress_thread=False)
         self.agent.add_remote_agent(hello.metadata)

@@ -96,6 +96,12 @@ def _parse_listen(text: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _parse_address(text: str) -> str:
+    if not _parse_listen(text)[1]:
+        raise argparse.ArgumentTypeError(f"want HOST:PORT with a port, got {text!r}")
+    return text
+
+
 def cmd_peer(args: argparse.Namespace) -> int:
     """Run a nixl_peer cache peer until SIGTERM/SIGINT; prints a ready line once it serves.
     Bad options (a literal --token, off-loopback without a token, ...) raise ValueError."""
@@ -130,6 +136,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
         handshake_timeout_s=args.handshake_timeout_s,
         idle_timeout_s=args.idle_timeout_s,
         max_pending_per_connection=args.max_pending_per_connection,
+        advertise=tuple(args.advertise),
     )
     return run_peer(options)
 
@@ -154,6 +161,12 @@ def _add_peer(subparsers: Subparsers) -> None:
         "once it serves; SIGTERM/SIGINT stop it.",
     )
     p.add_argument("--listen", type=_parse_listen, required=True, help="HOST:PORT (port 0: any free port)")
+    p.add_argument(
+        "--advertise", type=_parse_address, action="append", default=[], metavar="HOST:PORT",
+        help="an address clients dial this peer by, besides its own port at the address a connection "
+        "arrives on (NAT, port forwards, load balancers; repeatable). Clients prove in the handshake "
+        "which address they dialed: a peer answers only to its own",
+    )
     p.add_argument(
         "--capacity-bytes", type=_byte_size, required=True, help="page bytes held at most, e.g. 16GiB (LRU)"
     )
