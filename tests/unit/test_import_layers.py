@@ -9,6 +9,9 @@ Every import statement counts, also inside a function or under ``TYPE_CHECKING``
 ``backends/`` lives at the top of the repository and is installed as ``hybrid_offload.backends``
 (``pyproject.toml``).
 
+No two modules import each other, directly or round a circle (imports of a package's
+``__init__`` aside: they name a namespace, not a module's code).
+
 Under ``tests/`` no module imports a test module (``test_*``): what tests share lives in a plain
 helper module or in the folder's ``conftest.py``.
 """
@@ -34,8 +37,14 @@ FORBIDDEN_EXTERNAL = {
 }
 #: private names of other packages we use; only the compat module may name them
 PRIVATE_NAMES = frozenset(
-    {"_custom_ops", "_get_attn_isa", "_collector_to_names", "nixlBind", "nixl_meta_utils",
-     "_torch_cuda_version_from_disk"}
+    {
+        "_custom_ops",
+        "_get_attn_isa",
+        "_collector_to_names",
+        "nixlBind",
+        "nixl_meta_utils",
+        "_torch_cuda_version_from_disk",
+    }
 )
 GATE = f"{PACKAGE}.compat"
 
@@ -136,6 +145,57 @@ def test_the_contract_catches_an_upward_or_forbidden_import() -> None:
     ]
 
 
+def circles(graph: dict[str, set[str]], packages: set[str]) -> list[list[str]]:
+    """The import circles of ``graph`` (each sorted), edges into ``packages`` left out."""
+    edges = {
+        m: sorted(t for t in imported if t in graph and t not in packages and t != m)
+        for m, imported in graph.items()
+    }
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(module: str) -> None:  # Tarjan's strongly connected components
+        order[module] = low[module] = len(order)
+        stack.append(module)
+        for target in edges[module]:
+            if target not in order:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], order[target])
+        if low[module] == order[module]:
+            component = []
+            while not component or component[-1] != module:
+                component.append(stack.pop())
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for module in sorted(edges):
+        if module not in order:
+            visit(module)
+    return sorted(out)
+
+
+def _packages() -> set[str]:
+    return {name for name, path in _sources().items() if path.name == "__init__.py"}
+
+
+def test_no_import_circles() -> None:
+    assert circles(package_graph(), _packages()) == []
+
+
+def test_the_circle_check_catches_a_circle() -> None:
+    graph = package_graph()
+    plan, sched = (
+        f"{PACKAGE}.connector.scheduler.store_plan",
+        f"{PACKAGE}.connector.scheduler.offload_scheduler",
+    )
+    graph[plan] = graph[plan] | {sched}  # as it was before issue 46 (under TYPE_CHECKING)
+    assert circles(graph, _packages()) == [[sched, plan]]
+
+
 def test_relative_imports_resolve_inside_their_package(tmp_path: Path) -> None:
     module = tmp_path / "mod.py"
     module.write_text("from . import ring\nfrom ..core import spec\n")
@@ -164,11 +224,14 @@ def test_the_tests_check_catches_an_imported_test_module(tmp_path: Path) -> None
     ]
 
 
-@pytest.mark.parametrize("module", [
-    f"{PACKAGE}.tools.cli.cache",  # `hybrid-offload cache ...` runs where no engine does
-    f"{PACKAGE}.connector.config",  # the cache CLI reads connector configs
-    f"{PACKAGE}.connector.scheduler.policy",
-])
+@pytest.mark.parametrize(
+    "module",
+    [
+        f"{PACKAGE}.tools.cli.cache",  # `hybrid-offload cache ...` runs where no engine does
+        f"{PACKAGE}.connector.config",  # the cache CLI reads connector configs
+        f"{PACKAGE}.connector.scheduler.policy",
+    ],
+)
 def test_modules_that_need_no_vllm_import_none(module: str) -> None:
     """The import contract sees module-level imports; this one what importing really loads (the
     connector package's facade imports vLLM: importing a sibling must not pull it in)."""
@@ -209,18 +272,25 @@ def private_names_used(name: str, source: str) -> set[str]:
 def test_private_apis_only_through_the_compat_module() -> None:
     sources = {name: path.read_text() for name, path in _sources().items()}
     assert private_names_used(GATE, sources[GATE]) >= {"_custom_ops", "_collector_to_names", "nixlBind"}
-    leaks = {name: used for name, source in sources.items() if name != GATE
-             if (used := private_names_used(name, source))}
+    leaks = {
+        name: used
+        for name, source in sources.items()
+        if name != GATE
+        if (used := private_names_used(name, source))
+    }
     assert leaks == {}
 
 
-@pytest.mark.parametrize("source", [
-    "from vllm import _custom_ops as ops\n",
-    "import nixl_meta_utils\n",
-    "x = REGISTRY._collector_to_names\n",
-    "x = getattr(REGISTRY, '_collector_to_names', {})\n",
-    "def f(api):\n    return api.nixlBind.nixlAgentConfig\n",
-    "from vllm.v1.attention.backends.cpu_attn import _get_attn_isa\n",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from vllm import _custom_ops as ops\n",
+        "import nixl_meta_utils\n",
+        "x = REGISTRY._collector_to_names\n",
+        "x = getattr(REGISTRY, '_collector_to_names', {})\n",
+        "def f(api):\n    return api.nixlBind.nixlAgentConfig\n",
+        "from vllm.v1.attention.backends.cpu_attn import _get_attn_isa\n",
+    ],
+)
 def test_the_private_api_check_catches_a_direct_use(source: str) -> None:
     assert private_names_used("mod", source)

@@ -66,7 +66,7 @@ from hybrid_offload.core.spec import GroupKind
 if TYPE_CHECKING:
     from hybrid_offload.connector.scheduler.backend_view import BackendView
     from hybrid_offload.connector.scheduler.events import TierEvents
-    from hybrid_offload.connector.scheduler.offload_scheduler import ChunkSightings
+    from hybrid_offload.connector.scheduler.sightings import ChunkSightings
 
 
 class StorePlanner:

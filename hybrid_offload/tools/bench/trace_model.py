@@ -9,7 +9,7 @@ tokens, calling the code the connector runs, not a re-implementation of it:
 * lookup: :meth:`~hybrid_offload.core.planner.HybridOffloadPlanner.loadable_prefix` (all
   attention up to a boundary and a state there);
 * which states are stored: :func:`~hybrid_offload.core.checkpoints.prefill_checkpoints` (the
-  tail, the junction found by :class:`~hybrid_offload.connector.scheduler.offload_scheduler.ChunkSightings`),
+  tail, the junction found by :class:`~hybrid_offload.connector.scheduler.sightings.ChunkSightings`),
   and states between them where prefill steps of ``step_tokens`` end
   (:func:`~hybrid_offload.core.checkpoints.interval_stop`, ``state_due``);
 * the tier: :class:`~hybrid_offload.backends.lru_index.LruIndex` with the policy under test,
@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 from hybrid_offload.backends.lru_index import EvictionPolicy, LruIndex, LruPolicy
 from hybrid_offload.backends.retention import ResumePointPolicy, Retention
-from hybrid_offload.connector.scheduler.offload_scheduler import ChunkSightings
 from hybrid_offload.connector.scheduler.retention_hints import request_bytes
+from hybrid_offload.connector.scheduler.sightings import ChunkSightings
 from hybrid_offload.core.checkpoints import interval_stop, prefill_checkpoints, state_due
 from hybrid_offload.core.planner import HybridOffloadPlanner, chain_chunk_hashes
 from hybrid_offload.core.spec import GroupKind, GroupSpec, make_model_spec
