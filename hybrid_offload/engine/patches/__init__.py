@@ -4,8 +4,8 @@ vLLM loads every general plugin in every process it starts (API server, EngineCo
 `VLLM_PLUGINS=name,...` restricts it to the named ones. Each patch module has:
 
 - ``ENTRY_POINT``: its plugin name (pyproject's ``vllm.general_plugins``), saying what it does;
-- ``VLLM_VERSIONS``: the vLLM release prefixes it was written for (tested ones:
-  :data:`hybrid_offload.compat.TESTED`);
+- ``VLLM_VERSIONS``: the vLLM release prefixes it was written for: :data:`hybrid_offload.compat.VLLM_RELEASES`
+  (the tested ones), or fewer once a later release no longer needs it;
 - ``register()``: idempotent; applies the patch where it is needed, and on a vLLM version not in
   ``VLLM_VERSIONS`` (or when the patched method no longer looks as expected) applies nothing and
   logs a warning naming the patch and what is lost without it.

@@ -28,10 +28,11 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from hybrid_offload.compat import VLLM_RELEASES
 from hybrid_offload.engine.patches import logger, mark, wrap_method
 
 ENTRY_POINT = "hybrid_offload_cpu_mamba_spec_decode"
-VLLM_VERSIONS = ("0.32.",)
+VLLM_VERSIONS = VLLM_RELEASES
 WITHOUT = "MambaMixer2 models compute wrong states when speculative decoding is on (CPU)"
 #: modules that bind ``causal_conv1d_update`` at import and pass ``num_accepted_tokens`` on CPU
 #: (GDN layers have a spec-aware CPU path of their own, ``ops/cpu/gdn_attention.py``)

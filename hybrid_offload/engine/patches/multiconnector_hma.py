@@ -18,10 +18,11 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from hybrid_offload.compat import VLLM_RELEASES
 from hybrid_offload.engine.patches import is_patched, mark, version_supported
 
 ENTRY_POINT = "hybrid_offload_multiconnector_hma"
-VLLM_VERSIONS = ("0.32.",)
+VLLM_VERSIONS = VLLM_RELEASES
 CONNECTOR_MODULE = "hybrid_offload.connector"
 #: the name vLLM's check treats specially; our module exports HybridMultiConnector under it
 VLLM_NAME = "MultiConnector"

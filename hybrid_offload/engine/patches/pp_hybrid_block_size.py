@@ -24,10 +24,11 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from hybrid_offload.compat import VLLM_RELEASES
 from hybrid_offload.engine.patches import logger, mark, wrap_method
 
 ENTRY_POINT = "hybrid_offload_pp_hybrid_block_size"
-VLLM_VERSIONS = ("0.32.",)
+VLLM_VERSIONS = VLLM_RELEASES
 
 
 def size_like_the_other_stages(original: Callable[..., Any]) -> Any:

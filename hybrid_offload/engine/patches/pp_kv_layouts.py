@@ -21,10 +21,11 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from hybrid_offload.compat import VLLM_RELEASES
 from hybrid_offload.engine.patches import logger, mark, wrap_method
 
 ENTRY_POINT = "hybrid_offload_pp_kv_layouts"
-VLLM_VERSIONS = ("0.32.",)
+VLLM_VERSIONS = VLLM_RELEASES
 
 
 def merged_layouts(per_worker: Sequence[Sequence[str]]) -> list[str]:

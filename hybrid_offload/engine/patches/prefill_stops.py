@@ -31,10 +31,11 @@ import functools
 import inspect
 from typing import Any
 
+from hybrid_offload.compat import VLLM_RELEASES
 from hybrid_offload.engine.patches import is_patched, mark, version_supported, warn_not_applied
 
 ENTRY_POINT = "hybrid_offload_prefill_stops"
-VLLM_VERSIONS = ("0.32.",)
+VLLM_VERSIONS = VLLM_RELEASES
 _SPLIT_PARAMS = ["self", "request", "num_new_tokens", "num_new_local_computed_tokens",
                  "num_external_computed_tokens"]
 _WITHOUT = "recurrent states are stored only where vLLM ends prefill steps by itself"
