@@ -20,7 +20,7 @@ from hybrid_offload.backends.health import BackendHealth
 from hybrid_offload.backends.registry import create_backend
 from hybrid_offload.backends.wrappers import CallRecorder, HealthGatedBackend, InstrumentedBackend
 from hybrid_offload.connector.config import ROOT, ConfigError, Tier
-from hybrid_offload.core.metrics import Locked
+from hybrid_offload.core.metrics import Locked, SchedulerCounters, WorkerCounters
 from hybrid_offload.core.model_card import ModelCardError, card_from_spec, card_key, encode_card
 from hybrid_offload.core.spec import ModelSpec
 
@@ -79,7 +79,7 @@ class WorkerRecorder:
     """The worker's counting: latency of stores and loads, errors by kind (and
     ``backend_errors``), skipped calls as ``unavailable``, usage gauges."""
 
-    def __init__(self, stats: Locked) -> None:
+    def __init__(self, stats: Locked[WorkerCounters]) -> None:
         self._stats = stats
 
     def called(self, backend: str, op: str, seconds: float) -> None:
@@ -87,13 +87,11 @@ class WorkerRecorder:
             self._stats.record_call(backend, TIMED[op], seconds)
 
     def failed(self, backend: str, op: str, exc: BackendError) -> None:
-        with self._stats.lock:
-            self._stats.counters.backend_errors += 1
+        self._stats.add(backend_errors=1)
         self._stats.record_error(backend, ERROR_KIND[op])
 
     def skipped(self, backend: str, op: str) -> None:
-        with self._stats.lock:
-            self._stats.counters.backend(backend).unavailable += 1
+        self._stats.add_backend(backend, unavailable=1)
         self._stats.record_error(backend, "skipped")
 
     def usage(
@@ -108,15 +106,14 @@ class SchedulerRecorder:
     """The scheduler's counting: a failed lookup is an error and makes the backend
     ``unavailable`` for that request; a skipped one is counted as skipped."""
 
-    def __init__(self, stats: Locked) -> None:
+    def __init__(self, stats: Locked[SchedulerCounters]) -> None:
         self._stats = stats
 
     def called(self, backend: str, op: str, seconds: float) -> None:
         return  # lookups are counted per request by the scheduler, not per call
 
     def failed(self, backend: str, op: str, exc: BackendError) -> None:
-        with self._stats.lock:
-            self._stats.counters.backend(backend).unavailable += 1
+        self._stats.add_backend(backend, unavailable=1)
         self._stats.record_error(backend, ERROR_KIND[op])
 
     def skipped(self, backend: str, op: str) -> None:

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 #: error kinds per backend: failed lookup/get/put/delete calls, pages that failed verification
 #: or were absent at load time, and calls skipped while the backend was backing off
@@ -124,6 +124,25 @@ class SchedulerCounters:
     def backend(self, name: str) -> BackendCounters:
         return self.backends.setdefault(name, BackendCounters())
 
+    def record_lookup(
+        self,
+        backend: str,
+        hit_tokens: int,
+        aligned_tokens: int,
+        per_group: Mapping[str, int],
+        *,
+        disagree: bool,
+    ) -> None:
+        """One request's lookup in ``backend`` (``disagree``: its groups disagreed on a prefix)."""
+        self.backend(backend).record_lookup(hit_tokens, aligned_tokens, per_group)
+        self.group_disagreements += int(disagree)
+
+    def record_planned_load(self, hit_tokens: Mapping[str, int], external_tokens: int) -> None:
+        """A load planned: tokens per backend, and in all."""
+        for name, tokens in hit_tokens.items():
+            self.backend(name).loaded_tokens += tokens
+        self.external_tokens += external_tokens
+
     def record_coverage(self, served: int, reusable: int, lost: Mapping[str, int]) -> None:
         self.served_tokens += served
         self.reusable_tokens += reusable
@@ -175,6 +194,14 @@ class WorkerCounters:
     def backend(self, name: str) -> BackendCounters:
         return self.backends.setdefault(name, BackendCounters())
 
+    def add_loaded(self, backend: str, pages: int, nbytes: int) -> None:
+        """Pages read from ``backend`` and written into the KV cache."""
+        self.pages_loaded += pages
+        self.bytes_loaded += nbytes
+        counters = self.backend(backend)
+        counters.loaded_pages += pages
+        counters.loaded_bytes += nbytes
+
     def record_load(self, phases: Mapping[str, float]) -> None:
         """One load written into the KV cache; ``phases``: seconds per :data:`LOAD_PHASES` name."""
         self.loads_written += 1
@@ -191,15 +218,19 @@ class WorkerCounters:
 LOAD_PHASES = ("queued", "prepare", "read", "verify", "ready", "write", "total")
 
 
-class Locked:
+C = TypeVar("C", SchedulerCounters, WorkerCounters)
+
+
+class Locked(Generic[C]):
     """A counters object plus the lock that guards it; ``snapshot()`` returns a plain dict.
 
-    Threading: every read or write of ``counters`` holds ``lock`` (the scheduler thread, the
-    worker's model-runner, store and load threads). The ``record_*`` helpers take it
-    themselves; callers must not hold it.
+    Threading: every read or write of ``counters`` holds the lock (the scheduler thread, the
+    worker's model-runner, store and load threads). Counters change only through the methods
+    here (:meth:`add`, :meth:`add_backend`, :meth:`update`, ``record_*``), which take it
+    themselves; nothing outside this module takes it.
     """
 
-    def __init__(self, counters: SchedulerCounters | WorkerCounters) -> None:
+    def __init__(self, counters: C) -> None:
         self.counters = counters
         self.lock = threading.Lock()
         self._samples: dict[str, dict[str, list[float]]] = {}
@@ -207,6 +238,22 @@ class Locked:
     def snapshot(self) -> dict:
         with self.lock:
             return _snapshot(self.counters)
+
+    def add(self, **deltas: float) -> None:
+        """Add to the connector-wide counters named (e.g. ``add(pages_loaded=3, bytes_loaded=n)``)."""
+        with self.lock:
+            _add_fields(self.counters, deltas)
+
+    def add_backend(self, backend: str, **deltas: float) -> None:
+        """Add to ``backend``'s counters named (fields of :class:`BackendCounters`)."""
+        with self.lock:
+            _add_fields(self.counters.backend(backend), deltas)
+
+    def update(self, change: Callable[[C], object]) -> None:
+        """Run ``change(counters)`` under the lock: for updates of several related fields at once
+        (``stats.update(lambda c: c.record_coverage(...))``); it must not block."""
+        with self.lock:
+            change(self.counters)
 
     def record_error(self, backend: str, kind: str, n: int = 1) -> None:
         """Count ``n`` errors of ``kind`` (one of :data:`ERROR_KINDS`) for ``backend``."""
@@ -255,6 +302,11 @@ class Locked:
         with self.lock:
             samples, self._samples = self._samples, {}
             return _snapshot(self.counters), samples
+
+
+def _add_fields(counters: object, deltas: Mapping[str, float]) -> None:
+    for name, delta in deltas.items():
+        setattr(counters, name, getattr(counters, name) + delta)  # AttributeError: a wrong name
 
 
 def _snapshot(counters: SchedulerCounters | WorkerCounters) -> dict[str, Any]:
@@ -456,8 +508,15 @@ def summarize(data: Mapping[str, Any]) -> dict[str, int | float]:
     """A short, flat summary of a clean payload for log lines (connector-wide counters, then
     per backend: ``"<backend> <what>"``)."""
     out: dict[str, int | float] = {}
-    for key in ("requests", "external_tokens", "served_tokens", "reusable_tokens", "failed_loads",
-                "stores_dropped", "store_batch_errors"):
+    for key in (
+        "requests",
+        "external_tokens",
+        "served_tokens",
+        "reusable_tokens",
+        "failed_loads",
+        "stores_dropped",
+        "store_batch_errors",
+    ):
         if key in data.get("counters", {}):
             out[key] = data["counters"][key]
     for name, entry in sorted(data.get("backends", {}).items()):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -267,3 +269,38 @@ def test_summarize_for_the_log_line() -> None:
     assert summary["cpu avg load ms"] == 10.0 and summary["cpu errors"] == 2
     assert summary["cpu available"] == 1
     assert summarize({}) == {}
+
+
+def test_counters_change_through_locked_methods() -> None:
+    stats = Locked(WorkerCounters())
+    stats.add(pages_loaded=2, bytes_loaded=10)
+    stats.add_backend("cpu", stored_pages=3, store_failures=1)
+    stats.update(lambda c: c.add_loaded("disk", 1, 5))
+    snap = stats.snapshot()
+    assert (snap["pages_loaded"], snap["bytes_loaded"]) == (3, 15)
+    assert snap["backends"]["cpu"]["stored_pages"] == 3 and snap["backends"]["cpu"]["store_failures"] == 1
+    assert snap["backends"]["disk"]["loaded_bytes"] == 5
+    with pytest.raises(AttributeError):
+        stats.add(no_such_counter=1)
+
+
+def _counters_at_call_sites(root: Path) -> list[str]:
+    """Lines outside core/metrics.py that take a stats lock themselves."""
+    out = []
+    for path in sorted([*(root / "hybrid_offload").rglob("*.py"), *(root / "backends").rglob("*.py")]):
+        if path.name == "metrics.py" and path.parent.name == "core":
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"\bstats\.lock\b", line):
+                out.append(f"{path.relative_to(root)}:{n}: {line.strip()}")
+    return out
+
+
+def test_no_counters_at_call_sites(tmp_path: Path) -> None:
+    """Issue 46: counters change through :class:`Locked`'s methods, which take its lock."""
+    root = Path(__file__).resolve().parents[2]
+    assert _counters_at_call_sites(root) == []
+    (tmp_path / "hybrid_offload").mkdir()
+    (tmp_path / "backends").mkdir()
+    (tmp_path / "hybrid_offload" / "x.py").write_text("with self.ctx.stats.lock:\n    pass\n")
+    assert _counters_at_call_sites(tmp_path) == ["hybrid_offload/x.py:1: with self.ctx.stats.lock:"]

@@ -146,11 +146,8 @@ class OffloadScheduler:
         self._requests[request.request_id] = state
         self._sightings.see(hashes)
         if known is None:  # a request keyed anew after a reset is counted once
-            with self.stats.lock:
-                self.stats.counters.requests += 1
-                self.stats.counters.aligned_prompt_tokens += (
-                    self.planner.max_boundary_chunks(len(prompt)) * self.planner.chunk_tokens
-                )
+            aligned = self.planner.max_boundary_chunks(len(prompt)) * self.planner.chunk_tokens
+            self.stats.add(requests=1, aligned_prompt_tokens=aligned)
         return state
 
     def get_num_new_matched_tokens(
@@ -165,9 +162,7 @@ class OffloadScheduler:
             return self._matched_tokens(request, num_computed_tokens)
         finally:
             elapsed = self._timer() - started
-            with self.stats.lock:
-                self.stats.counters.lookup_calls += 1
-                self.stats.counters.lookup_seconds += elapsed
+            self.stats.add(lookup_calls=1, lookup_seconds=elapsed)
 
     def _matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._request_state(request)
@@ -257,11 +252,8 @@ class OffloadScheduler:
         disagree = any(t != tokens for t in per_group)
         aligned = self.planner.max_boundary_chunks(state.prompt_len) * self.planner.chunk_tokens
         groups = {str(p.index): t for p, t in zip(self.planner.plans, per_group, strict=True)}
-        with self.stats.lock:
-            counters = self.stats.counters.backend(name)
-            counters.record_lookup(tokens, aligned, groups)
-            if disagree and tokens:
-                self.stats.counters.group_disagreements += 1
+        disagreed = bool(disagree and tokens)
+        self.stats.update(lambda c: c.record_lookup(name, tokens, aligned, groups, disagree=disagreed))
         if disagree and tokens and not state.warned_disagreement and not self.planner.has_state_groups:
             state.warned_disagreement = True
             logger.warning(
@@ -310,8 +302,7 @@ class OffloadScheduler:
         state.coverage_counted = True
         if num_external_tokens != cov.served:  # vLLM trimmed the load, or a child connector serves it
             cov = state.coverage = cov.with_served(num_external_tokens)
-        with self.stats.lock:
-            self.stats.counters.record_coverage(cov.served, cov.reusable, cov.lost)
+        self.stats.update(lambda c: c.record_coverage(cov.served, cov.reusable, cov.lost))
 
     def hit_sources(self, req_id: str) -> dict[str, int]:
         """Tokens of the planned load per hit source ("host", "disk", "p2p", ...)."""
@@ -388,8 +379,7 @@ class OffloadScheduler:
         """vLLM freed the request's blocks: what the worker holds for it is committed, and when
         it is scheduled again it is looked up anew (pages stored before the preemption load
         instead of being recomputed)."""
-        with self.stats.lock:
-            self.stats.counters.preemptions += 1
+        self.stats.add(preemptions=1)
         state = self._requests.get(req_id)
         if state is not None:
             self.stores.finish(state, meta if meta is not None else self._ended)
@@ -420,10 +410,8 @@ class OffloadScheduler:
                 clears.append(ClearRange(plan.index, block, state.load_end % bs, bs - state.load_end % bs))
         state.on_load(LoadEvent.SENT)
         state.store_from_chunk = end
-        with self.stats.lock:
-            for name, tokens in state.hit_tokens.items():
-                self.stats.counters.backend(name).loaded_tokens += tokens
-            self.stats.counters.external_tokens += state.load_end - state.load_start
+        external = state.load_end - state.load_start
+        self.stats.update(lambda c: c.record_planned_load(state.hit_tokens, external))
         return LoadJob(
             state.req_id,
             tuple(LoadSegment(name, tuple(pages)) for name, pages in segments.items()),
@@ -452,8 +440,7 @@ class OffloadScheduler:
             if state is not None:
                 state.on_load(LoadEvent.FINISHED)
         if failed_recving:
-            with self.stats.lock:
-                self.stats.counters.failed_loads += len(failed_recving)
+            self.stats.add(failed_loads=len(failed_recving))
             for req_id in failed_recving:
                 state = self._requests.get(req_id)
                 if state is not None:  # recompute from scratch, store good pages again

@@ -200,8 +200,7 @@ class LoadPipeline:
         run.device_s = self.ctx.timer() - started
         run.written = True
         copy_s, _ = device_load.seconds()
-        with self.ctx.stats.lock:
-            self.ctx.stats.counters.load_copy_seconds += copy_s
+        self.ctx.stats.add(load_copy_seconds=copy_s)
         for page in bad:
             self._bad_page(page.source, page.read.key, PageFormatError("payload checksum mismatch (device)"))
         if bad:
@@ -263,8 +262,7 @@ class LoadPipeline:
                 self._fetch(name, reads, missing, got, run, None)
         lost = sum(v is None for v in got)
         if lost:
-            with self.ctx.stats.lock:
-                self.ctx.stats.counters.missing_pages += lost
+            self.ctx.stats.add(missing_pages=lost)
             return None
         return [v for v in got if v is not None]
 
@@ -341,12 +339,7 @@ class LoadPipeline:
         nbytes, npages = self._check(name, backend, reads, indices, found, got)
         run.verify_s += self.ctx.timer() - read_at
         self.ctx.outbox.sample(name, nbytes, read_at - started, True)
-        with self.ctx.stats.lock:
-            self.ctx.stats.counters.pages_loaded += npages
-            self.ctx.stats.counters.bytes_loaded += nbytes
-            counters = self.ctx.stats.counters.backend(name)
-            counters.loaded_pages += npages
-            counters.loaded_bytes += nbytes
+        self.ctx.stats.update(lambda c: c.add_loaded(name, npages, nbytes))
 
     @staticmethod
     def _copied(view: memoryview) -> tuple[torch.Tensor, np.ndarray, int, int]:
@@ -416,8 +409,7 @@ class LoadPipeline:
 
     def _bad_page(self, name: str, key: str, exc: PageFormatError, backend: Backend | None = None) -> None:
         """A page that failed a check: counted, logged, deleted (so that a store rewrites it)."""
-        with self.ctx.stats.lock:
-            self.ctx.stats.counters.bad_pages += 1
+        self.ctx.stats.add(bad_pages=1)
         self.ctx.stats.record_error(name, "bad_page")
         self._log_bad_page(name, key, exc)
         self._delete_quietly(backend or self.ctx.backends[name], key)
@@ -495,8 +487,7 @@ class LoadPipeline:
             "write": run.device_s if run.written else written - writing,
             "total": written - run.submitted,
         }
-        with self.ctx.stats.lock:
-            self.ctx.stats.counters.record_load(phases)
+        self.ctx.stats.update(lambda c: c.record_load(phases))
 
     def _delete_quietly(self, backend: Backend, key: str) -> None:
         """Remove a page that failed verification, so that a later store rewrites it."""

@@ -122,8 +122,7 @@ class StorePipeline:
             if gathered is not None:
                 self._queue_item(gathered, nbytes, gathered.count)
         elapsed = self.ctx.timer() - started
-        with self.ctx.stats.lock:
-            self.ctx.stats.counters.copy_out_seconds += elapsed
+        self.ctx.stats.add(copy_out_seconds=elapsed)
 
     def _admit(self, job: StoreJob, size: int, queued: int) -> bool:
         """Whether the pending-bytes budget (for holds: the held-bytes budget) takes ``size``
@@ -132,8 +131,7 @@ class StorePipeline:
             used = self._held.nbytes if job.hold else self._pending_bytes + queued
             if used + size <= (self._max_held if job.hold else self._max_pending):
                 return True
-        with self.ctx.stats.lock:
-            self.ctx.stats.counters.stores_dropped += 1
+        self.ctx.stats.add(stores_dropped=1)
         if not job.hold:
             self.ctx.outbox.settle([job.page.key])
         return False
@@ -149,8 +147,7 @@ class StorePipeline:
         if admitted:
             self._store_queue.put((work, nbytes))
             return
-        with self.ctx.stats.lock:
-            self.ctx.stats.counters.promotions_dropped += len(work.pages)
+        self.ctx.stats.add(promotions_dropped=len(work.pages))
         work.release()
 
     def commit(self, commits: list[CommitJob]) -> None:
@@ -180,9 +177,7 @@ class StorePipeline:
         with self._lock:
             self._pending_bytes += nbytes
         self._store_queue.put((item, nbytes))
-        with self.ctx.stats.lock:
-            self.ctx.stats.counters.pages_copied_out += npages
-            self.ctx.stats.counters.bytes_copied_out += nbytes
+        self.ctx.stats.add(pages_copied_out=npages, bytes_copied_out=nbytes)
 
     def _store_loop(self) -> None:
         while True:
@@ -218,8 +213,7 @@ class StorePipeline:
                             self.store_rows.give(block)  # put_batch copied what it keeps
             except Exception:  # the store thread must survive anything a backend does
                 logger.exception("hybrid-offload store batch failed")
-                with self.ctx.stats.lock:
-                    self.ctx.stats.counters.store_batch_errors += 1
+                self.ctx.stats.add(store_batch_errors=1)
             finally:
                 with self._lock:
                     self._pending_bytes -= nbytes
@@ -262,8 +256,7 @@ class StorePipeline:
                 results = self.ctx.backends[name].put_batch(items)
             except BackendError as exc:
                 reusable = reusable and not isinstance(exc, BuffersInUseError)
-                with self.ctx.stats.lock:
-                    self.ctx.stats.counters.backend(name).store_failures += len(items)
+                self.ctx.stats.add_backend(name, store_failures=len(items))
                 continue
             self._record_puts(name, items, results)
         return reusable
@@ -273,11 +266,10 @@ class StorePipeline:
         counters); how many it stored."""
         stored = [(key, buf) for (key, buf), o in zip(items, ok, strict=True) if o]
         self.ctx.outbox.add_stored(name, [key for key, _ in stored])
-        with self.ctx.stats.lock:
-            counters = self.ctx.stats.counters.backend(name)
-            counters.stored_pages += len(stored)
-            counters.stored_bytes += sum(memoryview(buf).nbytes for _, buf in stored)
-            counters.store_failures += len(items) - len(stored)
+        stored_bytes = sum(memoryview(buf).nbytes for _, buf in stored)
+        self.ctx.stats.add_backend(
+            name, stored_pages=len(stored), stored_bytes=stored_bytes, store_failures=len(items) - len(stored)
+        )
         return len(stored)
 
     def _store_rows(self, rows: GatheredRows) -> None:
@@ -360,8 +352,7 @@ class StorePipeline:
             except BackendError:  # counted by the tier's wrappers; a promotion is best effort
                 ok = [False] * len(items)
             promoted = self._record_puts(name, items, ok)
-            with self.ctx.stats.lock:
-                self.ctx.stats.counters.pages_promoted += promoted
+            self.ctx.stats.add(pages_promoted=promoted)
 
     def _describe(self, pages: Sequence[tuple[str, Sequence[str], Retention | None]]) -> None:
         """Tell each target tier what the pages about to be put are for, (key, tiers,
@@ -425,12 +416,11 @@ class StorePipeline:
             stored.setdefault(name, []).extend(i for i, o in zip(idx, ok, strict=True) if o)
         for name, idx in stored.items():
             self.ctx.outbox.add_stored(name, [keys[i] for i in idx])
-            with self.ctx.stats.lock:
-                counters = self.ctx.stats.counters.backend(name)
-                counters.stored_pages += len(idx)
-                counters.stored_bytes += sum(views[i].nbytes for i in idx)
-                targeted = sum(1 for _, _, job, _ in entries if name in job.backends)
-                counters.store_failures += targeted - len(idx)
+            targeted = sum(1 for _, _, job, _ in entries if name in job.backends)
+            stored_bytes = sum(views[i].nbytes for i in idx)
+            self.ctx.stats.add_backend(
+                name, stored_pages=len(idx), stored_bytes=stored_bytes, store_failures=targeted - len(idx)
+            )
         return reusable
 
     def _arena(self, memory: memoryview) -> torch.Tensor:
