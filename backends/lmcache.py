@@ -13,7 +13,9 @@ they need a GPU connector and a model's KV layout. LMCache is installed by
 time and raises ``ImportError`` naming that script when it is missing.
 
 Options: see :mod:`hybrid_offload.backends.lmcache_options` (``remote_url``, ``namespace``,
-``op_timeout_s``, ``close_timeout_s``, ``ttl_s``).
+``op_timeout_s``, ``close_timeout_s``, ``ttl_s``, ``password_file`` / ``password_env``). LMCache
+logs the URLs it is handed, so a Redis remote's password goes to redis-py only, never into a
+URL (:mod:`hybrid_offload.backends.lmcache_connect`).
 
 Contract beyond :mod:`hybrid_offload.backends.base`:
 
@@ -97,7 +99,6 @@ from .lmcache_options import (
     check_remote_url,
     lmcache_password,
     validate_lmcache_options,
-    with_password,
 )
 from .local_index import LocalIndexBackend
 from .redis_options import redact_url
@@ -111,8 +112,9 @@ with warnings.catch_warnings():
         from lmcache.v1.config import LMCacheEngineConfig
         from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
         from lmcache.v1.metadata import LMCacheMetadata
-        from lmcache.v1.storage_backend.connector import CreateConnector
         from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+
+        from .lmcache_connect import create_connector
     except ImportError as exc:  # chained, never swallowed: the registry re-raises it naming the type
         raise ImportError(
             f"the 'lmcache' backend needs LMCache 0.5.6 ({exc}). Install it with "
@@ -202,8 +204,9 @@ class LMCacheBackend(LocalIndexBackend[None]):
         self._close_timeout = options["close_timeout_s"]
         self._namespace = options["namespace"]
         self._url = check_remote_url(options["remote_url"], self._op_timeout)
-        self._connect_url = with_password(self._url, lmcache_password(options))  # never shown
-        self._expiry = make_expiry(self._url, options["ttl_s"], self._namespace)
+        # handed to redis-py only, never in a URL: LMCache logs the URLs it gets (lmcache_connect)
+        self._password = lmcache_password(options)
+        self._expiry = make_expiry(self._url, options["ttl_s"], self._namespace, password=self._password)
         self._can_remove = True  # until the connector says NotImplementedError
 
         self._lm_config = LMCacheEngineConfig.from_defaults(
@@ -286,11 +289,8 @@ class LMCacheBackend(LocalIndexBackend[None]):
 
             def build() -> None:
                 try:
-                    building.set_result(
-                        CreateConnector(
-                            self._connect_url, self._loop, self._allocator, self._lm_config, self._lm_metadata
-                        )
-                    )
+                    args = (self._loop, self._allocator, self._lm_config, self._lm_metadata)
+                    building.set_result(create_connector(self._url, self._password, *args))
                 except BaseException as exc:
                     building.set_exception(exc)
 

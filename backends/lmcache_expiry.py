@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from hybrid_offload.core.secrets import Secret
+
 __all__ = ["EXPIRY_SCHEMES", "RemoteExpiry", "make_expiry"]
 
 logger = logging.getLogger(__name__)
@@ -54,12 +56,15 @@ class RemoteExpiry:
 
 
 class _RedisExpiry(RemoteExpiry):
-    def __init__(self, url: str, ttl_s: float) -> None:
+    def __init__(self, url: str, ttl_s: float, password: Secret | None) -> None:
         import redis
 
         parts = urlsplit(url)
         query = {k: v for k, v in parse_qsl(parts.query) if k in ("socket_timeout", "socket_connect_timeout")}
-        self._client = redis.Redis.from_url(urlunsplit(parts._replace(query=urlencode(query))))
+        self._client = redis.Redis.from_url(
+            urlunsplit(parts._replace(query=urlencode(query))),
+            password=None if password is None else password.text(),
+        )
         self._ttl_ms = max(1, round(ttl_s * 1000))
 
     def refresh(self, names: Sequence[str]) -> None:
@@ -118,12 +123,18 @@ class _FsExpiry(RemoteExpiry):
 
 
 def make_expiry(
-    url: str, ttl_s: float | None, namespace: str, clock: Callable[[], float] = time.time
+    url: str,
+    ttl_s: float | None,
+    namespace: str,
+    clock: Callable[[], float] = time.time,
+    *,
+    password: Secret | None = None,
 ) -> RemoteExpiry:
-    """The expiry for ``url`` (a no-op without ``ttl_s`` or for other schemes); connects lazily."""
+    """The expiry for ``url`` (a no-op without ``ttl_s`` or for other schemes); connects lazily,
+    with ``password`` (a Redis remote's AUTH; ``url`` holds none)."""
     scheme = urlsplit(url).scheme
     if ttl_s is None or scheme not in EXPIRY_SCHEMES:
         return RemoteExpiry()
     if scheme == "fs":
         return _FsExpiry(url, ttl_s, namespace, clock)
-    return _RedisExpiry(url, ttl_s)
+    return _RedisExpiry(url, ttl_s, password)

@@ -7,10 +7,12 @@ Options, each checked with a :class:`BackendConfigError` naming the key:
   command lines and in logs; shown URLs are redacted).
 * ``password_file`` / ``password_env``: the password of a Redis remote (``redis``, ``rediss``,
   ``redis-sentinel``, ``redis-cluster``), from a file or an environment variable; a literal
-  ``password`` is refused. ``resp://`` is refused (that connector reads fixed
-  full-chunk-size values; pages vary in size). For ``redis``/``rediss``/``unix`` URLs without
-  them, ``socket_timeout`` and ``socket_connect_timeout`` (= ``op_timeout_s``) are added so a
-  hung server fails a call instead of blocking LMCache's I/O loop.
+  ``password`` is refused. It is handed to redis-py only, never in a URL (LMCache logs the
+  URLs it gets: :mod:`hybrid_offload.backends.lmcache_connect`). ``resp://`` is refused (that
+  connector reads fixed full-chunk-size values; pages vary in size). For ``redis`` /
+  ``rediss`` / ``unix`` URLs without them, ``socket_timeout`` and ``socket_connect_timeout``
+  (= ``op_timeout_s``) are added so a hung server fails a call instead of blocking LMCache's
+  I/O loop.
 * ``namespace`` (``"hybrid-offload"``): prefix of LMCache's key (its ``model_name``), so
   several deployments can share one store.
 * ``op_timeout_s`` (10.0): a batch call that has not finished by then raises
@@ -28,20 +30,18 @@ from __future__ import annotations
 
 import re
 from typing import Any
-from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from hybrid_offload.core.secrets import Secret
 
 from .base import BackendConfigError
 from .redis_options import redact_url, redis_password, refuse_url_credentials
 
-__all__ = [
-    "OPTION_DEFAULTS", "check_remote_url", "lmcache_password", "validate_lmcache_options", "with_password",
-]
+__all__ = ["OPTION_DEFAULTS", "check_remote_url", "lmcache_password", "validate_lmcache_options"]
 
 _NAMESPACE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _REDIS_SCHEMES = ("redis", "rediss", "unix")
-#: remotes whose LMCache connector reads a password from the URL's user info
+#: remotes whose LMCache connector takes a password (handed over by lmcache_connect, never in a URL)
 _PASSWORD_SCHEMES = ("redis", "rediss", "redis-sentinel", "redis-cluster")
 
 
@@ -50,16 +50,6 @@ def lmcache_password(options: dict[str, Any]) -> Secret | None:
     is refused), as the redis backend reads its own."""
     return redis_password(options)
 
-
-def with_password(url: str, password: Secret | None) -> str:
-    """``url`` with ``password`` in its user info (what LMCache's Redis connectors read); the
-    result is passed to LMCache only, never shown."""
-    if password is None:
-        return url
-    parts = urlsplit(url)
-    user = quote(parts.username or "", safe="")
-    netloc = f"{user}:{quote(password.text(), safe='')}@{parts.netloc.rpartition('@')[2]}"
-    return urlunsplit(parts._replace(netloc=netloc))
 
 OPTION_DEFAULTS: dict[str, Any] = {
     "remote_url": None,

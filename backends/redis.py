@@ -33,10 +33,10 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
 * **Server memory limits.** With ``maxmemory``, prefer ``volatile-lru`` (or
   ``volatile-ttl``) with ``ttl_s`` set: only pages carry a TTL, so the server never evicts
   the index. Under ``allkeys-*`` policies it may evict an index key; the scripts then rebuild
-  ``used``, or repair it and let the next put rebuild it from a SCAN of the pages (adopting
-  those still stored, evicting down to the capacity), at most once per ``REBUILD_EVERY_S`` (60
-  s) per process: any writer of the server can raise the rebuild flag. With ``noeviction``,
-  a full server refuses puts (``False``).
+  ``used`` or repair the index (at most once per ``HEAL_EVERY_S``, 60 s, per server: any writer
+  can fake damage) and let the next put rebuild it from a SCAN of the pages (adopting those still
+  stored, evicting down to the capacity), at most once per ``REBUILD_EVERY_S`` (60 s) per
+  process: any writer can raise the rebuild flag. With ``noeviction``, a full server refuses puts.
 * **Batches.** Every call pipelines its commands (in a cluster: one pipeline per node,
   redis-py's ``ClusterPipeline``) in chunks of at most ``max_batch_bytes`` of values. A get is
   three round trips (index snapshot, GETRANGEs, refresh; one more when a page is absent or

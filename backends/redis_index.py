@@ -1,7 +1,7 @@
 """The redis backends' shared accounting index: capacity and exact LRU kept inside Redis.
 
 Every process using the same Redis (or cluster) and ``prefix`` shares one index, so they share
-one capacity and one LRU order. The index is four keys with one hash tag, so in a cluster they
+one capacity and one LRU order. The index is a few keys with one hash tag, so in a cluster they
 live in one slot (a script may only touch one slot) while page keys spread over all slots::
 
     {<prefix>:idx}:lru    sorted set   member = page key (the backend key), score = tick
@@ -9,6 +9,7 @@ live in one slot (a script may only touch one slot) while page keys spread over 
     {<prefix>:idx}:used   string       sum of the sizes (bytes)
     {<prefix>:idx}:tick   string       INCR counter giving the LRU order
     {<prefix>:idx}:rebuild string      set while the index needs a rebuild from a scan
+    {<prefix>:idx}:healed  string      set for HEAL_EVERY_S by the script that last healed
 
 Lua scripts change them atomically (EVALSHA, falling back to EVAL on NOSCRIPT, e.g. after a
 server restart). Scripts carry ``flags=allow-oom``: accounting must keep working when the
@@ -24,6 +25,16 @@ dropped), never drops the whole index, and raises a flag, ``{<prefix>:idx}:rebui
 next put that sees it (:meth:`RedisIndex.account` returns it) claims it and re-adopts the
 pages still stored, found by a SCAN (:meth:`RedisIndex.adopt`), evicting down to the capacity.
 
+Bounded heals: any writer of the server can make the index look damaged before every script
+(a junk ZADD, a DEL of ``used``), and a heal costs O(pages) inside Redis (a repair at 30k
+pages: 60k commands, 47 ms here, the server blocked meanwhile). So the first script that sees
+damage takes the ``healed`` marker (SET NX with an expiry of :data:`HEAL_EVERY_S`, kept by the
+server's clock, so shared by every client) and heals; until the marker expires, the others do
+O(1) work: a mismatch stays (extra members are popped as size-0 victims, at most
+:data:`MAX_STRAYS_PER_EVICTION` per eviction; sizes without a tick wait), and a missing
+``used`` counts as 0 and is not stored (capacity is enforced again after the next heal). A
+marker no script set (no expiry, or a longer one) is dropped. Normal operation never reads it.
+
 Threading: :class:`RedisIndex` holds no mutable state; it is safe from any thread.
 """
 
@@ -35,10 +46,34 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
-__all__ = ["RedisIndex"]
+__all__ = ["HEAL_EVERY_S", "MAX_STRAYS_PER_EVICTION", "RedisIndex"]
 
-_PRELUDE = """#!lua flags=allow-oom
-local LRU, SIZE, USED, TICK, REBUILD = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+#: an O(pages) heal of the index (a repair, or a new sum of ``used``) runs at most this often
+#: per server and prefix: any writer of the server can make the index look damaged (a junk
+#: ZADD, a DEL of ``used``) before every script (issue 45 N13)
+HEAL_EVERY_S = 60.0
+#: members without a size (junk a writer added, or ticks of a dropped size hash) popped at
+#: most by one eviction: a flood of junk costs bounded work per put
+MAX_STRAYS_PER_EVICTION = 128
+
+_PRELUDE = (
+    f"""#!lua flags=allow-oom
+local LRU, SIZE, USED, TICK, REBUILD, HEALED = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local HEAL_EVERY_MS, MAX_STRAYS = {round(HEAL_EVERY_S * 1000)}, {MAX_STRAYS_PER_EVICTION}
+"""
+    + """
+-- whether this run may do O(pages) work to heal the index: granted to the first run per
+-- HEAL_EVERY_MS (the HEALED marker expires then), asked at most once per run. A marker no
+-- script of ours set (no expiry, or a longer one) is dropped first.
+local healing = nil
+local function may_heal()
+  if healing == nil then
+    local ttl = redis.call('PTTL', HEALED)
+    if ttl == -1 or ttl > HEAL_EVERY_MS then redis.call('DEL', HEALED) end
+    healing = redis.call('SET', HEALED, 1, 'NX', 'PX', HEAL_EVERY_MS) ~= false
+  end
+  return healing
+end
 
 -- the set and the hash disagree (the server dropped one): keep what the slot can tell, flag
 -- a rebuild from a scan of the pages (their sizes live outside this slot)
@@ -55,17 +90,25 @@ local function repair()
   redis.call('SET', REBUILD, 1)
 end
 
--- bytes accounted now; repairs the index if the server dropped one of its keys
+-- whether ``used`` is known in this run (else: 0 until a heal sums the sizes; not stored)
+local used_known = true
+
+-- bytes accounted now; repairs the index if the server dropped one of its keys (O(pages):
+-- only when may_heal(); meanwhile a mismatch stays, and a missing ``used`` counts as 0)
 local function load_used()
   local n = redis.call('HLEN', SIZE)
   if redis.call('ZCARD', LRU) ~= n then
-    repair()
+    if may_heal() then repair() end
   elseif n == 0 and tonumber(redis.call('GET', USED) or '0') > 0 then
     redis.call('SET', REBUILD, 1)  -- both dropped: only a scan can find the pages again
     redis.call('SET', USED, 0)
   end
   local used = redis.call('GET', USED)
   if used then return tonumber(used) end
+  if n > 0 and not may_heal() then
+    used_known = false
+    return 0
+  end
   local total = 0
   local sizes = redis.call('HVALS', SIZE)
   for i = 1, #sizes do total = total + tonumber(sizes[i]) end
@@ -91,14 +134,25 @@ local function forget(k)
   return tonumber(size)
 end
 
--- pop least recently used pages until used <= cap; returns used and {key1, size1, ...}
+-- ``used`` stored for the next script, unless this run does not know it
+local function store_used(used)
+  if used_known then redis.call('SET', USED, used) end
+end
+
+-- pop least recently used pages until used <= cap; returns used and {key1, size1, ...}.
+-- At most MAX_STRAYS members without a size (size 0 among the victims) are popped per call.
 local function evict(used, cap)
-  local victims = {}
-  while used > cap do
+  local victims, strays = {}, 0
+  while used > cap and strays < MAX_STRAYS do
     local popped = redis.call('ZPOPMIN', LRU)
     if #popped == 0 then used = 0 break end
-    local size = tonumber(redis.call('HGET', SIZE, popped[1]) or '0')
-    redis.call('HDEL', SIZE, popped[1])
+    local size = redis.call('HGET', SIZE, popped[1])
+    if size then
+      redis.call('HDEL', SIZE, popped[1])
+      size = tonumber(size)
+    else
+      size, strays = 0, strays + 1
+    end
     used = used - size
     victims[#victims + 1] = popped[1]
     victims[#victims + 1] = size
@@ -106,6 +160,7 @@ local function evict(used, cap)
   return used, victims
 end
 """
+)
 
 # ARGV: capacity, key1, size1, key2, size2, ...  (pages already SET, in put order)
 # Returns {rebuild flag (0/1), then the victims evicted to get used <= capacity: key1, size1, ...}
@@ -123,7 +178,7 @@ for i = 2, #ARGV, 2 do
 end
 local victims
 used, victims = evict(used, cap)
-redis.call('SET', USED, used)
+store_used(used)
 table.insert(victims, 1, redis.call('EXISTS', REBUILD))
 return victims
 """
@@ -145,7 +200,7 @@ for i = 2, #ARGV, 2 do
 end
 local victims
 used, victims = evict(used, cap)
-redis.call('SET', USED, used)
+store_used(used)
 return victims
 """
 )
@@ -186,7 +241,7 @@ for i = 3 + 2 * n_hits, #ARGV, 2 do
 end
 used = used - freed
 if used < 0 then used = 0 end
-redis.call('SET', USED, used)
+store_used(used)
 return {healed, freed, adopted}
 """
 )
@@ -216,7 +271,7 @@ local freed = 0
 for i = 1, #ARGV do freed = freed + forget(ARGV[i]) end
 used = used - freed
 if used < 0 then used = 0 end
-redis.call('SET', USED, used)
+store_used(used)
 return freed
 """
 )
@@ -259,7 +314,9 @@ class RedisIndex:
             f"{tag}:tick",
         )
         self.rebuild_flag = f"{tag}:rebuild"
-        self.keys = (self.lru, self.size, self.used, self.tick, self.rebuild_flag)
+        #: set (with an expiry of HEAL_EVERY_S) by the script that last healed the index
+        self.healed = f"{tag}:healed"
+        self.keys = (self.lru, self.size, self.used, self.tick, self.rebuild_flag, self.healed)
 
     def snapshot(self, client: Any, keys: Sequence[str]) -> tuple[list[int | None], list[int | None]]:
         """Each key's LRU tick and indexed size (None where not indexed), in one round trip."""

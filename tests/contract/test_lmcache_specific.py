@@ -460,3 +460,61 @@ def test_the_remote_password_comes_from_a_file_and_is_never_shown(tmp_path: Path
             backend.close()
     finally:
         srv.stop()
+
+
+_CONNECT_AND_LOG = """
+import logging, sys
+logging.basicConfig(level=logging.DEBUG, stream=sys.stderr)  # our loggers and redis-py's too
+sys.path.insert(0, sys.argv[1])
+from backend_contract import key
+from hybrid_offload.backends import BackendConfig, create_backend
+url, cluster_url, sentinel_url, password_file = sys.argv[2:6]
+password = open(password_file).read().strip()
+options = {"password_file": password_file, "close_timeout_s": 0.3, "namespace": "n11"}
+backend = create_backend(BackendConfig("lmcache", "n11", 1 << 20, options={"remote_url": url, **options}))
+print("PUT", backend.put_batch([(key(1), b"behind AUTH")]))
+print("GET", backend.get_batch([key(1)]))
+print("TTL", 0 < backend._expiry._client.pttl(backend._lm_key(key(1)).to_string() + "kv_bytes"))
+print("ERRORS", backend.stats.errors)
+backend.close()
+# cluster and sentinel remotes: built (never connected: nothing listens), the password an argument
+for name, remote in (("CLUSTER", cluster_url), ("SENTINEL", sentinel_url)):
+    config = BackendConfig("lmcache", name, 1 << 20, options={"remote_url": remote, **options})
+    backend = create_backend(config)
+    inner = backend._connector._connector
+    client = inner.cluster if name == "CLUSTER" else inner.master.connection_pool
+    print(name, "AUTH", client.connection_kwargs["password"] == password)
+    backend.close()
+"""
+
+
+def test_lmcache_never_logs_the_remote_password(tmp_path: Path) -> None:
+    """Issue 45 N11: LMCache logs the URL it is handed at INFO on every connect ("Creating
+    connector for URL: redis://:<password>@..."), through its own loggers, which write to stderr
+    past our redaction. Now the password never goes into a URL LMCache sees: every line a
+    connect, put and get write (LMCache's at DEBUG, ours, redis-py's) is free of it, and AUTH
+    (pages, and the expiry client's PEXPIRE) works. Cluster and sentinel remotes get it as an
+    argument of their connector."""
+    password = "n11-Pa55-w0rd-never-logged"
+    srv = start_redis_server(tmp_path / "redis", "--requirepass", password)
+    try:
+        secret = tmp_path / "pw"
+        secret.write_text(password + "\n")
+        secret.chmod(0o600)
+        host_port = srv.url.removeprefix("redis://").split("/")[0]
+        cluster_url = f"redis-cluster://127.0.0.1:{free_port()}"
+        sentinel_url = f"redis-sentinel://127.0.0.1:{free_port()}"
+        env = {**os.environ, "LMCACHE_LOG_LEVEL": "DEBUG"}
+        result = subprocess.run(
+            [sys.executable, "-c", _CONNECT_AND_LOG, str(Path(__file__).parent),
+             f"redis://{host_port}", cluster_url, sentinel_url, str(secret)],
+            capture_output=True, text=True, timeout=120, check=False, env=env,
+        )  # fmt: skip
+        out = result.stdout + result.stderr
+        assert result.returncode == 0, out[-4000:]
+        assert "Creating Redis connector for URL" in out  # LMCache's own lines were captured
+        assert password not in out
+        assert "PUT [True]" in out and "GET [b'behind AUTH']" in out and "TTL True" in out, out[-4000:]
+        assert "ERRORS 0" in out and "CLUSTER AUTH True" in out and "SENTINEL AUTH True" in out, out[-4000:]
+    finally:
+        srv.stop()
