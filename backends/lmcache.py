@@ -81,7 +81,7 @@ import struct
 import threading
 import time
 import warnings
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
 from urllib.parse import urlsplit
 
@@ -154,7 +154,7 @@ class _HeapAllocator(LocalCPUBackend):
         self.metadata = metadata
         self.limit = limit
 
-    def allocate(  # type: ignore[override]
+    def allocate(
         self, shapes: Any, dtypes: Any, fmt: Any = None, eviction: bool = True, busy_loop: bool = True
     ) -> TensorMemoryObj | None:
         shapes = list(shapes) if isinstance(shapes, list) else [shapes]
@@ -174,7 +174,7 @@ class _HeapAllocator(LocalCPUBackend):
         )
         return TensorMemoryObj(torch.empty(size, dtype=torch.uint8), meta, None)
 
-    def get_full_chunk_size_bytes(self) -> int:  # type: ignore[override]
+    def get_full_chunk_size_bytes(self) -> int:
         return self.limit
 
     def __str__(self) -> str:
@@ -371,23 +371,26 @@ class LMCacheBackend(LocalIndexBackend[None]):
         try:
             view = _byte_view(obj)
         except ValueError:  # an empty value (NULL data pointer)
-            return self._corrupt(key, "empty value")
+            self._corrupt(key, "empty value")
+            return None
         if view.nbytes < _HEADER.size:
-            return self._corrupt(key, f"{view.nbytes}-byte value")
+            self._corrupt(key, f"{view.nbytes}-byte value")
+            return None
         magic, version, kind, length, checksum = _HEADER.unpack_from(view, 0)
         if magic != _MAGIC or version != _VERSION:
-            return self._corrupt(key, "bad magic/version")
+            self._corrupt(key, "bad magic/version")
+            return None
         if kind == _KIND_TOMBSTONE:
             return None
         payload = view[_HEADER.size :]
         if kind != _KIND_PAGE or length != payload.nbytes or checksum != _checksum(key, payload):
-            return self._corrupt(key, "length/checksum mismatch")
+            self._corrupt(key, "length/checksum mismatch")
+            return None
         return bytes(payload)
 
     def _corrupt(self, key: str, why: str) -> None:
         self.stats.errors += 1
         logger.warning("lmcache backend %r: page %s is not valid (%s): miss", self.name, key, why)
-        return None
 
     async def _gather(self, jobs: list[Awaitable[Any]]) -> list[Any]:
         return await asyncio.gather(*jobs, return_exceptions=True)
@@ -414,7 +417,7 @@ class LMCacheBackend(LocalIndexBackend[None]):
                 return
         self._write({key: None for key in keys})
 
-    def _write(self, pages: dict[str, Buffer | None]) -> None:
+    def _write(self, pages: Mapping[str, Buffer | None]) -> None:
         """Write pages (None: a tombstone) in one LMCache batch; raise if any failed."""
         keys = [self._lm_key(key) for key in pages]
         objs = [
@@ -495,7 +498,8 @@ class LMCacheBackend(LocalIndexBackend[None]):
                     ) from unavailable[0]
                 for key, result in zip(wanted, raw, strict=True):
                     if isinstance(result, BaseException):  # LMCache's two keys disagree
-                        data = self._corrupt(key, f"LMCache read failed: {result!r}")
+                        self._corrupt(key, f"LMCache read failed: {result!r}")
+                        data = None
                     else:
                         data = self._unwrap(key, result)
                     found[key] = data

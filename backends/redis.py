@@ -429,6 +429,7 @@ class RedisBackend(Backend):
                 min(limit, size) if size is not None else limit if unknown_weight else 0
                 for limit, size in zip(limits, sizes, strict=True)
             ]
+            read: Sequence[Buffer | None]
             if into is not None and self._raw is not None:
                 read = self._getrange_into(client, keys, into, weights)
             else:

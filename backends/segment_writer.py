@@ -35,7 +35,7 @@ def _libc_fallocate() -> Callable[[int, int, int, int], int] | None:
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
     fn.restype = ctypes.c_int
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 _fallocate = _libc_fallocate() if sys.platform.startswith("linux") else None

@@ -221,7 +221,7 @@ class NixlPeerBackend(Backend):
                         self._mark_down(peer, reason)
                         raise _PeerDownError(f"{peer.address}: {reason}") from exc
                     continue  # a stale connection (peer restarted?): one fresh try
-                assert peer.hello is not None
+                assert peer.hello is not None and reply is not None
                 peer.health.record_success()
                 if isinstance(reply, p.Error):
                     if reply.code in _CLOSING:  # the peer closed this connection after it

@@ -86,7 +86,7 @@ class DataPath:
         if self._staging is None:
             staging = np.zeros(self._staging_bytes, dtype=np.uint8)
             reg = self._agent.register_memory([(staging.ctypes.data, staging.nbytes, 0, "")], "DRAM")
-            self._staging, self._staging_view, self._staging_reg = staging, memoryview(staging), reg
+            self._staging, self._staging_view, self._staging_reg = staging, staging.data, reg
 
     def prepare(self, peer: PeerState, hello: p.HelloReply) -> None:
         """Make the agent, register staging and load ``hello``'s agent metadata (the first

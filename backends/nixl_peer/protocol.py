@@ -557,10 +557,10 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
         return bytes(buf)
     parts = bytearray()
     while len(parts) < n:
-        chunk = sock.recv(min(_RECV_CHUNK, n - len(parts)))
-        if not chunk:
+        data = sock.recv(min(_RECV_CHUNK, n - len(parts)))
+        if not data:
             raise ConnectionError("connection closed by the other side")
-        parts += chunk
+        parts += data
     return bytes(parts)
 
 

@@ -61,7 +61,7 @@ def _tail_word(tail: bytes | memoryview) -> int:
 
 def fold64(data: bytes | bytearray | memoryview | np.ndarray) -> int:
     """The checksum of ``data`` (any contiguous bytes; numpy releases the GIL while it sums)."""
-    view = memoryview(data).cast("B") if not isinstance(data, np.ndarray) else memoryview(data.reshape(-1))
+    view = memoryview(data).cast("B") if not isinstance(data, np.ndarray) else data.reshape(-1).data
     nbytes = view.nbytes
     words = nbytes // 8
     w = weights(words + 1)

@@ -231,7 +231,7 @@ class Locked(Generic[C]):
     """
 
     def __init__(self, counters: C) -> None:
-        self.counters = counters
+        self.counters: C = counters
         self.lock = threading.Lock()
         self._samples: dict[str, dict[str, list[float]]] = {}
 

@@ -35,8 +35,9 @@ import math
 import re
 import struct
 import time
+import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
@@ -78,7 +79,8 @@ class ModelCardError(ValueError):
     """The bytes are not a valid model card (the message says why)."""
 
 
-class CardGroup(NamedTuple):
+@dataclass(frozen=True)
+class CardGroup:
     """One KV cache group: its index, kind (``GroupKind`` value), layer count and shards per
     (chunk, group) page set."""
 
@@ -118,7 +120,7 @@ class ModelCard:
             "dtype": self.dtype,
             "kv_cache_dtype": self.kv_cache_dtype,
             "chunk_tokens": self.chunk_tokens,
-            "groups": [g._asdict() for g in self.groups],
+            "groups": [dataclasses.asdict(g) for g in self.groups],
             "format_version": self.format_version,
             "written_at": self.written_at,
         }

@@ -128,7 +128,7 @@ def page_len(tensors: tuple[TensorSpec, ...]) -> int:
     return header_len(tensors) + sum(t.nbytes for t in tensors)
 
 
-def _mac(key: bytes, header: bytes | memoryview, payload: memoryview) -> bytes:
+def _mac(key: bytes, header: bytes | bytearray | memoryview, payload: memoryview) -> bytes:
     """HMAC-SHA256 over ``header`` (its MAC field zero, no header checksum) and ``payload``."""
     h = hmac.new(key, digestmod=hashlib.sha256)
     h.update(header)

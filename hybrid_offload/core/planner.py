@@ -234,8 +234,8 @@ def whole_model_layers(spec: ModelSpec, stages: dict[int, Sequence[Sequence[str]
         if len(groups) != len(spec.groups):
             raise LayerMapError(f"stage {rank}: {len(groups)} groups, expected {len(spec.groups)}")
     ranks = sorted(stages)
-    groups = tuple(tuple(n for rank in ranks for n in stages[rank][g]) for g in range(len(spec.groups)))
-    return ModelLayers(spec.grid.num_layers, groups, spec.grid.indexed)
+    names = tuple(tuple(n for rank in ranks for n in stages[rank][g]) for g in range(len(spec.groups)))
+    return ModelLayers(spec.grid.num_layers, names, spec.grid.indexed)
 
 
 class HybridOffloadPlanner:

@@ -298,15 +298,18 @@ def _tokens(values: torch.Tensor) -> torch.Tensor:
 def _strides(perm: torch.Tensor) -> list[tuple[int, int, int, int]] | None:
     """Per K and V, (offset, token, head, dim) strides in elements when ``perm`` (2, kblock,
     heads, dim) is strided for both; else None."""
-    out = []
+    out: list[tuple[int, int, int, int]] = []
     for part in perm:
         base = int(part[0, 0, 0])
         steps = [int(part.select(axis, 1).flatten()[0]) - base if n > 1 else 0
                  for axis, n in enumerate(part.shape)]  # fmt: skip
         grid = torch.meshgrid(*(torch.arange(n) for n in part.shape), indexing="ij")
-        if not torch.equal(part, base + sum(g * st for g, st in zip(grid, steps, strict=True))):
+        expected = torch.full_like(part, base)
+        for g, st in zip(grid, steps, strict=True):
+            expected += g * st
+        if len(steps) != 3 or not torch.equal(part, expected):
             return None
-        out.append((base, *steps))
+        out.append((base, steps[0], steps[1], steps[2]))
     return out
 
 
@@ -351,7 +354,7 @@ def _logical_attention_layout(
         kernel_block=kblock,
         kernel_blocks_per_block=first.shape[0] // num_blocks,
         block_elems=first[0].numel(),
-        views=views,  # type: ignore[arg-type]
+        views=views,
     )
 
 
@@ -392,7 +395,8 @@ def _attention_layout(group: GroupSpec, tensors: list[torch.Tensor], num_blocks:
     writes = None
     if isa is not None:
         n = first.shape[0]
-        writes = CacheWrites([t.view(n, heads, 2 * kblock, dim).chunk(2, dim=2) for t in tensors], isa)
+        halves = [t.view(n, heads, 2 * kblock, dim).chunk(2, dim=2) for t in tensors]
+        writes = CacheWrites([(k, v) for k, v in halves], isa)
     logger.debug("group %d: attention copies %s", group.index,
                  "by token" if views else "with vLLM's cache-write op" if writes else "by element")
     return AttentionGroupLayout(

@@ -371,6 +371,7 @@ def drafting_from_vllm(vllm_config: VllmConfig) -> Drafting | None:
     tokens = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
     if not tokens:
         return None
+    assert spec is not None
     return Drafting(
         method=str(spec.method),
         num_tokens=tokens,

@@ -40,7 +40,7 @@ def register() -> None:
         '(kv_connector "HybridMultiConnector" needs no patch)',
     ) or is_patched(current):
         return
-    original = current.__func__
+    original = current.__func__  # type: ignore[attr-defined]  # a bound classmethod
 
     @functools.wraps(original)
     def supports_hma_config(cls: Any, kv_transfer_config: Any) -> bool:
@@ -49,4 +49,4 @@ def register() -> None:
             return supports_hma(cls.get_connector_class(kv_transfer_config))
         return original(cls, kv_transfer_config)
 
-    KVConnectorFactory.supports_hma_config = classmethod(mark(supports_hma_config))  # type: ignore[method-assign]
+    KVConnectorFactory.supports_hma_config = classmethod(mark(supports_hma_config))  # type: ignore[assignment]
