@@ -111,7 +111,9 @@ PENDING = ChildMatch(None, None)
 class NativeLoads(Protocol):
     """What :func:`choose_source` needs from the native side (OffloadScheduler)."""
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]: ...
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]: ...
 
     def load_score(self, req_id: str) -> float: ...
 
@@ -157,7 +159,7 @@ def _child_class(index: int, child: ChildConnectorConfig, defaults: dict[str, An
         cls = KVConnectorFactory.get_connector_class(transfer)
     except (ValueError, TypeError, AttributeError, ImportError) as exc:
         raise ConfigError(f"{ROOT}.connectors[{index}] ({child.name!r}): {exc}") from exc
-    return cast(type[KVConnectorBase_V1], cls), transfer
+    return cls, transfer
 
 
 def _child_class_and_config(
@@ -337,7 +339,7 @@ class ForeignConnectors:
             delay, child_params = finish(child)
             async_saves += bool(delay)
             if child_params:
-                clash = set(params or {}) & set(child_params)
+                clash: set[str] = set(params or {}) & set(child_params)
                 if clash:
                     raise RuntimeError(f"child connector {cfg.name!r}: kv_transfer_params clash {clash}")
                 params = {**(params or {}), **child_params}

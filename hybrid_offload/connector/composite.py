@@ -101,11 +101,11 @@ class HybridMultiConnector(KVConnectorBase_V1, SupportsHMA):
         layouts = {HybridOffloadConnector.get_required_kvcache_layout(vllm_config)}
         for child, child_config in child_classes_and_configs(config.connectors, vllm_config):
             layouts.add(child.get_required_kvcache_layout(child_config))
-        layouts.discard(None)
-        if len(layouts) > 1:
-            raise ValueError(f"KV cache layout mismatch: the connectors require {sorted(layouts)}; "
-                             f"all connectors must use the same layout")  # type: ignore[type-var]  # fmt: skip
-        return next(iter(layouts), None)
+        named = {layout for layout in layouts if layout is not None}
+        if len(named) > 1:
+            raise ValueError(f"KV cache layout mismatch: the connectors require {sorted(named)}; "
+                             f"all connectors must use the same layout")  # fmt: skip
+        return next(iter(named), None)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -295,7 +295,9 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         are known (or if they do not fit together) requests skip the cache."""
         if self.scheduler is None or self.planner.whole_model:
             return
-        stages = {m.pp_rank: m.groups for m in metadata.values() if isinstance(m, StageLayers)}
+        stages: dict[int, Sequence[Sequence[str]]] = {
+            m.pp_rank: m.groups for m in metadata.values() if isinstance(m, StageLayers)
+        }
         try:
             model = whole_model_layers(self.planner.spec, stages)
             self.planner.set_model_layers(model, [stages[r] for r in sorted(stages)])

@@ -9,11 +9,19 @@ processes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from hybrid_offload.backends.retention import Retention
 from hybrid_offload.compat import connector_metadata_bases
 
-KVConnectorHandshakeMetadata, KVConnectorMetadata, KVConnectorWorkerMetadata = connector_metadata_bases()
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorHandshakeMetadata,
+        KVConnectorMetadata,
+        KVConnectorWorkerMetadata,
+    )
+else:  # vLLM's classes, or stand-ins where vLLM is not installed (the data path runs without it)
+    KVConnectorHandshakeMetadata, KVConnectorMetadata, KVConnectorWorkerMetadata = connector_metadata_bases()
 
 
 @dataclass(frozen=True)
@@ -175,7 +183,7 @@ class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
             (self.load_samples, other.load_samples),
         ):
             for backend, items in theirs.items():
-                mine.setdefault(backend, []).extend(items)  # type: ignore[arg-type]
+                mine.setdefault(backend, []).extend(items)  # type: ignore[arg-type]  # per pair alike
         return self
 
     def is_empty(self) -> bool:

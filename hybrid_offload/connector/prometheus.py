@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from prometheus_client import REGISTRY
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -41,6 +41,7 @@ from hybrid_offload.core.metrics import (
 )
 
 if TYPE_CHECKING:
+    from prometheus_client import Counter, Gauge, Histogram
     from vllm.config import VllmConfig
 
 logger = logging.getLogger(__name__)
@@ -157,6 +158,7 @@ def _backend_names(vllm_config: VllmConfig) -> list[str]:
     """Backend names of the connector's config ([] if it cannot be read: metrics still work,
     series then appear with their first event)."""
     try:
+        assert vllm_config.kv_transfer_config is not None
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         return [_label(b.name) for b in parse_offload_config(extra).backends]
     except Exception as exc:
@@ -189,37 +191,41 @@ class HybridOffloadPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         _unregister_previous()
         names = list(labelnames)
+        # vLLM types its three metric classes alike (any of them); they are these (or Ray's)
+        counter_cls = cast("type[Counter]", self._counter_cls)
+        gauge_cls = cast("type[Gauge]", self._gauge_cls)
+        histogram_cls = cast("type[Histogram]", self._histogram_cls)
         self._backend_counters = {
-            key: self._counter_cls(name=PREFIX + metric, documentation=doc, labelnames=[*names, "backend"])
+            key: counter_cls(name=PREFIX + metric, documentation=doc, labelnames=[*names, "backend"])
             for key, (metric, doc) in BACKEND_COUNTERS.items()
         }
         self._connector_counters = {
-            key: self._counter_cls(name=PREFIX + metric, documentation=doc, labelnames=names)
+            key: counter_cls(name=PREFIX + metric, documentation=doc, labelnames=names)
             for key, (metric, doc) in CONNECTOR_COUNTERS.items()
         }
-        self._errors = self._counter_cls(
+        self._errors = counter_cls(
             name=PREFIX + "errors",
             documentation="Backend errors by kind: " + ", ".join(ERROR_KINDS) + ".",
             labelnames=[*names, "backend", "kind"],
         )
-        self._lost = self._counter_cls(
+        self._lost = counter_cls(
             name=PREFIX + "lost_tokens",
             documentation="Reusable tokens not served, by reason: " + ", ".join(LOSS_REASONS) + ".",
             labelnames=[*names, "reason"],
         )
-        self._phases = self._counter_cls(
+        self._phases = counter_cls(
             name=PREFIX + "load_phase_seconds",
             documentation="Seconds of written loads by phase: " + ", ".join(LOAD_PHASES)
             + " (total: the load job reaching the worker until written).",
             labelnames=[*names, "phase"],
         )
-        self._group_hits = self._counter_cls(
+        self._group_hits = counter_cls(
             name=PREFIX + "group_hit_tokens",
             documentation="Prompt tokens one KV-cache group alone could load, per lookup.",
             labelnames=[*names, "backend", "group"],
         )
         self._gauges = {
-            key: self._gauge_cls(
+            key: gauge_cls(
                 name=PREFIX + metric,
                 documentation=doc,
                 multiprocess_mode="mostrecent",
@@ -228,7 +234,7 @@ class HybridOffloadPromMetrics(KVConnectorPromMetrics):
             for key, (metric, doc) in GAUGE_METRICS.items()
         }
         self._histograms = {
-            key: self._histogram_cls(
+            key: histogram_cls(
                 name=PREFIX + metric,
                 documentation=doc,
                 buckets=list(LATENCY_BUCKETS),

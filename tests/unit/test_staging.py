@@ -269,9 +269,9 @@ def test_device_sums_are_the_host_checksums_of_the_gathered_rows() -> None:
     assert rows is not None and rows.count == 3 * len(codec.written)
     sums = device_sums(rows, {0: codec}).tolist()
     for place, k, job, n in rows.rows():
-        hlen, plen = codec.header_lens[place.shard], codec.page_lens[place.shard]
+        hlen, plen = codec.header_lens[place.piece], codec.page_lens[place.piece]
         at = place.offset + k * place.width
         want = torch.zeros(plen - hlen, dtype=torch.uint8)
-        codec.gather(layout, job.page, place.shard, want)
+        codec.gather(layout, job.page, place.piece, want)
         assert torch.equal(rows.block[at + hlen : at + plen], want)
         assert sums[n] & ((1 << 64) - 1) == fold64(want.numpy().tobytes())

@@ -335,9 +335,9 @@ class OffloadScheduler:
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self.handle_preemption(req_id, meta)
             meta.preempted.append(req_id)
-        for state in self._requests.values():
-            if state.load_phase is LoadPhase.PENDING:
-                meta.loads.append(self._load_job(state))
+        for pending in self._requests.values():
+            if pending.load_phase is LoadPhase.PENDING:
+                meta.loads.append(self._load_job(pending))
         model = self.planner.model
         foreign = any(p.layout for j in meta.loads for p in j.pages)
         if self.planner.spec.pp_size > 1 and model is not None and foreign:

@@ -9,36 +9,40 @@ are dropped). Model-runner thread only; the worker budgets :attr:`HeldCopies.nby
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from hybrid_offload.core.planner import Piece
+
 #: (request, group, chunk index)
 HoldKey = tuple[str, int, int]
-#: this rank's shards of one page set: (shard, page buffer)
-Shards = list[tuple[int, bytearray]]
+#: this rank's pieces of one page set: (piece, page buffer, its header not yet sealed)
+Pieces = Sequence[tuple[Piece, bytearray | memoryview]]
 
 
 class HeldCopies:
     """The held copies of every live request, and their total size."""
 
     def __init__(self) -> None:
-        self._copies: dict[HoldKey, Shards] = {}
+        self._copies: dict[HoldKey, Pieces] = {}
         self.nbytes = 0
 
-    def hold(self, key: HoldKey, shards: Shards, *, newest_only: bool) -> None:
-        """Keep ``shards`` under ``key`` (replacing a copy there); with ``newest_only`` the
+    def hold(self, key: HoldKey, pieces: Pieces, *, newest_only: bool) -> None:
+        """Keep ``pieces`` under ``key`` (replacing a copy there); with ``newest_only`` the
         request's other copies of the same group are dropped."""
         req_id, group, _ = key
         if newest_only:
             for other in [k for k in self._copies if k[0] == req_id and k[1] == group]:
                 self.take(other)
         self.take(key)
-        self._copies[key] = shards
-        self.nbytes += sum(len(buf) for _, buf in shards)
+        self._copies[key] = pieces
+        self.nbytes += sum(len(buf) for _, buf in pieces)
 
-    def take(self, key: HoldKey) -> Shards | None:
+    def take(self, key: HoldKey) -> Pieces | None:
         """Remove and return the copy under ``key`` (None if none is held)."""
-        shards = self._copies.pop(key, None)
-        if shards is not None:
-            self.nbytes -= sum(len(buf) for _, buf in shards)
-        return shards
+        pieces = self._copies.pop(key, None)
+        if pieces is not None:
+            self.nbytes -= sum(len(buf) for _, buf in pieces)
+        return pieces
 
     def release(self, req_id: str) -> None:
         """Drop every copy of ``req_id``."""

@@ -130,7 +130,7 @@ def _payload_sums(found: Sequence[tuple[torch.Tensor, np.ndarray, int, int]], hl
         else:
             for i in members:
                 f = found[i]
-                out[i] = fold64(memoryview(f[1][f[2] + hlen : f[2] + f[3]]))
+                out[i] = fold64(f[1][f[2] + hlen : f[2] + f[3]].data)
     return out
 
 
@@ -231,7 +231,7 @@ class LoadPipeline:
             if promotion is None or self.ctx.backends[page.source].in_place:
                 continue
             targets = tuple(t for t in promotion.backends if t != page.source)
-            view = memoryview(page.base.numpy()[page.offset : page.offset + page.read.page_len])
+            view = page.base.numpy()[page.offset : page.offset + page.read.page_len].data
             out.append((page.read.key, view, targets, promotion.retention))
         return out
 
@@ -309,12 +309,12 @@ class LoadPipeline:
             if backend.in_place:
                 lease = backend.lease_batch(keys)
                 run.leases.append(lease)
-                tensor, array = self._arena(lease.memory) if lease.memory is not None else (None, None)
+                arena = self._arena(lease.memory) if lease.memory is not None else None
                 for view, offset in zip(lease.views, lease.offsets, strict=True):
-                    if view is None or offset is None or tensor is None:
+                    if view is None or offset is None or arena is None:
                         found.append(None if view is None else self._copied(view))
                     else:
-                        found.append((tensor, array, offset, view.nbytes))
+                        found.append((arena[0], arena[1], offset, view.nbytes))
             else:
                 bases = []
                 for i in indices:
@@ -323,7 +323,7 @@ class LoadPipeline:
                     else:
                         fresh = torch.empty(reads[i].page_len, dtype=torch.uint8)
                         bases.append((fresh, fresh.numpy(), 0))
-                bufs = [memoryview(a[o : o + reads[i].page_len])
+                bufs = [a[o : o + reads[i].page_len].data
                         for (_, a, o), i in zip(bases, indices, strict=True)]  # fmt: skip
                 sizes = backend.get_into(keys, bufs)
                 found = [None if n is None else (*b, n) for b, n in zip(bases, sizes, strict=True)]
@@ -386,7 +386,7 @@ class LoadPipeline:
                     nbytes += size
                     npages += 1
                     continue
-                page_bytes = memoryview(array[offset : offset + size])
+                page_bytes = array[offset : offset + size].data
                 try:
                     if not passed:
                         check_header(page_bytes, template, read.page.chunk_hash, read.page.chunk_index)

@@ -226,7 +226,7 @@ def _signed(value: int) -> int:
 def _slices(pages: Sequence[Verified], slot_bytes: int) -> list[tuple[int, Piece, PageCodec, list[Verified]]]:
     """A load's pages per (group, piece), ordered by runs (pages that skip tokens last), cut
     into slices of at most ``slot_bytes`` of rows (at least one page)."""
-    out = []
+    out: list[tuple[int, Piece, PageCodec, list[Verified]]] = []
     for (group, piece), items in _by_piece(pages).items():
         codec = items[0].read.codec
         placed = [v for skip in (False, True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import overload
 
 import torch
 
@@ -102,7 +103,7 @@ class PageCodec:
         if known is not None and known[0] is model:
             return known[1]
         mine = {name: i for i, name in enumerate(self.group.layer_names)}
-        pieces = []
+        pieces: list[Piece] = []
         for span in model.ranges(self.group.index, layout):
             names = model.names(self.group.index, span)
             held = tuple(mine[n] for n in names if n in mine)
@@ -128,8 +129,16 @@ class PageCodec:
         offset, size = self.offsets[piece], self.view_lens[piece]
         return payload if not offset and size == payload.numel() else payload[offset : offset + size]
 
+    @overload
+    def _layout(self, layout: AttentionGroupLayout, piece: Piece) -> AttentionGroupLayout: ...
+    @overload
+    def _layout(self, layout: MambaGroupLayout, piece: Piece) -> MambaGroupLayout: ...
+    @overload
+    def _layout(self, layout: Layout, piece: Piece) -> Layout: ...
+
     def _layout(self, layout: Layout, piece: Piece) -> Layout:
-        """``layout`` (the group's layers on this worker) narrowed to ``piece``'s part."""
+        """``layout`` (the group's layers on this worker) narrowed to ``piece``'s part (a
+        layout of the same kind)."""
         positions = self.held[piece]
         if positions == tuple(range(len(layout.layers))):
             return layout
@@ -151,7 +160,7 @@ class PageCodec:
             stride, maps = strides.pop(), []
             buffers = {raw.untyped_storage().data_ptr(): raw for raw in layout.layers}
             for ptr, first in buffers.items():
-                bases = [raw.storage_offset() if raw.untyped_storage().data_ptr() == ptr else None
+                bases = [int(raw.storage_offset()) if raw.untyped_storage().data_ptr() == ptr else None
                          for raw in layout.layers]  # fmt: skip
                 src, dst = byte_map(self.group, self.tensors[piece], runs, bases)
                 maps.append(StateMap(src, dst, flat_buffer(first), stride,
@@ -233,7 +242,7 @@ class PageCodec:
             smap.gather(payload, page.block_ids[0])
 
     def scatter_pages(self, layout: AttentionGroupLayout | MambaGroupLayout,
-                      pages: list[tuple[PageJob, int, torch.Tensor]]) -> None:
+                      pages: list[tuple[PageJob, Piece, torch.Tensor]]) -> None:
         """:meth:`scatter` of many (page, piece, payload) of this group. Attention pages in a
         layout that moves whole tokens go in one copy per layer, K/V and head run for all of
         them (their tokens' indices and payloads concatenated); others one by one."""
@@ -383,7 +392,7 @@ class PageCodec:
         if len(runs) > 1 and sub.views is None and sub.writes is not None:
             per_run = [self._row_layers(layout, piece, rows, pages, True) for rows, pages in runs]
             assert all(p is not None for p in per_run)
-            per_layer = [torch.cat(layer, dim=1) for layer in zip(*per_run, strict=True)]  # type: ignore[misc]
+            per_layer = [torch.cat(layer, dim=1) for layer in zip(*per_run, strict=True)]
             self._scatter_layers(sub, piece, per_layer, sub.on_device(at))
             return
         first = 0

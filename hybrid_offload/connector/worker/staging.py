@@ -1,17 +1,17 @@
-"""Where a load's shards land before they are written into vLLM's KV cache, and where a step's
+"""Where a load's pieces land before they are written into vLLM's KV cache, and where a step's
 stores are copied out of it.
 
-Worker side. A "shard" here is one page of a page set: a piece (layer part x TP shard) in
-:class:`~.page_codec.PageCodec`'s numbering. The pages a load reads from a backend that does not
+Worker side. A piece (layer part x TP shard, :class:`~hybrid_offload.core.planner.Piece`) is
+one page of a page set. The pages a load reads from a backend that does not
 lend them in place land in rows of one block (:func:`stage_reads`), allocated once (not zeroed),
-the rows of one (group, shard) side by side, so :mod:`.load_writes` writes them as runs.
+the rows of one (group, piece) side by side, so :mod:`.load_writes` writes them as runs.
 
-A shard read again from a fallback backend lands in a fresh buffer, never in its row: a
+A piece read again from a fallback backend lands in a fresh buffer, never in its row: a
 backend that failed may still be writing into the buffers it was given. For the same reason a
 load's staging memory goes back to its :class:`~.memory_pool.MemoryPool` only if no read into it
 failed.
 
-Stores mirror loads (:func:`gather_rows`): a step's pages of each (group, shard) are copied out
+Stores mirror loads (:func:`gather_rows`): a step's pages of each (group, piece) are copied out
 into the rows of one block, attention pages with one copy per layer and K/V, and each row is the
 page buffer the backends are given.
 """
@@ -60,27 +60,27 @@ def stage_reads(reads: Sequence[ShardRead], pool: MemoryPool) -> tuple[list[int]
 
 
 def _places(jobs: Sequence[StoreJob], codecs: Mapping[int, PageCodec]) -> tuple[list[Place], int]:
-    """Where each (group, shard)'s rows of ``jobs`` go in one block, and its size."""
+    """Where each (group, piece)'s rows of ``jobs`` go in one block, and its size."""
     by_group: dict[int, list[int]] = {}
     for i, job in enumerate(jobs):
         by_group.setdefault(job.page.group, []).append(i)
     places, total = [], 0
     for group, idxs in by_group.items():
-        for shard in codecs[group].written:
-            width = row_width(codecs[group].page_lens[shard])
-            places.append(Place(group, idxs, shard, width, total))
+        for piece in codecs[group].written:
+            width = row_width(codecs[group].page_lens[piece])
+            places.append(Place(group, idxs, piece, width, total))
             total += len(idxs) * width
     return places, total
 
 
 @dataclass(frozen=True)
 class Place:
-    """The rows of one (group, shard) of a step's stores in a block: the jobs (indices), at
+    """The rows of one (group, piece) of a step's stores in a block: the jobs (indices), at
     ``offset``, ``width`` apart."""
 
     group: int
     jobs: list[int]
-    shard: Piece
+    piece: Piece
     width: int
     offset: int
 
@@ -91,20 +91,20 @@ def _gather(block: torch.Tensor, places: Sequence[Place], jobs: Sequence[StoreJo
     (on its device: the current stream); headers are left to sealing."""
     for place in places:
         codec, layout, pages = codecs[place.group], layouts[place.group], [jobs[i].page for i in place.jobs]
-        plen, hlen, n = codec.page_lens[place.shard], codec.header_lens[place.shard], len(place.jobs)
+        plen, hlen, n = codec.page_lens[place.piece], codec.header_lens[place.piece], len(place.jobs)
         rows = block[place.offset : place.offset + n * place.width].view(n, place.width)[:, :plen]
-        if not codec.gather_rows(layout, place.shard, rows, pages):
+        if not codec.gather_rows(layout, place.piece, rows, pages):
             for row, page in zip(rows, pages, strict=True):
-                codec.gather(layout, page, place.shard, row[hlen:])
+                codec.gather(layout, page, place.piece, row[hlen:])
 
 
 def gather_rows(
     jobs: Sequence[StoreJob], codecs: Mapping[int, PageCodec], layouts: Mapping[int, Layout],
     pool: MemoryPool | None, transfers: DeviceTransfers | None = None,
-) -> tuple[list[tuple[StoreJob, int, memoryview]], list[torch.Tensor]]:  # fmt: skip
-    """Copy the shards this rank writes of ``jobs``' pages out of vLLM's KV cache (model-runner
-    thread), per (group, shard) into rows of one host block from ``pool`` (None: a new block).
-    Returns (job, shard, page buffer: a row, header not yet sealed) in job order and shard
+) -> tuple[list[tuple[StoreJob, Piece, memoryview]], list[torch.Tensor]]:  # fmt: skip
+    """Copy the pieces this rank writes of ``jobs``' pages out of vLLM's KV cache (model-runner
+    thread), per (group, piece) into rows of one host block from ``pool`` (None: a new block).
+    Returns (job, piece, page buffer: a row, header not yet sealed) in job order and piece
     order, and the blocks: give them back once no backend reads the buffers.
 
     On a device with its own memory the rows are gathered into a device block and copied to the
@@ -118,15 +118,15 @@ def gather_rows(
     gathered = transfers.gather_block(host, total)
     _gather(gathered, places, jobs, codecs, layouts)
     transfers.store_copy(gathered[:total], host)
-    whole = memoryview(host.numpy()).cast("B")  # rows are slices of it (one view, not one per row)
+    whole = host.numpy().data.cast("B")  # rows are slices of it (one view, not one per row)
     buffers: dict[tuple[int, Piece], memoryview] = {}
     for place in places:
-        plen = codecs[place.group].page_lens[place.shard]
+        plen = codecs[place.group].page_lens[place.piece]
         for k, i in enumerate(place.jobs):
             at = place.offset + k * place.width
-            buffers[(i, place.shard)] = whole[at : at + plen]
-    entries = [(job, shard, buffers[(i, shard)]) for i, job in enumerate(jobs)
-               for shard in codecs[job.page.group].written]  # fmt: skip
+            buffers[(i, place.piece)] = whole[at : at + plen]
+    entries = [(job, piece, buffers[(i, piece)]) for i, job in enumerate(jobs)
+               for piece in codecs[job.page.group].written]  # fmt: skip
     return entries, [host]
 
 
@@ -193,7 +193,7 @@ def device_sums(rows: GatheredRows, codecs: Mapping[int, PageCodec]) -> torch.Te
     sums = []
     for place in rows.places:
         codec = codecs[place.group]
-        plen, hlen, n = codec.page_lens[place.shard], codec.header_lens[place.shard], len(place.jobs)
+        plen, hlen, n = codec.page_lens[place.piece], codec.header_lens[place.piece], len(place.jobs)
         block = rows.block[place.offset : place.offset + n * place.width].view(n, place.width)
         sums.append(fold64_rows(block[:, hlen:plen]))
     return torch.cat(sums)

@@ -99,7 +99,8 @@ class StateMap:
                  payload_len: int) -> None:  # fmt: skip
         """``src``/``dst``: byte maps (:func:`byte_map`); ``buffer``: the whole KV buffer as
         flat bytes; ``block_stride``: bytes between one block and the next."""
-        self.buffer, self._maps = buffer, {}
+        self.buffer = buffer
+        self._maps: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._bytes = (src, dst)
         self.block_stride, self.payload_len = block_stride, payload_len
         limit = math.gcd(block_stride, buffer.numel(), 8)

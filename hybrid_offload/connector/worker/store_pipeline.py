@@ -39,13 +39,14 @@ from hybrid_offload.connector.worker.staging import (
 )
 from hybrid_offload.core.checksum import fold64
 from hybrid_offload.core.page_format import seal_headers, seal_page
+from hybrid_offload.core.planner import Piece
 
 logger = logging.getLogger(__name__)
 
 _STOP = object()
 
-#: one shard's sealed-to-be page buffer, queued for the store thread
-QueuedShard = tuple[StoreJob, int, bytearray | memoryview]
+#: one piece's sealed-to-be page buffer, queued for the store thread
+QueuedPiece = tuple[StoreJob, Piece, bytearray | memoryview]
 
 
 @dataclass
@@ -90,7 +91,7 @@ class StorePipeline:
         self._store_queue.put(job)
 
     def copy_out(self, stores: list[StoreJob]) -> None:
-        """Copy this step's pages (this rank's shards of them) out of the KV cache: stores are
+        """Copy this step's pages (this rank's pieces of them) out of the KV cache: stores are
         queued for the store thread, holds kept until committed (timed: ``copy_out_seconds``)."""
         stores = [job for job in stores if self.ctx.codecs[job.page.group].written]  # others: not ours
         if not stores or not self.ctx.layouts:
@@ -108,9 +109,9 @@ class StorePipeline:
                 page = job.page
                 entries, _ = gather_rows([job], self.ctx.codecs, self.ctx.layouts, self._hold_rows,
                                          self.ctx.transfers)  # fmt: skip
-                shards = [(shard, buf) for _, shard, buf in entries]
+                pieces = [(piece, buf) for _, piece, buf in entries]
                 newest_only = not codec.group.is_attention  # the newest state replaces older ones
-                self._held.hold((job.req_id, page.group, page.chunk_index), shards, newest_only=newest_only)
+                self._held.hold((job.req_id, page.group, page.chunk_index), pieces, newest_only=newest_only)
             else:
                 queued.append(job)
                 nbytes += size
@@ -153,21 +154,21 @@ class StorePipeline:
     def commit(self, commits: list[CommitJob]) -> None:
         """Queue held pages under the keys the scheduler knows now (a page no longer held,
         e.g. dropped for the budget, is settled as it is)."""
-        batch: list[QueuedShard] = []
+        batch: list[QueuedPiece] = []
         nbytes = 0
         for commit in commits:
             if not self.ctx.codecs[commit.page.group].written:
                 continue  # a group this worker writes no piece of (another stage's layers)
-            shards = self._held.take((commit.req_id, commit.page.group, commit.page.chunk_index))
-            if shards is None:
+            pieces = self._held.take((commit.req_id, commit.page.group, commit.page.chunk_index))
+            if pieces is None:
                 self.ctx.outbox.settle([commit.page.key])
                 continue
             job = StoreJob(commit.page, commit.backends, commit.req_id, retention=commit.retention)
-            batch.extend((job, shard, buf) for shard, buf in shards)
-            nbytes += sum(len(buf) for _, buf in shards)
+            batch.extend((job, piece, buf) for piece, buf in pieces)
+            nbytes += sum(len(buf) for _, buf in pieces)
         self._queue(batch, nbytes)
 
-    def _queue(self, batch: list[QueuedShard], nbytes: int, blocks: Sequence[torch.Tensor] = ()) -> None:
+    def _queue(self, batch: list[QueuedPiece], nbytes: int, blocks: Sequence[torch.Tensor] = ()) -> None:
         """Queue ``batch``; ``blocks`` (its buffers' memory) go back to the pool once stored. The
         store thread starts on it once every copy out of the device enqueued so far is done."""
         if batch:
@@ -234,19 +235,19 @@ class StorePipeline:
                 self.ctx.spec.fingerprint,
             )
 
-    def _store_batch(self, batch: list[QueuedShard]) -> bool:
+    def _store_batch(self, batch: list[QueuedPiece]) -> bool:
         """Seal and put ``batch``; whether its buffers may be reused (False: a backend could not
         stop a transfer reading them, :class:`BuffersInUseError`: they are retired)."""
         reusable = True
-        per_backend: dict[str, list[tuple[str, bytearray]]] = {}
+        per_backend: dict[str, list[tuple[str, Buffer]]] = {}
         if batch:
             self._check_namespace(batch[0][0].page.key)
         # Deepest page first: a backend's LRU then keeps a prefix more recent than the pages
         # that need it (a state needs every chunk before it), and evicts from the deep end.
         keyed = []
-        for job, shard, buf in reversed(batch):
-            seal_page(buf, self.ctx.codecs[job.page.group].header(job.page, shard), self.ctx.page_key)
-            key = self.ctx.planner.piece_key(job.page.key, job.page.group, shard)
+        for job, piece, buf in reversed(batch):
+            seal_page(buf, self.ctx.codecs[job.page.group].header(job.page, piece), self.ctx.page_key)
+            key = self.ctx.planner.piece_key(job.page.key, job.page.group, piece)
             keyed.append((key, job))
             for name in job.backends:
                 per_backend.setdefault(name, []).append((key, buf))
@@ -275,16 +276,16 @@ class StorePipeline:
     def _store_rows(self, rows: GatheredRows) -> None:
         """Store thread: a step's gathered rows to their tiers. Each page's first tier that
         keeps pages in place (the cpu arena) reserves its extents (side by side per (group,
-        shard), so that the rows go in one copy per run: from the GPU straight into the arena,
+        piece), so that the rows go in one copy per run: from the GPU straight into the arena,
         on the host with numpy); other pages stay in the gathered block (host) or go to pooled
         pinned rows (GPU). Sealed with the checksums computed on the device (GPU) or here
-        without the GIL (CPU), a few numpy calls per (group, shard); the reservations are
+        without the GIL (CPU), a few numpy calls per (group, piece); the reservations are
         committed and the other tiers put to, deepest page first."""
         entries = list(rows.rows())
         codecs, backends = self.ctx.codecs, self.ctx.backends
-        keys = [self.ctx.planner.piece_key(job.page.key, job.page.group, place.shard)
+        keys = [self.ctx.planner.piece_key(job.page.key, job.page.group, place.piece)
                 for place, _, job, _ in entries]  # fmt: skip
-        plens = [codecs[place.group].page_lens[place.shard] for place, _, _, _ in entries]
+        plens = [codecs[place.group].page_lens[place.piece] for place, _, _, _ in entries]
         self._check_namespace(entries[0][2].page.key)
         jobs = [job for _, _, job, _ in entries]
         self._describe([(key, job.backends, job.retention) for key, job in zip(keys, jobs, strict=True)])
@@ -324,7 +325,7 @@ class StorePipeline:
         else:
             copy_rows(rows, entries, placed, plens)
             stated = []
-        views = [memoryview(base.numpy()[off : off + n])
+        views = [base.numpy()[off : off + n].data
                  for (base, off), n in zip(placed, plens, strict=True)]  # fmt: skip
         self._seal(entries, views, stated)
         stored: dict[str, list[int]] = {}
@@ -371,28 +372,28 @@ class StorePipeline:
 
     def _deepest_first(self, entries: list) -> list[int]:
         """The order pages go to a tier: the step's jobs last to first (deepest first, a chunk's
-        state before its attention), each job's shards last to first."""
+        state before its attention), each job's pieces last to first."""
         def at(i: int) -> tuple[int, int]:
             place, k = entries[i][0], entries[i][1]
-            return -place.jobs[k], -self.ctx.codecs[place.group].written.index(place.shard)
+            return -place.jobs[k], -self.ctx.codecs[place.group].written.index(place.piece)
 
         return sorted(range(len(entries)), key=at)
 
     def _seal(self, entries: list, views: list[memoryview], stated: list[int]) -> None:
         """Write the headers of ``entries``' pages (their payloads in ``views``), per (group,
-        shard) at once; ``stated``: the payload checksums from the device (else computed)."""
+        piece) at once; ``stated``: the payload checksums from the device (else computed)."""
         by_place: dict[int, list[int]] = {}
         for i, (place, _, _, _) in enumerate(entries):
             by_place.setdefault(id(place), []).append(i)
         for idx in by_place.values():
             place = entries[idx[0]][0]
             codec = self.ctx.codecs[place.group]
-            hlen = codec.header_lens[place.shard]
+            hlen = codec.header_lens[place.piece]
             payloads = [views[i][hlen:] for i in idx]
             sums = [stated[entries[i][3]] for i in idx] if stated else [fold64(p) for p in payloads]
             pages = [entries[i][2].page for i in idx]
             hashes, indices = [p.chunk_hash for p in pages], [p.chunk_index for p in pages]
-            template = codec.template(place.shard)
+            template = codec.template(place.piece)
             heads = seal_headers(template, hashes, indices, sums, payloads, self.ctx.page_key)
             for i, head in zip(idx, heads, strict=True):
                 views[i][:hlen] = head.data
@@ -430,11 +431,11 @@ class StorePipeline:
         return known
 
     def _touch(self, job: TouchJob) -> None:
-        """Store thread: refresh this rank's shards of ``job.pages`` in order."""
+        """Store thread: refresh this rank's pieces of ``job.pages`` in order."""
         keys = [
-            self.ctx.planner.piece_key(key, group, shard)
+            self.ctx.planner.piece_key(key, group, piece)
             for key, group in job.pages
-            for shard in self.ctx.codecs[group].written
+            for piece in self.ctx.codecs[group].written
         ]
         for name in job.backends:
             backend = self.ctx.backends.get(name)
@@ -448,7 +449,12 @@ class StorePipeline:
     def flush(self, timeout: float | None = None) -> None:
         """Wait until queued stores are written (used at shutdown and by tests)."""
         done = threading.Event()
-        threading.Thread(target=lambda: (self._store_queue.join(), done.set()), daemon=True).start()
+
+        def drained() -> None:
+            self._store_queue.join()
+            done.set()
+
+        threading.Thread(target=drained, daemon=True).start()
         done.wait(timeout)
 
     @property
