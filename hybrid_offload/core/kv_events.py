@@ -16,15 +16,27 @@ tier gained and one ``BlockRemoved`` per page set it saw a tier lose, in vLLM's 
   positions; a state at a chunk boundary that is no multiple of ``S`` is not published (a router
   could not name it), so a router may see up to ``S - chunk_tokens`` tokens less than an engine
   restores.
-* ``medium`` is the tier's name; ``locality`` is :data:`LOCAL` for a tier only this engine reads
-  (the cpu pool), :data:`REMOTE` for one other engines may read too (a router pools those);
-  ``ownership`` is :data:`OWNERSHIP`.
+* ``medium`` is the tier's name for a tier only this engine reads (``locality`` :data:`LOCAL`:
+  the cpu pool), and ``<name>@<store id>`` for one other engines may read too (:data:`REMOTE`:
+  a router pools those by medium): :func:`medium_name`, so that two stores given one name are
+  two media and one store seen by several engines (under one name) is one; ``ownership`` is
+  :data:`OWNERSHIP`.
+* ``extra_keys`` are vLLM's for the block's tokens (``generate_block_hash_extra_keys``,
+  published as its own events do): the LoRA name of every block of a LoRA request, the
+  ``cache_salt`` of a salted request's first block; None for a block without.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
+import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
 
 #: ``ownership`` of every event we publish
 OWNERSHIP = "hybrid-offload"
@@ -32,6 +44,74 @@ OWNERSHIP = "hybrid-offload"
 LOCAL = "LOCAL"
 #: ``locality`` of a tier other engines may read too (disk, Redis, a cache peer, LMCache)
 REMOTE = "REMOTE"
+
+#: option keys (substrings) never part of a store's identity: credentials and where they are read
+_SECRET_KEYS = ("password", "passwd", "pwd", "token", "secret", "credential", "auth")
+_LOOPBACK = ("localhost", "::1", "0.0.0.0", "::")
+
+
+def _local(host: str) -> bool:
+    return host.lower().strip("[]") in _LOOPBACK or host.startswith("127.")
+
+
+def _endpoint(address: str, this_host: str) -> str:
+    """``host:port`` (or a URL) as a location: a loopback host names this host's."""
+    host = urlsplit(address).hostname if "://" in address else address.rpartition(":")[0] or address
+    return f"{address}@{this_host}" if host is not None and _local(host) else address
+
+
+def _url(url: str, this_host: str, port: int | None = None, path: str = "") -> str:
+    """A store URL as a location: scheme, user, host, port (``port`` when it names none), path
+    (``path`` when empty) and query, never a password nor a query key that may name one; a
+    loopback host names this host."""
+    parts = urlsplit(url)
+    try:
+        where_port: int | str | None = parts.port or port
+    except ValueError:  # no number: kept as written
+        where_port = parts.netloc.rpartition(":")[2]
+    query = sorted((k, v) for k, v in parse_qsl(parts.query) if not any(s in k.lower() for s in _SECRET_KEYS))
+    host = (parts.hostname or "").lower()
+    where = f"{parts.scheme}://{parts.username or ''}@{host}:{where_port}/{parts.path.strip('/') or path}"
+    where += f"?{query}"
+    return f"{where}@{this_host}" if _local(host) else where
+
+
+def store_location(backend_type: str, options: Mapping[str, Any], this_host: str) -> dict[str, Any]:
+    """What tells one store of a tier from another (no credentials): a ``disk``'s real path and
+    this host; a ``redis`` / ``redis-cluster``'s URL (without password), startup nodes and key
+    prefix; a ``nixl_peer``'s sorted peer addresses; any other type's options but those naming
+    credentials. A loopback address (and a disk path) is qualified by ``this_host``."""
+    if backend_type == "disk":
+        return {"type": "disk", "host": this_host, "path": os.path.realpath(str(options.get("path")))}
+    if backend_type in ("redis", "redis-cluster"):
+        url = options.get("url")
+        nodes = sorted(_endpoint(str(n), this_host) for n in options.get("startup_nodes") or ())
+        return {
+            "type": backend_type,
+            "url": None if url is None else _url(str(url), this_host, 6379, "0"),
+            "nodes": nodes,
+            "prefix": options.get("prefix"),
+        }
+    if backend_type == "nixl_peer":
+        peers = sorted(_endpoint(str(p), this_host) for p in options.get("peers") or ())
+        return {"type": backend_type, "peers": peers}
+    kept = {
+        k: _url(v, this_host) if isinstance(v, str) and "://" in v else v
+        for k, v in options.items()
+        if not any(s in k.lower() for s in _SECRET_KEYS)
+    }
+    return {"type": backend_type, "options": kept}
+
+
+def medium_name(
+    name: str, backend_type: str, options: Mapping[str, Any], this_host: str | None = None
+) -> str:
+    """The ``medium`` of a tier other engines may read: ``<name>@<id>``, ``id`` the first 12 hex
+    digits of the SHA-256 of :func:`store_location` (``this_host``: default this host's name)."""
+    location = store_location(backend_type, options, this_host or socket.gethostname())
+    digest = hashlib.sha256(json.dumps(location, sort_keys=True, default=str).encode()).hexdigest()
+    return f"{name}@{digest[:12]}"
+
 
 def external_hash(digest: bytes, as_int: bool = True) -> int | bytes:
     """A block hash as events carry it (vLLM's ``maybe_convert_block_hash``): the low 64 bits of

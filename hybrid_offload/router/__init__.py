@@ -8,9 +8,17 @@ streams. docs/operations.md, "KV events"; the contract: ``hybrid_offload/core/kv
 * :mod:`.subscriber`: :class:`EventSubscriber`, one engine's stream (sequence, replay) into an index.
 """
 
-from hybrid_offload.router.events import Batch, Cleared, MalformedBatchError, Removed, Stored, decode_batch
+from hybrid_offload.router.events import (
+    Batch,
+    Cleared,
+    MalformedBatchError,
+    Removed,
+    Stored,
+    TokenIds,
+    decode_batch,
+)
 from hybrid_offload.router.hashing import HashAlgoError, block_hashes, external
-from hybrid_offload.router.index import CacheIndex
+from hybrid_offload.router.index import CacheIndex, IndexStats
 from hybrid_offload.router.subscriber import EventSubscriber, SubscriberStats
 
 __all__ = [
@@ -19,10 +27,12 @@ __all__ = [
     "Cleared",
     "EventSubscriber",
     "HashAlgoError",
+    "IndexStats",
     "MalformedBatchError",
     "Removed",
     "Stored",
     "SubscriberStats",
+    "TokenIds",
     "block_hashes",
     "decode_batch",
     "external",

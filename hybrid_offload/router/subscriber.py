@@ -33,11 +33,12 @@ model in docs/operations.md: publish on ``ipc://`` in a directory only the engin
 enter). So nothing a message holds stops the subscriber: where it binds (others connect to
 publish), messages over :data:`MAX_MESSAGE_BYTES` are refused by ZMQ (``MAXMSGSIZE``: that
 sender's connection is dropped; where it connects to the engine, the engine is the only
-sender, and ZMQ would not connect again after such a drop);
-a payload that does not decode (nested too deep, wrong types) is counted ``malformed``; a gap
-of more than :data:`MAX_GAP` batches is not asked of the replay socket, it is a resync; any
-other error while applying a batch is counted in ``errors`` and resyncs the engine (its
-entries may hold half the batch), and polling goes on.
+sender, and ZMQ would not connect again after such a drop); a payload that does not decode
+(nested too deep, wrong types, over a decoding limit of :mod:`.events`) is counted
+``malformed``; a gap of more than :data:`MAX_GAP` batches is not asked of the replay socket, it
+is a resync; any other error while applying a batch is counted in ``errors`` and resyncs the
+engine (its entries may hold half the batch), and polling goes on. What the index keeps of a
+stream is bounded there (:mod:`.index`: media, groups, entries; the hash block size re-learnt).
 
 One thread owns the sockets: call :meth:`poll` from yours, or :meth:`start` one (a daemon) and
 :meth:`stop` it. The index has its own lock (queries come from the router's thread).
@@ -54,14 +55,14 @@ from dataclasses import dataclass
 
 import zmq
 
-from hybrid_offload.router.events import Event, MalformedBatchError, decode_batch
+from hybrid_offload.router.events import MAX_PAYLOAD_BYTES, Event, MalformedBatchError, decode_batch
 from hybrid_offload.router.index import CacheIndex
 
 logger = logging.getLogger(__name__)
 
 END_SEQ = -1
 #: the largest message taken from an engine's sockets (a step's batch is far smaller)
-MAX_MESSAGE_BYTES = 64 << 20
+MAX_MESSAGE_BYTES = MAX_PAYLOAD_BYTES
 #: a gap of more batches than this is a resync without asking the replay socket (vLLM keeps
 #: ``buffer_steps``, 10,000 by default): a forged sequence number must not size a request
 MAX_GAP = 1 << 20
@@ -286,6 +287,7 @@ class EventSubscriber:
             return None
         if self._replay is None:
             self._replay = self._ctx.socket(zmq.DEALER)
+            self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # who binds first answers
             if self.replay_endpoint.startswith("tcp://["):
                 self._replay.setsockopt(zmq.IPV6, 1)
             self._replay.connect(self.replay_endpoint)

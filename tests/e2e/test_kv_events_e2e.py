@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 from engine_runs import release_pass, wait_for_pass
 
+from hybrid_offload.core.kv_events import medium_name
 from hybrid_offload.router import CacheIndex, EventSubscriber, Removed, Stored
 from hybrid_offload.testing.session import run_session_subprocess
 
@@ -89,9 +90,10 @@ def test_events_name_tiers_and_kinds_and_the_index_predicts_the_next_turn(model_
 
             stored = [e for e in seen if isinstance(e, Stored)]
             removed = [e for e in seen if isinstance(e, Removed)]
+            disk = medium_name("disk", "disk", {"path": str(tmp_path / "disk")})  # a shared tier: its store
             tiers = {(e.medium, e.kind, e.locality) for e in stored if e.medium != "GPU"}
             assert {("cpu", "full_attention", "LOCAL"), ("cpu", "mamba", "LOCAL"),
-                    ("disk", "full_attention", "REMOTE"), ("disk", "mamba", "REMOTE")} <= tiers
+                    (disk, "full_attention", "REMOTE"), (disk, "mamba", "REMOTE")} <= tiers
             assert any(e.medium == "cpu" for e in removed), "the 1 MiB cpu tier evicted nothing"
             assert all(not e.token_ids for e in stored if e.medium != "GPU")  # hashes only
             assert any(e.token_ids for e in stored if e.medium == "GPU")  # vLLM's own carry them

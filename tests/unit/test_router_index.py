@@ -157,11 +157,14 @@ def test_int_and_bytes_hashes_compare_alike(prompt) -> None:
 
 def test_the_hash_block_size_is_learned(prompt) -> None:
     index = CacheIndex()
-    index.apply("a", [stored(prompt, e, g, span=32) for e in (64, 96) for g in (ATTN, STATE)])
-    assert index.restorable("a", prompt) == {"cpu": 0}  # nothing to learn from yet: no first block
-    index.apply("a", [stored(prompt, 32, ATTN, span=32)])
+    index.apply("a", [stored(prompt, e, g, span=32) for e in (32, 64, 96) for g in (ATTN, STATE)])
+    assert index.hash_block_size is None  # our tiers' events teach nothing: vLLM's GPU ones do
+    assert index.restorable("a", prompt) == {"cpu": 0}
+    index.apply("a", [stored(prompt, 64, ATTN, "GPU", span=32, locality=None)])
+    assert index.hash_block_size is None  # nothing to learn from yet: no first block
+    index.apply("a", [stored(prompt, 32, ATTN, "GPU", span=32, locality=None)])
     assert index.hash_block_size == HBS  # not 32: the hash at 32 chains two blocks of 16
-    assert index.restorable("a", prompt) == {"cpu": 96}  # what came before counts now
+    assert index.restorable("a", prompt) == {"GPU": 0, "cpu": 96}  # what came before counts now
 
     from_gpu = CacheIndex()  # vLLM's GPU event: several blocks of 32, one hash each
     h = chain(prompt)
@@ -169,16 +172,17 @@ def test_the_hash_block_size_is_learned(prompt) -> None:
     from_gpu.apply("g", [Stored((h[1], h[3]), None, first_two, 32, "GPU", 0, None, None, None, None)])
     assert from_gpu.hash_block_size == HBS
     quirk = CacheIndex()  # vLLM's mamba align mode: ONE hash, at the end of two blocks' tokens
-    quirk.apply("g", [Stored((h[3],), None, first_two, 32, "GPU", 1, "mamba", None, None, None)])
+    quirk.apply("g", [Stored((h[3],), None, first_two, 32, None, 1, "mamba", None, None, None)])
     assert quirk.hash_block_size == HBS
 
     salted = CacheIndex()  # a first block hashed with extra keys (a LoRA) teaches nothing
-    salted.apply("a", [dataclasses.replace(stored(prompt, 16, ATTN), has_extra_keys=True)])
+    salted.apply("a", [dataclasses.replace(gpu(prompt, 1, ATTN), has_extra_keys=True)])
     assert salted.hash_block_size is None
 
     wrong = CacheIndex(seed="not the engine's")
-    wrong.apply("a", [stored(prompt, 32, ATTN, span=32)])
-    assert wrong.hash_block_size is None and wrong.restorable("a", prompt) == {"cpu": 0}
+    wrong.apply("a", [gpu(prompt, 2, ATTN)])
+    assert wrong.hash_block_size is None and wrong.restorable("a", prompt) == {"GPU": 0}
+    assert wrong.stats.learn_failures == 1
 
 
 def test_memory_is_bounded_per_medium(prompt) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import msgspec
 import pytest
 from scheduler_world import (
     ATTN,
@@ -20,15 +21,18 @@ from scheduler_world import (
     step,
     tier,
 )
-from vllm.distributed.kv_events import BlockRemoved, BlockStored
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+from vllm.lora.request import LoRARequest
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash
 
 from hybrid_offload.backends import BackendConfig
 from hybrid_offload.connector.metadata import OffloadWorkerMetadata
-from hybrid_offload.core.kv_events import KVEventsSpec
+from hybrid_offload.connector.scheduler.events import HIDDEN_SALT
+from hybrid_offload.core.kv_events import KVEventsSpec, medium_name
 from hybrid_offload.core.layer_parts import LayerGrid
 from hybrid_offload.core.spec import make_model_spec
+from hybrid_offload.router import decode_batch
 
 HASH_BLOCK = 4
 SPEC = KVEventsSpec(HASH_BLOCK)
@@ -155,8 +159,10 @@ def test_a_shared_tier_that_lost_a_published_set_is_seen_by_a_lookup(events_worl
     again = HashedRequest("r2", prompt(17))
     w.sched.get_num_new_matched_tokens(again, 0)
     removed = [e for e in w.sched.take_events() if isinstance(e, BlockRemoved)]
+    medium = medium_name("disk", "disk", disk.backend.options)  # a shared tier: named with its store
+    assert medium.startswith("disk@") and {e.medium for e in published} == {medium}
     assert [(e.group_idx, e.block_hashes, e.medium, e.locality) for e in removed] == [
-        (ATTN, [external(req, 16)], "disk", "REMOTE")
+        (ATTN, [external(req, 16)], medium, "REMOTE")
     ]
 
 
@@ -257,3 +263,58 @@ def test_events_without_token_ids_carry_hashes_only(worlds) -> None:
         return [(e.block_hashes, e.parent_block_hash, e.group_idx, e.medium, e.block_size) for e in events]
 
     assert named(with_tokens) == named(without)
+
+
+def test_salted_and_lora_requests_publish_vllms_extra_keys(worlds, tmp_path: Path) -> None:
+    """Issue 45 N7: vLLM hashes a request with a ``cache_salt`` or a LoRA adapter with extra
+    keys; our blocks carry them as vLLM's own events do (the salt on the first block, the LoRA
+    name on every one), so a router that hashes tokens itself never matches them to a plain
+    prompt. They were published without any. Without token ids the salt (a secret) is hidden."""
+    adapter = tmp_path / "sql"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16}')
+    header = b'{"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}'
+    weights = len(header).to_bytes(8, "little") + header + bytes(16)
+    (adapter / "adapter_model.safetensors").write_bytes(weights)
+    lora = LoRARequest("sql", 1, str(adapter))
+    cases = [
+        ({"cache_salt": "tenant-a"}, [[("tenant-a",)], [None]]),
+        ({"lora_request": lora, "cache_salt": "tenant-a"}, [[("sql", "tenant-a")], [("sql",)]]),
+        ({}, [[None], [None]]),  # one entry per block, as vLLM's own
+    ]
+    bare = dataclasses.replace(SPEC, token_ids=False)
+    hidden = ({"cache_salt": "tenant-a"}, [[(HIDDEN_SALT,)], [None]], bare)
+    for kw, want, *spec in [*cases, hidden]:
+        w = worlds(make_spec(8, 8), 8, [cpu_config()], events=spec[0] if spec else SPEC)
+        req = HashedRequest("r1", prompt(17), **kw)
+        for meta in prefill(w, req, ([10, 11, 12], [0, 21, 22])):
+            w.complete(meta)
+        events = w.sched.take_events()
+        attention = [e for e in events if e.group_idx == ATTN]
+        attention.sort(key=lambda e: e.parent_block_hash is not None)  # the first block first
+        assert [e.extra_keys for e in attention] == want, kw
+        # as a router reads them: keyed blocks are flagged (and never teach the hash block size)
+        payload = msgspec.msgpack.Encoder().encode(KVEventBatch(ts=1.0, events=attention))
+        assert [e.has_extra_keys for e in decode_batch(payload).events] == [k != [None] for k in want]
+
+
+def test_a_shared_tier_is_published_under_its_store(events_world, tmp_path: Path) -> None:
+    """Issue 45 N14: two stores given one name are two media; one store seen by two engines
+    (the same path on this host) is one. Only shared (REMOTE) tiers carry a store id."""
+    def media(path: Path) -> set[tuple[str, str]]:
+        disk = tier(BackendConfig("disk", "disk", 1 << 30, options={"path": str(path)}))
+        w = events_world([cpu_config(), disk])
+        req = HashedRequest("r1", prompt(17))
+        metas = prefill(w, req, ([10, 11, 12], [0, 21, 22]))
+        pages = [s.page for m in metas for s in m.stores if not s.hold]
+        pieces = [k for p in pages for k in w.planner.piece_keys(p.key, p.group)]
+        report = OffloadWorkerMetadata(stored={"cpu": pieces, "disk": pieces})
+        w.sched.update_connector_output(report, None, None)
+        return {(e.medium, e.locality) for e in w.sched.take_events()}
+
+    one, same, other = media(tmp_path / "a"), media(tmp_path / "a"), media(tmp_path / "b")
+    shared = {m for m, locality in one if locality == "REMOTE"}
+    assert one == same and len(shared) == 1 and next(iter(shared)).startswith("disk@")
+    assert ("cpu", "LOCAL") in one and {m for m, _ in other} - {m for m, _ in one} == {
+        medium_name("disk", "disk", {"path": str(tmp_path / "b")})
+    }

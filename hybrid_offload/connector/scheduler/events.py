@@ -14,25 +14,73 @@ Scheduler thread only. Two levels:
 
 vLLM takes the events with :meth:`~TierEvents.take` and publishes them next to its own. Only
 sets this engine stored are published, each time it stores them again after a loss. What is
-remembered is bounded (LRU): a set or block forgotten is not published as removed.
+remembered is bounded (LRU): a set or block forgotten is not published as removed. A tier other
+engines read is published as ``<name>@<store id>`` (:func:`published_medium`); a block carries
+vLLM's ``extra_keys`` for its tokens (a LoRA name, a ``cache_salt``), as vLLM's own events do
+(without token ids, the salt hidden: :func:`event_extra_keys`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
 
-from hybrid_offload.core.kv_events import LOCAL, MAX_PUBLISHED_SETS, OWNERSHIP, REMOTE, KVEventsSpec
+from hybrid_offload.core.kv_events import (
+    LOCAL,
+    MAX_PUBLISHED_SETS,
+    OWNERSHIP,
+    REMOTE,
+    KVEventsSpec,
+    medium_name,
+)
 from hybrid_offload.core.planner import HybridOffloadPlanner
 from hybrid_offload.core.spec import GroupKind
 
 if TYPE_CHECKING:
+    from hybrid_offload.backends import BackendConfig
     from hybrid_offload.connector.metadata import PageJob
     from hybrid_offload.connector.scheduler.request_state import RequestState
+
+
+def published_medium(backend: BackendConfig, shared: bool) -> str:
+    """The ``medium`` of a tier's events: its name, or for a tier other engines read too
+    (``shared``) ``<name>@<store id>`` (:func:`~hybrid_offload.core.kv_events.medium_name`)."""
+    return medium_name(backend.name, backend.type, backend.options) if shared else backend.name
+
+
+@dataclass(frozen=True)
+class _Keyed:
+    """What vLLM's ``generate_block_hash_extra_keys`` reads of a request we cache (requests
+    with multimodal inputs or prompt embeddings skip the cache: none here)."""
+
+    lora_request: Any
+    cache_salt: str | None
+    mm_features: tuple[()] = ()
+    prompt_embeds: None = None
+
+
+#: what stands for a request's ``cache_salt`` in events without token ids (the salt is a secret)
+HIDDEN_SALT = "<cache_salt>"
+
+
+def event_extra_keys(
+    request: Any, start: int, end: int, salt: bool = True
+) -> list[tuple[Any, ...] | None] | None:
+    """``extra_keys`` of the block of tokens ``[start, end)`` of ``request`` as vLLM's own
+    ``BlockStored`` carries them (``to_event_extra_keys``: one entry, None when it has none);
+    ``salt`` False: a ``cache_salt`` is published as :data:`HIDDEN_SALT` (events without token
+    ids: a reader cannot hash the prompt anyway, and the salt would let it confirm a guess)."""
+    cache_salt = getattr(request, "cache_salt", None)
+    if cache_salt and not salt:
+        cache_salt = HIDDEN_SALT
+    keyed = _Keyed(getattr(request, "lora_request", None), cache_salt)
+    keys, _ = generate_block_hash_extra_keys(keyed, start, end, 0)  # type: ignore[arg-type]
+    return to_event_extra_keys([keys])
 
 
 @dataclass
@@ -56,13 +104,16 @@ class _Block:
     members: tuple[str, ...]
     lora_id: int | None
     lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None
     published: set[str] = field(default_factory=set)
 
 
 class TierEvents:
     """Turns store plans and worker reports into ``BlockStored`` / ``BlockRemoved`` events.
 
-    ``shared``: tier name -> whether other engines may read it (``locality`` REMOTE)."""
+    ``shared``: tier name -> whether other engines may read it (``locality`` REMOTE);
+    ``media``: tier name -> the ``medium`` its events carry (default: the name;
+    :func:`published_medium`)."""
 
     def __init__(
         self,
@@ -70,11 +121,13 @@ class TierEvents:
         spec: KVEventsSpec,
         shared: dict[str, bool],
         capacity: int = MAX_PUBLISHED_SETS,
+        media: Mapping[str, str] | None = None,
     ) -> None:
         self.planner = planner
         self.spec = spec
         self.block_tokens = spec.block_tokens(planner.chunk_tokens)
         self._shared = shared
+        self._media = dict(media or {})
         self._capacity = capacity
         self._sets: OrderedDict[str, _Set] = OrderedDict()  # page-set key -> set
         self._owner: dict[str, str] = {}  # piece key -> page-set key
@@ -200,6 +253,7 @@ class TierEvents:
             members=members,
             lora_id=lora.adapter_id if lora is not None else None,
             lora_name=lora.name if lora is not None else None,
+            extra_keys=event_extra_keys(request, end - span, end, salt=self.spec.token_ids),
         )
         for key in members:
             entry = self._sets.get(key)
@@ -244,8 +298,9 @@ class TierEvents:
             token_ids=block.token_ids if self.spec.token_ids else [],
             block_size=self.block_tokens,
             lora_id=block.lora_id,
-            medium=tier,
+            medium=self._media.get(tier, tier),
             lora_name=block.lora_name,
+            extra_keys=block.extra_keys,
             group_idx=block.group,
             kv_cache_spec_kind=group.kind.value,
             locality=self._locality(tier),
@@ -256,7 +311,7 @@ class TierEvents:
     def _removed_event(self, tier: str, block: _Block) -> BlockRemoved:
         return BlockRemoved(
             block_hashes=[block.block_hash],
-            medium=tier,
+            medium=self._media.get(tier, tier),
             group_idx=block.group,
             locality=self._locality(tier),
             ownership=OWNERSHIP,

@@ -41,7 +41,7 @@ from hybrid_offload.connector.metadata import (
 )
 from hybrid_offload.connector.scheduler.backend_view import BackendView
 from hybrid_offload.connector.scheduler.coverage import coverage
-from hybrid_offload.connector.scheduler.events import TierEvents
+from hybrid_offload.connector.scheduler.events import TierEvents, published_medium
 from hybrid_offload.connector.scheduler.pending import DEFAULT_PENDING_STORE_WAIT_S, PendingStores
 from hybrid_offload.connector.scheduler.policy import BackendMatch, LoadChoice, make_policy, presence_matrix
 from hybrid_offload.connector.scheduler.request_state import (
@@ -110,8 +110,9 @@ class OffloadScheduler:
             planner, self.views, self._sightings, self.pending, checkpoint_interval, drafting
         )
         self.events = None if events is None else TierEvents(
-            planner, events, {v.name: v.shared for v in self.views}
-        )
+            planner, events, {v.name: v.shared for v in self.views},
+            media={v.name: published_medium(v.tier.backend, v.shared) for v in self.views},
+        )  # fmt: skip
         self.stores.events = self.events
         self._requests: dict[str, RequestState] = {}
         self._ended = OffloadMetadata()  # commits and releases of requests that ended since the last step
