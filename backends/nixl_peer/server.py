@@ -3,7 +3,7 @@
 Role: hold pages for :class:`~hybrid_offload.backends.nixl_peer.client.NixlPeerBackend` clients.
 Page bytes move with NIXL (UCX) READ/WRITE straight between this pool and each client's
 registered staging buffer; this process never touches them. It only answers the control
-protocol (:mod:`.protocol`) and keeps the index (:mod:`.pool`).
+protocol (:mod:`.protocol`) and keeps the index (:mod:`~hybrid_offload.backends.page_pool`).
 
 * **NIXL.** One agent (uuid name, UCX, progress thread ON: this process never polls, and
   initiators would otherwise get connection refused). The pool is one ``numpy.uint8`` array,
@@ -18,7 +18,7 @@ protocol (:mod:`.protocol`) and keeps the index (:mod:`.pool`).
   closed without HELLO after ``handshake_timeout_s`` and when idle for ``idle_timeout_s``.
   ``accept()`` failing for lack of file descriptors (EMFILE/ENFILE) pauses accepting briefly;
   the peer keeps serving. Lease and reservation ids belong to their connection, at most
-  ``max_pending_per_connection`` of each open (:mod:`.pool`).
+  ``max_pending_per_connection`` of each open (:mod:`~hybrid_offload.backends.page_pool`).
 * **Exposure** (:mod:`.exposure`): off loopback a token (or ``insecure``) is required, and the
   UCX data path is confined to the listen address's interface.
 * **Listing.** SCAN copies the index under the lock (a C-speed list copy) and selects the

@@ -47,7 +47,7 @@ until the engine's own batches outvote it again (at most ``LEARN_WINDOW // 2 + 1
 the forgery stops); an event no size reproduces (another algorithm or seed: warned once) votes
 for nothing.
 
-**Memory is bounded per scope** (a stream may be forged; issue 45 N6): each (engine or pool,
+**Memory is bounded per holder** (a stream may be forged; issue 45 N6): each (engine or pool,
 medium) keeps its ``max_blocks`` most recently stored (group, hash) entries (LRU; about 150
 bytes each); an engine holds or reads at most ``max_media`` tier media besides its GPU (beyond
 that its least recently published one is dropped: its own entries, or its share of a pool;
@@ -94,7 +94,7 @@ MAX_LEARN_TOKENS = 8192
 MAX_LEARN_HASHES = 4096
 MAX_LEARN_EVENT_TOKENS = 1 << 17
 
-Scope = str | None  # an engine, or None: the pool of a shared medium
+Holder = str | None  # an engine, or None: the pool of a shared medium
 
 
 @dataclass
@@ -112,7 +112,7 @@ class IndexStats:
 
 @dataclass
 class _Medium:
-    """One (scope, medium): ``(group << 64) | hash`` -> None in LRU order; spans per group."""
+    """One (holder, medium): ``(group << 64) | hash`` -> None in LRU order; spans per group."""
 
     entries: OrderedDict[int, None] = field(default_factory=OrderedDict)
     spans: dict[int, int] = field(default_factory=dict)
@@ -179,7 +179,7 @@ class CacheIndex:
         self._max, self._max_media, self._max_groups = max_blocks, max_media, max_groups
         self.stats = IndexStats()
         self._lock = threading.Lock()
-        self._media: dict[tuple[Scope, str], _Medium] = {}
+        self._media: dict[tuple[Holder, str], _Medium] = {}
         self._kinds: dict[str, dict[int, tuple[str, int | None]]] = {}  # engine -> group -> kind
         self._views: dict[str, OrderedDict[str, None]] = {}  # engine -> tier media, LRU
         self._readers: dict[str, set[str]] = {}  # pooled medium -> engines that read it
@@ -235,17 +235,17 @@ class CacheIndex:
             return True
         return False
 
-    def _scope(self, engine: str, medium: str, locality: str | None) -> Scope:
+    def _holder(self, engine: str, medium: str, locality: str | None) -> Holder:
         if medium == GPU or not (locality == REMOTE or (locality is None and medium in self._readers)):
             return engine
         return None
 
-    def _admit(self, engine: str, medium: str, scope: Scope) -> None:
-        """``engine`` holds (or, ``scope`` None, reads) ``medium``, most recently of its tier
+    def _admit(self, engine: str, medium: str, holder: Holder) -> None:
+        """``engine`` holds (or, ``holder`` None, reads) ``medium``, most recently of its tier
         media; beyond ``max_media`` the least recent one is dropped."""
         if medium == GPU:
             return
-        if scope is None:
+        if holder is None:
             self._readers.setdefault(medium, set()).add(engine)
         view = self._views.setdefault(engine, OrderedDict())
         if medium in view:
@@ -278,11 +278,11 @@ class CacheIndex:
         group, medium = event.group_idx or 0, event.medium or GPU
         if not self._valid(event.group_idx, medium, event.kind):
             return False
-        scope = self._scope(engine, medium, event.locality)
-        self._admit(engine, medium, scope)
-        store = self._media.get((scope, medium))
+        holder = self._holder(engine, medium, event.locality)
+        self._admit(engine, medium, holder)
+        store = self._media.get((holder, medium))
         if store is None:
-            store = self._media[(scope, medium)] = _Medium()
+            store = self._media[(holder, medium)] = _Medium()
         kinds = self._kinds.setdefault(engine, {})
         if event.kind is not None:
             kinds[group] = store.kinds[group] = (event.kind, event.sliding_window)
@@ -302,10 +302,10 @@ class CacheIndex:
         medium = event.medium or GPU
         if not self._valid(event.group_idx, medium, None):
             return
-        scope = self._scope(engine, medium, event.locality)
-        store = self._media.get((scope, medium))
-        if scope is None or store is not None:
-            self._admit(engine, medium, scope)  # an engine that saw a pooled block go reads it
+        holder = self._holder(engine, medium, event.locality)
+        store = self._media.get((holder, medium))
+        if holder is None or store is not None:
+            self._admit(engine, medium, holder)  # an engine that saw a pooled block go reads it
         if store is None:
             return
         groups = list(store.spans) if event.group_idx is None else (event.group_idx,)

@@ -1,6 +1,6 @@
 """Issue 45 (trust, third round): what a forged KV event stream can do to the router.
 
-* N6: the index's state is bounded per scope (tier media per engine, group indices, names,
+* N6: the index's state is bounded per holder (tier media per engine, group indices, names,
   pools) and decoding one payload holds a small multiple of its size (untyped msgpack held up to
   76 times: nested empty arrays); routing stays fast under a flood.
 * N7: the learned hash block size comes from vLLM's own GPU events only and follows what most

@@ -9,7 +9,7 @@ it, ``scheduled`` in it, ``end = computed + scheduled`` after it):
   (the next steps, or when the request ends) -- never lost when the request ends right after.
 * Recurrent state (Mamba/GDN): vLLM holds it only at the end of a step. During the prefill it
   is stored when the step ends on one of the request's ``checkpoints`` (see
-  :func:`~hybrid_offload.core.planner.prefill_checkpoints`; the scheduler makes prefill steps stop
+  :func:`~hybrid_offload.core.checkpoints.prefill_checkpoints`; the scheduler makes prefill steps stop
   there), and where a step ends on a chunk boundary ``checkpoint_interval_tokens`` or more
   past the last state (:meth:`StorePlanner.interval_stop` ends a step on one where vLLM would
   end it elsewhere, never adding a step where vLLM's steps end on block boundaries). During
@@ -117,7 +117,7 @@ class StorePlanner:
 
     def interval_stop(self, state: RequestState, start: int, end: int, align: int) -> int:
         """Where a prefill step over ``[start, end)`` ends so that the state at its end is due
-        (see :func:`~hybrid_offload.core.planner.interval_stop`; ``align``: what vLLM's own
+        (see :func:`~hybrid_offload.core.checkpoints.interval_stop`; ``align``: what vLLM's own
         steps end on, 1 for any position); ``end`` when none is due or the prefill is past its
         tail."""
         checkpoints = state.checkpoints

@@ -1,7 +1,7 @@
 """What the worker's load and store pipelines share: the model's geometry, the opened backends,
 the device, the counters, and the reports for the scheduler side.
 
-Worker side. :class:`WorkerContext` is made once by :class:`~.worker.OffloadWorker`; ``layouts``
+Worker side. :class:`WorkerContext` is made once by :class:`~.offload_worker.OffloadWorker`; ``layouts``
 and ``transfers`` are set when vLLM registers its KV cache and read-only after that.
 """
 

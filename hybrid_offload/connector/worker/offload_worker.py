@@ -1,6 +1,6 @@
 """Worker side of the connector: moves bytes between vLLM's KV cache and the backends.
 
-A thin coordinator over two pipelines that share a :class:`~.worker_context.WorkerContext`:
+A thin coordinator over two pipelines that share a :class:`~.context.WorkerContext`:
 
 * :class:`~.store_pipeline.StorePipeline`: ``wait_for_save`` copies a step's pages out of the
   KV cache (model-runner thread); the store thread seals and puts them.
