@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "CACHE_ENV", "CHUNK_BYTES", "cache_home", "digest_dir", "file_sha256", "file_sha256_many",
-    "image_file_system",
+    "file_stamp", "image_file_system",
 ]  # fmt: skip
 
 #: overrides the cache home (default ``$XDG_CACHE_HOME/hybrid-offload``)
@@ -101,8 +101,15 @@ def digest_dir() -> Path:
     return cache_home() / "file-digests"
 
 
+def file_stamp(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    """A file version's stamp: ``(st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns)``. Any
+    write, rename onto the path, ``touch`` or ``chmod`` changes it (the ctime, which a user
+    cannot set back), where the kernel sets the times (see the module docstring for images)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 def _stamp_name(st: os.stat_result) -> str:
-    raw = f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+    raw = ":".join(map(str, file_stamp(st)))
     return hashlib.sha256(raw.encode()).hexdigest()[:40]
 
 

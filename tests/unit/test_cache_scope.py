@@ -98,6 +98,32 @@ def test_lora_is_scoped_by_its_path_and_files_not_its_integer_id(worlds, tmp_pat
     assert keys(w, FakeRequest("6", TOKENS, lora_request=lora("sql", str(a), 9))) not in (base, retrained)
 
 
+def test_an_adapter_rewritten_in_place_keeping_size_and_mtime_skips_the_cache(
+    worlds, tmp_path: Path
+) -> None:
+    """Issue 45 N8: new values written into the adapter's weights file in place (same inode and
+    size) with the mtime set back escaped the check by name, size, mtime and inode: vLLM's
+    workers, reloading the adapter from its files under the same id, would run the new
+    weights under keys of the old. The ctime (which no one can set back) is in the stamp."""
+    w = worlds(make_spec(8, 8), 8)
+    a = _adapter(tmp_path / "a", 8, bytes(64))
+    base = keys(w, FakeRequest("1", TOKENS, lora_request=lora("sql", str(a), 1)))
+    weights = a / "adapter_model.safetensors"
+    before = weights.stat()
+    while True:  # until the kernel's clock has moved on since the file was written (one tick)
+        with open(weights, "r+b") as f:
+            f.seek(-64, os.SEEK_END)
+            f.write(b"\x01" * 64)
+        os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+        if weights.stat().st_ctime_ns != before.st_ctime_ns:
+            break
+    after = weights.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (
+        before.st_ino, before.st_size, before.st_mtime_ns)
+    assert w.sched._request_state(FakeRequest("2", TOKENS, lora_request=lora("sql", str(a), 1))) is None
+    assert keys(w, FakeRequest("3", TOKENS, lora_request=lora("sql", str(a), 2))) != base  # a new id
+
+
 def test_an_unreadable_adapter_skips_the_cache_never_fails_the_lookup(worlds, tmp_path: Path) -> None:
     """A dangling weight file link or an unreadable config: the request misses (review of
     issue 14: this raised out of the scheduler's lookup)."""

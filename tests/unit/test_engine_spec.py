@@ -29,6 +29,7 @@ from hybrid_offload.core.spec import (
     compute_fingerprint,
     make_model_spec,
 )
+from hybrid_offload.engine import model_identity
 from hybrid_offload.engine.translate import _group_from_vllm, model_spec_from_vllm
 
 MODEL = {"name": "tiiuae/Falcon-H1-0.5B", "revision": "main", "architectures": ["FalconH1"],
@@ -455,9 +456,12 @@ def _fingerprints(v: SimpleNamespace, model_dir: Path, hf: dict[str, Any], **def
     return fp
 
 
-def test_fingerprint_covers_what_changes_kv(vllm_kv: SimpleNamespace, tmp_path: Path) -> None:
+def test_fingerprint_covers_what_changes_kv(vllm_kv: SimpleNamespace, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Weights (files in the model directory), code revision, quantization, HF overrides and an
     operator's model_version each change the fingerprint (issue 14 H3, M6)."""
+    # each fingerprint as an engine started after the files were written takes it (issue 45 N3)
+    monkeypatch.setattr(model_identity, "process_start_ns", lambda: 4_102_444_800 * 10**9)
     fp = _fingerprints(vllm_kv, tmp_path, HF_TINY)
     weights = tmp_path / "model.safetensors"
     header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()

@@ -118,6 +118,9 @@ class OffloadScheduler:
         self._ended = OffloadMetadata()  # commits and releases of requests that ended since the last step
         self._epoch = ""  # weights epoch: a random nonce after each cache reset
         self._adapters = AdapterIdentities()
+        weights = planner.spec.fingerprint_fields.get("model", {}).get("weights", {})
+        #: why the weights are unbound (files changed after the engine started): no cache
+        self._unbound: str = str(weights.get("unbound", "")) if isinstance(weights, dict) else ""
 
     # ---- lookup -----------------------------------------------------------------------
     def _request_state(self, request: Request) -> RequestState | None:
@@ -132,6 +135,9 @@ class OffloadScheduler:
             return None
         if not self.planner.whole_model:
             _warn_no_cache("the other pipeline stages' layers are not known (their handshake did not arrive)")
+            return None
+        if self._unbound:
+            _warn_no_cache(f"the weights are not bound to what this engine loaded: {self._unbound}")
             return None
         try:
             scope = request_scope(

@@ -3,12 +3,16 @@
 The scope seeds the request's key chain (:meth:`HybridOffloadPlanner.scope_seed`). It is
 canonical JSON, so no field value can make two different scopes encode alike:
 
-* ``lora``: the adapter's name, path and identity (its files, see
+* ``lora``: the adapter's name, path and identity (its files' content, see
   :func:`~hybrid_offload.engine.model_identity.adapter_identity`), never its per-process integer id.
-  The identity is taken when the scheduler first sees the adapter's id and pinned to it: vLLM's
-  workers load an adapter once per id, so files rewritten later under the same id would name
-  weights the workers do not use. Requests with an adapter whose files changed since (or
-  cannot be read) skip the cache until it is loaded under a new id;
+  The identity is taken when the scheduler first sees the adapter's id and pinned to it, with
+  the stamp of every entry of the adapter directory (device, inode, size, mtime and ctime: the
+  stamp under which :mod:`~hybrid_offload.core.file_digest` caches a content digest). vLLM's
+  workers load an adapter once per id (and again from its files when their LRU dropped it), so
+  files rewritten later under the same id would name weights the workers may not use. Requests
+  with an adapter whose stamps changed since (any write, even one that keeps the size and sets
+  the mtime back, since no one can set the ctime back), or that cannot be read, skip the cache
+  until it is loaded under a new id;
 * ``salt``: vLLM's ``cache_salt``;
 * ``weights``: the weights version, where the weights differ from those the engine started with
   (the fingerprint names those): the request's ``kv_transfer_params["hybrid_offload"]
@@ -31,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from hybrid_offload.backends.retention import SESSIONS
 from hybrid_offload.connector.config import MAX_VERSION_LEN
+from hybrid_offload.core.file_digest import file_stamp
 from hybrid_offload.engine.model_identity import adapter_identity
 
 if TYPE_CHECKING:
@@ -51,8 +56,8 @@ class ScopeError(ValueError):
 
 class AdapterIdentities:
     """LoRA adapter identities pinned per (adapter id, path) at first sight (see the module
-    docstring); each lookup stats the adapter directory's entries to see that they are as
-    pinned, and its files are read only at first sight."""
+    docstring); each lookup stats the adapter directory's entries to see that their stamps
+    are as pinned, and its files are read only at first sight."""
 
     def __init__(self) -> None:
         self._pinned: dict[tuple[int, str], tuple[tuple[Any, ...], str]] = {}
@@ -62,7 +67,7 @@ class AdapterIdentities:
         try:
             with os.scandir(path) as entries:
                 return tuple(sorted(
-                    (e.name, st.st_size, st.st_mtime_ns, st.st_ino)
+                    (e.name, *file_stamp(st))
                     for e in entries
                     for st in (e.stat(),)
                 ))  # fmt: skip
@@ -79,6 +84,8 @@ class AdapterIdentities:
                 identity = adapter_identity(path)
             except (OSError, RuntimeError) as exc:
                 raise ScopeError(f"LoRA adapter {path!r} cannot be read: {exc}") from None
+            if self._signature(path) != signature:  # written while it was read: not pinned
+                raise ScopeError(f"LoRA adapter {path!r} changed while it was read")
             pinned = (signature, json.dumps(identity, sort_keys=True, separators=(",", ":")))
             self._pinned[(adapter_id, path)] = pinned
         if pinned[0] != signature:
