@@ -9,7 +9,7 @@ buffer) only when all of this holds, else it is an ordinary buffered ``preadv``:
   file system that says it takes no ``O_DIRECT`` turns it off). Nothing is bounced: reading
   an aligned superset into an aligned buffer and copying out was at most 6-18 % faster cold
   than a buffered read here, level or slower at other piece sizes, costs a copy and memory,
-  and would leave every read's pages out of the page cache (benchmarks/README.md, "Disk reads
+  and would leave every read's pages out of the page cache (benchmarks/disk.md, "Disk reads
   against the raw ceiling"). The engine's staging rows (64-byte aligned, pages of a 64-byte
   multiple) are not aligned: their reads are buffered.
 * **Not in the page cache.** ``cachestat`` (Linux 6.5+) says at most 1/8 of the range's pages
@@ -121,7 +121,7 @@ def read_parts(io_threads: int) -> int:
     """How many parts a large load is cut into, read at the same time: ``io_threads``, but no
     more than the CPUs this process may run on (at least 2). Copying cached pages is CPU work:
     on 2 cores, 4 parts read 128 KiB pages slower than 2 (8.3 vs 9.7 GB/s), and cold reads were
-    no faster (benchmarks/README.md, "Disk reads against the raw ceiling")."""
+    no faster (benchmarks/disk.md, "Disk reads against the raw ceiling")."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

@@ -3,7 +3,7 @@
 redis-py (hiredis) parses every reply into a fresh ``bytes`` that the backend then copied into
 the caller's buffer: for a load of 172 pages of 70 KB from a loopback server that parse and copy
 took 15.7 ms, against 5.2 ms receiving each value with ``recv_into`` where it belongs
-(``benchmarks/README.md``). This module speaks just enough RESP2 for that, on connections of its
+(``benchmarks/e2e.md``). This module speaks just enough RESP2 for that, on connections of its
 own, for a standalone server reached over plain TCP (``redis://``); TLS and cluster backends
 keep redis-py's path.
 
