@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import os
 import random
-import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-CHUNK_TOKENS = {"qwen3_next": 128, "falcon_h1": 128, "llama": 256, "lfm2": 128}  # the defaults
+from hybrid_offload.testing.deadlines import wait_until
+
+#: the default chunk sizes of the archs the e2e tests run
+CHUNK_TOKENS = {"qwen3_next": 128, "qwen3_5": 128, "falcon_h1": 128, "llama": 256, "lfm2": 128}
 VOCAB = 2048
 
 
@@ -45,15 +47,15 @@ def hit_rate(result: dict[str, Any], index: int, backend: str) -> float:
 
 def wait_for_pass(barrier: Path, index: int, session: Future, timeout: float = 600.0) -> None:
     """Block until a session with ``pass_barrier=barrier`` finished pass ``index``."""
-    deadline = time.monotonic() + timeout
     done = barrier / f"pass-{index}.done"
-    while not done.exists():
-        if session.done():
+
+    def finished() -> bool:
+        if not done.exists() and session.done():
             session.result()  # raises the session's failure
             raise AssertionError(f"session ended before pass {index} finished")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"pass {index} did not finish within {timeout}s")
-        time.sleep(0.1)
+        return done.exists()
+
+    wait_until(finished, f"pass {index} finished", timeout_s=timeout, poll_s=0.1)
 
 
 def release_pass(barrier: Path, index: int) -> None:

@@ -66,9 +66,21 @@ CONV_FIRST_TYPES = frozenset({"MAMBA1", "MAMBA2", "SHORT_CONV", "GDN_ATTN"})
 def mamba_splits(
     mamba_type: str, shapes: tuple[tuple[int, ...], ...], shape: ModelShape
 ) -> tuple[TensorSplit, ...]:
-    """The TP=1 structure of a Mamba2 or GDN layer's (conv SD, ssm) state from this rank's
-    shapes (read by :func:`hybrid_offload.compat.mamba_rank_dims`); () where it is not known."""
+    """The TP=1 structure of a Mamba/GDN layer's state from this rank's shapes (SD conv state
+    first): Mamba2 and GDN from :func:`hybrid_offload.compat.mamba_rank_dims`; Mamba1, short
+    conv and linear attention, whose tensors vLLM shards in one contiguous run each (conv and SSM
+    channels; heads), from the shapes alone; () where it is not known."""
     t = shape.tp_size
+    if mamba_type == "SHORT_CONV" and len(shapes) == 1 and len(shapes[0]) == 2:
+        return (TensorSplit(1, (Component("channels", shapes[0][1] * t, 1),)),)
+    if mamba_type == "MAMBA1" and len(shapes) == 2 and all(len(x) == 2 for x in shapes):
+        conv, ssm = shapes
+        return (
+            TensorSplit(1, (Component("channels", conv[1] * t, 1),)),
+            TensorSplit(0, (Component("channels", ssm[0] * t, 1),)),
+        )
+    if mamba_type == "LINEAR" and len(shapes) == 1 and len(shapes[0]) == 3:
+        return (TensorSplit(0, (Component("heads", shapes[0][0] * t, 1),)),)
     dims = mamba_rank_dims(mamba_type, shapes)
     if dims is None:
         return ()

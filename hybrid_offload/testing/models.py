@@ -117,6 +117,46 @@ def _qwen3_next(dims: Dims) -> Any:
     )
 
 
+def _qwen3_5(dims: Dims) -> Any:
+    """Qwen3.5 (text): 3 Gated DeltaNet layers per gated full_attention layer, dense MLP; GDN
+    heads as in Qwen3-Next (the CPU kernel needs key/value head dim 128)."""
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(
+        **dims.common(),
+        head_dim=ATTN_HEAD_DIM,
+        layer_types=_pattern(dims.layers, lambda i: i % 4 == 3, "full_attention", "linear_attention"),
+        linear_key_head_dim=GDN_HEAD_DIM,
+        linear_value_head_dim=GDN_HEAD_DIM,
+        linear_num_key_heads=dims.hidden // (2 * ATTN_HEAD_DIM),
+        linear_num_value_heads=dims.hidden // ATTN_HEAD_DIM,
+    )
+    config.architectures = ["Qwen3_5ForCausalLM"]
+    return config
+
+
+def _qwen3_5_moe(dims: Dims) -> Any:
+    """Qwen3.5-MoE (text): Qwen3.5's layers with 4 routed experts (top 2) and a shared one."""
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+
+    common = {k: v for k, v in dims.common().items() if k != "intermediate_size"}
+    config = Qwen3_5MoeTextConfig(
+        **common,
+        head_dim=ATTN_HEAD_DIM,
+        layer_types=_pattern(dims.layers, lambda i: i % 4 == 3, "full_attention", "linear_attention"),
+        linear_key_head_dim=GDN_HEAD_DIM,
+        linear_value_head_dim=GDN_HEAD_DIM,
+        linear_num_key_heads=dims.hidden // (2 * ATTN_HEAD_DIM),
+        linear_num_value_heads=dims.hidden // ATTN_HEAD_DIM,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=dims.hidden // 2,
+        shared_expert_intermediate_size=dims.hidden,
+    )
+    config.architectures = ["Qwen3_5MoeForCausalLM"]
+    return config
+
+
 def _falcon_h1(dims: Dims) -> Any:
     """Falcon-H1: every layer runs attention and Mamba2 in parallel."""
     from transformers import FalconH1Config
@@ -238,6 +278,8 @@ def _llama(dims: Dims) -> Any:
 # arch -> (config factory, default layer count)
 _ARCH_TABLE: dict[str, tuple[Callable[[Dims], Any], int]] = {
     "qwen3_next": (_qwen3_next, 4),
+    "qwen3_5": (_qwen3_5, 4),
+    "qwen3_5_moe": (_qwen3_5_moe, 4),
     "falcon_h1": (_falcon_h1, 2),
     "nemotron_h": (_nemotron_h, 4),
     "granite_hybrid": (_granite_hybrid, 2),
@@ -247,6 +289,8 @@ _ARCH_TABLE: dict[str, tuple[Callable[[Dims], Any], int]] = {
     "llama": (_llama, 2),
 }
 ARCHS: tuple[str, ...] = tuple(_ARCH_TABLE)
+#: archs whose CPU kernels (Gated DeltaNet) run in bfloat16 only
+BF16_ONLY_ARCHS: tuple[str, ...] = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 
 
 def make_config(arch: str, *, layers: int | None = None, hidden: int | None = None,

@@ -41,6 +41,7 @@ def connector(disk: Path, with_cpu: bool, layout: str = "files") -> dict[str, An
     ("arch", "async_a", "layout"),
     [
         ("qwen3_next", False, "segments"),
+        ("qwen3_5", True, "files"),
         ("falcon_h1", True, "files"),
         ("llama", False, "files"),
         ("lfm2", True, "files"),

@@ -513,3 +513,29 @@ def test_fingerprint_covers_config_source_weights_uri_and_quantization_config(
     with pytest.raises(UnidentifiableModelError, match="identity"):
         fp(quantization_config={"linear": object()})  # a repr with an address
 
+
+
+@pytest.mark.parametrize(
+    ("mamba_type", "rank_shapes", "t", "want"),
+    [
+        # LFM2's short conv: (state_len, channels / t), channels split in one run per rank
+        ("SHORT_CONV", ((2, 128),), 2, [(1, [("channels", 256, 1)])]),
+        # Jamba's Mamba1: conv (state_len, inner / t), SSM (inner / t, state)
+        ("MAMBA1", ((3, 64), (64, 16)), 4, [(1, [("channels", 256, 1)]), (0, [("channels", 256, 1)])]),
+        # MiniMax / Bailing linear attention: (heads / t, dim, dim)
+        ("LINEAR", ((4, 32, 32),), 2, [(0, [("heads", 8, 1)])]),
+    ],
+)
+def test_contiguous_state_types_split_across_tp(
+    mamba_type: str, rank_shapes: tuple[tuple[int, ...], ...], t: int, want: list[Any]
+) -> None:
+    """Issue 44: Mamba1, short-conv and linear-attention states were refused at TP > 1 ("no
+    known tensor-parallel split"); vLLM shards each of their tensors in one contiguous run per
+    rank (column-parallel outputs), which is what these splits say."""
+    from hybrid_offload.engine.translate import ModelShape, mamba_splits
+
+    splits = mamba_splits(mamba_type, rank_shapes, ModelShape(tp_size=t))
+    got = [(s.axis, [(c.name, c.units, c.unit_size) for c in s.components]) for s in splits]
+    assert got == want
+    for split, shape in zip(splits, rank_shapes, strict=True):  # a rank holds exactly its shape
+        assert all(split.extent(t, r) == shape[split.axis] for r in range(t))

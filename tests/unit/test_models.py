@@ -76,7 +76,7 @@ def test_config_is_hybrid(arch: str) -> None:
     config = make_config(arch)
     text = json.dumps(config.to_dict(), default=str)
     assert config.max_position_embeddings >= 8192
-    if arch == "qwen3_next":
+    if arch in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
         assert {"linear_attention", "full_attention"} <= set(config.layer_types)
     elif arch == "nemotron_h":
         assert config.hybrid_override_pattern == "M*M-"

@@ -169,10 +169,11 @@ def _engine_env(args: argparse.Namespace, vllm_args: list[str], model: Path) -> 
 def make_engines(
     args: argparse.Namespace, model: Path, config: Path, workdir: Path, max_len: int
 ) -> list[Engine]:
+    from hybrid_offload.testing.models import BF16_ONLY_ARCHS
     from hybrid_offload.testing.services import ServeProcess
     from hybrid_offload.testing.services.common import free_port
 
-    dtype = args.dtype or ("bfloat16" if args.arch == "qwen3_next" else "float32")
+    dtype = args.dtype or ("bfloat16" if args.arch in BF16_ONLY_ARCHS else "float32")
     engines = []
     for i in range(ENGINES):
         events_port, replay_port = free_port(), free_port()
@@ -466,6 +467,8 @@ def run(args: argparse.Namespace) -> int:
     from hybrid_offload.tools.cli.serve import embedded_model
 
     shape = shape_from(args)
+    from hybrid_offload.testing.models import BF16_ONLY_ARCHS
+
     load_start = os.getloadavg()
     began = time.monotonic()
     model = embedded_model(args.arch)
@@ -473,7 +476,7 @@ def run(args: argparse.Namespace) -> int:
         done = run_modes(args, model, workdir, shape)
     rows = done.pop("rows")
     settings = {
-        "arch": args.arch, "dtype": args.dtype or ("bfloat16" if args.arch == "qwen3_next" else "float32"),
+        "arch": args.arch, "dtype": args.dtype or ("bfloat16" if args.arch in BF16_ONLY_ARCHS else "float32"),
         "modes": list(args.modes), "engines": ENGINES, "concurrency": args.concurrency, "seed": args.seed,
         "kv_cache_mib": args.kv_cache_mib, "config": str(args.config), "engine_env": list(args.engine_env),
         "shape": dataclasses.asdict(shape),

@@ -61,9 +61,10 @@ def _add_make_model(subparsers: Subparsers) -> None:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Run the end-to-end demo and print its summary; exit 1 if float32 outputs differ."""
+    from hybrid_offload.testing.models import BF16_ONLY_ARCHS
     from hybrid_offload.tools.demo import DemoOptions, format_summary, run_demo
 
-    dtype = args.dtype or ("bfloat16" if args.arch == "qwen3_next" else "float32")
+    dtype = args.dtype or ("bfloat16" if args.arch in BF16_ONLY_ARCHS else "float32")
     summary = run_demo(DemoOptions(arch=args.arch, workdir=args.workdir, dtype=dtype))
     print(format_summary(summary))
     return 0 if summary["outputs_identical"] or dtype != "float32" else 1
@@ -84,7 +85,7 @@ def _add_demo(subparsers: Subparsers) -> None:
                    help=f"model architecture (default: {DEFAULT_DEMO_ARCH}, in float32)")
     p.add_argument("--workdir", type=Path, default=Path("demo-output"))
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
-                   help="model dtype (default: bfloat16 for qwen3_next, whose CPU kernels need it, "
+                   help="model dtype (default: bfloat16 for the Qwen GDN models, whose CPU kernels need it, "
                    "float32 otherwise); exit 1 if float32 outputs differ from the baseline")
     p.set_defaults(handler=cmd_demo)
 

