@@ -22,10 +22,14 @@ from hybrid_offload.engine.patches import (
     pp_hybrid_block_size,
     pp_kv_layouts,
     prefill_stops,
+    qwen_vl_without_torchvision,
 )
 
+#: the patches that wrap a method of vLLM's
 PATCHES = (mamba2_cpu_checkpoint, multiconnector_hma, prefill_stops, cpu_pp_eager, pp_kv_layouts,
            pp_hybrid_block_size, cpu_mamba_spec_decode)  # fmt: skip
+#: every patch (one stands in a module vLLM imports instead)
+ALL_PATCHES = (*PATCHES, qwen_vl_without_torchvision)
 
 
 def target(patch: ModuleType) -> tuple[Any, str]:
@@ -55,13 +59,13 @@ def target(patch: ModuleType) -> tuple[Any, str]:
 def test_each_patch_is_its_own_entry_point() -> None:
     pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
     entry_points = pyproject["project"]["entry-points"]["vllm.general_plugins"]
-    assert entry_points == {p.ENTRY_POINT: f"{p.__name__}:register" for p in PATCHES}
+    assert entry_points == {p.ENTRY_POINT: f"{p.__name__}:register" for p in ALL_PATCHES}
     for name, ref in entry_points.items():
         module, function = ref.split(":")
         assert callable(getattr(importlib.import_module(module), function)), name
 
 
-@pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.ENTRY_POINT)
+@pytest.mark.parametrize("patch", ALL_PATCHES, ids=lambda p: p.ENTRY_POINT)
 def test_each_patch_is_written_for_tested_vllm_releases_only(patch: ModuleType) -> None:
     assert patch.VLLM_VERSIONS
     assert set(patch.VLLM_VERSIONS) <= set(compat.TESTED["vllm"][1])  # compat's table is the one list
@@ -161,3 +165,43 @@ def test_a_pipeline_stage_without_attention_sizes_blocks_for_the_cpu_attention_b
         assert find(unchanged) == []
     found.append(int)  # a stage that has its own attention backend keeps it
     assert find(config(2)) == [int]
+
+
+def test_qwen_vl_imports_without_torchvision(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 44: vLLM's Qwen3.5 module imports transformers' torchvision image processor; where
+    torchvision does not load, the patch stands transformers' PIL variant in for it, once, and
+    only on a tested vLLM (an untested one is left alone with a warning)."""
+    import importlib
+    import sys
+
+    q = qwen_vl_without_torchvision
+    monkeypatch.delitem(sys.modules, q.TORCHVISION_MODULE, raising=False)
+    monkeypatch.setattr(compat, "installed_version", lambda package: "0.99.0")
+    with caplog.at_level(logging.WARNING, logger=patches.logger.name):
+        q.register()
+    assert q.TORCHVISION_MODULE not in sys.modules
+    assert f"patch {q.ENTRY_POINT} not applied: vLLM 0.99.0" in caplog.text
+    monkeypatch.undo()
+    monkeypatch.delitem(sys.modules, q.TORCHVISION_MODULE, raising=False)
+    q.register()
+    module = sys.modules[q.TORCHVISION_MODULE]
+    pil = importlib.import_module(q.PIL_MODULE)
+    assert module.Qwen2VLImageProcessor is pil.Qwen2VLImageProcessorPil
+    assert module.smart_resize is pil.smart_resize
+    q.register()
+    assert sys.modules[q.TORCHVISION_MODULE] is module  # once
+    qwen3_vl = importlib.import_module("vllm.model_executor.models.qwen3_vl")  # imports now
+    assert qwen3_vl.image_smart_resize is pil.smart_resize
+
+
+def test_qwen_vl_patch_stands_aside_where_torchvision_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    import types
+
+    q = qwen_vl_without_torchvision
+    monkeypatch.delitem(sys.modules, q.TORCHVISION_MODULE, raising=False)
+    monkeypatch.setitem(sys.modules, "torchvision", types.ModuleType("torchvision"))
+    q.register()
+    assert q.TORCHVISION_MODULE not in sys.modules
