@@ -91,6 +91,30 @@ def _pattern(layers: int, is_attn: Callable[[int], bool], attn: str, other: str)
     return types
 
 
+def _gdn_layers(dims: Dims) -> dict[str, Any]:
+    """The Qwen GDN models' layer pattern and linear-attention heads: 3 GDN layers per
+    full_attention layer; as in Qwen3-Next-80B, value heads * 128 = 2 * hidden, half as many key
+    heads (vLLM's CPU GDN kernel needs key/value head dim 128)."""
+    return {
+        "head_dim": ATTN_HEAD_DIM,
+        "layer_types": _pattern(dims.layers, lambda i: i % 4 == 3, "full_attention", "linear_attention"),
+        "linear_key_head_dim": GDN_HEAD_DIM,
+        "linear_value_head_dim": GDN_HEAD_DIM,
+        "linear_num_key_heads": dims.hidden // (2 * ATTN_HEAD_DIM),
+        "linear_num_value_heads": dims.hidden // ATTN_HEAD_DIM,
+    }
+
+
+def _qwen_moe(dims: Dims) -> dict[str, Any]:
+    """The Qwen GDN MoE models' experts: 4 routed (top 2) and a shared one."""
+    return {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": dims.hidden // 2,
+        "shared_expert_intermediate_size": dims.hidden,
+    }
+
+
 def _qwen3_next(dims: Dims) -> Any:
     """Qwen3-Next: 3 GDN (linear_attention) layers per full_attention layer, small MoE.
 
@@ -99,22 +123,7 @@ def _qwen3_next(dims: Dims) -> Any:
     """
     from transformers import Qwen3NextConfig
 
-    return Qwen3NextConfig(
-        **dims.common(),
-        head_dim=ATTN_HEAD_DIM,
-        layer_types=_pattern(
-            dims.layers, lambda i: i % 4 == 3, "full_attention", "linear_attention"
-        ),
-        linear_key_head_dim=GDN_HEAD_DIM,
-        linear_value_head_dim=GDN_HEAD_DIM,
-        # As in Qwen3-Next-80B: value heads * 128 = 2 * hidden, half as many key heads.
-        linear_num_key_heads=dims.hidden // (2 * ATTN_HEAD_DIM),
-        linear_num_value_heads=dims.hidden // ATTN_HEAD_DIM,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=dims.hidden // 2,
-        shared_expert_intermediate_size=dims.hidden,
-    )
+    return Qwen3NextConfig(**dims.common(), **_gdn_layers(dims), **_qwen_moe(dims))
 
 
 def _qwen3_5(dims: Dims) -> Any:
@@ -122,15 +131,7 @@ def _qwen3_5(dims: Dims) -> Any:
     heads as in Qwen3-Next (the CPU kernel needs key/value head dim 128)."""
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
-    config = Qwen3_5TextConfig(
-        **dims.common(),
-        head_dim=ATTN_HEAD_DIM,
-        layer_types=_pattern(dims.layers, lambda i: i % 4 == 3, "full_attention", "linear_attention"),
-        linear_key_head_dim=GDN_HEAD_DIM,
-        linear_value_head_dim=GDN_HEAD_DIM,
-        linear_num_key_heads=dims.hidden // (2 * ATTN_HEAD_DIM),
-        linear_num_value_heads=dims.hidden // ATTN_HEAD_DIM,
-    )
+    config = Qwen3_5TextConfig(**dims.common(), **_gdn_layers(dims))
     config.architectures = ["Qwen3_5ForCausalLM"]
     return config
 
@@ -140,19 +141,7 @@ def _qwen3_5_moe(dims: Dims) -> Any:
     from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 
     common = {k: v for k, v in dims.common().items() if k != "intermediate_size"}
-    config = Qwen3_5MoeTextConfig(
-        **common,
-        head_dim=ATTN_HEAD_DIM,
-        layer_types=_pattern(dims.layers, lambda i: i % 4 == 3, "full_attention", "linear_attention"),
-        linear_key_head_dim=GDN_HEAD_DIM,
-        linear_value_head_dim=GDN_HEAD_DIM,
-        linear_num_key_heads=dims.hidden // (2 * ATTN_HEAD_DIM),
-        linear_num_value_heads=dims.hidden // ATTN_HEAD_DIM,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=dims.hidden // 2,
-        shared_expert_intermediate_size=dims.hidden,
-    )
+    config = Qwen3_5MoeTextConfig(**common, **_gdn_layers(dims), **_qwen_moe(dims))
     config.architectures = ["Qwen3_5MoeForCausalLM"]
     return config
 
