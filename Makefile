@@ -9,7 +9,7 @@ PORT ?= 8000
 SERVE_HOST ?= 127.0.0.1
 VLLM_ARGS ?=
 
-.PHONY: setup demo test lint clean serve gpu-check
+.PHONY: setup demo test lint typecheck clean serve gpu-check
 
 setup:
 	@bash scripts/setup.sh
@@ -19,7 +19,8 @@ demo: setup
 
 test: setup
 	$(PY) -m ruff check .
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -q -p no:cacheprovider
+	$(PY) scripts/typecheck.py
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -q -p no:cacheprovider --durations=25
 
 serve: setup
 	$(PY) -m hybrid_offload serve --config $(CONFIG) $(if $(MODEL),--model $(MODEL)) \
@@ -31,6 +32,9 @@ gpu-check:
 
 lint: setup
 	$(PY) -m ruff check .
+
+typecheck: setup
+	$(PY) scripts/typecheck.py
 
 clean:
 	rm -rf demo-output .pytest_cache .ruff_cache

@@ -10,8 +10,9 @@ composes, when a tier is opened::
   and while it is down its calls raise :class:`BackendSkippedError` without reaching it.
 * :class:`InstrumentedBackend` - timing, success and error counting, usage gauges, reported to
   a :class:`CallRecorder` (the scheduler and the worker count differently).
-* :class:`FaultInjectingBackend` (tests) - makes chosen calls fail, corrupts pages read, or
-  blocks a call until the test releases it.
+
+Fault injection for tests is a wrapper too, outside the product:
+:class:`hybrid_offload.testing.faulty.FaultyBackend`.
 
 A wrapper is a :class:`~.base.Backend` (registered as a virtual subclass): same methods, same
 contract, same errors; it forwards what it does not handle (``config``, ``stats``, the class
@@ -47,7 +48,6 @@ __all__ = [
     "BackendSkippedError",
     "BackendWrapper",
     "CallRecorder",
-    "FaultInjectingBackend",
     "HealthGatedBackend",
     "InstrumentedBackend",
     "unwrap",
@@ -275,102 +275,3 @@ class InstrumentedBackend(BackendWrapper):
             return self.inner.used_bytes(), self.inner.state_bytes()
         except BackendError:
             return None, None
-
-
-class FaultInjectingBackend(BackendWrapper):
-    """For tests: a backend whose calls fail, return corrupted pages, or wait, on demand.
-
-    * ``fail(op, times=n, error=...)``: the next ``n`` calls of ``op`` (a :data:`DATA_CALLS`
-      name) raise ``error`` (default :class:`~.base.BackendUnavailableError`) without reaching
-      the backend; ``times=None``: until :meth:`heal`.
-    * ``corrupt_reads(times=n)``: the next ``n`` ``get_into`` / ``get_batch`` / ``lease_batch``
-      calls flip one byte in the middle of every page they return (a lease in place: in the
-      backend's own memory, where the page stays corrupt).
-    * ``hold(op)``: calls of ``op`` block until :meth:`release` (a :class:`threading.Event`
-      the test controls, so "does not block the caller" is checked without timing).
-    ``calls`` counts calls per op that reached this wrapper.
-    """
-
-    def __init__(self, inner: Backend) -> None:
-        super().__init__(inner)
-        self._lock = threading.Lock()
-        self._failures: dict[str, tuple[int | None, BackendError]] = {}
-        self._corrupt = 0
-        self._held: dict[str, threading.Event] = {}
-        self.calls: dict[str, int] = {}
-
-    def fail(self, op: str, *, times: int | None = 1, error: BackendError | None = None) -> None:
-        if op not in DATA_CALLS:
-            raise ValueError(f"fail: unknown call {op!r} (one of {', '.join(DATA_CALLS)})")
-        with self._lock:
-            self._failures[op] = (times, error or BackendUnavailableError(f"injected {op} failure"))
-
-    def corrupt_reads(self, *, times: int = 1) -> None:
-        with self._lock:
-            self._corrupt = times
-
-    def hold(self, op: str) -> threading.Event:
-        """Block calls of ``op`` until the returned event is set (or :meth:`release`)."""
-        with self._lock:
-            return self._held.setdefault(op, threading.Event())
-
-    def release(self, op: str) -> None:
-        with self._lock:
-            event = self._held.pop(op, None)
-        if event is not None:
-            event.set()
-
-    def heal(self) -> None:
-        """No more injected failures or corruption."""
-        with self._lock:
-            self._failures.clear()
-            self._corrupt = 0
-
-    def _call(self, op: str, *args: Any) -> Any:
-        with self._lock:
-            self.calls[op] = self.calls.get(op, 0) + 1
-            held = self._held.get(op)
-            times, error = self._failures.get(op, (0, None))
-            if times is None or times > 0:
-                if times is not None:
-                    self._failures[op] = (times - 1, error)
-            else:
-                error = None
-            corrupt = op in ("get_into", "get_batch", "lease_batch") and self._corrupt > 0
-            if corrupt:
-                self._corrupt -= 1
-        if held is not None:
-            held.wait()
-        if error is not None:
-            raise error
-        result = super()._call(op, *args)
-        if corrupt and op == "lease_batch":
-            _corrupt_lease(result)
-        elif corrupt:
-            pages = args[1] if op == "get_into" else None
-            for i, got in enumerate(result):
-                if got is None:
-                    continue
-                if pages is not None:  # get_into: bytes written into the caller's buffer
-                    view = memoryview(pages[i]).cast("B")
-                    view[got // 2] ^= 0xFF
-                else:
-                    page = bytearray(got)
-                    page[len(page) // 2] ^= 0xFF
-                    result[i] = bytes(page)
-        return result
-
-
-def _corrupt_lease(lease: PageLease) -> None:
-    """Flip the middle byte of every leased page: in the lender's memory where it lends in
-    place, else in the lease's copies."""
-    for i, view in enumerate(lease.views):
-        if view is None or view.nbytes == 0:
-            continue
-        offset = lease.offsets[i]
-        if lease.memory is not None and offset is not None:
-            lease.memory[offset + view.nbytes // 2] ^= 0xFF
-        else:
-            page = bytearray(view)
-            page[len(page) // 2] ^= 0xFF
-            lease.views[i] = memoryview(bytes(page))

@@ -27,10 +27,13 @@ def main() -> int:
             if entry.name != "__pycache__":
                 (package / entry.name).symlink_to(entry)
         (package / "backends").symlink_to(ROOT / "backends")
-        modules = [arg for name in CHECKED for arg in ("-p" if name != "compat" else "-m", f"hybrid_offload.{name}")]
+        modules = []
+        for name in CHECKED:  # compat is a module, the others packages
+            modules += ["-m" if name == "compat" else "-p", f"hybrid_offload.{name}"]
         command = [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
                    "--cache-dir", str(ROOT / ".mypy_cache"), *modules]  # fmt: skip
-        done = subprocess.run(command, cwd=tmp, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""})
+        env = {**os.environ, "PYTHONPATH": ""}
+        done = subprocess.run(command, cwd=tmp, capture_output=True, text=True, env=env)
     out = done.stdout.replace("hybrid_offload/backends/", "backends/") + done.stderr
     sys.stdout.write(out)
     return done.returncode

@@ -10,6 +10,9 @@ import pytest
 from hybrid_offload.testing.models import build_model
 from hybrid_offload.testing.services import RedisServer, start_redis_server
 
+# the kit's contract suite (hybrid_offload.testing): pytest's detailed assertion messages there too
+pytest.register_assert_rewrite("hybrid_offload.testing.backend_contract")
+
 ModelFactory = Callable[..., Path]
 
 

@@ -1,7 +1,8 @@
 """``nixl_peer`` backend: cache peer processes holding pages in NIXL-registered memory.
 
 * :mod:`.protocol` - the binary control protocol (HELLO, LOOKUP, GET/RELEASE, ALLOC/COMMIT, ...).
-* :mod:`~hybrid_offload.backends.page_pool` - the peer's page index and pool allocator (LRU, leases, reservations).
+* :mod:`~hybrid_offload.backends.page_pool` - the peer's page index and pool allocator (LRU, leases,
+  reservations).
 * :mod:`.server` - the peer process (``hybrid-offload peer``); :mod:`.connections` bounds its
   connections, :mod:`.exposure` decides where it may listen and confines UCX there.
 * :mod:`.ring` - consistent hashing of keys onto peers.

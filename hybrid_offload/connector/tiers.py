@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 from hybrid_offload.backends.base import Backend, BackendConfigError, BackendError
 from hybrid_offload.backends.health import BackendHealth
@@ -72,7 +73,9 @@ def open_tier(
         raise ConfigError(f"{ROOT}.backends[{index}]: {exc}") from exc
     policy = tier.policy
     health = BackendHealth(tier.name, policy.retry_after_s, policy.retry_after_max_s, clock)
-    return OpenTier(tier, InstrumentedBackend(HealthGatedBackend(backend, health), recorder), health)
+    # wrappers are Backends virtually (Backend.register): the type checker is told so here
+    gated = cast(Backend, HealthGatedBackend(backend, health))
+    return OpenTier(tier, cast(Backend, InstrumentedBackend(gated, recorder)), health)
 
 
 class WorkerRecorder:

@@ -29,13 +29,13 @@ does not know are ignored (a later writer may add fields without a new card vers
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import json
 import math
 import re
 import struct
 import time
-import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 

@@ -2,15 +2,16 @@
 
 Worker side only. Attention layers: vLLM's CPU backend keeps each kernel block as
 ``[kv_heads][block_size][2 * head_size]`` and, with AMX, in a tiled order that differs per
-instruction set. Instead of hard-coding kernel layouts, :func:`probe_attention_layout` writes
+instruction set. Instead of hard-coding kernel layouts, :func:`_attention_layout` writes
 marked K/V through vLLM's own cache-write op once and records where every
 ``(k|v, token, head, dim)`` element lands. Gathers and scatters then use that index map, so
 pages are always ``[token][head][dim]`` whatever the kernel does.
 
 On a GPU (and wherever the format is ``"logical"``) attention tensors are vLLM's logical
 ``[blocks, kv_heads, block_size, 2 * head_size]`` views (K then V in the last axis), in any
-physical order of :mod:`.vllm_layouts`: copies address them through their strides, which also
-works for per-layer views into a cross-layer buffer.
+physical order vLLM 0.32 has (:mod:`hybrid_offload.testing.vllm_layouts` builds them for the
+tests): copies address them through their strides, which also works for per-layer views into a
+cross-layer buffer.
 
 Mamba/GDN layers arrive as int8 page views ``(num_blocks, 1, 1, state_bytes)``; the state
 tensors are packed in the spec's order at the start of each block, padding after them.

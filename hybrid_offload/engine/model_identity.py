@@ -76,15 +76,17 @@ _MAX_LINKS = 40
 
 
 def process_start_ns(pid: int | str = "self") -> int:
-    """When process ``pid`` started (ns since the epoch, the clock of file times): its start in
-    clock ticks since boot (``/proc/<pid>/stat`` field 22) plus the boot time (now less
-    ``CLOCK_BOOTTIME``). Never later than the true start (ticks round down; now is read
-    first). Raises OSError, ValueError or IndexError where ``/proc`` does not say."""
+    """When process ``pid`` started (ns since the epoch, the clock of file times), at the end of
+    the clock tick it started in: its start in ticks since boot (``/proc/<pid>/stat`` field 22),
+    plus one, plus the boot time (now less ``CLOCK_BOOTTIME``). Never earlier than the true
+    start, so a file written just before the process started (a model built, then an engine
+    spawned) is never taken for one changed after it; a file written in the process's first
+    tick (10 ms) counts as before it, which is safe: vLLM reads no weights that early. Raises
+    OSError, ValueError or IndexError where ``/proc`` does not say."""
     text = Path(f"/proc/{pid}/stat").read_text()
     ticks = int(text[text.rindex(")") + 2 :].split()[19])  # fields after "(comm)" start at 3
-    now = time.time_ns()
-    boot = now - time.clock_gettime_ns(time.CLOCK_BOOTTIME)
-    return boot + ticks * 10**9 // os.sysconf("SC_CLK_TCK")
+    boot = time.time_ns() - time.clock_gettime_ns(time.CLOCK_BOOTTIME)
+    return boot + -(-(ticks + 1) * 10**9 // os.sysconf("SC_CLK_TCK"))
 
 
 @dataclass(frozen=True)

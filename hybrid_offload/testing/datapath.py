@@ -1,5 +1,5 @@
 """The data path without vLLM: a hybrid model's KV cache in vLLM 0.32's GPU layouts, and an
-:class:`~hybrid_offload.connector.worker.OffloadWorker` storing and loading requests into it.
+:class:`~hybrid_offload.connector.worker.offload_worker.OffloadWorker` storing and loading requests into it.
 
 Torch alone (no vLLM), so that the same code runs in ``make test`` on CPU and on a GPU machine
 that has no vLLM (``tests/datapath``, ``hybrid-offload bench gpu``). Page jobs are built as the
@@ -23,9 +23,17 @@ from hybrid_offload.connector.worker.offload_worker import OffloadWorker
 from hybrid_offload.core.planner import GPU_HYBRID_ALIGNMENT, HybridOffloadPlanner
 from hybrid_offload.core.spec import GroupKind, GroupSpec, ModelSpec, make_model_spec
 from hybrid_offload.core.tp_shards import Component, TensorSplit
-from hybrid_offload.engine.vllm_layouts import allocate
+from hybrid_offload.testing.vllm_layouts import allocate
 
-__all__ = ["QWEN3_NEXT_80B", "HybridShape", "KVWorld", "fill_random", "kv_bytes_at"]
+__all__ = [
+    "QWEN3_NEXT_80B",
+    "HybridShape",
+    "KVWorld",
+    "SpecWorld",
+    "changed_blocks",
+    "fill_random",
+    "kv_bytes_at",
+]
 
 
 @dataclass(frozen=True)
@@ -116,6 +124,16 @@ def kv_bytes_at(kv: torch.Tensor, table: Sequence[int], block_size: int, tokens:
     return kv.view(torch.uint8)[blocks.to(kv.device), :, (pos % kblock).to(kv.device), :].cpu()
 
 
+def changed_blocks(world: KVWorld, before: torch.Tensor) -> set[int]:
+    """Block ids whose bytes differ from ``before`` (a copy of the raw buffer) in any layer."""
+    out: set[int] = set()
+    for view in world.views.values():
+        now = view.view(torch.int8)
+        then = torch.as_strided(before, now.shape, now.stride(), now.storage_offset())
+        out |= set((now != then).flatten(1).any(1).nonzero().flatten().tolist())
+    return out
+
+
 class KVWorld:
     """One engine's worker over a KV cache allocated as vLLM 0.32 does (``layout``), on
     ``device``, storing to and loading from ``tiers``."""
@@ -184,3 +202,35 @@ class KVWorld:
 
     def close(self) -> None:
         self.worker.shutdown()
+
+
+class SpecWorld(KVWorld):
+    """A :class:`KVWorld` over any :class:`~hybrid_offload.core.spec.ModelSpec`, e.g. one that
+    ``engine.translate`` made from the KV cache config vLLM builds for a model (groups in vLLM's
+    order: Mamba groups may come first), instead of a :class:`HybridShape`. Every group must
+    have one block size (vLLM's ``align`` Mamba cache mode); ``spec.num_blocks`` blocks are
+    allocated. ``hybrid_alignment``: the planner's (:data:`GPU_HYBRID_ALIGNMENT` for the specs of
+    a GPU engine, so that engines at every TP size cut the same chunks); default as
+    :class:`KVWorld` (by the device)."""
+
+    def __init__(
+        self, spec: ModelSpec, layout: str, device: str, tiers: Sequence[BackendConfig], *,
+        hybrid_alignment: int | None = None, staging_pool_bytes: int = 512 << 20,
+    ) -> None:  # fmt: skip
+        device, _, path = device.partition("+")
+        sizes = {g.block_size for g in spec.groups}
+        if len(sizes) != 1:
+            raise ValueError(f"groups of several block sizes {sorted(sizes)}: not a hybrid in align mode")
+        self.device, self.spec = torch.device(device), spec
+        if hybrid_alignment is None:
+            hybrid_alignment = GPU_HYBRID_ALIGNMENT if self.device.type == "cuda" else 0
+        self.planner = HybridOffloadPlanner(spec, hybrid_alignment=hybrid_alignment)
+        self.chunk = self.planner.chunk_tokens
+        self.block_size = sizes.pop()
+        self.raw, self.views = allocate(spec.groups, spec.num_blocks, layout, device)
+        self.worker = OffloadWorker(
+            spec, self.planner, tuple(Tier(b, TierPolicy()) for b in tiers), 1 << 40,
+            load_switch_interval_s=DEFAULT_LOAD_SWITCH_INTERVAL_S, staging_pool_bytes=staging_pool_bytes,
+        )  # fmt: skip
+        self.worker.register_kv_caches(self.views, attention_format="logical",
+                                       device_path=True if path == "gpu-path" else None)  # fmt: skip

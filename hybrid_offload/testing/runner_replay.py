@@ -1,8 +1,9 @@
 """Our worker side driven in the call order of vLLM's model runners, with the KV of a fake model.
 
-vLLM calls a connector's worker hooks in a different order per model runner; Model Runner V2
-is the CUDA default. This replay drives an :class:`~hybrid_offload.connector.worker.offload_worker.OffloadWorker`
-(a :class:`~hybrid_offload.testing.datapath.KVWorld`, torch only, so it runs on a GPU machine
+vLLM calls a connector's worker hooks in a different order per model runner; Model Runner V2 is
+the CUDA default. This replay drives an
+:class:`~hybrid_offload.connector.worker.offload_worker.OffloadWorker` (a
+:class:`~hybrid_offload.testing.datapath.KVWorld`, torch only, so it runs on a GPU machine
 without vLLM) through random steps in one of these orders, hook for hook as
 :class:`~hybrid_offload.connector.HybridOffloadConnector` maps them to the worker:
 

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from backend_contract import key, page
 
 from hybrid_offload.backends import (
     Backend,
@@ -29,9 +28,9 @@ from hybrid_offload.backends import (
     disk_direct,
     disk_segments,
 )
+from hybrid_offload.testing.backend_pages import key, page
 from hybrid_offload.tools.bench.ceilings import drop_tree_cache
 
-HERE = Path(__file__).resolve().parent
 LAYOUTS = ["files", "segments"]
 BLOCK = disk_direct.ALIGN
 
@@ -222,10 +221,9 @@ def test_pages_still_dirty_in_the_page_cache_are_read_as_written(
 
 _CRASH = """
 import os, sys
-sys.path.insert(0, sys.argv[1])
-from backend_contract import key, page
+from hybrid_offload.testing.backend_pages import key, page
 from hybrid_offload.backends import BackendConfig, create_backend, segment_writer
-root, layout, size = sys.argv[2], sys.argv[3], int(sys.argv[4])
+root, layout, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
 backend = create_backend(BackendConfig("disk", "child", 1 << 30, options={"path": root, "layout": layout}))
 assert backend.put_batch([(key(1), page(1, size)), (key(2), page(2, size))]) == [True, True]
 if layout == "segments":  # die after the page bytes are written, before their records
@@ -244,7 +242,7 @@ def test_direct_reads_after_a_writer_crashed_mid_write_see_what_buffered_reads_s
     miss, the same with O_DIRECT (forced) as through the page cache."""
     root, size = tmp_path / "store", 4 * BLOCK
     proc = subprocess.run(
-        [sys.executable, "-c", _CRASH, str(HERE), str(root), layout, str(size)],
+        [sys.executable, "-c", _CRASH, str(root), layout, str(size)],
         capture_output=True,
         text=True,
         timeout=120,

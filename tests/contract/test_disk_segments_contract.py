@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from backend_contract import BackendContract
-
 from hybrid_offload.backends import Backend, BackendConfig, create_backend
+from hybrid_offload.testing.backend_contract import BackendContract
 
 
 class TestDiskSegmentsContract(BackendContract):

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from backend_contract import key, page
 
 from hybrid_offload.backends import (
     BackendClosedError,
@@ -26,17 +25,15 @@ from hybrid_offload.backends import (
 from hybrid_offload.backends.disk_segments import SegmentDiskBackend
 from hybrid_offload.backends.segment_log import PUT, Record, decode, encode
 from hybrid_offload.backends.segment_writer import SegmentWriter
-
-HERE = Path(__file__).resolve().parent
+from hybrid_offload.testing.backend_pages import key, page
 
 _CHILD = """
 import os, sys
-sys.path.insert(0, sys.argv[1])
-from backend_contract import key, page
+from hybrid_offload.testing.backend_pages import key, page
 from hybrid_offload.backends import BackendConfig, create_backend
 from hybrid_offload.backends import segment_writer
-root, command, capacity = sys.argv[2], sys.argv[3], int(sys.argv[5])
-ids = [int(i) for i in sys.argv[4].split(",")]
+root, command, capacity = sys.argv[1], sys.argv[2], int(sys.argv[4])
+ids = [int(i) for i in sys.argv[3].split(",")]
 options = {"path": root, "layout": "segments"}
 backend = create_backend(BackendConfig("disk", "child", capacity, options=options))
 if command == "put":
@@ -50,7 +47,7 @@ backend.close()
 
 
 def run_child(root: Path, command: str, ids: list[int], capacity: int = 1 << 30) -> subprocess.Popen[str]:
-    args = [str(HERE), str(root), command, ",".join(map(str, ids)), str(capacity)]
+    args = [str(root), command, ",".join(map(str, ids)), str(capacity)]
     return subprocess.Popen([sys.executable, "-c", _CHILD, *args], stderr=subprocess.PIPE, text=True)
 
 

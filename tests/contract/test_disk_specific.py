@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from backend_contract import key, page
 from disk_pages import make_disk, page_path
 
 from hybrid_offload.backends import (
@@ -26,16 +25,14 @@ from hybrid_offload.backends import (
     create_backend,
 )
 from hybrid_offload.backends.disk import DiskBackend
-
-HERE = Path(__file__).resolve().parent
+from hybrid_offload.testing.backend_pages import key, page
 
 # A separate process using the backend on the same path: put, delete, or crash mid-put.
 _CHILD = """
 import os, sys
-sys.path.insert(0, sys.argv[1])
-from backend_contract import key, page
+from hybrid_offload.testing.backend_pages import key, page
 from hybrid_offload.backends import BackendConfig, create_backend
-root, command, ids = sys.argv[2], sys.argv[3], [int(i) for i in sys.argv[4].split(",")]
+root, command, ids = sys.argv[1], sys.argv[2], [int(i) for i in sys.argv[3].split(",")]
 backend = create_backend(BackendConfig("disk", "child", 1 << 30, options={"path": root}))
 if command == "put":
     assert backend.put_batch([(key(i), page(i, 1000 + i)) for i in ids]) == [True] * len(ids)
@@ -49,7 +46,7 @@ backend.close()
 
 
 def run_child(root: Path, command: str, ids: list[int]) -> subprocess.Popen[str]:
-    args = [str(HERE), str(root), command, ",".join(map(str, ids))]
+    args = [str(root), command, ",".join(map(str, ids))]
     proc = subprocess.Popen(
         [sys.executable, "-c", _CHILD, *args], stderr=subprocess.PIPE, text=True
     )

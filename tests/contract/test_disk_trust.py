@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 import yaml
-from backend_contract import key, page
 from disk_pages import make_disk, page_path
 
 from hybrid_offload.backends import BackendConfigError, BackendUnavailableError, create_backend
 from hybrid_offload.backends.disk import DiskBackend
 from hybrid_offload.connector.config import parse_offload_config
+from hybrid_offload.testing.backend_pages import key, page
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = HERE.parents[1] / "configs"
@@ -224,10 +224,9 @@ def test_shipped_disk_configs_use_a_private_per_user_directory(
 # then puts ``count`` pages of ``size`` bytes, ``batch`` at a time, checking nothing.
 _WRITER = """
 import sys
-sys.path.insert(0, sys.argv[1])
-from backend_contract import key, page
+from hybrid_offload.testing.backend_pages import key, page
 from hybrid_offload.backends import BackendConfig, create_backend
-root, capacity, first, count, size, batch = sys.argv[2], *map(int, sys.argv[3:8])
+root, capacity, first, count, size, batch = sys.argv[1], *map(int, sys.argv[2:7])
 backend = create_backend(BackendConfig("disk", "writer", capacity, options={"path": root}))
 print("ready", flush=True)
 sys.stdin.readline()
@@ -242,7 +241,7 @@ backend.close()
 def _writers(root: Path, capacity: int, count: int, size: int, batch: int, n: int = 2) -> list[str]:
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _WRITER, str(HERE), str(root),
+            [sys.executable, "-c", _WRITER, str(root),
              *map(str, (capacity, w * count, count, size, batch))],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
@@ -369,7 +368,7 @@ def test_crash_between_record_and_rename_leaves_the_record_high_not_low(tmp_path
     with make_disk(root) as backend:
         backend.put_batch([(key(0), page(0, 1000))])
     proc = subprocess.run(
-        [sys.executable, "-c", _CRASHER, str(HERE), str(root)], capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", _CRASHER, str(root)], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 3, proc.stderr
     assert page_bytes(root) == 1000
@@ -380,10 +379,9 @@ def test_crash_between_record_and_rename_leaves_the_record_high_not_low(tmp_path
 
 _CRASHER = """
 import os, sys
-sys.path.insert(0, sys.argv[1])
-from backend_contract import key, page
+from hybrid_offload.testing.backend_pages import key, page
 from hybrid_offload.backends import BackendConfig, create_backend
-backend = create_backend(BackendConfig("disk", "crasher", 1 << 30, options={"path": sys.argv[2]}))
+backend = create_backend(BackendConfig("disk", "crasher", 1 << 30, options={"path": sys.argv[1]}))
 os.replace = lambda *args, **kwargs: os._exit(3)  # die after the record is raised
 backend.put_batch([(key(1), page(1, 2000))])
 """

@@ -14,9 +14,8 @@ import pytest
 pytest.importorskip(
     "lmcache", reason="LMCache is not installed: run scripts/install_lmcache.sh (no CUDA deps)"
 )
-from backend_contract import BackendContract
-
 from hybrid_offload.backends import Backend, BackendConfig, create_backend
+from hybrid_offload.testing.backend_contract import BackendContract
 from hybrid_offload.testing.services import RedisServer
 
 # LMCache's loggers attach opentelemetry's deprecated LoggingHandler: not ours to fix.

@@ -25,8 +25,6 @@ pytest.importorskip(
     "lmcache", reason="LMCache is not installed: run scripts/install_lmcache.sh (no CUDA deps)"
 )
 import redis
-from backend_contract import key, page
-from deadlines import FAILS_FAST_S, LONG_TIMEOUT_S, takes_less_than, within
 
 from hybrid_offload.backends import (
     BackendConfig,
@@ -35,6 +33,8 @@ from hybrid_offload.backends import (
     create_backend,
 )
 from hybrid_offload.backends.lmcache import LMCacheBackend
+from hybrid_offload.testing.backend_pages import key, page
+from hybrid_offload.testing.deadlines import FAILS_FAST_S, LONG_TIMEOUT_S, takes_less_than, within
 from hybrid_offload.testing.services import RedisServer, free_port, start_redis_server
 
 # LMCache's loggers attach opentelemetry's deprecated LoggingHandler: not ours to fix.
@@ -465,10 +465,9 @@ def test_the_remote_password_comes_from_a_file_and_is_never_shown(tmp_path: Path
 _CONNECT_AND_LOG = """
 import logging, sys
 logging.basicConfig(level=logging.DEBUG, stream=sys.stderr)  # our loggers and redis-py's too
-sys.path.insert(0, sys.argv[1])
-from backend_contract import key
+from hybrid_offload.testing.backend_pages import key
 from hybrid_offload.backends import BackendConfig, create_backend
-url, cluster_url, sentinel_url, password_file = sys.argv[2:6]
+url, cluster_url, sentinel_url, password_file = sys.argv[1:5]
 password = open(password_file).read().strip()
 options = {"password_file": password_file, "close_timeout_s": 0.3, "namespace": "n11"}
 backend = create_backend(BackendConfig("lmcache", "n11", 1 << 20, options={"remote_url": url, **options}))
@@ -506,7 +505,7 @@ def test_lmcache_never_logs_the_remote_password(tmp_path: Path) -> None:
         sentinel_url = f"redis-sentinel://127.0.0.1:{free_port()}"
         env = {**os.environ, "LMCACHE_LOG_LEVEL": "DEBUG"}
         result = subprocess.run(
-            [sys.executable, "-c", _CONNECT_AND_LOG, str(Path(__file__).parent),
+            [sys.executable, "-c", _CONNECT_AND_LOG,
              f"redis://{host_port}", cluster_url, sentinel_url, str(secret)],
             capture_output=True, text=True, timeout=120, check=False, env=env,
         )  # fmt: skip

@@ -12,9 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from backend_contract import BackendContract
 
 from hybrid_offload.backends import Backend, BackendConfig, create_backend
+from hybrid_offload.testing.backend_contract import BackendContract
 from hybrid_offload.testing.services import PeerProcess, start_peer
 
 

@@ -16,8 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from backend_contract import key, page
-from deadlines import FAILS_FAST_S, LONG_TIMEOUT_S, takes_less_than, wait_until, within
 
 from hybrid_offload.backends import (
     BackendConfig,
@@ -37,6 +35,8 @@ from hybrid_offload.backends.nixl_peer.auth import (
 from hybrid_offload.backends.nixl_peer.connections import Connection, ConnectionTable, Limits
 from hybrid_offload.backends.nixl_peer.exposure import check_bind, interface_of, is_loopback
 from hybrid_offload.backends.page_pool import ALIGN, ExtentAllocator, NotOwnedError, PageIndex
+from hybrid_offload.testing.backend_pages import key, page
+from hybrid_offload.testing.deadlines import FAILS_FAST_S, LONG_TIMEOUT_S, takes_less_than, wait_until, within
 from hybrid_offload.testing.services import PeerFactory
 
 MiB = 1 << 20

@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from backend_contract import key, page
-from deadlines import wait_until
 
 from hybrid_offload.backends import BackendConfig, BackendConfigError, BackendUnavailableError, create_backend
 from hybrid_offload.backends.nixl_peer import protocol as p
 from hybrid_offload.backends.nixl_peer.auth import NONCE_BYTES, RawChannel, raw_handshake
+from hybrid_offload.testing.backend_pages import key, page
+from hybrid_offload.testing.deadlines import wait_until
 from hybrid_offload.testing.services import PeerFactory
 from hybrid_offload.testing.services.peer import READY
 

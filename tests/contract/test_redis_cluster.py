@@ -14,12 +14,13 @@ from typing import Any
 import pytest
 import redis
 import redis.cluster
-from backend_contract import BackendContract, key, page
-from deadlines import takes_less_than, wait_until, within
 from redis.crc import key_slot
 
 from hybrid_offload.backends import Backend, BackendConfig, BackendUnavailableError, create_backend
 from hybrid_offload.backends.redis import RedisBackend, RedisClusterBackend
+from hybrid_offload.testing.backend_contract import BackendContract
+from hybrid_offload.testing.backend_pages import key, page
+from hybrid_offload.testing.deadlines import takes_less_than, wait_until, within
 from hybrid_offload.testing.services import RedisCluster, start_redis_cluster
 
 

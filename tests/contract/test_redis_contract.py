@@ -11,9 +11,9 @@ import uuid
 from pathlib import Path
 
 import pytest
-from backend_contract import BackendContract
 
 from hybrid_offload.backends import Backend, BackendConfig, create_backend
+from hybrid_offload.testing.backend_contract import BackendContract
 from hybrid_offload.testing.services import RedisServer
 
 

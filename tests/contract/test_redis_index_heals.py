@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 import redis
-from backend_contract import key, page
 
 from hybrid_offload.backends import BackendConfig, create_backend
 from hybrid_offload.backends import redis_index as index_module
 from hybrid_offload.backends.redis import RedisBackend
+from hybrid_offload.testing.backend_pages import key, page
 from hybrid_offload.testing.services import RedisServer, start_redis_server
 
 KiB = 1 << 10

@@ -16,8 +16,6 @@ from typing import Any
 
 import pytest
 import redis
-from backend_contract import key, page
-from deadlines import takes_less_than, wait_until, within
 
 from hybrid_offload.backends import (
     BackendConfig,
@@ -26,9 +24,10 @@ from hybrid_offload.backends import (
     create_backend,
 )
 from hybrid_offload.backends.redis import RedisBackend
+from hybrid_offload.testing.backend_pages import key, page
+from hybrid_offload.testing.deadlines import takes_less_than, wait_until, within
 from hybrid_offload.testing.services import RedisServer, free_port, start_redis_server
 
-HERE = Path(__file__).resolve().parent
 KiB = 1 << 10
 MiB = 1 << 20
 
@@ -442,10 +441,9 @@ def test_a_writer_raising_the_rebuild_flag_costs_one_scan_a_minute(
 
 _DIES_BEFORE_ACCOUNTING = """
 import os, sys
-sys.path.insert(0, sys.argv[1])
-from backend_contract import key, page
+from hybrid_offload.testing.backend_pages import key, page
 from hybrid_offload.backends import BackendConfig, create_backend
-options = {"url": sys.argv[2], "prefix": sys.argv[3]}
+options = {"url": sys.argv[1], "prefix": sys.argv[2]}
 backend = create_backend(BackendConfig("redis", "child", 1 << 20, options=options))
 backend._index.account = lambda *args: os._exit(17)  # dies between SET and accounting
 backend.put_batch([(key(1), page(1, 1000))])
@@ -458,7 +456,7 @@ def test_a_page_whose_accounting_never_ran_expires(server: RedisServer) -> None:
     with make_redis(server.url, capacity=MiB) as backend:
         prefix = backend.config.options["prefix"]
         child = subprocess.run(
-            [sys.executable, "-c", _DIES_BEFORE_ACCOUNTING, str(HERE), server.url, prefix],
+            [sys.executable, "-c", _DIES_BEFORE_ACCOUNTING, server.url, prefix],
             capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
         assert child.returncode == 17, child.stderr
@@ -610,10 +608,9 @@ def test_pipelines_carry_at_most_max_batch_bytes(
 
 _CHILD = """
 import sys
-sys.path.insert(0, sys.argv[1])
-from backend_contract import key, page
+from hybrid_offload.testing.backend_pages import key, page
 from hybrid_offload.backends import BackendConfig, create_backend
-url, prefix, command = sys.argv[2], sys.argv[3], sys.argv[4]
+url, prefix, command = sys.argv[1], sys.argv[2], sys.argv[3]
 options = {"url": url, "prefix": prefix}
 with create_backend(BackendConfig("redis", "child", 4000, options=options)) as backend:
     if command == "put3-get0":
@@ -628,7 +625,7 @@ def test_two_processes_share_capacity_and_lru(server: RedisServer) -> None:
         prefix = backend.config.options["prefix"]
         backend.put_batch([(key(i), page(i, 1000)) for i in range(3)])
         child = subprocess.run(
-            [sys.executable, "-c", _CHILD, str(HERE), server.url, prefix, "put3-get0"],
+            [sys.executable, "-c", _CHILD, server.url, prefix, "put3-get0"],
             capture_output=True,
             text=True,
             timeout=60,

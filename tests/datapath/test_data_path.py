@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hybrid_offload.backends import BackendConfig
-from hybrid_offload.testing.datapath import HybridShape, KVWorld, fill_random, kv_bytes_at
+from hybrid_offload.testing.datapath import HybridShape, KVWorld, changed_blocks, fill_random, kv_bytes_at
 
 DEVICES = [
     "cpu",
@@ -47,16 +47,6 @@ def tables(world: KVWorld, n: int) -> tuple[list[int], list[int]]:
     need = -(-n // world.block_size)
     order = torch.randperm(2 * need, generator=torch.Generator().manual_seed(n)) + 1
     return order[:need].tolist(), order[need:].tolist()
-
-
-def changed_blocks(world: KVWorld, before: torch.Tensor) -> set[int]:
-    """Block ids whose bytes differ from ``before`` (a copy of the raw buffer) in any layer."""
-    out: set[int] = set()
-    for view in world.views.values():
-        now = view.view(torch.int8)
-        then = torch.as_strided(before, now.shape, now.stride(), now.storage_offset())
-        out |= set((now != then).flatten(1).any(1).nonzero().flatten().tolist())
-    return out
 
 
 def assert_same_kv(src: KVWorld, src_table: list[int], dst: KVWorld, dst_table: list[int], n: int,

@@ -2,9 +2,9 @@
 
 * cpu (weight 1.0) + disk (0.5): a document loads from cpu while cpu holds it, and from disk
   once cpu evicted it (a second document pushed it out of cpu's small capacity).
-* ``adaptive``: an artificially slowed tier (weight 1.0; ``tests/slow_backend.py``, loaded by
-  module path) next to a cpu tier (0.8): after one slow load and one probe of the other tier,
-  the slowed tier gets no more traffic.
+* ``adaptive``: an artificially slowed tier (weight 1.0; a cpu pool in the test kit's
+  ``FaultyBackend``, configured by class path, its loads delayed) next to a cpu tier (0.8):
+  after one slow load and one probe of the other tier, the slowed tier gets no more traffic.
 
 vLLM's own prefix cache is reset before every request, so hits come only from the connector.
 Every pass must give the greedy tokens of pass 0 (computed without any hit).
@@ -12,7 +12,6 @@ Every pass must give the greedy tokens of pass 0 (computed without any hit).
 
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 from typing import Any
@@ -20,12 +19,12 @@ from typing import Any
 import pytest
 from engine_runs import CHUNK_TOKENS, shared_prefix_prompts, tokens
 
+from hybrid_offload.testing.faulty import FAULTY
 from hybrid_offload.testing.session import run_session_subprocess
 
 pytestmark = pytest.mark.e2e
 
 ARCH = "falcon_h1"
-TESTS_DIR = Path(__file__).resolve().parents[1]
 #: cpu capacity that holds one falcon_h1 test document (3 attention pages of 128 tokens + Mamba
 #: states) but not two: a document is 545,920 bytes where vLLM's CPU block is 256 tokens (AVX2)
 #: and 676,480 where it is 384 (AVX-512); the test checks this on what it stored
@@ -77,14 +76,13 @@ def test_adaptive_moves_traffic_away_from_a_slowed_tier(model_dir) -> None:
         # busy machine, and "slow" would then rightly be probed again
         "adaptive_forget_s": 3600,
         "backends": [
-            {"type": "slow_backend:SlowCpuBackend", "name": "slow", "delay_s": 0.5, "load_weight": 1.0},
+            {"type": FAULTY, "name": "slow", "inner": {"type": "cpu"}, "load_weight": 1.0,
+             "delay_s": {"get_into": 0.5, "lease_batch": 0.5}},
             {"type": "cpu", "name": "fast", "load_weight": 0.8},
         ],
     }
-    pythonpath = os.pathsep.join(p for p in (str(TESTS_DIR), os.environ.get("PYTHONPATH", "")) if p)
     result = run_session_subprocess(
-        {**base_spec(model_dir(ARCH)), "prompts": prompts, "connector": connector, "passes": 3},
-        env={"PYTHONPATH": pythonpath},
+        {**base_spec(model_dir(ARCH)), "prompts": prompts, "connector": connector, "passes": 3}
     )
     per_pass = [loaded(result, i) for i in range(3)]
     aligned = result["passes"][1]["scheduler"]["aligned_prompt_tokens"]

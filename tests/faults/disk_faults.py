@@ -14,7 +14,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +96,13 @@ class SessionProcess:
                 stderr=subprocess.STDOUT,
             )
 
+    def running(self, before: str) -> bool:
+        """True while the session runs; once it exited, ``AssertionError`` naming ``before``
+        (a :func:`~hybrid_offload.testing.deadlines.wait_until` condition gives up with it)."""
+        if self.proc.poll() is not None:
+            raise AssertionError(f"session exited ({self.proc.returncode}) before {before}")
+        return True
+
     def kill9(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=60)
@@ -109,13 +115,3 @@ class SessionProcess:
         result = json.loads(self.out.read_text())
         result["log"] = log
         return result
-
-
-def wait_until(predicate: Any, what: str, timeout: float = 300.0, proc: SessionProcess | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if proc is not None and proc.proc.poll() is not None:
-            raise AssertionError(f"session exited ({proc.proc.returncode}) before {what}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)

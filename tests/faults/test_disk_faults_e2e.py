@@ -38,11 +38,11 @@ from disk_faults import (
     page_files,
     temp_files,
     undecodable,
-    wait_until,
 )
 from engine_runs import hit_rate, release_pass, tokens, wait_for_pass
 
 from hybrid_offload.core.model_card import is_card_key
+from hybrid_offload.testing.deadlines import wait_until
 from hybrid_offload.testing.services import start_redis_server
 from hybrid_offload.testing.session import run_session_subprocess
 
@@ -177,7 +177,8 @@ def test_engine_killed_during_stores_leaves_no_partial_page_and_restarts_with_hi
     root = tmp_path / "disk"
     connector = {"backends": [disk_backend(root, fsync=True)]}
     victim = SessionProcess(spec(model, connector), tmp_path / "victim")
-    wait_until(lambda: len(page_files(root)) >= 2 * PAGES_PER_PROMPT, "stores", proc=victim)
+    wait_until(lambda: victim.running("stores") and len(page_files(root)) >= 2 * PAGES_PER_PROMPT, "stores",
+               timeout_s=300)
     victim.kill9()
     assert undecodable(disk_blobs(root)) == {}, "a partial page is visible"
 

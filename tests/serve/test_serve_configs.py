@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import json
 import random
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ import pytest
 from engine_runs import CHUNK_TOKENS, VOCAB
 
 from hybrid_offload.core.secrets import create_secret_file
+from hybrid_offload.testing.deadlines import wait_until
 from hybrid_offload.testing.services import (
     Metrics,
     ServeProcess,
@@ -177,15 +177,15 @@ def settle_stores(server: ServeProcess, backends: set[str], pages: int, timeout:
     itself), and one more runs after the counters are there: the scheduler's view of a tier
     private to the worker (``cpu``) travels with the same reports.
     """
-    deadline = time.monotonic() + timeout
-    while True:
+    stored: dict[str, float] = {}
+
+    def reported() -> bool:
         greedy(server, [5, 6, 7, 8], max_tokens=1)
-        stored = {b: server.metrics().total(OUR_STORED_PAGES, backend=b) for b in backends}
-        if all(n >= pages for n in stored.values()):
-            break
-        if time.monotonic() > deadline:
-            raise AssertionError(f"stores not reported after {timeout:.0f}s: {stored}, want {pages} each")
-        time.sleep(0.2)
+        stored.update({b: server.metrics().total(OUR_STORED_PAGES, backend=b) for b in backends})
+        return all(n >= pages for n in stored.values())
+
+    wait_until(reported, lambda: f"stores reported ({stored}, want {pages} each)", timeout_s=timeout,
+               poll_s=0.2)  # fmt: skip
     greedy(server, [5, 6, 7, 8], max_tokens=1)
 
 

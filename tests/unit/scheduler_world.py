@@ -1,21 +1,22 @@
 """The scheduler-side unit tests' world: fake vLLM requests and scheduler outputs
 (``FakeRequest``, ``step``), ``World`` (a planner plus an OffloadScheduler over real backends)
-and ``FlakyDiskBackend`` (a disk backend whose lookups fail on demand)."""
+and ``flaky_disk`` (a disk tier in the test kit's ``FaultyBackend``: ``World.faulty``)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from hybrid_offload.backends import BackendConfig, create_backend, register_backend
-from hybrid_offload.backends.disk import DiskBackend
+from hybrid_offload.backends import BackendConfig, create_backend
 from hybrid_offload.connector.config import Tier, TierPolicy
 from hybrid_offload.connector.metadata import LoadJob, OffloadMetadata, OffloadWorkerMetadata
 from hybrid_offload.connector.scheduler.offload_scheduler import OffloadScheduler
 from hybrid_offload.core.planner import HybridOffloadPlanner
 from hybrid_offload.core.spec import GroupKind, GroupSpec, ModelSpec, make_model_spec
+from hybrid_offload.testing.faulty import FaultyBackend, faulty_config, faulty_in
 
 ATTN, MAMBA = 0, 1
 
@@ -126,6 +127,12 @@ class World:
         self.configs = {t.name: t.backend for t in tiers}
         self._writers: dict[str, Any] = {}
 
+    def faulty(self, name: str) -> FaultyBackend:
+        """The fault-injecting wrapper of the scheduler's tier ``name`` (see :func:`flaky_disk`)."""
+        (view,) = (v for v in self.sched.views if v.name == name)
+        assert view.opened is not None, f"tier {name!r} is not opened in the scheduler (not shared)"
+        return faulty_in(view.opened.backend)
+
     def complete(self, meta: OffloadMetadata) -> None:
         """Report what a worker would after ``meta``: stores and commits done (cpu pages
         visible in the mirror)."""
@@ -179,18 +186,7 @@ def start_load(w: World, req: FakeRequest, computed: int, tables: tuple[list[int
     return meta.loads[0]
 
 
-class FlakyDiskBackend(DiskBackend):
-    """A disk backend whose lookups fail while ``FlakyDiskBackend.error`` is set."""
-
-    type_name = "test_flaky_disk"
-    error: Exception | None = None
-    lookups = 0
-
-    def _contains_batch(self, keys):  # type: ignore[no-untyped-def]
-        FlakyDiskBackend.lookups += 1
-        if FlakyDiskBackend.error is not None:
-            raise FlakyDiskBackend.error
-        return super()._contains_batch(keys)
-
-
-register_backend("test_flaky_disk", FlakyDiskBackend)
+def flaky_disk(root: Path, name: str = "redis") -> BackendConfig:
+    """A disk backend (a shared index, as Redis's) whose calls a test makes fail
+    (``World.faulty(name).fail(...)``)."""
+    return faulty_config(BackendConfig("disk", name, 1 << 30, options={"path": str(root)}))

@@ -1,9 +1,8 @@
-"""The backend wrappers: the health gate, the instruments, fault injection, and how a tier is
-opened (what happens when a backend fails, in one place)."""
+"""The backend wrappers: the health gate, the instruments, and how a tier is opened (what happens
+when a backend fails, in one place); failures come from the test kit's ``FaultyBackend``."""
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import pytest
@@ -15,7 +14,6 @@ from hybrid_offload.backends.retention import Retention
 from hybrid_offload.backends.wrappers import (
     USAGE_SAMPLE_S,
     BackendSkippedError,
-    FaultInjectingBackend,
     HealthGatedBackend,
     InstrumentedBackend,
     unwrap,
@@ -23,6 +21,7 @@ from hybrid_offload.backends.wrappers import (
 from hybrid_offload.connector.config import ROOT, ConfigError, Tier, TierPolicy
 from hybrid_offload.connector.tiers import SchedulerRecorder, WorkerRecorder, open_tier
 from hybrid_offload.core.metrics import Locked, SchedulerCounters, WorkerCounters
+from hybrid_offload.testing.faulty import FaultyBackend
 
 KEY = "0123abcd-" + "0" * 32
 OTHER = "0123abcd-" + "1" * 32
@@ -57,7 +56,7 @@ def cpu(capacity: int = 1 << 20) -> CpuBackend:
 
 def test_wrappers_are_backends_and_unwrap() -> None:
     inner = cpu()
-    outer = InstrumentedBackend(FaultInjectingBackend(inner), Recorder())
+    outer = InstrumentedBackend(FaultyBackend(inner), Recorder())
     assert isinstance(outer, Backend) and unwrap(outer) is inner
     assert (outer.name, outer.type_name, outer.shared_index) == ("pool", "cpu", False)
     assert outer.stats is inner.stats
@@ -66,7 +65,7 @@ def test_wrappers_are_backends_and_unwrap() -> None:
 
 def test_health_gate_backs_off_after_a_failure_then_probes() -> None:
     clock = [0.0]
-    faulty = FaultInjectingBackend(cpu())
+    faulty = FaultyBackend(cpu())
     gated = HealthGatedBackend(faulty, BackendHealth("pool", 1.0, 8.0, lambda: clock[0]))
     faulty.fail("put_batch")
     with pytest.raises(BackendUnavailableError):
@@ -91,7 +90,7 @@ def test_health_gate_ignores_the_callers_mistakes() -> None:
 def test_instruments_time_count_and_sample_usage() -> None:
     ticks = iter([0.0, 0.25, 0.5, 0.5 + USAGE_SAMPLE_S / 2, 10.0, 10.5])
     recorder = Recorder()
-    faulty = FaultInjectingBackend(cpu())
+    faulty = FaultyBackend(cpu())
     backend = InstrumentedBackend(faulty, recorder, clock=lambda: next(ticks))
     backend.put_batch([(KEY, b"page")])
     backend.contains_batch([KEY])  # within USAGE_SAMPLE_S: used_bytes is not read again
@@ -138,41 +137,6 @@ def test_a_skipped_call_is_counted_as_skipped_not_timed() -> None:
     assert recorder.events == [("skipped", "contains_batch")]
 
 
-def test_fault_injection_corrupts_reads_and_holds_calls() -> None:
-    faulty = FaultInjectingBackend(cpu())
-    faulty.put_batch([(KEY, b"abcdef")])
-    faulty.corrupt_reads(times=1)
-    buf = bytearray(6)
-    assert faulty.get_into([KEY], [memoryview(buf)]) == [6] and buf != bytearray(b"abcdef")
-    assert faulty.get_batch([KEY]) == [b"abcdef"]  # once only
-
-    lent = faulty.lease_batch([KEY])  # not corrupting any more: the page as stored
-    assert [bytes(v) for v in lent.views if v is not None] == [b"abcdef"]
-    lent.release()
-    faulty.corrupt_reads(times=1)  # a lease in place corrupts the page where it is kept
-    lent = faulty.lease_batch([KEY])
-    assert lent.views[0] is not None and bytes(lent.views[0]) != b"abcdef"
-    lent.release()
-    assert faulty.get_batch([KEY]) != [b"abcdef"]  # the arena's own byte stays flipped
-
-    held = faulty.hold("contains_batch")
-    answers: list[list[bool]] = []
-    caller = threading.Thread(target=lambda: answers.append(faulty.contains_batch([KEY])))
-    caller.start()
-    assert not held.wait(0) and answers == []
-    faulty.release("contains_batch")
-    caller.join(30)
-    assert answers == [[True]]
-    faulty.fail("delete_batch", times=None)
-    for _ in range(3):
-        with pytest.raises(BackendUnavailableError):
-            faulty.delete_batch([KEY])
-    faulty.heal()
-    assert faulty.delete_batch([KEY]) == 1
-    with pytest.raises(ValueError, match="unknown call 'scan'"):
-        faulty.fail("scan")
-
-
 def test_open_tier_puts_the_instruments_over_the_health_gate() -> None:
     clock = [0.0]
     tier = Tier(BackendConfig("cpu", "pool", 1 << 20), TierPolicy(retry_after_s=2.0, retry_after_max_s=4.0))
@@ -193,7 +157,7 @@ def test_worker_and_scheduler_count_failures_their_own_way() -> None:
     the scheduler counts a failed lookup as ``unavailable`` (that request missed the tier)."""
     worker_stats, sched_stats = Locked(WorkerCounters()), Locked(SchedulerCounters())
     for recorder in (WorkerRecorder(worker_stats), SchedulerRecorder(sched_stats)):
-        faulty = FaultInjectingBackend(cpu())
+        faulty = FaultyBackend(cpu())
         health = BackendHealth("pool", 1.0, 8.0, lambda: 0.0)
         backend = InstrumentedBackend(HealthGatedBackend(faulty, health), recorder)
         faulty.fail("contains_batch")

@@ -13,18 +13,18 @@ from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from scheduler_world import (
     FakeRequest,
-    FlakyDiskBackend,
     cpu_config,
+    flaky_disk,
     make_spec,
     prompt,
     start_load,
 )
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging, KVConnectorProm
-from worker_world import MAMBA, attn_page_len, cpu, first_page_len, load_job, stored_world
+from worker_world import MAMBA, attn_page_len, cpu, first_page_len, load_job, stored_world, unavailable
 from worker_world import make_spec as make_worker_spec
 
-from hybrid_offload.backends import BackendConfig, BackendUnavailableError
+from hybrid_offload.backends import BackendUnavailableError
 from hybrid_offload.connector import HybridOffloadConnector
 from hybrid_offload.connector.metadata import StoreJob
 from hybrid_offload.connector.prometheus import HybridOffloadPromMetrics, HybridOffloadStats
@@ -232,15 +232,11 @@ def test_scheduler_counts_lookups_hits_misses_groups_and_loads(worlds) -> None:
 
 
 def test_scheduler_counts_lookup_errors_and_skips(worlds, tmp_path: Path) -> None:
-    flaky = BackendConfig("test_flaky_disk", "redis", 1 << 30, options={"path": str(tmp_path / "r")})
-    w = worlds(make_spec(8, 8), 8, backends=(cpu_config(), flaky))
+    w = worlds(make_spec(8, 8), 8, backends=(cpu_config(), flaky_disk(tmp_path / "r")))
     delta = StatsDelta(w.sched.stats)
-    FlakyDiskBackend.error = BackendUnavailableError("down")
-    try:
-        w.sched.get_num_new_matched_tokens(FakeRequest("r1", prompt(28)), 0)
-        w.sched.get_num_new_matched_tokens(FakeRequest("r2", prompt(28)), 0)  # skipped: backing off
-    finally:
-        FlakyDiskBackend.error = None
+    w.faulty("redis").fail("contains_batch", times=None)
+    w.sched.get_num_new_matched_tokens(FakeRequest("r1", prompt(28)), 0)
+    w.sched.get_num_new_matched_tokens(FakeRequest("r2", prompt(28)), 0)  # skipped: backing off
     w.sched.refresh_gauges()
     redis = delta.take()["backends"]["redis"]
     assert redis["errors"] == {"lookup": 1, "skipped": 1}
@@ -268,13 +264,12 @@ def test_worker_counts_stores_loads_latency_usage_and_evictions(world) -> None:
 
 
 def test_worker_counts_errors_by_kind(world) -> None:
-    flaky = BackendConfig("test_unavailable", "flaky", 1 << 30)
-    w, pages, _ = stored_world(world, flaky)
+    w, pages, _ = stored_world(world, unavailable("flaky"))
     delta = StatsDelta(w.worker.stats)
     w.backend("flaky").delete_batch([pages[0].key])
     w.worker.start_loads([load_job((pages[0],), "flaky", "missing")])
     assert w.finish("missing") == ({"missing"}, {"missing"})
-    w.backend("flaky").error = BackendUnavailableError("down")
+    w.faulty("flaky").fail(times=None, error=BackendUnavailableError("down"))
     w.worker.start_loads([load_job((pages[1],), "flaky", "down")])
     assert w.finish("down") == ({"down"}, {"down"})
     w.worker.copy_out([StoreJob(pages[1], ("flaky",))])  # skipped: backing off
@@ -305,15 +300,14 @@ def test_worker_counts_store_batches_that_fail_unexpectedly(world, caplog) -> No
     """A store batch that raises something no backend should (a bug, not a BackendError) is
     logged and counted (``store_batch_errors``, exported as
     hybrid_offload_store_batch_errors_total); the store thread goes on storing."""
-    flaky = BackendConfig("test_unavailable", "flaky", 1 << 30)
-    w, pages, _ = stored_world(world, flaky)
+    w, pages, _ = stored_world(world, unavailable("flaky"))
     delta = StatsDelta(w.worker.stats)
-    w.backend("flaky").error = RuntimeError("a bug in a backend")
+    w.faulty("flaky").fail(times=None, error=RuntimeError("a bug in a backend"))
     w.worker.copy_out([StoreJob(pages[0], ("flaky",))])
     w.worker.flush(10)
     assert "store batch failed" in caplog.text
     assert delta.take()["counters"]["store_batch_errors"] == 1
-    w.backend("flaky").error = None
+    w.faulty("flaky").heal()
     w.worker.copy_out([StoreJob(pages[1], ("flaky",))])  # the store thread survived
     w.worker.flush(10)
     assert delta.take()["backends"]["flaky"]["counters"]["stored_pages"] == 1

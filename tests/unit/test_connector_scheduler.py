@@ -20,9 +20,9 @@ from scheduler_world import (
     ATTN,
     MAMBA,
     FakeRequest,
-    FlakyDiskBackend,
     World,
     cpu_config,
+    flaky_disk,
     make_spec,
     new_req,
     prompt,
@@ -31,7 +31,7 @@ from scheduler_world import (
     tier,
 )
 
-from hybrid_offload.backends import BackendConfig, BackendUnavailableError
+from hybrid_offload.backends import BackendConfig
 from hybrid_offload.connector.config import Tier
 from hybrid_offload.connector.metadata import (
     ClearRange,
@@ -760,32 +760,30 @@ def test_disk_lookup_sees_pages_written_by_another_process(worlds, tmp_path: Pat
 
 
 def test_unavailable_shared_backend_is_skipped_while_down_then_used_again(worlds, tmp_path: Path) -> None:
-    flaky = tier(BackendConfig("test_flaky_disk", "redis", 1 << 30, options={"path": str(tmp_path / "r")}),
-                 retry_after_s=1.0, retry_after_max_s=8.0, load_weight=2.0)  # asked even when cpu holds all
+    flaky = tier(flaky_disk(tmp_path / "r"), retry_after_s=1.0, retry_after_max_s=8.0,
+                 load_weight=2.0)  # asked even when cpu holds all
     w = worlds(make_spec(8, 8), 8, backends=(cpu_config(), flaky))
     clock = w.clock  # the scheduler's clock drives the backoff
-    view = w.sched.views[1]
+    view, faulty = w.sched.views[1], w.faulty("redis")
     tokens = prompt(28)
     w.hold("redis", w.chunk_keys(tokens, range(3)))
-    FlakyDiskBackend.error, FlakyDiskBackend.lookups = BackendUnavailableError("down"), 0
-    try:
-        assert w.sched.get_num_new_matched_tokens(FakeRequest("r1", tokens), 0) == (0, False)
-        assert view.health.is_down and FlakyDiskBackend.lookups == 1
-        assert w.sched.stats.snapshot()["backends"]["redis"]["unavailable"] == 1
-        assert w.sched.get_num_new_matched_tokens(FakeRequest("r2", tokens), 0) == (0, False)
-        assert FlakyDiskBackend.lookups == 1  # skipped while backing off
-        meta = w.sched.build_connector_meta(
-            step(new=[new_req("r2", ([1, 2, 3], [4, 5, 6]), 0)], scheduled={"r2": 24})
-        )
-        assert meta.stores and all(s.backends == ("cpu",) for s in meta.stores if not s.hold)
-        w.complete(meta)
+    lookups = faulty.calls.get("contains_batch", 0)
+    faulty.fail("contains_batch", times=None)
+    assert w.sched.get_num_new_matched_tokens(FakeRequest("r1", tokens), 0) == (0, False)
+    assert view.health.is_down and faulty.calls["contains_batch"] == lookups + 1
+    assert w.sched.stats.snapshot()["backends"]["redis"]["unavailable"] == 1
+    assert w.sched.get_num_new_matched_tokens(FakeRequest("r2", tokens), 0) == (0, False)
+    assert faulty.calls["contains_batch"] == lookups + 1  # skipped while backing off
+    meta = w.sched.build_connector_meta(
+        step(new=[new_req("r2", ([1, 2, 3], [4, 5, 6]), 0)], scheduled={"r2": 24})
+    )
+    assert meta.stores and all(s.backends == ("cpu",) for s in meta.stores if not s.hold)
+    w.complete(meta)
 
-        FlakyDiskBackend.error = None
-        clock[0] = 1.0  # the wait is over: the next lookup probes and finds the pages
-        assert w.sched.get_num_new_matched_tokens(FakeRequest("r3", tokens), 0) == (24, True)
-        assert not view.health.is_down and view.health.recoveries == 1
-    finally:
-        FlakyDiskBackend.error = None
+    faulty.heal()
+    clock[0] = 1.0  # the wait is over: the next lookup probes and finds the pages
+    assert w.sched.get_num_new_matched_tokens(FakeRequest("r3", tokens), 0) == (24, True)
+    assert not view.health.is_down and view.health.recoveries == 1
 
 
 def test_lookups_are_counted_and_timed(worlds) -> None:

@@ -36,6 +36,7 @@ from worker_world import (
     load_job,
     make_spec,
     stored_world,
+    unavailable,
 )
 
 from hybrid_offload.backends import (
@@ -46,7 +47,6 @@ from hybrid_offload.backends import (
     create_backend,
 )
 from hybrid_offload.backends.retention import Retention
-from hybrid_offload.backends.wrappers import FaultInjectingBackend
 from hybrid_offload.connector.config import Tier
 from hybrid_offload.connector.metadata import (
     ClearRange,
@@ -178,19 +178,21 @@ def test_rows_a_backend_may_still_read_are_never_reused(world) -> None:
     """Issue 31 L3: a put whose transfer could not be stopped (BuffersInUseError) may still
     read its pages' rows after it returns: they are retired, not given back for the next step;
     after an ordinary failure they are given back."""
-    w = world(BackendConfig("test_unavailable", "cpu", 1 << 30), chunk=BS)  # one copying puts
-    faulty = FaultInjectingBackend(w.worker.ctx.backends["cpu"])
-    w.worker.ctx.backends["cpu"] = faulty
+    clock = [0.0]
+    w = world(unavailable("cpu"), chunk=BS, clock=lambda: clock[0])  # one copying puts
+    faulty = w.faulty("cpu")
     table = [3, 7, 5]
     w.cache.write_tokens(table, 0, 24)
     for error, given_back in ((BuffersInUseError("a WRITE did not stop"), False),
                               (BackendUnavailableError("down"), True)):  # fmt: skip
-        free = w.worker.stores.store_rows.free_bytes
+        clock[0] += 60.0  # past any backoff: the put reaches the backend
+        free, puts = w.worker.stores.store_rows.free_bytes, faulty.calls.get("put_batch", 0)
         faulty.fail("put_batch", error=error)
         w.worker.copy_out([StoreJob(w.attn_page(c, table), ("cpu",)) for c in range(3)])
         w.worker.flush(10)
         assert (w.worker.stores.store_rows.free_bytes > free) is given_back, error
         assert w.counters()["backends"]["cpu"]["store_failures"] > 0
+        assert faulty.calls["put_batch"] == puts + 1  # reached it (not skipped): failed as injected
 
 
 def test_copy_out_before_kv_caches_are_registered_is_a_no_op() -> None:
@@ -659,10 +661,9 @@ def test_promotions_past_the_pending_budget_are_dropped(world, tmp_path: Path) -
 
 # ---- broken backends ---------------------------------------------------------------------------
 def test_unavailable_backend_never_raises_into_the_caller(world) -> None:
-    flaky = BackendConfig("test_unavailable", "flaky", 1 << 30)
-    w, pages, _ = stored_world(world, cpu(), flaky)  # both hold every page
-    broken = w.backend("flaky")
-    broken.error = BackendUnavailableError("medium gone")
+    w, pages, _ = stored_world(world, cpu(), unavailable("flaky"))  # both hold every page
+    broken = w.faulty("flaky")
+    broken.fail(times=None, error=BackendUnavailableError("medium gone"))
 
     w.cache.write_tokens([3, 7, 5, 8], 24, 8)
     more = w.attn_page(3, [3, 7, 5, 8])
@@ -686,7 +687,7 @@ def test_unavailable_backend_never_raises_into_the_caller(world) -> None:
     assert w.finish("from-cpu") == ({"from-cpu"}, set())
 
     # anything else a backend raises is survived too: the store thread and the loads go on
-    broken.error = RuntimeError("bug in a backend")
+    broken.fail(times=None, error=RuntimeError("bug in a backend"))
     w.worker.copy_out([StoreJob(more, ("flaky",))])
     w.worker.flush(10)
     w.worker.start_loads([load_job(pages_dst, "flaky", "crash")])
@@ -700,17 +701,16 @@ def test_staging_memory_a_failed_read_was_given_is_never_reused(world) -> None:
     """A backend that raised may still write into the rows it was given: that load's staging
     memory stays out of the pool (the fallback read it into buffers of its own); a clean
     load's goes back and the next load reads into it."""
-    flaky = BackendConfig("test_unavailable", "flaky", 1 << 30)
     clock = [0.0]
-    w, _, _ = stored_world(world, flaky, cpu(), clock=lambda: clock[0])
-    w.backend("flaky").error = BackendUnavailableError("medium gone")
+    w, _, _ = stored_world(world, unavailable("flaky"), cpu(), clock=lambda: clock[0])
+    w.faulty("flaky").fail(times=None, error=BackendUnavailableError("medium gone"))
     dst = [11, 6, 13]
     pages_dst = (*(w.attn_page(c, dst) for c in range(3)), w.mamba_page(2, (12,)))
     job = load_job(pages_dst, "flaky", "fell-back")
     w.worker.start_loads([LoadJob(job.req_id, job.segments, ("cpu",))])
     assert w.finish("fell-back") == ({"fell-back"}, set())
     assert w.worker.loads.staging.free_bytes == 0
-    w.backend("flaky").error = None  # the next loads read it into staging rows again
+    w.faulty("flaky").heal()  # the next loads read it into staging rows again
     clock[0] = 60.0  # past its backoff
     w.worker.start_loads([load_job(pages_dst, "flaky", "clean")])
     assert w.finish("clean") == ({"clean"}, set())
@@ -722,17 +722,12 @@ def test_staging_memory_a_failed_read_was_given_is_never_reused(world) -> None:
 
 
 def test_unavailable_backend_while_deleting_a_corrupt_page(world) -> None:
-    flaky = BackendConfig("test_unavailable", "flaky", 1 << 30)
-    w, pages, _ = stored_world(world, flaky)
+    w, pages, _ = stored_world(world, unavailable("flaky"))
     backend = w.backend("flaky")
     data = bytearray(backend.get_batch([pages[0].key])[0])
     data[-1] ^= 1
     backend.put_batch([(pages[0].key, bytes(data))])
-
-    def delete_fails(keys: list[str]) -> int:
-        raise BackendUnavailableError("medium gone")
-
-    backend.delete_batch = delete_fails
+    w.faulty("flaky").fail("delete_batch", times=None)
     w.worker.start_loads([load_job((pages[0],), "flaky", "req")])
     assert w.finish("req") == ({"req"}, {"req"})
     assert w.counters()["bad_pages"] == 1
@@ -780,31 +775,28 @@ def test_shutdown_is_idempotent_and_flush_after_it_returns(world) -> None:
 
 
 def test_down_backend_is_skipped_while_backing_off_then_probed(world) -> None:
-    flaky = BackendConfig("test_unavailable", "flaky", 1 << 30)
     clock = [0.0]
-    w, pages, _ = stored_world(world, flaky, clock=lambda: clock[0])
-    broken = w.backend("flaky")
+    w, pages, _ = stored_world(world, unavailable("flaky"), clock=lambda: clock[0])
+    broken = w.faulty("flaky")
     health = w.worker.tiers["flaky"].health
-    calls = []
-    real_get_into = broken.get_into
-    broken.get_into = lambda keys, bufs: (calls.append(len(keys)), real_get_into(keys, bufs))[1]
+    reads = broken.calls.get("get_into", 0)
 
-    broken.error = BackendUnavailableError("server down")
+    broken.fail(times=None, error=BackendUnavailableError("server down"))
     w.worker.start_loads([load_job((pages[0],), "flaky", "r1")])
     assert w.finish("r1") == ({"r1"}, {"r1"})
-    assert health.is_down and health.failures == 1 and calls == [1]
+    assert health.is_down and health.failures == 1 and broken.calls["get_into"] == reads + 1
 
-    broken.error = None  # back, but the worker only notices at the next probe
+    broken.heal()  # back, but the worker only notices at the next probe
     w.worker.start_loads([load_job((pages[0],), "flaky", "r2")])
     assert w.finish("r2") == ({"r2"}, {"r2"})
     w.worker.copy_out([StoreJob(pages[1], ("flaky",))])
     w.worker.flush(10)
-    assert calls == [1] and w.counters()["backends"]["flaky"]["unavailable"] == 2
+    assert broken.calls["get_into"] == reads + 1 and w.counters()["backends"]["flaky"]["unavailable"] == 2
 
     clock[0] = 1.0
     w.worker.start_loads([load_job((pages[0],), "flaky", "r3")])
     assert w.finish("r3") == ({"r3"}, set())
-    assert not health.is_down and health.recoveries == 1 and calls == [1, 1]
+    assert not health.is_down and health.recoveries == 1 and broken.calls["get_into"] == reads + 2
 
 
 def test_switch_interval_is_lowered_only_while_a_load_is_in_flight(world) -> None:

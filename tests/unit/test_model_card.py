@@ -9,15 +9,14 @@ import logging
 import struct
 import threading
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 import xxhash
 
 from hybrid_offload import FORMAT_VERSION
-from hybrid_offload.backends import BackendConfig, BackendUnavailableError, create_backend, register_backend
+from hybrid_offload.backends import BackendConfig, create_backend
 from hybrid_offload.backends.base import KEY_PATTERN
-from hybrid_offload.backends.disk import DiskBackend
 from hybrid_offload.connector.config import Tier, TierPolicy
 from hybrid_offload.core.model_card import (
     CARD_MAGIC,
@@ -37,6 +36,7 @@ from hybrid_offload.core.model_card import (
 from hybrid_offload.core.planner import HybridOffloadPlanner
 from hybrid_offload.core.secrets import Secret
 from hybrid_offload.core.spec import GroupKind, GroupSpec, ModelSpec, make_model_spec
+from hybrid_offload.testing.faulty import faulty_config
 
 FP = "3f" * 16
 CARD = ModelCard(
@@ -230,18 +230,6 @@ def model_spec(model_fields: dict[str, Any]) -> ModelSpec:
     return make_model_spec((attn, mamba), model_fields, max_model_len=1024, num_blocks=16)
 
 
-class DownDisk(DiskBackend):
-    """A disk backend whose puts fail as if the medium were gone."""
-
-    type_name: ClassVar[str] = "test_card_down"
-
-    def _put_batch(self, items):  # type: ignore[no-untyped-def]
-        raise BackendUnavailableError("medium gone")
-
-
-register_backend("test_card_down", DownDisk)
-
-
 def start_worker(
     spec: ModelSpec, backends: tuple[BackendConfig | Tier, ...], page_key: bytes | None = None
 ) -> Any:
@@ -320,10 +308,10 @@ def test_a_failed_card_put_is_logged_at_debug_and_never_raised(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     spec = model_spec({"name": "m"})
-    down = BackendConfig("test_card_down", "down", 1 << 30, options={"path": str(tmp_path / "down")})
+    down = faulty_config(disk(tmp_path, "down").backend, fail=["put_batch"])  # as if the medium were gone
     with caplog.at_level(logging.DEBUG, logger="hybrid_offload.connector.tiers"):
         worker = start_worker(spec, (down, disk(tmp_path, "ok")))
         worker.shutdown(10)
     failed = [r for r in caplog.records if "writing the model card failed" in r.getMessage()]
-    assert [(r.levelno, "medium gone" in r.getMessage()) for r in failed] == [(logging.DEBUG, True)]
+    assert [(r.levelno, "injected put_batch" in r.getMessage()) for r in failed] == [(logging.DEBUG, True)]
     assert held_card(disk(tmp_path, "ok"), spec.fingerprint) is not None

@@ -9,7 +9,6 @@ and tcp port 0, so parallel runs do not collide."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from vllm.distributed.kv_events import BlockStored, KVEventBatch, ZmqEventPublis
 
 from hybrid_offload.router import CacheIndex, EventSubscriber, block_hashes, external
 from hybrid_offload.router.subscriber import engine_binds, reachable
+from hybrid_offload.testing.deadlines import wait_until
 
 HBS = 4
 DEADLINE_S = 20.0
@@ -44,11 +44,8 @@ def held(index: CacheIndex, batches: range) -> set[int]:
 
 
 def until(check: Callable[[], bool], *pump: Callable[[], object]) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        for step in pump:
-            step()
+    """Wait until ``check()``, running each of ``pump`` between checks (they block briefly)."""
+    wait_until(check, "the condition", timeout_s=DEADLINE_S, between=lambda: [step() for step in pump])
 
 
 class Relay:
@@ -112,21 +109,24 @@ def replayable(replay_endpoint: str, n: int) -> None:
     as any client would: ``[b"", start]`` -> ``[b"", topic, seq, payload]``... ``seq == -1``."""
     dealer = zmq.Context.instance().socket(zmq.DEALER)
     dealer.connect(replay_endpoint)
-    try:
-        deadline = time.monotonic() + DEADLINE_S
+
+    def all_sent() -> bool:
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        seqs = []
         while True:
-            dealer.send_multipart([b"", (0).to_bytes(8, "big")])
-            seqs = []
-            while True:
-                assert dealer.poll(int(DEADLINE_S * 1000)), "no replay answer"
-                empty, _topic, seq, _payload = dealer.recv_multipart()
-                assert empty == b""
-                if int.from_bytes(seq, "big", signed=True) == -1:
-                    break
-                seqs.append(int.from_bytes(seq, "big"))
-            if seqs == list(range(n)):
-                return
-            assert time.monotonic() < deadline and len(seqs) < n, seqs
+            assert dealer.poll(int(DEADLINE_S * 1000)), "no replay answer"
+            empty, _topic, seq, _payload = dealer.recv_multipart()
+            assert empty == b""
+            if int.from_bytes(seq, "big", signed=True) == -1:
+                break
+            seqs.append(int.from_bytes(seq, "big"))
+        if seqs == list(range(n)):
+            return True
+        assert len(seqs) < n, seqs
+        return False
+
+    try:
+        wait_until(all_sent, f"batches 0..{n - 1} replayable", timeout_s=DEADLINE_S)
     finally:
         dealer.close(linger=0)
 
@@ -252,11 +252,8 @@ def test_a_restart_whose_first_batches_were_missed_is_still_detected(ipc, closin
     new = ZmqEventPublisher(0, endpoint=ipc("pub"), replay_endpoint=ipc("replay"))
     closing.append(new)
     relay.reach(sub)  # reconnected (the probes leave the lost connection noted)
-    deadline = time.monotonic() + DEADLINE_S
-    while relay.last < last:  # one at a time: the router's first batch of it is ``last + 1``
-        assert time.monotonic() < deadline
-        new.publish(KVEventBatch(ts=1.0, events=[]))
-        relay.pump()
+    # one at a time: the router's first batch of it is ``last + 1``
+    until(lambda: relay.last >= last, lambda: new.publish(KVEventBatch(ts=1.0, events=[])), relay.pump)
     relayed(new, relay, range(100, 103))
     until(lambda: held(index, range(100, 103)) == {100, 101, 102}, lambda: sub.poll(0.05))
     assert sub.stats.restarts == 1 and sub.stats.gaps == 0

@@ -1,4 +1,4 @@
-"""engine.vllm_layouts describes vLLM 0.32's GPU KV cache: the views it allocates are the views
+"""testing.vllm_layouts describes vLLM 0.32's GPU KV cache: the views it allocates are the views
 vLLM's own ``get_kv_cache_config_from_groups`` + ``allocate_kv_cache`` make (same shapes, dtypes,
 strides and offsets into one buffer), for a hybrid model in every layout vLLM gives it, bf16
 and fp8 KV; and K/V sit where vLLM's GPU attention backends read them."""
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from hybrid_offload.engine.kv_layout import AttentionGroupLayout, build_layouts
-from hybrid_offload.engine.vllm_layouts import LAYOUTS, allocate
 from hybrid_offload.testing.datapath import HybridShape, model_spec
+from hybrid_offload.testing.vllm_layouts import LAYOUTS, allocate
 
 SHAPE = HybridShape(attn_layers=2, kv_heads=2, head_size=64, gdn_layers=4, k_heads=2, v_heads=4,
                     head_k=16, head_v=32, group_layers=2)  # fmt: skip

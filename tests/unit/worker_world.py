@@ -1,20 +1,19 @@
 """The worker-side unit tests' world: ``World``, an OffloadWorker over a ``KVCache`` of real torch
 KV tensors (vLLM's CPU attention layout, Mamba int8 page views), its PageJob builders, and
-``stored_world`` (a world holding the stored pages of 3 chunks), and ``UnavailableBackend``
-(backend type ``test_unavailable``: a cpu pool whose medium can be switched off)."""
+``stored_world`` (a world holding the stored pages of 3 chunks), and ``unavailable`` (a cpu pool
+in the test kit's ``FaultyBackend``, whose medium a test switches off: ``World.faulty``)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import wait
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from scheduler_world import as_tiers
 
-from hybrid_offload.backends import BackendConfig, register_backend
-from hybrid_offload.backends.cpu import CpuBackend
+from hybrid_offload.backends import BackendConfig
 from hybrid_offload.backends.wrappers import unwrap
 from hybrid_offload.compat import cpu_attention_isa, cpu_attention_reshape_and_cache
 from hybrid_offload.connector.config import Tier
@@ -23,6 +22,7 @@ from hybrid_offload.connector.worker.offload_worker import OffloadWorker
 from hybrid_offload.connector.worker.page_codec import PageCodec
 from hybrid_offload.core.planner import HybridOffloadPlanner
 from hybrid_offload.core.spec import GroupKind, GroupSpec, ModelSpec, make_model_spec
+from hybrid_offload.testing.faulty import FaultyBackend, faulty_config, faulty_in
 
 ATTN, MAMBA = 0, 1
 HEADS, DIM, BS, NUM_BLOCKS = 2, 32, 8, 16
@@ -141,6 +141,10 @@ class World:
         by page-set keys (see :class:`SetKeyed`)."""
         return SetKeyed(unwrap(self.worker.backends[name]), self.piece_key)
 
+    def faulty(self, name: str) -> FaultyBackend:
+        """The fault-injecting wrapper of tier ``name`` (configured by :func:`unavailable`)."""
+        return faulty_in(self.worker.backends[name])
+
     def piece_key(self, key: str) -> str:
         """The backend key of the one piece of page set ``key`` (this world's groups have one
         shard and one layer part); other keys as they are."""
@@ -228,36 +232,10 @@ def stored_world(
     return w, pages, w.cache.snapshot()
 
 
-class UnavailableBackend(CpuBackend):
-    """A cpu pool whose medium can be switched off: every call then raises ``error``. It lends
+def unavailable(name: str = "flaky", capacity: int = 1 << 30) -> BackendConfig:
+    """A cpu pool whose medium a test can switch off (``World.faulty(name).fail(...)``). It lends
     nothing in place (loads read it into staging rows, as from a disk or a server)."""
-
-    type_name: ClassVar[str] = "test_unavailable"
-    in_place: ClassVar[bool] = False
-    error: Exception | None = None
-
-    def _maybe_fail(self) -> None:
-        if self.error is not None:
-            raise self.error
-
-    def _put_batch(self, items):  # type: ignore[no-untyped-def]
-        self._maybe_fail()
-        return super()._put_batch(items)
-
-    def _get_batch(self, keys):  # type: ignore[no-untyped-def]
-        self._maybe_fail()
-        return super()._get_batch(keys)
-
-    def _get_into(self, keys, buffers):  # type: ignore[no-untyped-def]
-        self._maybe_fail()
-        return super()._get_into(keys, buffers)
-
-    def _delete_batch(self, keys):  # type: ignore[no-untyped-def]
-        self._maybe_fail()
-        return super()._delete_batch(keys)
-
-
-register_backend("test_unavailable", UnavailableBackend)
+    return faulty_config(cpu(name, capacity), in_place=False)
 
 
 def first_page_len(codec: PageCodec) -> int:

@@ -34,7 +34,8 @@ class BackendView:
     ) -> None:
         self.tier = tier
         self.policy = tier.policy
-        cls = backend_class(tier.backend.type)
+        # the class that will serve these options tells the flags (a wrapping type's depend on them)
+        cls = backend_class(tier.backend.type).implementation(dict(tier.backend.options))
         self.shared = cls.shared_index
         self.hit_source = cls.hit_source
         self.touch_refreshes = cls.touch_refreshes

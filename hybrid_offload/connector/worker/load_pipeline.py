@@ -2,10 +2,11 @@
 KV cache.
 
 Worker side. :meth:`LoadPipeline.start` hands load jobs to the load thread, which takes each
-page from its backend (in place from the cpu tier's arena, :meth:`~hybrid_offload.backends.base.Backend.lease_batch`; into
-staging rows from the others, ``get_into``), checks its header (a few numpy calls for all
-pages, :func:`~hybrid_offload.core.page_format.check_headers`) and its payload, and plans the
-writes (:mod:`.load_writes`). Where the payload is checked depends on the device:
+page from its backend (in place from the cpu tier's arena,
+:meth:`~hybrid_offload.backends.base.Backend.lease_batch`; into staging rows from the others,
+``get_into``), checks its header (a few numpy calls for all pages,
+:func:`~hybrid_offload.core.page_format.check_headers`) and its payload, and plans the writes
+(:mod:`.load_writes`). Where the payload is checked depends on the device:
 
 * **CPU engines**: on the load thread (fold64 in numpy, without the GIL); the writes run on the
   model-runner thread in :meth:`LoadPipeline.write_finished`, straight from where the pages are

@@ -17,8 +17,9 @@ it, ``[blocks, heads, states, content bytes]`` cast to the layer's dtype (RFC #4
   of every layer of a group in one run.
 
 :func:`allocate` builds exactly those views (the tests compare them with vLLM's functions
-where the CPU build imports them), so the data path is tested on every layout without vLLM.
-:mod:`.kv_layout` addresses them through their strides.
+where the CPU build imports them), so the data path is tested on every layout without vLLM
+(:mod:`.datapath`). Test-harness code: the product addresses such views through their strides
+(:mod:`hybrid_offload.engine.kv_layout`) and allocates nothing.
 """
 
 from __future__ import annotations

@@ -1,21 +1,29 @@
-"""The one contract test suite every backend runs (like fsspec's ``tests/abstract``).
+"""The backend contract suite: a class any backend's tests subclass (like fsspec's
+``fsspec/tests/abstract``), ours and third parties' alike.
 
-A backend opts in with a few lines in ``tests/contract/test_<type>_contract.py``::
+The contract is the docstring of :mod:`hybrid_offload.backends.base`; each test below checks one
+clause of it and fails if the backend breaks that clause. A backend opts in with a test module
+that subclasses :class:`BackendContract` and says how to make the backend::
+
+    from hybrid_offload.backends import BackendConfig, create_backend
+    from hybrid_offload.testing.backend_contract import BackendContract
 
     class TestFooContract(BackendContract):
         def make_backend(self, tmp_path, capacity_bytes):
-            return create_backend(BackendConfig("foo", "t", capacity_bytes, options=...))
+            return create_backend(BackendConfig("my_pkg.foo:FooBackend", "t", capacity_bytes))
 
         def reopen(self, backend, tmp_path):  # only if pages survive a restart
             return create_backend(backend.config)
 
-The contract itself is the docstring of :mod:`hybrid_offload.backends.base`; each test below
-checks one clause of it and fails if the backend breaks that clause.
+Optional clauses (listing, restarts, a shared index) are skipped where the backend says it does
+not offer them. This module imports pytest (the only one of :mod:`hybrid_offload.testing` that
+does); for pytest's detailed assertion messages, call
+``pytest.register_assert_rewrite("hybrid_offload.testing.backend_contract")`` in a
+``conftest.py`` before the test modules import it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import random
 import threading
 import time
@@ -32,10 +40,14 @@ from hybrid_offload.backends import (
     InvalidKeyError,
     PageInfo,
 )
+from hybrid_offload.testing.backend_pages import check_versioned, key, page, versioned_page
+
+__all__ = ["BAD_KEYS", "DEFAULT_CAPACITY", "BackendContract", "key", "page"]
 
 MiB = 1 << 20
 DEFAULT_CAPACITY = 64 * MiB
 
+#: keys every backend refuses before any I/O (:class:`~hybrid_offload.backends.InvalidKeyError`)
 BAD_KEYS: list[Any] = [
     "../x",
     "a/b",
@@ -51,28 +63,6 @@ BAD_KEYS: list[Any] = [
     " 12345678-12345678",
     "12345678-" + "0" * 65,
 ]
-
-
-def key(i: int, namespace: int = 0x5EED0001) -> str:
-    """A well-formed page key; different ``i`` spread over directories/slots."""
-    digest = hashlib.blake2b(i.to_bytes(8, "little"), digest_size=16).hexdigest()
-    return f"{namespace:08x}-{digest}"
-
-
-def page(seed: int, size: int) -> bytes:
-    """Deterministic pseudo-random bytes."""
-    return random.Random(seed).randbytes(size)
-
-
-def versioned_page(i: int, version: int) -> bytes:
-    """A page that names its key index and version, so a torn or mixed-up read is detectable."""
-    size = 64 + (i * 7919 + version * 104729) % 2500
-    header = f"{i:06d}:{version:06d}:".encode()
-    return header + random.Random(i * 1_000_003 + version).randbytes(size - len(header))
-
-
-def check_versioned(i: int, data: bytes) -> None:
-    assert data == versioned_page(i, int(data[7:13])), f"page {i} corrupt or of another key"
 
 
 class BackendContract:
@@ -494,9 +484,7 @@ class BackendContract:
             assert other.contains_batch([key(1)]) == [False]
             assert other.get_batch([key(1)]) == [None]
 
-    def test_take_evicted_reports_evictions_and_deletes(
-        self, open_backend: Callable[..., Backend]
-    ) -> None:
+    def test_take_evicted_reports_evictions_and_deletes(self, open_backend: Callable[..., Backend]) -> None:
         backend = open_backend(3000)
         if backend.shared_index:
             pytest.skip("shared_index = True: no index mirror to feed")
@@ -511,7 +499,6 @@ class BackendContract:
         assert sorted(backend.take_evicted()) == sorted([k[1], k[2]])
         backend.put_batch([(k[3], page(3, 1000))])  # a re-put is not an eviction
         assert backend.take_evicted() == []
-
 
     # -- listing (optional: backends whose scan raises NotImplementedError skip these) -----
 

@@ -1,9 +1,11 @@
-"""Time in the contract tests against real processes, made safe for a busy 2-core machine.
+"""Time in tests, made safe for a busy 2-core machine: the one ``wait_until``, and loose bounds.
 
 A wall-clock bound appears only where it is the contract ("a call returns within its configured
 timeout", "a refused connection fails at once, not after the timeout"), always loose: ``within``
 for the first, ``FAILS_FAST_S`` under a configured ``LONG_TIMEOUT_S`` for the second. Events are
-ordered by waiting for an observable condition (``wait_until``), never by sleeping.
+ordered by waiting for an observable condition (:func:`wait_until`), never by sleeping.
+
+No pytest: usable from test helpers, harness code and child processes alike.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
+
+__all__ = ["FAILS_FAST_S", "LONG_TIMEOUT_S", "takes_less_than", "wait_until", "within"]
 
 T = TypeVar("T")
 
@@ -38,22 +42,33 @@ def takes_less_than(limit_s: float, what: str = "the call") -> Iterator[None]:
 
 def wait_until(
     condition: Callable[[], T],
-    what: str,
+    what: str | Callable[[], str],
     *,
     ignore: tuple[type[BaseException], ...] = (),
     timeout_s: float = 60.0,
     poll_s: float = 0.02,
+    between: Callable[[], object] | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> T:
-    """Poll ``condition`` until it returns something truthy, and return that; an exception in
-    ``ignore`` counts as "not yet". Fails naming ``what`` after ``timeout_s`` (only a hang gets
-    there)."""
-    deadline = time.monotonic() + timeout_s
+    """Poll ``condition`` until it returns something truthy, and return that.
+
+    An exception in ``ignore`` counts as "not yet"; any other propagates (a condition raises to
+    give up early, e.g. when the process it waits for died). Between polls ``between()`` runs
+    (e.g. pump a socket for a moment) or, without it, the caller sleeps ``poll_s``. After
+    ``timeout_s`` on ``clock`` (only a hang gets there) raises ``AssertionError`` naming
+    ``what`` (a callable: evaluated then, to tell what was seen last).
+    """
+    deadline = clock() + timeout_s
     while True:
         try:
             result = condition()
         except ignore:
-            result = None  # type: ignore[assignment]
+            result = None
         if result:
             return result
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:g} s"
-        time.sleep(poll_s)
+        if clock() >= deadline:
+            raise AssertionError(f"{what if isinstance(what, str) else what()}: not within {timeout_s:g} s")
+        if between is not None:
+            between()
+        else:
+            time.sleep(poll_s)
