@@ -1,15 +1,23 @@
-"""Fixtures shared by the backend tests: peer processes and nixl_peer clients, always closed."""
+"""Fixtures shared by the backend tests: peer processes, nixl_peer clients and private Redis
+servers, always closed."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from hybrid_offload.backends import BackendConfig, create_backend
 from hybrid_offload.backends.nixl_peer.client import NixlPeerBackend
-from hybrid_offload.testing.services import PeerFactory, PeerProcess, start_peer
+from hybrid_offload.testing.services import (
+    PeerFactory,
+    PeerProcess,
+    RedisServer,
+    start_peer,
+    start_redis_server,
+)
 
 MiB = 1 << 20
 
@@ -46,3 +54,13 @@ def clients() -> Iterator[Callable[..., NixlPeerBackend]]:
     yield factory
     for backend in opened:
         backend.close()
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A Redis server private to the test (its command counters count this test only)."""
+    srv = start_redis_server(tmp_path / "redis")
+    try:
+        yield srv
+    finally:
+        srv.stop()

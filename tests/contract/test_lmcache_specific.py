@@ -15,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,14 +41,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWa
 CLOSE_TIMEOUT_S = 0.3
 _namespaces = itertools.count()
 
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[RedisServer]:
-    srv = start_redis_server(tmp_path / "redis")
-    try:
-        yield srv
-    finally:
-        srv.stop()
 
 
 def make(url: str, capacity: int = 1 << 24, **options: Any) -> LMCacheBackend:

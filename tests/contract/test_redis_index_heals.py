@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,7 +21,7 @@ from hybrid_offload.backends import BackendConfig, create_backend
 from hybrid_offload.backends import redis_index as index_module
 from hybrid_offload.backends.redis import RedisBackend
 from hybrid_offload.testing.backend_pages import key, page
-from hybrid_offload.testing.services import RedisServer, start_redis_server
+from hybrid_offload.testing.services import RedisServer
 
 KiB = 1 << 10
 #: pages stored before the hostile writer starts: a heal costs at least one command per page
@@ -30,15 +29,6 @@ PAGES = 3000
 #: commands a put of one page may cost with the index looking damaged (a clean put: ~14)
 BOUNDED = 40
 
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[RedisServer]:
-    """A server private to the test: its command counters count this test only."""
-    srv = start_redis_server(tmp_path / "redis")
-    try:
-        yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture
