@@ -120,7 +120,7 @@ main(sys.argv[1:])
 """
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "lfm2"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "lfm2"])
 def test_wrong_mamba_state_changes_output(arch: str, model_dir, tmp_path: Path) -> None:
     """Negative control: the e2e comparison is sensitive to the Mamba/GDN state we restore.
 

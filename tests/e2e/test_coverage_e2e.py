@@ -64,10 +64,12 @@ def test_float32_traffic_is_served_with_identical_tokens(arch: str, engine: str,
     check(ours, base)
 
 
-def test_qwen3_next_traffic_is_served(model_dir) -> None:
-    """GDN kernels on CPU need bf16, where vLLM flips near-tied tokens between batch shapes even
-    without a connector: hits are checked, not tokens."""
-    spec = {"model": str(model_dir("qwen3_next")), "dtype": "bfloat16", "max_model_len": 8192,
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
+def test_gdn_traffic_is_served(arch: str, model_dir) -> None:
+    """GDN kernels on CPU need bf16 ("CPU GDN attention requires BF16" for Qwen3.5 too), where
+    vLLM flips near-tied tokens between batch shapes even without a connector: hits are checked,
+    not tokens (tokens: test_connector_e2e.py, short prompts, and its negative control)."""
+    spec = {"model": str(model_dir(arch)), "dtype": "bfloat16", "max_model_len": 8192,
             "workloads": TRAFFIC, "llm_kwargs": {"async_scheduling": True}}
     check(run_engine_subprocess({**spec, "connector": connector()}), None)
 
