@@ -40,7 +40,7 @@ from hybrid_offload.backends import (
     InvalidKeyError,
     PageInfo,
 )
-from hybrid_offload.testing.backend_pages import check_versioned, key, page, versioned_page
+from hybrid_offload.testing.backend_pages import assert_pages, check_versioned, key, page, versioned_page
 
 __all__ = ["BAD_KEYS", "DEFAULT_CAPACITY", "BackendContract", "key", "page"]
 
@@ -118,7 +118,7 @@ class BackendContract:
             assert backend.put_batch([item]) == [True]
         got = backend.get_batch(list(pages))
         assert all(type(data) is bytes for data in got)
-        assert got == list(pages.values())
+        assert_pages(got, list(pages.values()))
         assert backend.contains_batch(list(pages)) == [True] * len(pages)
         assert backend.used_bytes() == sum(sizes)
 
@@ -129,21 +129,21 @@ class BackendContract:
         assert backend.put_batch([(key(1), as_bytearray), (key(2), as_view)]) == [True, True]
         as_bytearray[:] = b"\0" * len(as_bytearray)
         as_view[:] = b"\1" * len(as_view)
-        assert backend.get_batch([key(1), key(2)]) == [original, original]
+        assert_pages(backend.get_batch([key(1), key(2)]), [original, original])
 
     def test_answers_per_key_in_input_order(self, backend: Backend) -> None:
         stored = {i: page(i, 100 + i) for i in range(0, 20, 2)}
         backend.put_batch([(key(i), data) for i, data in stored.items()])
         query = [3, 0, 3, 18, 100, 2, 0, 7, 4, 4, 19]
         keys = [key(i) for i in query]
-        assert backend.get_batch(keys) == [stored.get(i) for i in query]
+        assert_pages(backend.get_batch(keys), [stored.get(i) for i in query])
         assert backend.contains_batch(keys) == [i in stored for i in query]
         buffers = [memoryview(bytearray(200)) for _ in query]
         sizes = backend.get_into(keys, buffers)
         assert sizes == [len(stored[i]) if i in stored else None for i in query]
         for i, buf, size in zip(query, buffers, sizes, strict=True):
             if size is not None:
-                assert bytes(buf[:size]) == stored[i]
+                assert_pages(bytes(buf[:size]), stored[i], f"page {i} by get_into")
 
     def test_empty_batches(self, backend: Backend) -> None:
         assert backend.put_batch([]) == []
@@ -161,13 +161,13 @@ class BackendContract:
 
         exact = [memoryview(bytearray(size)) for size in sizes]
         assert backend.get_into(keys, exact) == sizes
-        assert [bytes(buf) for buf in exact] == pages
+        assert_pages([bytes(buf) for buf in exact], pages)
 
         larger = [memoryview(bytearray(b"\xab" * (size + 100))) for size in sizes]
         assert backend.get_into(keys, larger) == sizes
         for data, buf in zip(pages, larger, strict=True):
-            assert bytes(buf[: len(data)]) == data
-            assert bytes(buf[len(data) :]) == b"\xab" * 100  # nothing written past the page
+            assert_pages(bytes(buf[: len(data)]), data)
+            assert_pages(bytes(buf[len(data) :]), b"\xab" * 100, "bytes past the page")  # untouched
 
         smaller = [memoryview(bytearray(size - 1)) for size in sizes[1:]]
         assert backend.get_into(keys[1:], smaller) == [None] * len(smaller)
@@ -177,7 +177,7 @@ class BackendContract:
         frozen = pages[2]
         with pytest.raises(ValueError, match="read-only"):  # before any I/O: nothing written
             backend.get_into(keys[2:3], [memoryview(frozen)])
-        assert frozen == page(2, sizes[2])
+        assert_pages(frozen, page(2, sizes[2]), "the read-only buffer")
 
     def test_contains_and_delete(self, backend: Backend) -> None:
         keys = [key(i) for i in range(4)]
@@ -185,7 +185,7 @@ class BackendContract:
         assert backend.contains_batch(keys) == [True] * 4
         assert backend.delete_batch([keys[0], key(77), keys[2], keys[0]]) == 2
         assert backend.contains_batch(keys) == [False, True, False, True]
-        assert backend.get_batch(keys) == [None, page(1, 500), None, page(3, 500)]
+        assert_pages(backend.get_batch(keys), [None, page(1, 500), None, page(3, 500)])
         assert backend.used_bytes() == 1000
         assert backend.delete_batch(keys) == 2
         assert backend.used_bytes() == 0
@@ -193,7 +193,7 @@ class BackendContract:
     def test_overwrite_replaces_bytes(self, backend: Backend) -> None:
         for version, size in enumerate([1000, 500, 2000, 0]):
             assert backend.put_batch([(key(1), page(version, size))]) == [True]
-            assert backend.get_batch([key(1)]) == [page(version, size)]
+            assert_pages(backend.get_batch([key(1)]), [page(version, size)])
             assert backend.used_bytes() == size
 
     @pytest.mark.parametrize("bad", BAD_KEYS, ids=repr)
@@ -226,15 +226,15 @@ class BackendContract:
         asked = [key(3), key(99), key(0), key(4)]
         lease = backend.lease_batch(asked)
         try:
-            assert [None if v is None else bytes(v) for v in lease.views] == [
-                pages[key(3)], None, pages[key(0)], pages[key(4)]]  # fmt: skip
+            lent = [None if v is None else bytes(v) for v in lease.views]
+            assert_pages(lent, [pages[key(3)], None, pages[key(0)], pages[key(4)]])
             assert all(v is None or v.readonly for v in lease.views)
             if backend.in_place:
                 assert lease.memory is not None
                 for view, offset in zip(lease.views, lease.offsets, strict=True):
                     if view is not None:
                         assert offset is not None
-                        assert bytes(lease.memory[offset : offset + view.nbytes]) == bytes(view)
+                        assert_pages(bytes(lease.memory[offset : offset + view.nbytes]), bytes(view))
         finally:
             lease.release()
             lease.release()  # idempotent
@@ -247,7 +247,7 @@ class BackendContract:
         backend.delete_batch([key(0)])
         backend.put_batch([(key(1), page(11, 1000))])
         backend.put_batch([(key(i), page(i, 1000)) for i in range(2, 9)])  # evicts everything older
-        assert [bytes(v) for v in lease.views if v is not None] == [page(0, 1000), page(1, 1000)]
+        assert_pages([bytes(v) for v in lease.views if v is not None], [page(0, 1000), page(1, 1000)])
         lease.release()
         assert backend.used_bytes() <= 4000
 
@@ -259,7 +259,7 @@ class BackendContract:
         assert backend.contains_batch([key(1), key(3)]) == [False, False]
         assert res.commit([True, True, False]) == [True, True, False]
         assert res.commit() == [False, False, False]  # only the first commit counts
-        assert backend.get_batch([key(1), key(2), key(3)]) == [page(1, 500), b"", None]
+        assert_pages(backend.get_batch([key(1), key(2), key(3)]), [page(1, 500), b"", None])
 
     def test_reservation_commits_in_the_order_given(self, open_backend: Callable[..., Backend]) -> None:
         """The last key published ends most recent: eviction follows the commit order."""
@@ -282,7 +282,7 @@ class BackendContract:
         assert res.views[0] is not None
         res.views[0][:] = page(9, 1000)
         res.abort()
-        assert backend.get_batch([key(0), key(1)]) == [page(0, 1000), None]  # the old version stays
+        assert_pages(backend.get_batch([key(0), key(1)]), [page(0, 1000), None])  # the old version stays
         with pytest.raises(InvalidKeyError):
             backend.reserve_batch(["../x"], [10])
         with pytest.raises(ValueError):
@@ -306,7 +306,8 @@ class BackendContract:
         assert present, "the most recent put should still be stored"
         assert sum(map(len, present)) == backend.used_bytes()
         for i, data in zip(latest, got, strict=True):
-            assert data in (None, latest[i])
+            if data is not None:
+                assert_pages(data, latest[i], f"page {i}")
 
     def test_lru_evicts_least_recently_used(self, open_backend: Callable[..., Backend]) -> None:
         backend = open_backend(4000)
@@ -339,7 +340,7 @@ class BackendContract:
         assert backend.contains_batch(k) == [True, True, False, True, True, False]
         backend.put_batch([(k[5], page(5, 1000))])
         assert backend.contains_batch(k) == [True, True, False, False, True, True]
-        assert backend.get_batch([k[0], k[1]]) == [page(0, 1000), page(1, 1000)]
+        assert_pages(backend.get_batch([k[0], k[1]]), [page(0, 1000), page(1, 1000)])
 
     def test_page_larger_than_capacity_refused(self, open_backend: Callable[..., Backend]) -> None:
         backend = open_backend(4000)
@@ -347,7 +348,7 @@ class BackendContract:
         backend.put_batch([(k, page(i, 1000)) for i, k in enumerate(keys)])
         assert backend.put_batch([(key(10), page(10, 4001))]) == [False]
         assert backend.put_batch([(keys[0], page(11, 4001))]) == [False]  # re-put too large
-        assert backend.get_batch(keys) == [page(i, 1000) for i in range(3)]
+        assert_pages(backend.get_batch(keys), [page(i, 1000) for i in range(3)])
         assert backend.used_bytes() == 3000
         mixed = [(key(20), page(20, 500)), (key(21), page(21, 5000)), (key(22), page(22, 500))]
         assert backend.put_batch(mixed) == [True, False, True]
@@ -355,7 +356,7 @@ class BackendContract:
         assert backend.stats.put_refused == 3
         assert backend.put_batch([(key(30), page(30, 4000))]) == [True]  # exactly fits
         assert backend.used_bytes() == 4000
-        assert backend.get_batch([key(30)]) == [page(30, 4000)]
+        assert_pages(backend.get_batch([key(30)]), [page(30, 4000)])
 
     # -- counters, threads, lifecycle ------------------------------------------------------
 
@@ -421,7 +422,7 @@ class BackendContract:
         for thread in threads:
             thread.join(timeout=60)
         assert not any(thread.is_alive() for thread in threads)
-        assert failures == []
+        assert not failures, f"{len(failures)} of {n_threads} threads failed; first: {failures[0]!r}"
         keys = [key(i) for i in range(n_keys)]
         got = backend.get_batch(keys)
         for i, data in enumerate(got):
@@ -468,7 +469,7 @@ class BackendContract:
             pytest.skip(f"{type(backend).__name__}: pages do not survive a restart")
         with reopened:
             assert reopened.contains_batch(list(pages)) == [True] * len(pages)
-            assert reopened.get_batch(list(pages)) == list(pages.values())
+            assert_pages(reopened.get_batch(list(pages)), list(pages.values()))
             assert reopened.used_bytes() == sum(map(len, pages.values()))
 
     def test_shared_index_second_instance_sees_pages(self, backend: Backend) -> None:
@@ -479,7 +480,7 @@ class BackendContract:
         with other:
             backend.put_batch([(key(1), page(1, 100))])
             assert other.contains_batch([key(1)]) == [True]
-            assert other.get_batch([key(1)]) == [page(1, 100)]
+            assert_pages(other.get_batch([key(1)]), [page(1, 100)])
             backend.delete_batch([key(1)])
             assert other.contains_batch([key(1)]) == [False]
             assert other.get_batch([key(1)]) == [None]

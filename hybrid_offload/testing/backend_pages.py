@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import random
 
-__all__ = ["check_versioned", "key", "page", "versioned_page"]
+__all__ = ["assert_pages", "check_versioned", "key", "page", "versioned_page"]
 
 
 def key(i: int, namespace: int = 0x5EED0001) -> str:
@@ -32,4 +32,41 @@ def versioned_page(i: int, version: int) -> bytes:
 
 def check_versioned(i: int, data: bytes) -> None:
     """Fail unless ``data`` is a whole :func:`versioned_page` of key index ``i``."""
-    assert data == versioned_page(i, int(data[7:13])), f"page {i} corrupt or of another key"
+    try:
+        version = int(data[7:13])
+    except ValueError:
+        raise AssertionError(f"page {i} corrupt: its header {bytes(data[:14])!r} names no version") from None
+    assert_pages(data, versioned_page(i, version), f"page {i}")
+
+
+Page = bytes | None
+
+
+def assert_pages(got: Page | list[Page], want: Page | list[Page], what: str = "pages") -> None:
+    """Fail unless ``got == want``, saying where they first differ in a line, not a diff.
+
+    Pages are compared here rather than in a bare ``assert``: pytest diffs the reprs of unequal
+    bytes, which takes minutes for pages of a few hundred KiB, and longer where ``CI`` is set
+    (no truncation there).
+    """
+    if got == want:
+        return
+    if isinstance(got, list) and isinstance(want, list):
+        if len(got) != len(want):
+            raise AssertionError(f"{what}: {len(got)} answers, expected {len(want)}")
+        i = next(n for n, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+        wrong = sum(a != b for a, b in zip(got, want, strict=True))
+        first = _differ(got[i], want[i], f"[{i}]")
+        raise AssertionError(f"{what}: {wrong} of {len(want)} differ; first: {first}")
+    raise AssertionError(f"{what}: " + _differ(got, want, "it"))  # type: ignore[arg-type]
+
+
+def _differ(got: object, want: object, label: str) -> str:
+    if not isinstance(got, bytes | bytearray) or not isinstance(want, bytes | bytearray):
+        show = [v if not isinstance(v, bytes | bytearray) else f"{len(v)} bytes" for v in (got, want)]
+        return f"{label} is {show[0]}, expected {show[1]}"
+    if len(got) != len(want):
+        return f"{label} has {len(got)} bytes, expected {len(want)}"
+    at = next(n for n, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+    got_hex, want_hex = bytes(got[at : at + 8]).hex(), bytes(want[at : at + 8]).hex()
+    return f"{label} differs from byte {at} of {len(want)}: {got_hex} != {want_hex}"

@@ -127,7 +127,8 @@ def run_suite(project: Path, backend_source: str) -> subprocess.CompletedProcess
     (project / "tests" / "conftest.py").write_text(CONFTEST)
     (project / "tests" / "test_dict_contract.py").write_text(TEST_MODULE)
     (project / "pytest.ini").write_text("[pytest]\n")  # its own rootdir: none of our config
-    env = {**os.environ, "PYTHONPATH": str(project)}
+    # CI set as on CI machines, where pytest does not truncate its diffs of unequal values
+    env = {**os.environ, "PYTHONPATH": str(project), "CI": "true"}
     command = [sys.executable, "-m", "pytest", "-q", "-rfs", "-p", "no:cacheprovider", "tests"]
     return subprocess.run(command, cwd=project, env=env, capture_output=True, text=True, timeout=600)
 
@@ -155,3 +156,5 @@ def test_a_backend_returning_wrong_bytes_fails_the_suite(tmp_path: Path) -> None
     assert result.returncode == 1, out[-6000:]
     assert re.search(r"FAILED tests/test_dict_contract.py::TestDictContract::test_round_trip_many_pages", out)
     assert counts(out.splitlines()[-1]).get("failed", 0) >= 5, out[-3000:]
+    # each failure says in one line where the bytes differ (a pytest diff of pages takes minutes)
+    assert re.search(r"pages: \d+ of \d+ differ; first: \[\d+\] differs from byte \d+", out), out[-3000:]
