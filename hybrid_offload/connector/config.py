@@ -57,6 +57,7 @@ _TOP_KEYS = frozenset(
         "model_version",
         "accept_weights_version",
         "kv_events_token_ids",
+        "multimodal_keys",
         "secret",
         "secret_file",
         "secret_env",
@@ -78,6 +79,8 @@ _COMMON_BACKEND_KEYS = frozenset(
     }
 )
 LOAD_POLICIES = ("weighted", "ranged", "adaptive")
+#: how images key pages (see connector/scheduler/multimodal.py)
+MULTIMODAL_KEYS = ("content", "identifier", "off")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {
     "B": 1,
@@ -150,6 +153,8 @@ class OffloadConfig:
     accept_weights_version: bool = False
     #: our KV events carry each block's token ids (false: hashes only; see docs/operations.md)
     kv_events_token_ids: bool = True
+    #: what names an image in page keys: its processed content, vLLM's identifier, or none (skip)
+    multimodal_keys: str = "content"
     secret: Secret | None = None
 
     @property
@@ -308,6 +313,9 @@ def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
         )
     accept_version = _flag(extra.get("accept_weights_version", False), f"{ROOT}.accept_weights_version")
     token_ids = _flag(extra.get("kv_events_token_ids", True), f"{ROOT}.kv_events_token_ids")
+    mm_keys = extra.get("multimodal_keys", "content")
+    if mm_keys not in MULTIMODAL_KEYS:
+        raise ConfigError(f"{ROOT}.multimodal_keys: expected one of {list(MULTIMODAL_KEYS)}, got {mm_keys!r}")
     try:
         secret = secret_from_options(extra, "secret", what=ROOT)
     except SecretError as exc:
@@ -331,6 +339,7 @@ def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
         model_version=version,
         accept_weights_version=accept_version,
         kv_events_token_ids=token_ids,
+        multimodal_keys=mm_keys,
         secret=secret,
     )
 

@@ -50,6 +50,7 @@ from hybrid_offload.core.planner import (
 )
 from hybrid_offload.core.spec import ModelSpec, UnidentifiableModelError
 from hybrid_offload.core.tp_shards import ShardLayoutError
+from hybrid_offload.engine.multimodal import identifiers_name_content
 from hybrid_offload.engine.translate import drafting_from_vllm, kv_events_from_vllm, model_spec_from_vllm
 
 if TYPE_CHECKING:
@@ -71,6 +72,19 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
+
+
+def multimodal_keys(config: OffloadConfig, vllm_config: VllmConfig) -> str:
+    """``config.multimodal_keys``, refused where it cannot name images safely: ``identifier``
+    while vLLM's identifiers are per-process counters (prefix caching and its processor cache
+    both off), which a restart gives to other images."""
+    if config.multimodal_keys == "identifier" and not identifiers_name_content(vllm_config):
+        raise ConfigError(
+            f"{ROOT}.multimodal_keys: identifier needs vLLM's identifiers to name content, but with "
+            "enable_prefix_caching off and mm_processor_cache_gb 0 vLLM numbers images per process; "
+            "use content (the default)"
+        )
+    return config.multimodal_keys
 
 
 def _log_like_vllm() -> None:
@@ -139,6 +153,7 @@ class HybridOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 accept_weights_version=config.accept_weights_version,
                 drafting=drafting_from_vllm(vllm_config),
                 events=kv_events_from_vllm(vllm_config, kv_cache_config, config.kv_events_token_ids),
+                multimodal_keys=multimodal_keys(config, vllm_config),
             )
             self._log_drafting(self.scheduler)
         else:

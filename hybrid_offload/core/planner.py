@@ -31,7 +31,7 @@ import hashlib
 import hmac
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -152,19 +152,28 @@ def _plan_group(group: GroupSpec, chunk: int, max_model_len: int) -> GroupPlan:
 
 
 def chain_chunk_hashes(
-    seed: bytes, token_ids: Sequence[int], chunk: int, key: bytes | None = None
+    seed: bytes,
+    token_ids: Sequence[int],
+    chunk: int,
+    key: bytes | None = None,
+    extras: Mapping[int, bytes] | None = None,
+    first: int = 0,
 ) -> list[bytes]:
-    """Chained 32-byte hashes, one per full chunk: ``h[i] = sha256(h[i-1] || tokens_i)``, or
-    HMAC-SHA256 under ``key``; tokens as little-endian int64."""
+    """Chained 32-byte hashes, one per full chunk: ``h[i] = sha256(h[i-1] || tokens_i ||
+    extras[i])``, or HMAC-SHA256 under ``key``; tokens as little-endian int64. ``extras``: what
+    besides its tokens decides chunk ``i``'s KV (the images in it), by chunk index counted from
+    the start of the sequence; ``token_ids`` starts at chunk ``first``. A chunk's input has a fixed
+    length up to its extras, so extras never alias tokens."""
     n_full = len(token_ids) // chunk
     if n_full == 0:
         return []
     tokens = np.asarray(token_ids[: n_full * chunk], dtype="<i8").tobytes()
     step = chunk * 8
+    extras = extras or {}
     out: list[bytes] = []
     prev = seed
     for i in range(n_full):
-        data = prev + tokens[i * step : (i + 1) * step]
+        data = prev + tokens[i * step : (i + 1) * step] + extras.get(first + i, b"")
         prev = hmac.digest(key, data, "sha256") if key else hashlib.sha256(data).digest()
         out.append(prev)
     return out
@@ -276,9 +285,12 @@ class HybridOffloadPlanner:
         data = self.spec.fingerprint_bytes + b"\x00" + scope
         return hmac.digest(self._key, data, "sha256") if self._key else hashlib.sha256(data).digest()
 
-    def chain(self, prev: bytes, token_ids: Sequence[int]) -> list[bytes]:
-        """Hashes of the full chunks of ``token_ids`` following chain hash (or seed) ``prev``."""
-        return chain_chunk_hashes(prev, token_ids, self.chunk_tokens, self._key)
+    def chain(
+        self, prev: bytes, token_ids: Sequence[int], extras: Mapping[int, bytes] | None = None, first: int = 0
+    ) -> list[bytes]:
+        """Hashes of the full chunks of ``token_ids`` following chain hash (or seed) ``prev``, the
+        first of them chunk ``first`` (see :func:`chain_chunk_hashes` for ``extras``)."""
+        return chain_chunk_hashes(prev, token_ids, self.chunk_tokens, self._key, extras, first)
 
     def chunk_hashes(self, token_ids: Sequence[int], scope: bytes = b"") -> list[bytes]:
         return self.chain(self.scope_seed(scope), token_ids)

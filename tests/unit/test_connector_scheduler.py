@@ -576,10 +576,32 @@ def test_scope_separates_lora_and_cache_salt(worlds) -> None:
     assert w.sched.get_num_new_matched_tokens(FakeRequest("plain", tokens), 0) == (32, True)
 
 
+def test_an_image_keys_its_chunk_and_every_later_one(worlds) -> None:
+    """The same tokens with an image in chunk 2 (its placeholder ids are the same for any image
+    of its size) match the stored text-only pages up to the image's chunk only."""
+    import torch
+    from vllm.multimodal.inputs import (
+        MultiModalBatchedField,
+        MultiModalFeatureSpec,
+        MultiModalFieldElem,
+        MultiModalKwargsItem,
+        PlaceholderRange,
+    )
+
+    w = worlds(make_spec(8, 8), 8)
+    tokens = prompt(40)
+    w.hold("cpu", w.chunk_keys(tokens, range(4)))
+    values = MultiModalFieldElem(torch.ones(4, 6), MultiModalBatchedField())
+    pixels = MultiModalKwargsItem({"pixel_values": values})
+    image = MultiModalFeatureSpec(pixels, "image", "img", PlaceholderRange(20, 4))
+    req = FakeRequest("img", tokens, mm_features=[image])
+    assert w.sched.get_num_new_matched_tokens(req, 0) == (16, True)
+
+
 @pytest.mark.parametrize(
-    "extra", [{"mm_features": [object()]}, {"prompt_embeds": object()}], ids=["mm", "embeds"]
+    "extra", [{"mm_features": [object()]}, {"prompt_embeds": object()}], ids=["unnamed-image", "embeds"]
 )
-def test_multimodal_and_embedding_requests_are_ignored(worlds, extra: dict[str, Any]) -> None:
+def test_unnamed_multimodal_and_embedding_requests_are_ignored(worlds, extra: dict[str, Any]) -> None:
     w = worlds(make_spec(8, 8), 8)
     tokens = prompt(40)
     w.hold("cpu", w.chunk_keys(tokens, range(4)))

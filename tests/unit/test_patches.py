@@ -194,6 +194,16 @@ def test_qwen_vl_imports_without_torchvision(
     assert sys.modules[q.TORCHVISION_MODULE] is module  # once
     qwen3_vl = importlib.import_module("vllm.model_executor.models.qwen3_vl")  # imports now
     assert qwen3_vl.image_smart_resize is pil.smart_resize
+    import transformers
+    from transformers import video_processing_utils
+    from transformers.models.auto.video_processing_auto import VIDEO_PROCESSOR_MAPPING
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config
+
+    # the video processor vLLM's Qwen3VLProcessor needs for the VL models, and the class
+    # transformers' processor checks look up on its top-level module: the real ones
+    assert transformers.VideoProcessorMixin is video_processing_utils.VideoProcessorMixin
+    registered = VIDEO_PROCESSOR_MAPPING[Qwen3_5Config]
+    assert "Qwen3VLVideoProcessor" in {getattr(c, "__name__", "") for c in registered.values()}
 
 
 def test_qwen_vl_patch_stands_aside_where_torchvision_loads(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
@@ -56,16 +56,18 @@ def published_medium(backend: BackendConfig, shared: bool) -> str:
 @dataclass(frozen=True)
 class _Keyed:
     """What vLLM's ``generate_block_hash_extra_keys`` reads of a request we cache (requests
-    with multimodal inputs or prompt embeddings skip the cache: none here)."""
+    with prompt embeddings skip the cache: none here)."""
 
     lora_request: Any
     cache_salt: str | None
-    mm_features: tuple[()] = ()
+    mm_features: tuple[Any, ...] = ()
     prompt_embeds: None = None
 
 
 #: what stands for a request's ``cache_salt`` in events without token ids (the salt is a secret)
 HIDDEN_SALT = "<cache_salt>"
+#: what stands for an image's identifier there (a content hash would confirm a guessed image)
+HIDDEN_MM = "<mm>"
 
 
 def event_extra_keys(
@@ -74,11 +76,14 @@ def event_extra_keys(
     """``extra_keys`` of the block of tokens ``[start, end)`` of ``request`` as vLLM's own
     ``BlockStored`` carries them (``to_event_extra_keys``: one entry, None when it has none);
     ``salt`` False: a ``cache_salt`` is published as :data:`HIDDEN_SALT` (events without token
-    ids: a reader cannot hash the prompt anyway, and the salt would let it confirm a guess)."""
+    ids: a reader cannot hash the prompt anyway, and the salt would let it confirm a guess), and
+    each multimodal item's identifier as :data:`HIDDEN_MM`."""
     cache_salt = getattr(request, "cache_salt", None)
-    if cache_salt and not salt:
-        cache_salt = HIDDEN_SALT
-    keyed = _Keyed(getattr(request, "lora_request", None), cache_salt)
+    features = tuple(getattr(request, "mm_features", None) or ())
+    if not salt:
+        cache_salt = cache_salt and HIDDEN_SALT
+        features = tuple(replace(f, identifier=HIDDEN_MM) for f in features)
+    keyed = _Keyed(getattr(request, "lora_request", None), cache_salt, features)
     keys, _ = generate_block_hash_extra_keys(keyed, start, end, 0)  # type: ignore[arg-type]
     return to_event_extra_keys([keys])
 

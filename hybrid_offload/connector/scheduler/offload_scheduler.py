@@ -42,6 +42,7 @@ from hybrid_offload.connector.metadata import (
 from hybrid_offload.connector.scheduler.backend_view import BackendView
 from hybrid_offload.connector.scheduler.coverage import coverage
 from hybrid_offload.connector.scheduler.events import TierEvents, published_medium
+from hybrid_offload.connector.scheduler.multimodal import chunk_extras
 from hybrid_offload.connector.scheduler.pending import DEFAULT_PENDING_STORE_WAIT_S, PendingStores
 from hybrid_offload.connector.scheduler.policy import BackendMatch, LoadChoice, make_policy, presence_matrix
 from hybrid_offload.connector.scheduler.request_state import (
@@ -90,14 +91,17 @@ class OffloadScheduler:
         accept_weights_version: bool = False,
         drafting: Drafting | None = None,
         events: KVEventsSpec | None = None,
+        multimodal_keys: str = "content",
         clock: Callable[[], float] | None = None,
         timer: Callable[[], float] = time.perf_counter,
     ) -> None:
         """``drafting``: the engine's speculative decoding; ``events``: vLLM publishes KV events
-        (then ours join them, :mod:`.events`); ``timer`` times lookups (``lookup_seconds``)."""
+        (then ours join them, :mod:`.events`); ``multimodal_keys``: what names an image in keys
+        (:mod:`.multimodal`); ``timer`` times lookups (``lookup_seconds``)."""
         self.planner = planner
         self._timer = timer
         self._accept_weights_version = accept_weights_version
+        self._multimodal_keys = multimodal_keys
         self.stats = Locked(SchedulerCounters())
         self.views = [BackendView(t, self.stats, i, clock or time.monotonic) for i, t in enumerate(backends)]
         self._by_name = {v.name: v for v in self.views}
@@ -126,12 +130,13 @@ class OffloadScheduler:
     def _request_state(self, request: Request) -> RequestState | None:
         """The request's state, keyed on first sight; a request keyed before a cache reset is
         keyed anew when it is looked up again (resumed), unless a load is in flight. None:
-        the request does not use the cache (multimodal, embeddings, a malformed scope)."""
+        the request does not use the cache (prompt embeddings, a malformed scope, an image
+        that cannot be named)."""
         known = self._requests.get(request.request_id)
         in_flight = known is not None and known.load_phase in (LoadPhase.PENDING, LoadPhase.LOADING)
         if known is not None and (in_flight or not known.stale):
             return known
-        if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
+        if getattr(request, "prompt_embeds", None) is not None:
             return None
         if not self.planner.whole_model:
             _warn_no_cache("the other pipeline stages' layers are not known (their handshake did not arrive)")
@@ -143,13 +148,15 @@ class OffloadScheduler:
             scope = request_scope(
                 request, self._epoch, self._adapters, accept_version=self._accept_weights_version
             )
+            extras = chunk_extras(request, self.planner.chunk_tokens, self._multimodal_keys)
         except ScopeError as exc:
             _warn_no_cache(str(exc))
             return None
         prompt = list(request.prompt_token_ids or [])
         seed = self.planner.scope_seed(scope)
-        hashes = self.planner.chain(seed, prompt)
-        state = RequestState(request, len(prompt), seed, hashes, self.planner.group_keys(hashes))
+        hashes = self.planner.chain(seed, prompt, extras)
+        keys = self.planner.group_keys(hashes)
+        state = RequestState(request, len(prompt), seed, hashes, keys, extras=extras)
         self._requests[request.request_id] = state
         self._sightings.see(hashes)
         if known is None:  # a request keyed anew after a reset is counted once

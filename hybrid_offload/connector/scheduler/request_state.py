@@ -63,7 +63,8 @@ class RequestState:
     ``held_state`` are the chunk indices whose pages the worker holds until they are committed;
     ``stored``: pages were sent to a backend since the request's chain was last touched;
     ``state_chunks``: the chunks whose state pages it sent. ``stale``: keyed before a cache
-    reset (a weight update): it stores nothing more.
+    reset (a weight update): it stores nothing more. ``extras``: per chunk index, what besides
+    its tokens keys the chunk (its images: :mod:`.multimodal`).
     """
 
     request: Request
@@ -93,6 +94,7 @@ class RequestState:
     coverage: Coverage | None = None
     coverage_counted: bool = False
     stale: bool = False
+    extras: dict[int, bytes] = field(default_factory=dict)
 
     def on_load(self, event: LoadEvent) -> LoadPhase:
         """Move ``load_phase`` as ``event`` says (:data:`_LOAD_TRANSITIONS`); the new phase."""
@@ -129,7 +131,7 @@ def extend_keys(state: RequestState, planner: HybridOffloadPlanner, num_tokens: 
     if want <= have:
         return []
     prev = state.chunk_hashes[-1] if have else state.seed
-    new = planner.chain(prev, list(tokens[have * chunk : want * chunk]))
+    new = planner.chain(prev, list(tokens[have * chunk : want * chunk]), state.extras, first=have)
     state.chunk_hashes.extend(new)
     for group_keys, more in zip(state.keys, planner.group_keys(new), strict=True):
         group_keys.extend(more)

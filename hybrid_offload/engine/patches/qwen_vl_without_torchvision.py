@@ -12,6 +12,14 @@ What: only where ``import torchvision`` fails, put a module under that name into
 ``sys.modules`` that holds transformers' own PIL-backed variant
 (``image_processing_pil_qwen2_vl``: the same ``smart_resize``, ``Qwen2VLImageProcessor`` as its
 ``Qwen2VLImageProcessorPil``, which transformers itself falls back to without torchvision).
+For the vision-language models (``Qwen3_5ForConditionalGeneration``) vLLM's processing info
+builds transformers' whole ``Qwen3VLProcessor``, video processor included, even where videos are
+not allowed (``limit_mm_per_prompt``), and without torchvision transformers' top-level
+``AutoVideoProcessor`` / ``VideoProcessorMixin`` are placeholders that raise: the real classes
+(which import without torchvision; only decoding video frames needs it) are registered for the
+Qwen3.5 configs and put where transformers' processor checks look them up
+(:func:`register_video_processors`).
+
 Nothing of vLLM is changed; with torchvision installed nothing is done. Applied in every vLLM
 process through the plugin entry point (the model registry's inspection subprocess loads plugins
 too).
@@ -51,18 +59,43 @@ def pil_variant() -> types.ModuleType:
     return module
 
 
+def register_video_processors() -> None:
+    """Make transformers' real video processor classes the ones its auto classes and processor
+    checks find (idempotent)."""
+    import transformers
+    from transformers import video_processing_utils
+    from transformers.models.auto.video_processing_auto import AutoVideoProcessor
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeConfig
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    for config in (Qwen3_5Config, Qwen3_5MoeConfig):
+        AutoVideoProcessor.register(config, Qwen3VLVideoProcessor, exist_ok=True)
+    real = {
+        "VideoProcessorMixin": video_processing_utils.VideoProcessorMixin,
+        "BaseVideoProcessor": video_processing_utils.BaseVideoProcessor,
+        "AutoVideoProcessor": AutoVideoProcessor,
+        "Qwen3VLVideoProcessor": Qwen3VLVideoProcessor,
+    }
+    for name, cls in real.items():  # over transformers' torchvision placeholders of those names
+        setattr(transformers, name, cls)
+
+
 def register() -> None:
-    """Install the PIL variant where torchvision does not load (idempotent)."""
+    """Install the PIL variant and the video processors where torchvision does not load
+    (idempotent)."""
     current = sys.modules.get(TORCHVISION_MODULE)
-    if current is not None:
-        return  # imported already (torchvision works), or ours
-    if _torchvision_loads():
-        return
+    if getattr(current, "_hybrid_offload_patch", False) or (current is None and not _torchvision_loads()):
+        pass  # ours already, or torchvision does not load: patch
+    else:
+        return  # imported already with torchvision working
     if not version_supported(
         ENTRY_POINT, VLLM_VERSIONS, "Qwen3.5 and Qwen-VL models fail to import without torchvision"
     ):
         return
     try:
-        sys.modules[TORCHVISION_MODULE] = pil_variant()
+        if current is None:
+            sys.modules[TORCHVISION_MODULE] = pil_variant()
+        register_video_processors()
     except ImportError as exc:  # a transformers without the PIL variant: nothing to stand in
         logger.warning("hybrid_offload: patch %s not applied: %s", ENTRY_POINT, exc)

@@ -20,15 +20,22 @@ Subparsers = argparse._SubParsersAction  # the object add_subparsers() returns
 def cmd_make_model(args: argparse.Namespace) -> int:
     """Build a random-weight model directory; prints its path on stdout."""
     from hybrid_offload.testing.models import build_model
+    from hybrid_offload.testing.vision_models import VL_ARCHS, build_vl_model
 
-    out = build_model(args.arch, args.out, layers=args.layers, hidden=args.hidden, seed=args.seed,
-                      mtp_layers=args.mtp_layers)
+    if args.arch in VL_ARCHS:
+        if args.layers or args.hidden or args.mtp_layers:
+            raise SystemExit(f"make-model: --layers, --hidden and --mtp-layers do not apply to {args.arch}")
+        out = build_vl_model(args.out, seed=args.seed)
+    else:
+        out = build_model(args.arch, args.out, layers=args.layers, hidden=args.hidden, seed=args.seed,
+                          mtp_layers=args.mtp_layers)
     print(out)
     return 0
 
 
 def _add_make_model(subparsers: Subparsers) -> None:
     from hybrid_offload.testing.models import ARCHS, DEFAULT_ARCH
+    from hybrid_offload.testing.vision_models import VL_ARCHS
 
     p = subparsers.add_parser(
         "make-model",
@@ -38,9 +45,9 @@ def _add_make_model(subparsers: Subparsers) -> None:
     )
     p.add_argument(
         "--arch",
-        choices=ARCHS,
+        choices=ARCHS + VL_ARCHS,
         default=DEFAULT_ARCH,
-        help=f"model architecture (default: {DEFAULT_ARCH})",
+        help=f"model architecture (default: {DEFAULT_ARCH}; qwen3_5_vl: Qwen3.5 with a vision tower)",
     )
     p.add_argument("--out", type=Path, required=True, help="output directory")
     p.add_argument(

@@ -1,0 +1,75 @@
+"""Multimodal items (images, audio, video) as vLLM's scheduler holds them.
+
+:func:`item_digest` names an item by what the model reads of it: the processed tensors vLLM's
+scheduler-side ``Request`` keeps in ``mm_features[i].data`` (for Qwen-VL: ``pixel_values`` and
+``image_grid_thw``), field by field with dtype and shape, so two images are one item only when
+the model sees the same thing. vLLM's own ``identifier`` is not that: a client may choose it
+(``multi_modal_uuids``, the ``uuid`` of a chat content part), and where vLLM's prefix cache and
+processor cache are both off it is a per-process counter (:func:`identifiers_name_content`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+#: digests already taken, by item object identity while it lives (vLLM's processor cache hands
+#: the same object to every request carrying that image: a conversation does not hash its images
+#: again each turn); items are mappings, unhashable, so not a WeakKeyDictionary
+_DIGESTS: dict[int, tuple[weakref.ref[Any], str]] = {}
+DIGEST_SIZE = 16
+
+
+def item_digest(item: Any) -> str | None:
+    """Hex digest of one ``MultiModalKwargsItem`` (a mapping of field name to an element with
+    ``.data``: a tensor, or nested lists/tuples of tensors); None where the scheduler holds no
+    tensors for it (``mm_processor_cache_type: shm`` passes shared-memory addresses instead)."""
+    if not isinstance(item, Mapping) or not item or "address" in item:
+        return None
+    known = _DIGESTS.get(id(item))
+    if known is not None and known[0]() is item:
+        return known[1]
+    h = hashlib.blake2b(digest_size=DIGEST_SIZE, person=b"hybrid-mm-item")
+    for name in sorted(item):
+        _feed(h, name.encode())
+        if not _feed_nested(h, getattr(item[name], "data", None)):
+            return None
+    digest = h.hexdigest()
+    with contextlib.suppress(TypeError):  # no weak references to it: digested again next time
+        key = id(item)
+        _DIGESTS[key] = (weakref.ref(item, lambda _ref: _DIGESTS.pop(key, None)), digest)
+    return digest
+
+
+def _feed(h: Any, data: bytes) -> None:
+    h.update(len(data).to_bytes(8, "little"))
+    h.update(data)
+
+
+def _feed_nested(h: Any, data: Any) -> bool:
+    """Feed a tensor, or a list/tuple of them (nested), with its structure; False for anything
+    else (not content this module can name)."""
+    import torch
+
+    if isinstance(data, torch.Tensor):
+        t = data.detach().to("cpu").contiguous()
+        _feed(h, f"T{t.dtype}{tuple(t.shape)}".encode())
+        _feed(h, t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        return True
+    if isinstance(data, list | tuple):
+        _feed(h, f"L{len(data)}".encode())
+        return all(_feed_nested(h, part) for part in data)
+    return False
+
+
+def identifiers_name_content(vllm_config: Any) -> bool:
+    """Whether vLLM's item identifiers are content hashes (or a client's ids): False where
+    vLLM's prefix cache and processor cache are both off, when it names items
+    ``renderer<n>-mm-<count>-...`` per process, names a restart gives to other images."""
+    model = getattr(vllm_config, "model_config", None)
+    mm = getattr(model, "multimodal_config", None)
+    prefix_caching = bool(getattr(getattr(vllm_config, "cache_config", None), "enable_prefix_caching", False))
+    return prefix_caching or mm is None or getattr(mm, "mm_processor_cache_gb", 0) != 0

@@ -1,0 +1,121 @@
+"""Run image conversations through one vLLM engine (vLLM's default multi-process engine) and
+record every turn. One engine lifetime is one Python process (:func:`run_vision_subprocess`).
+
+Spec (JSON)::
+
+    {"model": DIR, "connector": {... kv_connector_extra_config ...} | null, "max_tokens": 8,
+     "max_model_len": 8192, "logprobs": k | null, "llm_kwargs": {...},
+     "conversations": [{"name": "a", "turns": [{"text": "...", "images": [[seed, size, uuid?], ...],
+                                           "after": "..."}, ...],
+                        "replies": ["...", ...] | null}, ...]}
+
+Turn ``k`` of a conversation is one chat request: the earlier turns, each followed by its reply
+(``replies[k]`` where given, else the text this engine generated), then turn ``k``'s text, its
+images (drawn by :func:`~hybrid_offload.testing.vision_models.draw_image`) and the text after
+them (``after``, optional). vLLM's own prefix
+cache is emptied before every request, so every cached token came from the connector.
+
+Result: ``{"conversations": {name: [{"prompt": ids, "output": ids, "reply": text, "cached": n,
+"report": kv_transfer_params["hybrid_offload"] | null, "first_logprobs": {id: logprob}}]}}``
+(``first_logprobs`` with ``logprobs``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from hybrid_offload.testing.vision_models import draw_image
+
+
+def run_vision(spec: dict[str, Any]) -> dict[str, Any]:
+    """Build the engine, run every conversation of ``spec`` through it, return the records."""
+    from vllm import LLM, SamplingParams
+
+    from hybrid_offload.testing.session import kv_transfer_config
+
+    most_images = max(
+        (sum(len(t["images"]) for t in c["turns"]) for c in spec["conversations"]), default=1
+    )
+    kwargs: dict[str, Any] = {
+        "max_model_len": spec.get("max_model_len", 8192),
+        "dtype": "bfloat16",  # the CPU GDN kernel runs in bf16 only
+        "enforce_eager": True,
+        "limit_mm_per_prompt": {"image": max(1, most_images), "video": 0},
+        **spec.get("llm_kwargs", {}),
+    }
+    if spec.get("connector") is not None:
+        kwargs["kv_transfer_config"] = kv_transfer_config(spec["connector"])
+    llm = LLM(model=spec["model"], **kwargs)
+    params = SamplingParams(
+        max_tokens=spec.get("max_tokens", 8), temperature=0.0, ignore_eos=True, logprobs=spec.get("logprobs")
+    )
+    tokenizer = llm.get_tokenizer()
+    out: dict[str, Any] = {"conversations": {}}
+    for conversation in spec["conversations"]:
+        messages: list[dict[str, Any]] = []
+        rows: list[dict[str, Any]] = []
+        given = conversation.get("replies") or []
+        for k, turn in enumerate(conversation["turns"]):
+            content: list[dict[str, Any]] = [{"type": "text", "text": turn["text"]}]
+            content += [_image_part(*image) for image in turn["images"]]
+            if turn.get("after"):
+                content.append({"type": "text", "text": turn["after"]})
+            messages.append({"role": "user", "content": content})
+            llm.reset_prefix_cache()
+            result = llm.chat(messages, params, use_tqdm=False)[0]
+            reply = given[k] if k < len(given) else tokenizer.decode(result.outputs[0].token_ids)
+            messages.append({"role": "assistant", "content": reply})
+            rows.append({
+                "prompt": list(result.prompt_token_ids or []),
+                "output": list(result.outputs[0].token_ids),
+                "reply": reply,
+                "cached": result.num_cached_tokens or 0,
+                "report": (result.kv_transfer_params or {}).get("hybrid_offload"),
+                **({"first_logprobs": _first_logprobs(result)} if params.logprobs else {}),
+            })  # fmt: skip
+        out["conversations"][conversation["name"]] = rows
+    llm.llm_engine.engine_core.shutdown()  # stores flushed, engine processes gone
+    return out
+
+
+def _image_part(seed: int, size: int, uuid: str | None = None) -> dict[str, Any]:
+    """A chat content part holding image ``seed`` of ``size`` pixels square, named ``uuid``
+    where given (a client's id for it: vLLM then keys its caches by that name)."""
+    return {"type": "image_pil", "image_pil": draw_image(seed, size), **({"uuid": uuid} if uuid else {})}
+
+
+def _first_logprobs(result: Any) -> dict[str, float]:
+    """The first generated token's top logprobs (token id as a JSON key -> logprob): it comes
+    from the prompt's prefill, so it shows whether loaded pages are what recomputing gives."""
+    first = (result.outputs[0].logprobs or [{}])[0]
+    return {str(token): float(lp.logprob) for token, lp in first.items()}
+
+
+def run_vision_subprocess(
+    spec: dict[str, Any], timeout: float = 900.0, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """:func:`run_vision` in a fresh Python process; RuntimeError with its log on failure."""
+    from hybrid_offload.testing.session import ENGINE_ENV, run_module_subprocess
+
+    multi_process = {k: v for k, v in ENGINE_ENV.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    return run_module_subprocess(
+        "hybrid_offload.testing.vision_session", spec, timeout=timeout, env={**multi_process, **(env or {})},
+        what="vision session",
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    result = run_vision(json.loads(Path(args[0]).read_text()))
+    Path(args[1]).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # vLLM may leave non-daemon threads behind; the result is written
