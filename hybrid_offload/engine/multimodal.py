@@ -32,20 +32,21 @@ def item_digest(item: Any) -> str | None:
     known = _DIGESTS.get(id(item))
     if known is not None and known[0]() is item:
         return known[1]
-    h = hashlib.blake2b(digest_size=DIGEST_SIZE, person=b"hybrid-mm-item")
+    h = hashlib.sha256(b"hybrid-offload multimodal item v1\0")  # SHA-NI where CPUs have it
     for name in sorted(item):
         _feed(h, name.encode())
         if not _feed_nested(h, getattr(item[name], "data", None)):
             return None
-    digest = h.hexdigest()
+    digest = h.hexdigest()[: 2 * DIGEST_SIZE]
     with contextlib.suppress(TypeError):  # no weak references to it: digested again next time
         key = id(item)
         _DIGESTS[key] = (weakref.ref(item, lambda _ref: _DIGESTS.pop(key, None)), digest)
     return digest
 
 
-def _feed(h: Any, data: bytes) -> None:
-    h.update(len(data).to_bytes(8, "little"))
+def _feed(h: Any, data: Any) -> None:
+    """``data`` (bytes, or a contiguous byte array, not copied) with its length in front."""
+    h.update(memoryview(data).nbytes.to_bytes(8, "little"))
     h.update(data)
 
 
@@ -57,7 +58,7 @@ def _feed_nested(h: Any, data: Any) -> bool:
     if isinstance(data, torch.Tensor):
         t = data.detach().to("cpu").contiguous()
         _feed(h, f"T{t.dtype}{tuple(t.shape)}".encode())
-        _feed(h, t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        _feed(h, t.view(torch.uint8).numpy() if t.numel() else b"")
         return True
     if isinstance(data, list | tuple):
         _feed(h, f"L{len(data)}".encode())
