@@ -421,7 +421,6 @@ def _write_weights(config: Any, out_dir: Path, seed: int) -> None:
     """Instantiate the HF model from `config` with seeded init and save it as bf16."""
     import torch
     from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
 
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
@@ -429,6 +428,13 @@ def _write_weights(config: Any, out_dir: Path, seed: int) -> None:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     finally:
         torch.set_default_dtype(previous)
+    save_quietly(model, out_dir)
+
+
+def save_quietly(model: Any, out_dir: Path) -> None:
+    """``model.save_pretrained(out_dir)`` without transformers' progress bars."""
+    from transformers.utils import logging as hf_logging
+
     bars_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:

@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -264,16 +265,25 @@ def run_session_subprocess(
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def json_main(run: Callable[[dict[str, Any]], dict[str, Any]], argv: list[str] | None = None) -> int:
+    """The entry of a module :func:`run_module_subprocess` starts: ``run`` the spec in file
+    ``argv[0]`` (JSON), write its result to ``argv[1]`` (JSON)."""
     args = sys.argv[1:] if argv is None else argv
-    spec = json.loads(Path(args[0]).read_text())
-    result = run_session(spec)
+    result = run(json.loads(Path(args[0]).read_text()))
     Path(args[1]).write_text(json.dumps(result))
     return 0
 
 
-if __name__ == "__main__":
-    # vLLM may leave non-daemon threads behind; the result is written, so leave promptly.
-    code = main()
+def exit_now(code: int) -> None:
+    """Leave the process at once, output flushed: vLLM may leave non-daemon threads behind, and
+    the result is written."""
     sys.stdout.flush()
     os._exit(code)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return json_main(run_session, argv)
+
+
+if __name__ == "__main__":
+    exit_now(main())

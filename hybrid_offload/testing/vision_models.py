@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hybrid_offload.testing.models import build_tokenizer, make_config
+from hybrid_offload.testing.models import build_tokenizer, make_config, save_quietly
 
 VL_ARCHS = ("qwen3_5_vl",)
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
@@ -50,7 +50,6 @@ def build_vl_model(out_dir: Path, *, seed: int = 0) -> Path:
     """Write the model into ``out_dir`` (created if missing) and return it."""
     import torch
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
-    from transformers.utils import logging as hf_logging
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -92,13 +91,7 @@ def build_vl_model(out_dir: Path, *, seed: int = 0) -> Path:
     model = Qwen3_5ForConditionalGeneration(config).to(torch.bfloat16)
     with torch.no_grad():  # loud images: a random tower's output barely moves a random model's tokens
         model.model.visual.merger.linear_fc2.weight.mul_(IMAGE_GAIN)
-    bars_on = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        model.save_pretrained(out_dir)
-    finally:
-        if bars_on:
-            hf_logging.enable_progress_bar()
+    save_quietly(model, out_dir)
     tokenizer.save_pretrained(out_dir)
     (out_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     common = {

@@ -22,10 +22,6 @@ Result: ``{"conversations": {name: [{"prompt": ids, "output": ids, "reply": text
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-from pathlib import Path
 from typing import Any
 
 from hybrid_offload.testing.vision_models import draw_image
@@ -108,14 +104,7 @@ def run_vision_subprocess(
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    result = run_vision(json.loads(Path(args[0]).read_text()))
-    Path(args[1]).write_text(json.dumps(result))
-    return 0
-
-
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    os._exit(code)  # vLLM may leave non-daemon threads behind; the result is written
+    from hybrid_offload.testing.session import exit_now, json_main
+
+    exit_now(json_main(run_vision))

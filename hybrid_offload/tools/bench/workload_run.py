@@ -26,11 +26,7 @@ so it shows whether loaded pages are the ones a recomputation gives).
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from hybrid_offload.tools.bench.traffic import Wave, WorkloadSpec, run_workload
@@ -149,14 +145,7 @@ def run_engine_subprocess(spec: dict[str, Any], timeout: float = 1800.0,
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    result = run_engine(json.loads(Path(args[0]).read_text()))
-    Path(args[1]).write_text(json.dumps(result))
-    return 0
-
-
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    os._exit(code)  # vLLM may leave non-daemon threads behind; the result is written
+    from hybrid_offload.testing.session import exit_now, json_main
+
+    exit_now(json_main(run_engine))
