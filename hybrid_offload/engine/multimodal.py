@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 #: again each turn); items are mappings, unhashable, so not a WeakKeyDictionary
 _DIGESTS: dict[int, tuple[weakref.ref[Any], str]] = {}
 DIGEST_SIZE = 16
+logger = logging.getLogger(__name__)
 
 
 def item_digest(item: Any) -> str | None:
@@ -33,10 +35,14 @@ def item_digest(item: Any) -> str | None:
     if known is not None and known[0]() is item:
         return known[1]
     h = hashlib.sha256(b"hybrid-offload multimodal item v1\0")  # SHA-NI where CPUs have it
-    for name in sorted(item):
-        _feed(h, name.encode())
-        if not _feed_nested(h, getattr(item[name], "data", None)):
-            return None
+    try:
+        for name in sorted(item):
+            _feed(h, str(name).encode())
+            if not _feed_nested(h, getattr(item[name], "data", None)):
+                return None
+    except Exception:  # a field this module cannot read: the item is not named, never a failure
+        logger.warning("a multimodal item could not be digested: its request skips the cache", exc_info=True)
+        return None
     digest = h.hexdigest()[: 2 * DIGEST_SIZE]
     with contextlib.suppress(TypeError):  # no weak references to it: digested again next time
         key = id(item)
@@ -58,7 +64,7 @@ def _feed_nested(h: Any, data: Any) -> bool:
     if isinstance(data, torch.Tensor):
         t = data.detach().to("cpu").contiguous()
         _feed(h, f"T{t.dtype}{tuple(t.shape)}".encode())
-        _feed(h, t.view(torch.uint8).numpy() if t.numel() else b"")
+        _feed(h, t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")  # 0-dim too
         return True
     if isinstance(data, list | tuple):
         _feed(h, f"L{len(data)}".encode())

@@ -80,6 +80,24 @@ def test_identifier_mode_trusts_vllm_names_and_off_skips() -> None:
     assert chunk_extras(request(), CHUNK, "off") == {}
 
 
+def test_every_tensor_shape_is_digested_and_nothing_unreadable_fails_a_request() -> None:
+    """LFM2-VL keeps ``num_patches`` as a 0-dim int64 tensor per image (its first request once
+    killed the engine core here); a field holding something not a tensor names no item."""
+    def item(patches: int, extra: Any) -> MultiModalKwargsItem:
+        return MultiModalKwargsItem({
+            "pixel_values": MultiModalFieldElem(torch.ones(4, 6), MultiModalBatchedField()),
+            "num_patches": MultiModalFieldElem(torch.tensor(patches), MultiModalBatchedField()),
+            "more": MultiModalFieldElem(extra, MultiModalBatchedField()),
+        })  # fmt: skip
+
+    empty = torch.empty(0, 3)
+    assert item_digest(item(4, [torch.ones(2), (torch.zeros(()), empty)])) is not None
+    digests = {item_digest(item(n, [torch.ones(2), empty])) for n in (4, 9)}
+    assert len(digests) == 2 and None not in digests
+    assert item_digest(item(4, object())) is None
+    assert item_digest(item(4, [torch.ones(2), "text"])) is None
+
+
 @pytest.mark.parametrize("data", [None, MultiModalKwargsItem({"address": MultiModalFieldElem(1, None)})])
 def test_an_image_the_scheduler_holds_no_pixels_of_skips_the_cache(data: Any) -> None:
     with pytest.raises(ScopeError, match="holds no data for multimodal item 0"):
