@@ -4,7 +4,7 @@
 keeps recency, and makes room by evicting the entries a pluggable :class:`EvictionPolicy`
 names first (:class:`LruPolicy`, least recently used, by default). Used by the ``cpu`` pool
 (value: the page bytes), ``disk`` and ``lmcache`` (no value) and the cache peer's pool
-(value: the page's extent). Redis keeps its index on the server (:mod:`.redis_index`).
+(value: the page's extent). Redis keeps its index on the server (:mod:`.redis.index`).
 
 * **Sizes** are what the capacity counts (page bytes). ``used`` is their sum;
   :meth:`LruIndex.used_by_kind` splits it by what the policy says each key is

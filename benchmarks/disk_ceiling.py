@@ -289,9 +289,10 @@ def load_baseline(path: Path) -> Any:
     sys.modules["baseline_backends"] = package
     spec.loader.exec_module(package)
     from baseline_backends.disk import DiskBackend  # type: ignore[import-not-found]
-    from baseline_backends.disk_segments import SegmentDiskBackend  # type: ignore[import-not-found]
 
-    package.DiskBackend, package.SegmentDiskBackend = DiskBackend, SegmentDiskBackend
+    # the segment layout's class, wherever that commit kept its module (a folder since issue 46)
+    package.DiskBackend = DiskBackend
+    package.SegmentDiskBackend = DiskBackend.implementation({"layout": "segments"})
     return package
 
 

@@ -17,6 +17,6 @@ def make_disk(root: Path | str, capacity: int = 1 << 30, **options: Any) -> Disk
 
 
 def page_path(root: Path, k: str) -> Path:
-    """The file of page ``k`` under ``root`` (the layout in ``backends/disk.py``)."""
+    """The file of page ``k`` under ``root`` (the layout in ``backends/disk/backend.py``)."""
     namespace, digest = k.split("-")
     return root / namespace / digest[:2] / f"{digest}.page"

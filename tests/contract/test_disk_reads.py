@@ -24,10 +24,11 @@ from hybrid_offload.backends import (
     BackendClosedError,
     BackendConfig,
     create_backend,
-    disk,
-    disk_direct,
-    disk_segments,
 )
+from hybrid_offload.backends.disk import backend as disk
+from hybrid_offload.backends.disk import direct as disk_direct
+from hybrid_offload.backends.disk import segment_reads
+from hybrid_offload.backends.disk import segments as disk_segments
 from hybrid_offload.testing.backend_pages import key, page
 from hybrid_offload.tools.bench.ceilings import drop_tree_cache
 
@@ -222,7 +223,8 @@ def test_pages_still_dirty_in_the_page_cache_are_read_as_written(
 _CRASH = """
 import os, sys
 from hybrid_offload.testing.backend_pages import key, page
-from hybrid_offload.backends import BackendConfig, create_backend, segment_writer
+from hybrid_offload.backends import BackendConfig, create_backend
+from hybrid_offload.backends.disk import segment_writer
 root, layout, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
 backend = create_backend(BackendConfig("disk", "child", 1 << 30, options={"path": root, "layout": layout}))
 assert backend.put_batch([(key(1), page(1, size)), (key(2), page(2, size))]) == [True, True]
@@ -293,7 +295,7 @@ def test_large_loads_are_read_in_parallel_pieces_cut_inside_pages(
     keys and pages larger than their buffer are misses, in input order."""
     monkeypatch.setattr(disk, "_PARALLEL_BYTES", 64 << 10)
     monkeypatch.setattr(disk_segments, "_PARALLEL_BYTES", 64 << 10)
-    monkeypatch.setattr(disk_segments, "_MIN_PIECE", 5000)
+    monkeypatch.setattr(segment_reads, "MIN_PIECE", 5000)
     monkeypatch.setattr(disk, "_PARALLEL_PAGE_BYTES", 0)
     monkeypatch.setattr(disk_segments, "read_parts", lambda io_threads: io_threads)
     root = tmp_path / "store"
@@ -332,7 +334,7 @@ def test_a_failed_piece_misses_only_the_pages_it_holds(
     """An I/O error in one piece of a run: the pages with bytes in that piece are misses (counted
     as errors), the others land whole."""
     monkeypatch.setattr(disk_segments, "_PARALLEL_BYTES", 1)
-    monkeypatch.setattr(disk_segments, "_MIN_PIECE", 4096)
+    monkeypatch.setattr(segment_reads, "MIN_PIECE", 4096)
     monkeypatch.setattr(disk_segments, "read_parts", lambda io_threads: io_threads)
     root = tmp_path / "store"
     pages = {key(i): page(i, 3072) for i in range(5)}  # 15 KiB: pieces of 4 KiB
@@ -362,7 +364,7 @@ def test_large_loads_from_several_threads_and_a_close_racing_them(
     monkeypatch.setattr(disk, "_PARALLEL_BYTES", 1)
     monkeypatch.setattr(disk, "_PARALLEL_PAGE_BYTES", 0)
     monkeypatch.setattr(disk_segments, "_PARALLEL_BYTES", 1)
-    monkeypatch.setattr(disk_segments, "_MIN_PIECE", 4096)
+    monkeypatch.setattr(segment_reads, "MIN_PIECE", 4096)
     root = tmp_path / "store"
     pages = {key(i): page(i, 20_000 + 37 * i) for i in range(32)}
     backend = make(root, layout, io_threads=3)

@@ -19,19 +19,19 @@ from hybrid_offload.backends import (
     BackendConfig,
     BackendConfigError,
     create_backend,
-    disk_segments,
-    segment_writer,
 )
-from hybrid_offload.backends.disk_segments import SegmentDiskBackend
-from hybrid_offload.backends.segment_log import PUT, Record, decode, encode
-from hybrid_offload.backends.segment_writer import SegmentWriter
+from hybrid_offload.backends.disk import segment_reads, segment_writer
+from hybrid_offload.backends.disk import segments as disk_segments
+from hybrid_offload.backends.disk.segment_log import PUT, Record, decode, encode
+from hybrid_offload.backends.disk.segment_writer import SegmentWriter
+from hybrid_offload.backends.disk.segments import SegmentDiskBackend
 from hybrid_offload.testing.backend_pages import key, page
 
 _CHILD = """
 import os, sys
 from hybrid_offload.testing.backend_pages import key, page
 from hybrid_offload.backends import BackendConfig, create_backend
-from hybrid_offload.backends import segment_writer
+from hybrid_offload.backends.disk import segment_writer
 root, command, capacity = sys.argv[1], sys.argv[2], int(sys.argv[4])
 ids = [int(i) for i in sys.argv[3].split(",")]
 options = {"path": root, "layout": "segments"}
@@ -370,10 +370,11 @@ def test_calls_racing_close_raise_closed_and_write_nowhere(tmp_path: Path) -> No
 def test_reads_from_the_medium_are_cut_into_pieces_for_the_pool(monkeypatch: pytest.MonkeyPatch) -> None:
     """Runs are cut by bytes, also inside a page, where the file offset is a multiple of the
     piece size; short runs share a task; a page is a hit only if all its parts were read."""
-    from hybrid_offload.backends.disk_segments import _tasks, _whole_pages
-    from hybrid_offload.backends.segment_log import Location
+    from hybrid_offload.backends.disk.segment_log import Location
+    from hybrid_offload.backends.disk.segment_reads import tasks_of as _tasks
+    from hybrid_offload.backends.disk.segment_reads import whole_pages as _whole_pages
 
-    monkeypatch.setattr(disk_segments, "_MIN_PIECE", 4096)
+    monkeypatch.setattr(segment_reads, "MIN_PIECE", 4096)
 
     def run(offset: int, sizes: list[int], first: int = 0) -> list[Any]:
         jobs, at = [], offset

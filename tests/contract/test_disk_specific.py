@@ -372,7 +372,7 @@ def test_reads_stamp_pages_in_order_off_the_readers_thread(
 ) -> None:
     """A read page's mtime (its LRU position for other processes) is stamped by the stamping
     thread, in read order; close() waits for it; prefix reads stamp nothing."""
-    from hybrid_offload.backends.disk_files import PageDirs
+    from hybrid_offload.backends.disk.files import PageDirs
 
     stamped: list[tuple[str, str]] = []
     real = PageDirs.stamp_page
@@ -413,7 +413,7 @@ def test_reads_into_buffers_take_cached_pages_on_the_callers_thread_and_the_rest
 ) -> None:
     """Pages in the page cache are read on the calling thread (RWF_NOWAIT) until one is not;
     from there on the pool reads, and every page lands whole in its buffer either way."""
-    from hybrid_offload.backends import disk_files
+    from hybrid_offload.backends.disk import files as disk_files
     from hybrid_offload.tools.bench.ceilings import drop_cache
 
     with make_disk(tmp_path / "store", io_threads=4) as backend:
@@ -450,7 +450,7 @@ def test_reads_into_buffers_take_cached_pages_on_the_callers_thread_and_the_rest
 
 
 def test_cached_only_reads_stop_at_the_first_page_not_cached() -> None:
-    from hybrid_offload.backends.disk_files import NotCachedError, read_while_cached
+    from hybrid_offload.backends.disk.files import NotCachedError, read_while_cached
 
     def read(job: int) -> int:
         if job == 3:

@@ -18,8 +18,8 @@ import pytest
 import redis
 
 from hybrid_offload.backends import BackendConfig, create_backend
-from hybrid_offload.backends import redis_index as index_module
 from hybrid_offload.backends.redis import RedisBackend
+from hybrid_offload.backends.redis import index as index_module
 from hybrid_offload.testing.backend_pages import key, page
 from hybrid_offload.testing.services import RedisServer
 

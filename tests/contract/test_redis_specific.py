@@ -236,7 +236,7 @@ def test_a_password_in_the_url_query_is_refused_and_never_shown(
         with pytest.raises(BackendConfigError, match=r"'url'.*credentials") as info:
             make_redis(url)
         assert "pw-in-query" not in str(info.value) and "password_file" in str(info.value)
-    from hybrid_offload.backends.redis_options import redact_url
+    from hybrid_offload.backends.redis.options import redact_url
 
     assert "pw-in-query" not in redact_url(f"{srv.url}?password=pw-in-query")
     assert redact_url("redis://alice:pw@h:1/0?x=1") == "redis://alice:***@h:1/0?***"
@@ -413,7 +413,7 @@ def test_a_writer_raising_the_rebuild_flag_costs_one_scan_a_minute(
     each put then rebuilt the index from a scan of every page (0.3 -> 210 ms a put at 50k
     pages). Now a process rebuilds at most once per REBUILD_EVERY_S (injected clock); the flag
     waits for the first put after that."""
-    from hybrid_offload.backends.redis import REBUILD_EVERY_S
+    from hybrid_offload.backends.redis.backend import REBUILD_EVERY_S
 
     with make_redis(server.url, capacity=MiB) as backend:
         now = [1000.0]

@@ -12,7 +12,7 @@ import pytest
 from redis.exceptions import AuthenticationError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from hybrid_offload.backends.redis_raw import RawReader, raw_reader_for
+from hybrid_offload.backends.redis.raw import RawReader, raw_reader_for
 
 
 def bulk(value: bytes) -> bytes:

@@ -16,7 +16,7 @@ import re
 import secrets
 import stat
 
-from .base import BackendConfigError
+from ..base import BackendConfigError
 
 __all__ = ["check_writable_root", "expand_path", "open_dir_below", "page_problem", "root_problem"]
 

@@ -25,7 +25,7 @@ from redis.cluster import ClusterNode
 
 from hybrid_offload.core.secrets import Secret, SecretError, secret_from_options
 
-from .base import BackendConfigError
+from ..base import BackendConfigError
 
 __all__ = [
     "COMMON_DEFAULTS",

@@ -3,7 +3,7 @@
 A writer appends page bytes to its segments (``<writer>-<n>.seg``, a new one past the size
 limit) and records to its log (``<writer>.log``), holding an ``flock`` of the log while it
 lives: a log whose lock is free belongs to a writer that is gone. Not thread-safe: the backend
-(:mod:`.disk_segments`) calls it under its locks.
+(:mod:`.segments`) calls it under its locks.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from .disk_files import after
+from .files import after
 from .segment_log import Record, encode, log_name, segment_name
 
 __all__ = ["SegmentWriter"]

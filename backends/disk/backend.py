@@ -19,7 +19,7 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
 * **Capacity, across processes.** Page files under ``path`` never exceed ``capacity_bytes`` in
   total, whichever processes wrote them; only temp files of in-flight puts come on top. Every
   process sharing ``path`` keeps one record of that total, ``<path>/.usage``
-  (:mod:`.disk_usage`), and changes it under an ``flock`` of ``path`` held around each rename
+  (:mod:`.usage`), and changes it under an ``flock`` of ``path`` held around each rename
   of a page into place, each evicting or deleting unlink and each recount, never around page
   data I/O (a batch takes it once). A put that does not fit evicts this process's pages first,
   least recently used resume points first (:class:`~.retention.ResumePointPolicy`); when they
@@ -33,14 +33,14 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
   and gets read them, so pages written or deleted by other processes (the worker, seen from
   vLLM's scheduler process) show at once.
 * **Threading / blocking.** One lock guards the index and counters. Page data moves outside
-  it, through a small thread pool (``io_threads``) for batches of more than a few pages,
-  synchronously otherwise (and ``get_into`` while pages are in the page cache). Renames and
-  evicting unlinks run under the lock (and the shared ``flock``, taken first), so this
-  process's index always matches its files. ``get_into`` reads into the caller's buffers; a
+  it, through a small thread pool (``io_threads``, :mod:`.io_pool`) for batches of more than a
+  few pages, synchronously otherwise (and ``get_into`` while pages are in the page cache).
+  Renames and evicting unlinks run under the lock (and the shared ``flock``, taken first), so
+  this process's index always matches its files. ``get_into`` reads into the caller's buffers; a
   load of 32 MiB or more, of pages of 512 KiB or more, is cut into ``io_threads`` parts read
   at the same time (one on the calling thread); a page of whole blocks into a block-aligned
   buffer, not in the page cache, is read with ``O_DIRECT`` where the file system takes it
-  (:mod:`.disk_direct`).
+  (:mod:`.direct`).
 * **Listing.** ``scan`` walks the directory tree (no lock held; one directory listed at a
   time) and reports each page file's size and mtime (its last put or get); temp files,
   foreign files, links and directories are skipped.
@@ -62,10 +62,9 @@ import shutil
 import stat
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any, TypeVar
+from typing import Any
 
-from .base import (
+from ..base import (
     Backend,
     BackendClosedError,
     BackendConfig,
@@ -74,8 +73,10 @@ from .base import (
     Buffer,
     PageInfo,
 )
-from .disk_direct import DirectReads
-from .disk_files import (
+from ..lru_index import LruIndex
+from ..retention import ResumePointPolicy, Retention
+from .direct import DirectReads
+from .files import (
     PageDirs,
     PageStamper,
     counted_size,
@@ -88,19 +89,15 @@ from .disk_files import (
     unlink_page,
     unlink_quietly,
 )
-from .disk_options import DiskType
-from .disk_root import check_writable_root, page_problem, root_problem
-from .disk_tree import TMP_SUFFIX, page_paths, scan_pages, walk
-from .disk_usage import UnsafeUsageFileError, UsageRecord, locked_usage
-from .lru_index import LruIndex
-from .retention import ResumePointPolicy, Retention
+from .io_pool import IoPool
+from .options import DiskType
+from .root import check_writable_root, page_problem, root_problem
+from .tree import TMP_SUFFIX, page_paths, scan_pages, walk
+from .usage import UnsafeUsageFileError, UsageRecord, locked_usage
 
 __all__ = ["DiskBackend"]
 
 logger = logging.getLogger(__name__)
-
-_T = TypeVar("_T")
-_R = TypeVar("_R")
 
 _POOL_MIN_BATCH = 4  # batches with more pages than this go through the thread pool
 # Loads into buffers of _PARALLEL_BYTES or more, of _PARALLEL_PAGE_BYTES or more on average, go
@@ -115,9 +112,9 @@ class DiskBackend(DiskType, Backend):
 
     @classmethod
     def implementation(cls, options: dict[str, Any]) -> type[Backend]:
-        """``layout: segments`` is served by :class:`.disk_segments.SegmentDiskBackend`."""
+        """``layout: segments`` is served by :class:`.segments.SegmentDiskBackend`."""
         if options.get("layout") == "segments":
-            from .disk_segments import SegmentDiskBackend
+            from .segments import SegmentDiskBackend
 
             return SegmentDiskBackend
         return cls
@@ -132,14 +129,15 @@ class DiskBackend(DiskType, Backend):
         opts = self.validate_options(dict(config.options))
         self._root = os.path.abspath(opts["path"])
         self._fsync: bool = opts["fsync"]
-        self._io_threads: int = opts["io_threads"]
         self._touch_on_read = touch_on_read
         self._dirs = PageDirs(self._root)  # read-only descriptors of page directories
         self._lock = threading.RLock()
         self._retention = ResumePointPolicy(lambda: self._index.capacity)
         self._index: LruIndex[None] = LruIndex(self.capacity_bytes, self._retention)  # the shared total
         self._empty_root: tuple[int, int] | None = None  # (dev, ino) of a root counted empty
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool = IoPool(  # page I/O threads, started on first use
+            opts["io_threads"], f"disk-{self.name}", self._check_open, min_batch=_POOL_MIN_BATCH
+        )
         self._stamper = PageStamper(self._dirs, self.name)  # read pages' mtimes, off the read path
         self._logged: set[tuple[str, int | None]] = set()
         self._reads = DirectReads(self.name)  # O_DIRECT where it applies
@@ -178,7 +176,7 @@ class DiskBackend(DiskType, Backend):
         on_tmp: Callable[[os.DirEntry[str]], None] | None = None,
         on_dir: Callable[[str], None] | None = None,
     ) -> Iterator[tuple[str, os.stat_result]]:
-        """(key, stat) of every page file whose key starts with ``prefix`` (see disk_tree)."""
+        """(key, stat) of every page file whose key starts with ``prefix`` (see :mod:`.tree`)."""
         return walk(self._root, prefix, on_tmp, on_dir)
 
     # -- helpers ---------------------------------------------------------------------------
@@ -198,50 +196,6 @@ class DiskBackend(DiskType, Backend):
     def _paths(self, key: str) -> tuple[str, str]:
         """(directory, page file) of a validated key."""
         return page_paths(self._root, key)
-
-    def _map(self, fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
-        """Apply ``fn`` to each item, in the pool for larger batches; results in input order."""
-        if len(items) <= _POOL_MIN_BATCH or self._io_threads == 1:
-            return [fn(item) for item in items]
-        pool = self._executor()
-        try:
-            return list(pool.map(fn, items))
-        except RuntimeError:  # the pool was shut down by a concurrent close()
-            self._check_open()
-            raise
-
-    def _executor(self) -> ThreadPoolExecutor:
-        with self._lock:
-            self._check_open()
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self._io_threads, f"disk-{self.name}")
-            return self._pool
-
-    def _map_parts(self, fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
-        """Apply ``fn`` to each item: the items cut into ``io_threads`` consecutive parts, the
-        first on this thread and the others in the pool at the same time (every one finished
-        before this returns); results in input order. One task per part, not per item: a pool
-        round trip per page costs more than reading a cached page. As many parts as threads,
-        not fewer on few CPUs (as the segment layout does): each page is a request of its own,
-        and cold pages came faster with 4 in flight than with 2 on 2 cores."""
-        parts = min(self._io_threads, len(items))
-        if parts <= 1:
-            return [fn(item) for item in items]
-        cuts = [len(items) * k // parts for k in range(parts + 1)]
-        groups = [items[cuts[k] : cuts[k + 1]] for k in range(parts)]
-        futures: list[Future[list[_R]]] = []
-        try:
-            pool = self._executor()
-            try:
-                for group in groups[1:]:
-                    futures.append(pool.submit(lambda g: [fn(item) for item in g], group))
-            except RuntimeError:  # the pool was shut down by a concurrent close()
-                self._check_open()
-                raise
-            first = [fn(item) for item in groups[0]]
-        finally:
-            wait(futures)
-        return first + [out for future in futures for out in future.result()]
 
     def _fail_if_medium_gone(self, outcomes: Sequence[object], access: int) -> None:
         """Raise BackendUnavailableError if an item failed and ``path`` itself is unusable."""
@@ -394,7 +348,7 @@ class DiskBackend(DiskType, Backend):
         self._check_root()
         views = [memoryview(buf).cast("B") for _, buf in items]
         todo = [i for i, view in enumerate(views) if view.nbytes <= self.capacity_bytes]
-        temps = self._map(self._write_temp, [(items[i][0], views[i]) for i in todo])
+        temps = self._pool.map(self._write_temp, [(items[i][0], views[i]) for i in todo])
         written = [(i, tmp) for i, tmp in zip(todo, temps, strict=True) if isinstance(tmp, str)]
         results = [False] * len(items)
         try:
@@ -504,10 +458,10 @@ class DiskBackend(DiskType, Backend):
         total = sum(buf.nbytes for buf in buffers if isinstance(buf, memoryview))
         small = total < max(_PARALLEL_BYTES, _PARALLEL_PAGE_BYTES * len(buffers))
         if into and not small:
-            outcomes = self._map_parts(self._read, jobs)
+            outcomes = self._pool.map_parts(self._read, jobs)
         else:
             cached = read_while_cached(jobs, lambda j: self._read(j, True)) if into else []
-            outcomes = cached + self._map(self._read, jobs[len(cached) :])
+            outcomes = cached + self._pool.map(self._read, jobs[len(cached) :])
         with self._lock:
             self.stats.gets += len(keys)
             for key, got in zip(keys, outcomes, strict=True):
@@ -536,7 +490,7 @@ class DiskBackend(DiskType, Backend):
         a miss; opened like a get (no link followed, untrusted files are misses); no recency
         refresh, not counted as gets; ``sizes`` are not needed."""
         self._check_root()
-        outcomes = self._map(self._read, [(key, nbytes) for key in keys])
+        outcomes = self._pool.map(self._read, [(key, nbytes) for key in keys])
         self._fail_if_medium_gone(outcomes, os.R_OK | os.X_OK)
         return [got if isinstance(got, bytes) else None for got in outcomes]
 
@@ -622,9 +576,7 @@ class DiskBackend(DiskType, Backend):
     def _close(self) -> None:
         """Stop the I/O pool (waits for in-flight page I/O); pages stay on disk."""
         with self._lock:
-            pool, self._pool = self._pool, None
             self._index.clear()
-        if pool is not None:
-            pool.shutdown(wait=True)
+        self._pool.close()
         self._stamper.close()
         self._dirs.close()

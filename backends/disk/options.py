@@ -1,8 +1,8 @@
 """Options of the disk backend, both layouts: defaults and validation (errors name the key).
 
 Options (defaults): ``path`` (required: a directory; ``~`` and ``$XDG_CACHE_HOME`` expanded,
-see :mod:`.disk_root`), ``fsync`` (false), ``io_threads`` (4), ``layout`` (``files``: one file
-per page, :mod:`.disk`; ``segments``: pages appended to segment files, :mod:`.disk_segments`),
+see :mod:`.root`), ``fsync`` (false), ``io_threads`` (4), ``layout`` (``files``: one file
+per page, :mod:`.backend`; ``segments``: pages appended to segment files, :mod:`.segments`),
 ``segment_mb`` (64; segments only).
 
 Pure: checks, never touches the file system.
@@ -15,8 +15,8 @@ import os
 import threading
 from typing import Any, ClassVar
 
-from .base import BackendConfigError
-from .disk_root import expand_path
+from ..base import BackendConfigError
+from .root import expand_path
 
 __all__ = ["DISK_OPTION_DEFAULTS", "DiskType", "check_disk_options"]
 

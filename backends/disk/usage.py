@@ -27,7 +27,7 @@ import os
 import re
 from collections.abc import Iterator
 
-from .disk_root import open_dir_below, page_problem
+from .root import open_dir_below, page_problem
 
 __all__ = ["USAGE_NAME", "UnsafeUsageFileError", "UsageRecord", "locked_usage"]
 

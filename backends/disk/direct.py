@@ -42,7 +42,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .disk_files import NotCachedError, after, readv_full
+from .files import NotCachedError, after, readv_full
 
 __all__ = ["ALIGN", "DirectReads", "address", "cached_pages", "dio_alignment", "read_parts"]
 

@@ -1,12 +1,12 @@
 """Local-disk page store, segment layout (``layout: segments``): pages appended to large files.
 
-The ``files`` layout (:mod:`.disk`) makes each page a file: right for shared file systems,
+The ``files`` layout (:mod:`.backend`) makes each page a file: right for shared file systems,
 but every put is a create, a write and a rename. This layout turns a put batch into one
 ``pwritev`` and a load into one ``preadv`` per run of pages stored side by side (a load of
 4 MiB or more, or what of a smaller one is not in the page cache: cut into pieces, also
-inside pages, read at the same time; ``O_DIRECT`` where the pieces are aligned and not cached,
-:mod:`.disk_direct`). Same options as ``disk`` plus ``segment_mb``; contract beyond
-:mod:`hybrid_offload.backends.base`:
+inside pages, read at the same time, :mod:`.segment_reads`; ``O_DIRECT`` where the pieces are
+aligned and not cached, :mod:`.direct`). Same options as ``disk`` plus ``segment_mb``;
+contract beyond :mod:`hybrid_offload.backends.base`:
 
 * **Files.** Under ``<path>/segments/``: each writing process appends page bytes to segment
   files ``<writer>-<n>.seg`` (a new one when ``segment_mb`` is reached) and one record per put,
@@ -50,15 +50,16 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 
-from .base import Backend, BackendConfig, BackendUnavailableError, Buffer, PageInfo
-from .disk_direct import ALIGN, DirectReads, read_parts
-from .disk_files import NotCachedError, read_while_cached, readinto_exact
-from .disk_options import DiskType
-from .disk_root import check_writable_root, open_dir_below, page_problem
+from ..base import Backend, BackendConfig, BackendUnavailableError, Buffer, PageInfo
+from .direct import DirectReads, read_parts
+from .files import NotCachedError, read_while_cached, readinto_exact
+from .io_pool import IoPool
+from .options import DiskType
+from .root import check_writable_root, open_dir_below, page_problem
 from .segment_index import SegmentIndex
-from .segment_log import DELETE, PUT, TOUCH, Location, Record, SegmentView
+from .segment_log import DELETE, PUT, TOUCH, Record, SegmentView
+from .segment_reads import Job, Read, runs_of, tasks_of, whole_pages
 from .segment_writer import SegmentWriter
 
 logger = logging.getLogger(__name__)
@@ -75,11 +76,6 @@ _TOUCH_BATCH = 4096  # pending touches written without waiting for a change
 _PARALLEL_BYTES = 4 << 20  # loads of this many bytes are read in parallel pieces from the start
 # (measured warm on 2 cores: the calling thread alone was faster below 2-4 MiB, parallel pieces
 # 1.15-1.45x faster at 8-16 MiB)
-_MIN_PIECE = 512 << 10  # smaller reads are not cut further
-
-Job = tuple[int, Location, memoryview]  # (index in the call, where the page is, its buffer)
-#: (segment file, file offset, (index in the call, the part of its buffer) back to back)
-Read = tuple[str, int, list[tuple[int, memoryview]]]
 
 
 class SegmentDiskBackend(DiskType, Backend):
@@ -96,13 +92,12 @@ class SegmentDiskBackend(DiskType, Backend):
         opts = self.validate_options(dict(config.options))
         self._root = os.path.abspath(opts["path"])
         self._fsync: bool = opts["fsync"]
-        self._io_threads: int = opts["io_threads"]
         self._segment_bytes = max(4096, min(opts["segment_mb"] << 20, self.capacity_bytes // 4))
         self._touch_on_read = touch_on_read
         self._lock = threading.RLock()
         self._append_lock = threading.Lock()
         self._writer: SegmentWriter | None = None
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool = IoPool(opts["io_threads"], f"disk-seg-{self.name}", self._check_open)  # reads
         self._logged: set[tuple[str, int | None]] = set()
         self._touched: list[str] = []  # keys made recent whose TOUCH records are not written yet
         self._reads = DirectReads(self.name)  # O_DIRECT where it applies
@@ -340,7 +335,7 @@ class SegmentDiskBackend(DiskType, Backend):
     def _get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
         """Read pages into ``buffers``: while a small load's runs are in the page cache, on this
         thread; the rest (all of a load of ``_PARALLEL_BYTES`` or more) cut into pieces read in
-        parallel, one on this thread and the others in the pool (:func:`_tasks`)."""
+        parallel, one on this thread and the others in the pool (:func:`.segment_reads.tasks_of`)."""
         out: list[int | None] = [None] * len(keys)
         jobs: list[Job] = []
         with self._lock:
@@ -351,7 +346,7 @@ class SegmentDiskBackend(DiskType, Backend):
                 view = memoryview(buf).cast("B")
                 if entry is not None and entry.size <= view.nbytes:
                     jobs.append((i, entry.value, view[: entry.size]))
-            runs = _runs(jobs)
+            runs = runs_of(jobs)
             fds = self._open_segments({run[0][1].segment_file for run in runs})
         try:
             runs = [run for run in runs if fds.get(run[0][1].segment_file) is not None]
@@ -360,7 +355,7 @@ class SegmentDiskBackend(DiskType, Backend):
                 done = read_while_cached(runs, lambda run: self._read_run(fds, run, cached_only=True))
             rest = runs[len(done) :]
             if rest:
-                done.append(self._read_tasks(fds, _tasks(rest, read_parts(self._io_threads))))
+                done.append(self._read_tasks(fds, tasks_of(rest, read_parts(self._pool.threads))))
         finally:
             for fd in fds.values():
                 if fd is not None:
@@ -380,24 +375,8 @@ class SegmentDiskBackend(DiskType, Backend):
         """Read ``tasks``: the first on this thread, the others in the pool at the same time
         (every one finished before this returns: the caller closes ``fds`` and owns the
         buffers); (index, size) of each page read whole."""
-        results: list[list[tuple[Read, int]]] = []
-        futures: list[Future[list[tuple[Read, int]]]] = []
-        try:
-            if len(tasks) > 1 and self._io_threads > 1:
-                pool = self._executor()
-                try:
-                    for task in tasks[1:]:
-                        futures.append(pool.submit(self._read_task, fds, task))
-                except RuntimeError:  # the pool was shut down: close() won the race
-                    self._check_open()
-                    raise
-                results.append(self._read_task(fds, tasks[0]))
-            else:
-                results += [self._read_task(fds, task) for task in tasks]
-        finally:
-            wait(futures)
-        results += [future.result() for future in futures]
-        return _whole_pages([outcome for result in results for outcome in result])
+        results = self._pool.run_parts(lambda task: self._read_task(fds, task), tasks)
+        return whole_pages([outcome for result in results for outcome in result])
 
     def _read_task(self, fds: dict[str, int | None], task: list[Read]) -> list[tuple[Read, int]]:
         """Read each (segment, offset, parts) of ``task``; with the bytes read of each (-1: failed)."""
@@ -458,13 +437,6 @@ class SegmentDiskBackend(DiskType, Backend):
                 break
             out.append((i, view.nbytes))
         return out
-
-    def _executor(self) -> ThreadPoolExecutor:
-        with self._lock:
-            self._check_open()
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self._io_threads, thread_name_prefix=f"disk-seg-{self.name}")
-            return self._pool
 
     def _get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
         with self._lock:
@@ -548,8 +520,7 @@ class SegmentDiskBackend(DiskType, Backend):
 
     def _close(self) -> None:
         with self._append_lock, self._lock:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)  # reads in flight hold no lock
+            self._pool.close()  # reads in flight hold no lock
             writer = self._writer
             if writer is not None and self._touched:
                 with contextlib.suppress(OSError):
@@ -560,71 +531,3 @@ class SegmentDiskBackend(DiskType, Backend):
                 self._index.tails.pop(name).close()
             with contextlib.suppress(OSError):
                 os.close(self._index.dir_fd)
-
-
-def _runs(jobs: list[Job]) -> list[list[Job]]:
-    """Jobs grouped into runs of pages stored back to back in one segment, in file order."""
-    runs: list[list[Job]] = []
-    for job in sorted(jobs, key=lambda j: (j[1].segment_file, j[1].offset)):
-        last = runs[-1][-1] if runs else None
-        if (
-            last is not None
-            and last[1].segment_file == job[1].segment_file
-            and last[1].offset + last[2].nbytes == job[1].offset
-        ):
-            runs[-1].append(job)
-        else:
-            runs.append([job])
-    return runs
-
-
-def _tasks(runs: list[list[Job]], parts: int) -> list[list[Read]]:
-    """``runs`` as reads of about ``total / parts`` bytes (at least ``_MIN_PIECE``) grouped into
-    tasks of about that size, in file order: a device serves several large reads in flight
-    faster than one long one, and two cores copy cached pages faster than one. Reads are cut
-    where the file offset is a multiple of the piece size, also inside a page (so a run that
-    starts aligned is read in aligned pieces); runs shorter than a piece share a task."""
-    total = sum(view.nbytes for run in runs for _, _, view in run)
-    size = max(_MIN_PIECE, -(-total // max(1, parts)))
-    size = -(-size // ALIGN) * ALIGN
-    reads: list[Read] = []
-    for run in runs:
-        name, start = run[0][1].segment_file, run[0][1].offset
-        at, end = start, (start // size + 1) * size
-        pieces: list[tuple[int, memoryview]] = []
-        for i, _, view in run:
-            pos = 0
-            while pos < view.nbytes:
-                take = min(view.nbytes - pos, end - at)
-                pieces.append((i, view[pos : pos + take]))
-                pos += take
-                at += take
-                if at == end:
-                    reads.append((name, start, pieces))
-                    pieces, start, end = [], at, at + size
-        if pieces:
-            reads.append((name, start, pieces))
-    tasks: list[list[Read]] = []
-    held = size
-    for read in reads:
-        if held >= size:
-            tasks.append([])
-            held = 0
-        tasks[-1].append(read)
-        held += sum(view.nbytes for _, view in read[2])
-    return tasks
-
-
-def _whole_pages(outcomes: list[tuple[Read, int]]) -> list[tuple[int, int]]:
-    """(index, size) of each page all of whose parts were read, from each read's outcome (the
-    bytes read, -1 if it failed)."""
-    sizes: dict[int, int] = {}
-    failed: set[int] = set()
-    for (_, _, parts), got in outcomes:
-        end = 0
-        for i, view in parts:
-            end += view.nbytes
-            sizes[i] = sizes.get(i, 0) + view.nbytes
-            if got < end:
-                failed.add(i)
-    return [(i, size) for i, size in sizes.items() if i not in failed]

@@ -9,14 +9,15 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
 * **Layout.** One Redis string per page, the page bytes as given, at ``<prefix>:p:<key>``
   (keys start with the model fingerprint, so pages are namespaced by fingerprint). The
   capacity/LRU index lives in four keys with one hash tag, ``{<prefix>:idx}:lru|size|used|
-  tick`` (see :mod:`hybrid_offload.backends.redis_index`): in a cluster the index is one slot
+  tick`` (see :mod:`hybrid_offload.backends.redis.index`): in a cluster the index is one slot
   while pages spread over all nodes. ``ttl_s`` sets an expiry on pages (from their last put).
   A page is SET with an expiry (``orphan_ttl_s``) lifted once its put is accounted, so a
   client dying between the two leaves no page that nothing would ever evict.
 * **Atomic pages.** A page is one SET, so readers see all of it or nothing.
 * **Bounded reads.** A get reads a page with GETRANGE up to its limit (``get_into``: the
   buffer; ``get_batch``: ``capacity_bytes``, no put stores more): a longer value (garbage, or
-  another writer's) is a miss, and the server never sends more than limit + 1 bytes of it.
+  another writer's) is a miss, and the server never sends more than limit + 1 bytes of it
+  (:mod:`.reads`).
 * **Capacity and LRU** are shared (``shared_index = True``): a put SETs the pages, then one
   script accounts them and evicts least recently used pages (of any client) until ``used <=
   capacity_bytes``; this client then DELs the victims. The capacity enforced is that of the
@@ -41,7 +42,7 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
   redis-py's ``ClusterPipeline``) in chunks of at most ``max_batch_bytes`` of values. A get is
   three round trips (index snapshot, GETRANGEs, refresh; one more when a page is absent or
   empty; ``get_into`` from a ``redis://`` server receives the values into the caller's
-  buffers on connections of its own, :mod:`.redis_raw`), a put three (SETs, accounting, DEL
+  buffers on connections of its own, :mod:`.raw`), a put three (SETs, accounting, DEL
   of victims with lifting of expiries), contains one, delete two.
 * **Failures.** Construction never connects (the cluster client is built on first use).
   Connection errors, timeouts, cluster-down, loading, authentication (a wrong password is
@@ -52,7 +53,7 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
   A round trip is bounded by ``connect_timeout_s + socket_timeout_s``, with one immediate
   retry on a dropped connection (a server that restarted); a call makes at most three per
   chunk of ``max_batch_bytes``.
-* **Options**: see :mod:`hybrid_offload.backends.redis_options` (the password comes from
+* **Options**: see :mod:`hybrid_offload.backends.redis.options` (the password comes from
   ``password_file`` / ``password_env`` only; a password in ``url`` is refused).
 * **Threading / blocking.** Methods block on network I/O and are thread-safe (a pool of at
   most ``max_connections`` connections per server; waiting for one is bounded too). Puts and
@@ -71,6 +72,7 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -88,7 +90,7 @@ from redis.exceptions import (
 )
 from redis.retry import Retry
 
-from .base import (
+from ..base import (
     KEY_PATTERN,
     Backend,
     BackendClosedError,
@@ -97,8 +99,8 @@ from .base import (
     Buffer,
     PageInfo,
 )
-from .redis_index import RedisIndex
-from .redis_options import (
+from .index import RedisIndex
+from .options import (
     COMMON_DEFAULTS,
     bad_option,
     check_common_options,
@@ -107,7 +109,8 @@ from .redis_options import (
     redact_url,
     redis_password,
 )
-from .redis_raw import raw_reader_for
+from .raw import raw_reader_for
+from .reads import getrange, getrange_into
 
 __all__ = ["RedisBackend", "RedisClusterBackend"]
 
@@ -122,11 +125,6 @@ REBUILD_EVERY_S = 60.0
 #: redis-py's 64 KiB default read 2 MiB pages at ~20 MB/s there, 4 MiB reads at ~280 MB/s.
 #: The parser keeps one buffer of this size per connection.
 SOCKET_READ_BYTES = 4 << 20
-#: GETRANGE that answers nil for an absent key (EVAL, not EVALSHA: cluster pipelines refuse it)
-_GETRANGE_IF_EXISTS = """#!lua flags=no-writes,allow-oom
-if redis.call('EXISTS', KEYS[1]) == 0 then return false end
-return redis.call('GETRANGE', KEYS[1], 0, ARGV[1])
-"""
 
 
 class RedisBackend(Backend):
@@ -369,48 +367,6 @@ class RedisBackend(Backend):
             "adopted, %d evicted)", self.name, adopted, len(victims),
         )  # fmt: skip
 
-    def _getrange(self, client: Any, keys: Sequence[str], ends: Sequence[int],
-                  weights: Sequence[int]) -> list[bytes | None]:  # fmt: skip
-        """``GETRANGE key 0 end`` per key, in pipelines of about ``max_batch_bytes`` (by
-        ``weights``); None for an absent key (GETRANGE answers it with an empty string, so
-        empty replies are asked again, in one more round trip)."""
-        found: list[bytes | None] = []
-        for chunk in self._chunks(weights):
-            commands = [("getrange", self._page_key(keys[j]), 0, ends[j]) for j in chunk]
-            found += self._pipeline(client, commands)
-        return self._ask_empty_again(client, keys, ends, weights, found)
-
-    def _getrange_into(
-        self, client: Any, keys: Sequence[str], views: Sequence[memoryview], weights: Sequence[int]
-    ) -> list[Buffer | None]:
-        """:meth:`_getrange` up to each view's end, values received into the views: per key
-        the filled part of its view, None, or for a longer value ``bytes`` of its length."""
-        assert self._raw is not None
-        found: list[Buffer | None] = []
-        for chunk in self._chunks(weights):
-            ends = [views[j].nbytes for j in chunk]
-            got = self._raw.read_into(
-                [self._page_key(keys[j]) for j in chunk], ends, [views[j] for j in chunk]
-            )
-            for j, n in zip(chunk, got, strict=True):
-                found.append(views[j][:n] if n <= views[j].nbytes else bytes(n))
-        ends = [v.nbytes for v in views]
-        return self._ask_empty_again(client, keys, ends, weights, found)
-
-    def _ask_empty_again(self, client: Any, keys: Sequence[str], ends: Sequence[int],
-                         weights: Sequence[int], found: list[Any]) -> list[Any]:  # fmt: skip
-        """Empty replies (absent key or empty value) asked again with a script telling them apart."""
-        empty = [j for j, data in enumerate(found) if data is not None and len(data) == 0]
-        for chunk in self._chunks([weights[j] for j in empty]):
-            again = [empty[i] for i in chunk]
-            commands = [
-                ("execute_command", "EVAL", _GETRANGE_IF_EXISTS, 1, self._page_key(keys[j]), ends[j])
-                for j in again
-            ]
-            for j, data in zip(again, self._pipeline(client, commands), strict=True):
-                found[j] = data
-        return found
-
     def _get(self, keys: Sequence[str], limits: Sequence[int], *, unknown_weight: bool,
              into: Sequence[memoryview] | None = None) -> list[Any]:  # fmt: skip
         """Pages of at most ``limits`` bytes; hits refresh recency, stale index entries heal.
@@ -429,11 +385,12 @@ class RedisBackend(Backend):
                 min(limit, size) if size is not None else limit if unknown_weight else 0
                 for limit, size in zip(limits, sizes, strict=True)
             ]
+            run, names = functools.partial(self._pipeline, client), [self._page_key(k) for k in keys]
             read: Sequence[Buffer | None]
             if into is not None and self._raw is not None:
-                read = self._getrange_into(client, keys, into, weights)
+                read = getrange_into(run, self._chunks, self._raw, names, into, weights)
             else:
-                read = self._getrange(client, keys, limits, weights)
+                read = getrange(run, self._chunks, names, limits, weights)
             found = [
                 None if data is None or len(data) > limit else data
                 for data, limit in zip(read, limits, strict=True)
@@ -481,7 +438,9 @@ class RedisBackend(Backend):
         if not keys:
             return []
         with self._guard("get_prefix"):
-            return self._getrange(self._redis(), keys, [nbytes - 1] * len(keys), [nbytes] * len(keys))
+            run = functools.partial(self._pipeline, self._redis())
+            names = [self._page_key(key) for key in keys]
+            return getrange(run, self._chunks, names, [nbytes - 1] * len(keys), [nbytes] * len(keys))
 
     def _contains_batch(self, keys: Sequence[str]) -> list[bool]:
         """Whether each page exists now (EXISTS on the pages; does not refresh recency)."""

@@ -27,7 +27,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 
-from .base import BackendUnavailableError
+from ..base import BackendUnavailableError
 from .segment_log import DELETE, PUT, LogTail, Record, SegmentView
 from .segment_writer import SegmentWriter
 

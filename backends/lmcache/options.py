@@ -8,7 +8,7 @@ Options, each checked with a :class:`BackendConfigError` naming the key:
 * ``password_file`` / ``password_env``: the password of a Redis remote (``redis``, ``rediss``,
   ``redis-sentinel``, ``redis-cluster``), from a file or an environment variable; a literal
   ``password`` is refused. It is handed to redis-py only, never in a URL (LMCache logs the
-  URLs it gets: :mod:`hybrid_offload.backends.lmcache_connect`). ``resp://`` is refused (that
+  URLs it gets: :mod:`hybrid_offload.backends.lmcache.connect`). ``resp://`` is refused (that
   connector reads fixed full-chunk-size values; pages vary in size). For ``redis`` /
   ``rediss`` / ``unix`` URLs without them, ``socket_timeout`` and ``socket_connect_timeout``
   (= ``op_timeout_s``) are added so a hung server fails a call instead of blocking LMCache's
@@ -21,7 +21,7 @@ Options, each checked with a :class:`BackendConfigError` naming the key:
   ``close()``.
 * ``ttl_s`` (86400.0): values expire this long after their last put or get, so the remote does
   not grow across restarts (Redis and fs remotes; ``null``: never; other remotes cannot expire
-  values: a warning at start-up). See :mod:`hybrid_offload.backends.lmcache_expiry`.
+  values: a warning at start-up). See :mod:`hybrid_offload.backends.lmcache.expiry`.
 
 Pure: no LMCache import except its URL parser (imported lazily), no I/O.
 """
@@ -34,14 +34,14 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from hybrid_offload.core.secrets import Secret
 
-from .base import BackendConfigError
-from .redis_options import redact_url, redis_password, refuse_url_credentials
+from ..base import BackendConfigError
+from ..redis.options import redact_url, redis_password, refuse_url_credentials
 
 __all__ = ["OPTION_DEFAULTS", "check_remote_url", "lmcache_password", "validate_lmcache_options"]
 
 _NAMESPACE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _REDIS_SCHEMES = ("redis", "rediss", "unix")
-#: remotes whose LMCache connector takes a password (handed over by lmcache_connect, never in a URL)
+#: remotes whose LMCache connector takes a password (handed over by connect.py, never in a URL)
 _PASSWORD_SCHEMES = ("redis", "rediss", "redis-sentinel", "redis-cluster")
 
 
@@ -56,7 +56,7 @@ OPTION_DEFAULTS: dict[str, Any] = {
     "namespace": "hybrid-offload",
     "op_timeout_s": 10.0,
     "close_timeout_s": 2.0,
-    # values expire this long after their last put or get (Redis, fs): see lmcache_expiry
+    # values expire this long after their last put or get (Redis, fs): see expiry.py
     "ttl_s": 86400.0,
     # the remote's password (redis, rediss, redis-sentinel, redis-cluster): a file or a variable
     "password": None,

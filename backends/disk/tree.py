@@ -19,8 +19,8 @@ import re
 import time
 from collections.abc import Callable, Iterator
 
-from .base import KEY_PATTERN
-from .disk_root import page_problem
+from ..base import KEY_PATTERN
+from .root import page_problem
 
 __all__ = [
     "PAGE_SUFFIX",

@@ -3,7 +3,7 @@
 Each writing process appends page bytes to segment files of its own and one record per change
 to its own log (``<writer>.log``); every process sharing the directory reads every log and
 keeps the same :class:`SegmentView`. This module holds the record format, the tail reader and
-the view; :mod:`.disk_segments` holds the backend that writes them.
+the view; :mod:`.segments` holds the backend that writes them.
 
 * **Record**: ``kind`` (put, touch, delete), ``ts`` (ns: the wall clock, but later than every
   record its writer has read, so a change made after reading a record wins over it whatever
@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from .lru_index import LruIndex
+from ..lru_index import LruIndex
 
 __all__ = ["DELETE", "PUT", "TOUCH", "Location", "LogTail", "Record", "SegmentView", "Tombstone", "encode"]
 

@@ -12,10 +12,10 @@ they need a GPU connector and a model's KV layout. LMCache is installed by
 ``scripts/install_lmcache.sh`` (``--no-deps``, no CUDA packages); this module imports it at import
 time and raises ``ImportError`` naming that script when it is missing.
 
-Options: see :mod:`hybrid_offload.backends.lmcache_options` (``remote_url``, ``namespace``,
+Options: see :mod:`hybrid_offload.backends.lmcache.options` (``remote_url``, ``namespace``,
 ``op_timeout_s``, ``close_timeout_s``, ``ttl_s``, ``password_file`` / ``password_env``). LMCache
 logs the URLs it is handed, so a Redis remote's password goes to redis-py only, never into a
-URL (:mod:`hybrid_offload.backends.lmcache_connect`).
+URL (:mod:`hybrid_offload.backends.lmcache.connect`).
 
 Contract beyond :mod:`hybrid_offload.backends.base`:
 
@@ -42,7 +42,7 @@ Contract beyond :mod:`hybrid_offload.backends.base`:
 * **Expiry across restarts.** A new instance starts with an empty index and never reads what an
   earlier one stored, so values expire ``ttl_s`` (default one day) after their last put or get
   (Redis: PEXPIRE; fs: swept at start-up by mtime), see
-  :mod:`hybrid_offload.backends.lmcache_expiry`; other remotes grow (a warning at start-up).
+  :mod:`hybrid_offload.backends.lmcache.expiry`; other remotes grow (a warning at start-up).
 * **Visibility.** ``shared_index = False``: the index lives in this process (another process
   cannot tell a tombstone from a page without reading it, nor learn sizes or recency), so the
   connector mirrors it from ``take_evicted`` (keys evicted, deleted, lost by the remote or whose
@@ -87,21 +87,21 @@ from urllib.parse import urlsplit
 
 import xxhash
 
-from .base import (
+from ..base import (
     BackendConfig,
     BackendConfigError,
     BackendUnavailableError,
     Buffer,
 )
-from .lmcache_expiry import EXPIRY_SCHEMES, make_expiry
-from .lmcache_options import (
+from ..local_index import LocalIndexBackend
+from ..redis.options import redact_url
+from .expiry import EXPIRY_SCHEMES, make_expiry
+from .options import (
     OPTION_DEFAULTS,
     check_remote_url,
     lmcache_password,
     validate_lmcache_options,
 )
-from .local_index import LocalIndexBackend
-from .redis_options import redact_url
 
 # LMCache's loggers attach opentelemetry-sdk's deprecated LoggingHandler (one warning each).
 with warnings.catch_warnings():
@@ -114,7 +114,7 @@ with warnings.catch_warnings():
         from lmcache.v1.metadata import LMCacheMetadata
         from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
-        from .lmcache_connect import create_connector
+        from .connect import create_connector
     except ImportError as exc:  # chained, never swallowed: the registry re-raises it naming the type
         raise ImportError(
             f"the 'lmcache' backend needs LMCache 0.5.6 ({exc}). Install it with "
@@ -204,7 +204,7 @@ class LMCacheBackend(LocalIndexBackend[None]):
         self._close_timeout = options["close_timeout_s"]
         self._namespace = options["namespace"]
         self._url = check_remote_url(options["remote_url"], self._op_timeout)
-        # handed to redis-py only, never in a URL: LMCache logs the URLs it gets (lmcache_connect)
+        # handed to redis-py only, never in a URL: LMCache logs the URLs it gets (connect.py)
         self._password = lmcache_password(options)
         self._expiry = make_expiry(self._url, options["ttl_s"], self._namespace, password=self._password)
         self._can_remove = True  # until the connector says NotImplementedError
@@ -247,7 +247,7 @@ class LMCacheBackend(LocalIndexBackend[None]):
             self._sweep(options["ttl_s"])
 
     def _sweep(self, ttl_s: float | None) -> None:
-        """At start-up: drop what earlier instances left past ``ttl_s`` (lmcache_expiry)."""
+        """At start-up: drop what earlier instances left past ``ttl_s`` (:mod:`.expiry`)."""
         scheme = urlsplit(self._url).scheme
         if ttl_s is None or scheme not in EXPIRY_SCHEMES:
             logger.warning(

@@ -1,7 +1,7 @@
 """The disk backend's page files: reached below the root without following links, read, stamped.
 
 * **Reaching a file.** Each component below the root is opened relative to its parent with
-  ``O_NOFOLLOW`` (:func:`.disk_root.open_dir_below`): a symbolic link anywhere below the root
+  ``O_NOFOLLOW`` (:func:`.root.open_dir_below`): a symbolic link anywhere below the root
   fails the open (``OSError``) instead of leading out of it. Page files are opened with
   ``O_NOFOLLOW | O_NONBLOCK`` (a FIFO in place of a page must not block the open).
 * **Stamps.** A page's mtime is its LRU position (also after a restart): :func:`touch` stamps a
@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from .disk_root import open_dir_below, page_problem
+from .root import open_dir_below, page_problem
 
 __all__ = [
     "OPEN_FLAGS",
