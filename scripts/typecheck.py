@@ -15,8 +15,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-#: the packages type-checked (each with its subpackages); the rest are not yet
-CHECKED = ("core", "router", "compat", "backends", "engine", "connector")
+#: the packages type-checked (each with its subpackages)
+CHECKED = ("core", "router", "compat", "backends", "engine", "connector", "testing", "tools")
 
 
 def main() -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Sequence
 
 __all__ = ["assert_pages", "check_versioned", "key", "page", "versioned_page"]
 
@@ -42,7 +43,7 @@ def check_versioned(i: int, data: bytes) -> None:
 Page = bytes | None
 
 
-def assert_pages(got: Page | list[Page], want: Page | list[Page], what: str = "pages") -> None:
+def assert_pages(got: Page | Sequence[Page], want: Page | Sequence[Page], what: str = "pages") -> None:
     """Fail unless ``got == want``, saying where they first differ in a line, not a diff.
 
     Pages are compared here rather than in a bare ``assert``: pytest diffs the reprs of unequal
@@ -58,7 +59,7 @@ def assert_pages(got: Page | list[Page], want: Page | list[Page], what: str = "p
         wrong = sum(a != b for a, b in zip(got, want, strict=True))
         first = _differ(got[i], want[i], f"[{i}]")
         raise AssertionError(f"{what}: {wrong} of {len(want)} differ; first: {first}")
-    raise AssertionError(f"{what}: " + _differ(got, want, "it"))  # type: ignore[arg-type]
+    raise AssertionError(f"{what}: " + _differ(got, want, "it"))
 
 
 def _differ(got: object, want: object, label: str) -> str:

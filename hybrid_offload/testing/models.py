@@ -78,6 +78,14 @@ class Dims:
         }
 
 
+def extra_fields(**fields: Any) -> dict[str, Any]:
+    """Config fields a config class takes through ``**kwargs``, outside its typed signature
+    (transformers' strict configs: legacy names they convert, e.g. NemotronH's
+    ``hybrid_override_pattern``, or attributes they keep for vLLM to read, e.g. Falcon-H1's
+    ``head_dim``); spread into the call, ``Config(..., **extra_fields(name=value))``."""
+    return fields
+
+
 def _mamba2(dims: Dims) -> dict[str, int]:
     """Mamba2 mixer sizes: expand 2, head dim 64, one group."""
     return {"expand": 2, "heads": 2 * dims.hidden // MAMBA_HEAD_DIM, "head_dim": MAMBA_HEAD_DIM}
@@ -153,7 +161,7 @@ def _falcon_h1(dims: Dims) -> Any:
     m = _mamba2(dims)
     return FalconH1Config(
         **dims.common(),
-        head_dim=ATTN_HEAD_DIM,
+        **extra_fields(head_dim=ATTN_HEAD_DIM),
         mamba_d_ssm=m["heads"] * m["head_dim"],
         mamba_n_heads=m["heads"],
         mamba_d_head=m["head_dim"],
@@ -174,7 +182,7 @@ def _nemotron_h(dims: Dims) -> Any:
     return NemotronHConfig(
         **dims.common(),
         head_dim=ATTN_HEAD_DIM,
-        hybrid_override_pattern=pattern,
+        **extra_fields(hybrid_override_pattern=pattern),
         mamba_num_heads=m["heads"],
         mamba_head_dim=m["head_dim"],
         ssm_state_size=MAMBA_STATE,
@@ -234,8 +242,7 @@ def _lfm2(dims: Dims) -> Any:
     return Lfm2Config(
         **dims.common(),
         layer_types=_pattern(dims.layers, lambda i: i % 2 == 1, "full_attention", "conv"),
-        block_dim=dims.hidden,
-        conv_dim=dims.hidden,
+        **extra_fields(block_dim=dims.hidden, conv_dim=dims.hidden),
         block_auto_adjust_ff_dim=False,
         conv_L_cache=3,
     )

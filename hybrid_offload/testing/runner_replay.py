@@ -72,7 +72,7 @@ class ReplayResult:
 
 
 #: per attention layer: its bytes view, the (kernel block, slot) index of some tokens, their bytes
-_KvSpot = tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor]
+_KvSpot = tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class _FakeModel:

@@ -44,7 +44,10 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the connector imports vLLM: not at import time
+    from hybrid_offload.connector import HybridMultiConnector, HybridOffloadConnector
 
 #: in-process engine, small KV cache, offline; the same compute cores with and without a
 #: connector (see ``hybrid_offload.tools.bench.workload_run.ENGINE_ENV``)
@@ -75,12 +78,13 @@ def kv_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _top_level_connectors(role: str) -> list[Any]:
+def _top_level_connectors(role: str) -> list[HybridOffloadConnector | HybridMultiConnector]:
     """Live connectors of ``role`` (``"SCHEDULER"`` / ``"WORKER"``) that no other live
     connector holds (as a composition's own side or as a child)."""
-    from hybrid_offload.connector import ACTIVE_CONNECTORS
+    from hybrid_offload.connector import ACTIVE_CONNECTORS, HybridMultiConnector, HybridOffloadConnector
 
-    live = list(ACTIVE_CONNECTORS)
+    ours = (HybridOffloadConnector, HybridMultiConnector)
+    live = [conn for conn in ACTIVE_CONNECTORS if isinstance(conn, ours)]  # every one is
     nested = {id(inner) for conn in live for inner in conn.nested_connectors()}
     return [conn for conn in live if id(conn) not in nested and conn.role.name == role]
 
@@ -190,6 +194,7 @@ def _logprobs(out: Any) -> list[dict[str, float]]:
 def run_session(spec: dict[str, Any]) -> dict[str, Any]:
     """Run the spec in this process (vLLM in-process) and return the result dict."""
     from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
 
     kwargs = {
         "max_model_len": 4096,
@@ -205,7 +210,7 @@ def run_session(spec: dict[str, Any]) -> dict[str, Any]:
         max_tokens=spec.get("max_tokens", 8), temperature=0.0, ignore_eos=True, logprobs=spec.get("logprobs")
     )
     if spec.get("warmup", True):  # one-time engine costs must not count as a cold request
-        llm.generate([{"prompt_token_ids": [3 + i % 97 for i in range(64)]}], params, use_tqdm=False)
+        llm.generate([TokensPrompt(prompt_token_ids=[3 + i % 97 for i in range(64)])], params, use_tqdm=False)
         llm.reset_prefix_cache()
     resets = spec.get("reset_prefix_cache", "pass")
     passes = []

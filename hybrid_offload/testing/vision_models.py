@@ -49,7 +49,7 @@ MIN_PIXELS, MAX_PIXELS = 64 * 64, 256 * 256
 def build_vl_model(out_dir: Path, *, seed: int = 0) -> Path:
     """Write the model into ``out_dir`` (created if missing) and return it."""
     import torch
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    from transformers import PreTrainedConfig, Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -85,10 +85,14 @@ def build_vl_model(out_dir: Path, *, seed: int = 0) -> Path:
     )
     config.architectures = ["Qwen3_5ForConditionalGeneration"]
     config.dtype = "bfloat16"
+    vision_config = config.vision_config
+    assert isinstance(vision_config, PreTrainedConfig)  # made of the dict given
     # the text model's std (HF's 0.02 makes the vision tower's output too faint to change tokens)
-    config.initializer_range = config.vision_config.initializer_range = text.initializer_range
+    config.initializer_range = vision_config.initializer_range = text.initializer_range
     torch.manual_seed(seed)
-    model = Qwen3_5ForConditionalGeneration(config).to(torch.bfloat16)
+    model = Qwen3_5ForConditionalGeneration(config)
+    module: torch.nn.Module = model  # typed as a module: transformers' `to` wrapper types as a function
+    module.to(torch.bfloat16)  # in place (the model's own `to` runs)
     with torch.no_grad():  # loud images: a random tower's output barely moves a random model's tokens
         model.model.visual.merger.linear_fc2.weight.mul_(IMAGE_GAIN)
     save_quietly(model, out_dir)

@@ -22,9 +22,12 @@ Result: ``{"conversations": {name: [{"prompt": ids, "output": ids, "reply": text
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybrid_offload.testing.vision_models import draw_image
+
+if TYPE_CHECKING:
+    from vllm.renderers.chat_utils import ChatCompletionMessageParam
 
 
 def run_vision(spec: dict[str, Any]) -> dict[str, Any]:
@@ -52,7 +55,7 @@ def run_vision(spec: dict[str, Any]) -> dict[str, Any]:
     tokenizer = llm.get_tokenizer()
     out: dict[str, Any] = {"conversations": {}}
     for conversation in spec["conversations"]:
-        messages: list[dict[str, Any]] = []
+        messages: list[ChatCompletionMessageParam] = []
         rows: list[dict[str, Any]] = []
         given = conversation.get("replies") or []
         for k, turn in enumerate(conversation["turns"]):

@@ -23,7 +23,12 @@ import random
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from hybrid_offload.testing.models import extra_fields
+
+if TYPE_CHECKING:
+    from vllm.config.cache import MambaCacheMode, MambaDType
 
 __all__ = [
     "MODELS", "SCHEDULER_MODELS", "build_scheduler", "geometry", "geometry_of", "gpu_block_size",
@@ -58,8 +63,9 @@ def _nemotron_h_8b() -> Any:
 
     pattern = ("M-M-M-M*-" * 6 + "M-M-M-M-")[:52]
     return NemotronHConfig(
-        hidden_size=4096, num_hidden_layers=52, hybrid_override_pattern=pattern, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, intermediate_size=21504, vocab_size=131072,
+        hidden_size=4096, **extra_fields(num_hidden_layers=52, hybrid_override_pattern=pattern),
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=21504,
+        vocab_size=131072,
         mamba_num_heads=128, mamba_head_dim=64, ssm_state_size=128, n_groups=8, conv_kernel=4,
         expand=2, max_position_embeddings=131072,
     )  # fmt: skip
@@ -72,7 +78,8 @@ def _falcon_h1_34b() -> Any:
 
     return FalconH1Config(
         hidden_size=5120, num_hidden_layers=72, num_attention_heads=20, num_key_value_heads=4,
-        head_dim=128, intermediate_size=21504, vocab_size=261120, max_position_embeddings=262144,
+        **extra_fields(head_dim=128), intermediate_size=21504, vocab_size=261120,
+        max_position_embeddings=262144,
         mamba_d_ssm=4096, mamba_n_heads=32, mamba_d_head=128, mamba_n_groups=1, mamba_d_state=256,
         mamba_d_conv=4, mamba_expand=2,
     )  # fmt: skip
@@ -80,7 +87,9 @@ def _falcon_h1_34b() -> Any:
 
 #: the recurrent state's dtype a GPU engine keeps (vLLM's CPU platform forces float32 where its
 #: own kernels need it; NemotronH's config class picks float32 on every platform)
-GPU_SSM_DTYPES = {"qwen3_next_80b": "auto", "nemotron_h_8b": "float32", "falcon_h1_34b": "auto"}
+GPU_SSM_DTYPES: dict[str, MambaDType] = {
+    "qwen3_next_80b": "auto", "nemotron_h_8b": "float32", "falcon_h1_34b": "auto",
+}  # fmt: skip
 
 #: model name -> its config (shapes as published; no weights needed)
 MODELS = {"qwen3_next_80b": _qwen3_next_80b, "nemotron_h_8b": _nemotron_h_8b, "falcon_h1_34b": _falcon_h1_34b}
@@ -93,10 +102,13 @@ def _specs(vllm_config: Any, block: int, mode: str = "align") -> tuple[Any, Any]
     """(attention, Mamba) KV cache specs of one layer at ``block`` tokens a block (the Mamba
     page padded to the attention page; ``mode`` ``none``: a state block of ``max_model_len``)."""
     from vllm.model_executor.models import ModelRegistry
+    from vllm.model_executor.models.interfaces import is_hybrid
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
     model = vllm_config.model_config
     cls, _ = ModelRegistry.resolve_model_cls(model.architecture, model_config=model)
+    if not is_hybrid(cls):
+        raise ValueError(f"{model.architecture} keeps no Mamba state")
     attention = FullAttentionSpec(
         block_size=block, num_kv_heads=model.get_num_kv_heads(vllm_config.parallel_config),
         head_size=model.get_head_size(), dtype=model.dtype,
@@ -203,7 +215,8 @@ def _vllm_config(
     hf = MODELS[model]()
     hf.dtype = "bfloat16"
     hf.save_pretrained(folder)
-    max_len, mode = MAX_MODEL_LEN, "align" if prefix_caching else "none"
+    max_len = MAX_MODEL_LEN
+    mode: MambaCacheMode = "align" if prefix_caching else "none"
     config = VllmConfig(
         model_config=ModelConfig(model=str(folder), skip_tokenizer_init=True, dtype="bfloat16",
                                  max_model_len=max_len),

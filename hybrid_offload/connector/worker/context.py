@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from hybrid_offload.backends.base import Backend
 from hybrid_offload.connector.metadata import LoadSample
@@ -20,6 +21,14 @@ from hybrid_offload.core.metrics import Locked, WorkerCounters
 from hybrid_offload.core.planner import HybridOffloadPlanner
 from hybrid_offload.core.spec import ModelSpec
 from hybrid_offload.engine.kv_layout import AttentionGroupLayout, MambaGroupLayout
+
+
+class OutboxReport(NamedTuple):
+    """What the outbox held: keys stored per backend, load samples per backend, page sets settled."""
+
+    stored: dict[str, list[str]]
+    samples: dict[str, list[LoadSample]]
+    settled: list[str]
 
 
 class Outbox:
@@ -45,10 +54,10 @@ class Outbox:
         with self._lock:
             self._samples.setdefault(backend, []).append((nbytes, seconds, ok))
 
-    def take(self) -> tuple[dict[str, list[str]], dict[str, list[LoadSample]], list[str]]:
-        """(stored, load samples, settled) since the last call."""
+    def take(self) -> OutboxReport:
+        """What was reported since the last call."""
         with self._lock:
-            out = self._stored, self._samples, self._settled
+            out = OutboxReport(self._stored, self._samples, self._settled)
             self._stored, self._samples, self._settled = {}, {}, []
         return out
 

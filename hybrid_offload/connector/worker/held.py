@@ -10,13 +10,28 @@ are dropped). Model-runner thread only; the worker budgets :attr:`HeldCopies.nby
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from hybrid_offload.core.planner import Piece
 
-#: (request, group, chunk index)
-HoldKey = tuple[str, int, int]
-#: this rank's pieces of one page set: (piece, page buffer, its header not yet sealed)
-Pieces = Sequence[tuple[Piece, bytearray | memoryview]]
+
+class HoldKey(NamedTuple):
+    """What a held copy is kept under: its request, group and chunk index."""
+
+    req_id: str
+    group: int
+    chunk_index: int
+
+
+class HeldPiece(NamedTuple):
+    """One piece of a held page set and its page buffer (its header not yet sealed)."""
+
+    piece: Piece
+    buffer: bytearray | memoryview
+
+
+#: this rank's pieces of one page set
+Pieces = Sequence[HeldPiece]
 
 
 class HeldCopies:
@@ -29,22 +44,21 @@ class HeldCopies:
     def hold(self, key: HoldKey, pieces: Pieces, *, newest_only: bool) -> None:
         """Keep ``pieces`` under ``key`` (replacing a copy there); with ``newest_only`` the
         request's other copies of the same group are dropped."""
-        req_id, group, _ = key
         if newest_only:
-            for other in [k for k in self._copies if k[0] == req_id and k[1] == group]:
+            for other in [k for k in self._copies if k.req_id == key.req_id and k.group == key.group]:
                 self.take(other)
         self.take(key)
         self._copies[key] = pieces
-        self.nbytes += sum(len(buf) for _, buf in pieces)
+        self.nbytes += sum(len(held.buffer) for held in pieces)
 
     def take(self, key: HoldKey) -> Pieces | None:
         """Remove and return the copy under ``key`` (None if none is held)."""
         pieces = self._copies.pop(key, None)
         if pieces is not None:
-            self.nbytes -= sum(len(buf) for _, buf in pieces)
+            self.nbytes -= sum(len(held.buffer) for held in pieces)
         return pieces
 
     def release(self, req_id: str) -> None:
         """Drop every copy of ``req_id``."""
-        for key in [k for k in self._copies if k[0] == req_id]:
+        for key in [k for k in self._copies if k.req_id == req_id]:
             self.take(key)

@@ -35,12 +35,12 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from hybrid_offload.backends.base import Backend, BackendError, PageLease
-from hybrid_offload.backends.retention import Retention
 from hybrid_offload.backends.wrappers import BackendSkippedError
 from hybrid_offload.connector.metadata import ClearRange, LoadJob, Promotion
 from hybrid_offload.connector.worker.context import WorkerContext
@@ -58,7 +58,7 @@ from hybrid_offload.connector.worker.load_writes import (
 )
 from hybrid_offload.connector.worker.page_codec import PageCodec
 from hybrid_offload.connector.worker.staging import stage_reads
-from hybrid_offload.connector.worker.store_pipeline import PromotedPages
+from hybrid_offload.connector.worker.store_pipeline import PromotedPage, PromotedPages
 from hybrid_offload.connector.worker.switch_interval import LoadSwitchInterval
 from hybrid_offload.core.checksum import fold64, fold64_rows
 from hybrid_offload.core.layer_parts import LayerPartError
@@ -72,6 +72,22 @@ from hybrid_offload.core.page_format import (
 from hybrid_offload.core.planner import Piece
 
 logger = logging.getLogger(__name__)
+
+
+class HostMemory(NamedTuple):
+    """One host memory as a 1-D uint8 tensor and a numpy array over the same bytes."""
+
+    tensor: torch.Tensor
+    array: np.ndarray
+
+
+class FoundPage(NamedTuple):
+    """A page a backend gave: ``size`` bytes at ``offset`` in ``base`` (``array``: the same memory)."""
+
+    base: torch.Tensor
+    array: np.ndarray
+    offset: int
+    size: int
 
 
 @dataclass
@@ -100,38 +116,38 @@ class LoadRun:
     promotions: tuple[Promotion, ...] = ()
 
 
-def _headers(found: Sequence[tuple[torch.Tensor, np.ndarray, int, int]], hlen: int) -> np.ndarray:
+def _headers(found: Sequence[FoundPage], hlen: int) -> np.ndarray:
     """The first ``hlen`` bytes of each page found, ``(n, hlen)``: one numpy gather per memory."""
     heads = np.empty((len(found), hlen), dtype=np.uint8)
     by_memory: dict[int, list[int]] = {}
     for i, f in enumerate(found):
-        by_memory.setdefault(id(f[1]), []).append(i)
+        by_memory.setdefault(id(f.array), []).append(i)
     span = np.arange(hlen)
     for rows in by_memory.values():
-        array = found[rows[0]][1]
-        offsets = np.fromiter((found[i][2] for i in rows), dtype=np.int64, count=len(rows))
+        array = found[rows[0]].array
+        offsets = np.fromiter((found[i].offset for i in rows), dtype=np.int64, count=len(rows))
         heads[rows] = array[offsets[:, None] + span]
     return heads
 
 
-def _payload_sums(found: Sequence[tuple[torch.Tensor, np.ndarray, int, int]], hlen: int) -> list[int]:
-    """fold64 of each page's payload (the pages of one piece, all ``found[0][3]`` bytes): one
+def _payload_sums(found: Sequence[FoundPage], hlen: int) -> list[int]:
+    """fold64 of each page's payload (the pages of one piece, all ``found[0].size`` bytes): one
     numpy call per run of pages side by side in one memory (few handoffs of the GIL, which
     numpy releases while it sums), per page elsewhere."""
     out = [0] * len(found)
-    order = sorted(range(len(found)), key=lambda i: (id(found[i][1]), found[i][2]))
-    size = found[0][3] if found else 0
+    order = sorted(range(len(found)), key=lambda i: (id(found[i].array), found[i].offset))
+    size = found[0].size if found else 0
     width = row_width(size)
-    for run in side_by_side([(id(found[i][1]), found[i][2]) for i in order], width):
+    for run in side_by_side([(id(found[i].array), found[i].offset) for i in order], width):
         first, members = found[order[run.start]], [order[r] for r in run]
-        if len(run) > 1 and width % 8 == 0 and (first[2] + hlen) % 8 == 0:
-            rows = np.lib.stride_tricks.as_strided(first[1][first[2] :], (len(run), size), (width, 1))
+        if len(run) > 1 and width % 8 == 0 and (first.offset + hlen) % 8 == 0:
+            rows = np.lib.stride_tricks.as_strided(first.array[first.offset :], (len(run), size), (width, 1))
             for i, value in zip(members, fold64_rows(rows[:, hlen:]).tolist(), strict=True):
                 out[i] = value
         else:
             for i in members:
                 f = found[i]
-                out[i] = fold64(f[1][f[2] + hlen : f[2] + f[3]].data)
+                out[i] = fold64(f.array[f.offset + hlen : f.offset + f.size].data)
     return out
 
 
@@ -155,7 +171,7 @@ class LoadPipeline:
         self.switch = LoadSwitchInterval(switch_interval_s)
         self._lock = threading.Lock()
         self._bad_page_logged: set[str] = set()
-        self._arenas: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
+        self._arenas: dict[int, HostMemory] = {}
         self.use_device(ctx.transfers)
 
     def use_device(self, transfers: DeviceTransfers) -> None:
@@ -223,7 +239,7 @@ class LoadPipeline:
         elif staging is not None:
             give(staging)
 
-    def _promoted(self, run: LoadRun) -> list[tuple[str, memoryview, tuple[str, ...], Retention | None]]:
+    def _promoted(self, run: LoadRun) -> list[PromotedPage]:
         """The pieces of the run's pages its job promotes, where they lie (never lent memory)."""
         wanted = {p.key: p for p in run.promotions}
         out = []
@@ -233,7 +249,7 @@ class LoadPipeline:
                 continue
             targets = tuple(t for t in promotion.backends if t != page.source)
             view = page.base.numpy()[page.offset : page.offset + page.read.page_len].data
-            out.append((page.read.key, view, targets, promotion.retention))
+            out.append(PromotedPage(page.read.key, view, targets, promotion.retention))
         return out
 
     def _load_pages(self, job: LoadJob, run: LoadRun) -> list[Verified] | None:
@@ -281,12 +297,12 @@ class LoadPipeline:
             logger.warning("hybrid-offload: cannot read page sets of layout %s: %s", list(layout), exc)
             return None
 
-    def _arena(self, memory: memoryview) -> tuple[torch.Tensor, np.ndarray]:
+    def _arena(self, memory: memoryview) -> HostMemory:
         """A backend's arena as a tensor and an array (made once)."""
         known = self._arenas.get(id(memory.obj))
         if known is None:
             array = np.frombuffer(memory, dtype=np.uint8)
-            known = self._arenas[id(memory.obj)] = (torch.from_numpy(array), array)
+            known = self._arenas[id(memory.obj)] = HostMemory(torch.from_numpy(array), array)
         return known
 
     def _fetch(
@@ -304,7 +320,7 @@ class LoadPipeline:
         raises a backend error."""
         backend = self.ctx.backends[name]
         keys = [reads[i].key for i in indices]
-        found: list[tuple[torch.Tensor, np.ndarray, int, int] | None] = []  # (base, array, offset, size)
+        found: list[FoundPage | None] = []
         started = self.ctx.timer()
         try:
             if backend.in_place:
@@ -315,19 +331,19 @@ class LoadPipeline:
                     if view is None or offset is None or arena is None:
                         found.append(None if view is None else self._copied(view))
                     else:
-                        found.append((arena[0], arena[1], offset, view.nbytes))
+                        found.append(FoundPage(arena.tensor, arena.array, offset, view.nbytes))
             else:
-                bases = []
+                into: list[FoundPage] = []  # where each read goes, all its page length
                 for i in indices:
                     if rows is not None and run.staging is not None:
-                        bases.append((run.staging, run.staging.numpy(), rows[i]))
+                        into.append(FoundPage(run.staging, run.staging.numpy(), rows[i], reads[i].page_len))
                     else:
                         fresh = torch.empty(reads[i].page_len, dtype=torch.uint8)
-                        bases.append((fresh, fresh.numpy(), 0))
-                bufs = [a[o : o + reads[i].page_len].data
-                        for (_, a, o), i in zip(bases, indices, strict=True)]  # fmt: skip
+                        into.append(FoundPage(fresh, fresh.numpy(), 0, reads[i].page_len))
+                bufs = [b.array[b.offset : b.offset + b.size].data for b in into]
                 sizes = backend.get_into(keys, bufs)
-                found = [None if n is None else (*b, n) for b, n in zip(bases, sizes, strict=True)]
+                found = [None if n is None else FoundPage(b.base, b.array, b.offset, n)
+                         for b, n in zip(into, sizes, strict=True)]  # fmt: skip
         except BackendSkippedError:
             return
         except BackendError:  # a failed read is what the adaptive load policy measured
@@ -343,9 +359,9 @@ class LoadPipeline:
         self.ctx.stats.update(lambda c: c.add_loaded(name, npages, nbytes))
 
     @staticmethod
-    def _copied(view: memoryview) -> tuple[torch.Tensor, np.ndarray, int, int]:
+    def _copied(view: memoryview) -> FoundPage:
         array = np.frombuffer(view, dtype=np.uint8).copy()
-        return torch.from_numpy(array), array, 0, view.nbytes
+        return FoundPage(torch.from_numpy(array), array, 0, view.nbytes)
 
     def _check(
         self,
@@ -353,7 +369,7 @@ class LoadPipeline:
         backend: Backend,
         reads: list[ShardRead],
         indices: Sequence[int],
-        found: list[tuple[torch.Tensor, np.ndarray, int, int] | None],
+        found: list[FoundPage | None],
         got: list[Verified | None],
     ) -> tuple[int, int]:
         """Check the pages ``found`` for ``reads[indices]`` and put the good ones into ``got``:
@@ -366,28 +382,30 @@ class LoadPipeline:
         for k, (i, f) in enumerate(zip(indices, found, strict=True)):
             if f is None:
                 self.ctx.stats.record_error(name, "missing_page")
-            elif f[3] != reads[i].page_len:
+            elif f.size != reads[i].page_len:
                 self._bad_page(name, reads[i].key, PageFormatError(
-                    f"page is {f[3]} bytes, expected {reads[i].page_len}"), backend)  # fmt: skip
+                    f"page is {f.size} bytes, expected {reads[i].page_len}"), backend)  # fmt: skip
             else:
                 batches.setdefault((reads[i].page.group, reads[i].piece), []).append(k)
         nbytes = npages = 0
         for (_, piece), ks in batches.items():
             codec = reads[indices[ks[0]]].codec
             template, hlen = codec.templates[piece], codec.header_lens[piece]
-            heads = _headers([found[k] for k in ks], hlen)  # type: ignore[misc]
+            hits = [f for f in (found[k] for k in ks) if f is not None]  # all are (batched above)
+            heads = _headers(hits, hlen)
             pages = [reads[indices[k]].page for k in ks]
             ok, sums = check_headers(heads, template, [p.chunk_hash for p in pages],
                                      [p.chunk_index for p in pages])  # fmt: skip
-            computed = _payload_sums([found[k] for k in ks], hlen) if on_host and not key else None  # type: ignore[misc]
-            for j, (k, passed, stated) in enumerate(zip(ks, ok.tolist(), sums.tolist(), strict=True)):
-                read, (base, array, offset, size) = reads[indices[k]], found[k]  # type: ignore[misc]
+            computed = _payload_sums(hits, hlen) if on_host and not key else None
+            checked = zip(ks, hits, ok.tolist(), sums.tolist(), strict=True)
+            for j, (k, hit, passed, stated) in enumerate(checked):
+                read = reads[indices[k]]
                 if passed and not key and not on_host:  # the payload is checked on the device
-                    got[indices[k]] = Verified(read, base, offset, name, stated)
-                    nbytes += size
+                    got[indices[k]] = Verified(read, hit.base, hit.offset, name, stated)
+                    nbytes += hit.size
                     npages += 1
                     continue
-                page_bytes = array[offset : offset + size].data
+                page_bytes = hit.array[hit.offset : hit.offset + hit.size].data
                 try:
                     if not passed:
                         check_header(page_bytes, template, read.page.chunk_hash, read.page.chunk_index)
@@ -403,8 +421,8 @@ class LoadPipeline:
                     self._bad_page(name, read.key, exc, backend)
                     continue
                 checksum = None if key or on_host else stated
-                got[indices[k]] = Verified(read, base, offset, name, checksum)
-                nbytes += size
+                got[indices[k]] = Verified(read, hit.base, hit.offset, name, checksum)
+                nbytes += hit.size
                 npages += 1
         return nbytes, npages
 

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from hybrid_offload.connector.metadata import ClearRange, PageJob
 from hybrid_offload.connector.worker.device import DeviceTransfers, Ready
 from hybrid_offload.connector.worker.device_checksum import fold64_rows
-from hybrid_offload.connector.worker.page_codec import PageCodec
+from hybrid_offload.connector.worker.page_codec import PageCodec, PiecePayload
 from hybrid_offload.core.planner import Piece
 from hybrid_offload.engine.kv_layout import AttentionGroupLayout, MambaGroupLayout, TokenIndex, host_to_device
 
@@ -139,7 +140,7 @@ class WritePlan:
     written one by one (their payloads)."""
 
     batches: list[RowBatch]
-    loose: dict[int, list[tuple[PageJob, Piece, torch.Tensor]]]
+    loose: dict[int, list[PiecePayload]]
     codecs: dict[int, PageCodec]
 
 
@@ -157,15 +158,16 @@ def plan_writes(pages: Iterable[Verified], layouts: Mapping[int, Layout]) -> Wri
             if codec.rows_fit(layouts[group], piece, run.rows, jobs):
                 runs.append((run.rows, jobs))
             else:
-                plan.loose.setdefault(group, []).extend(
-                    (job, piece, row[hlen:]) for job, row in zip(jobs, run.rows, strict=True))  # fmt: skip
+                loose = plan.loose.setdefault(group, [])
+                loose.extend(PiecePayload(job, piece, row[hlen:])
+                             for job, row in zip(jobs, run.rows, strict=True))  # fmt: skip
         if runs:
             at = codec.row_index(layouts[group], piece, [job for _, jobs in runs for job in jobs])
             plan.batches.append(RowBatch(codec, group, piece, runs, at))
         for v in items:
             if v.read.page.skip_tokens:
                 row = v.base[v.offset + hlen : v.offset + v.read.page_len]
-                plan.loose.setdefault(group, []).append((v.read.page, piece, row))
+                plan.loose.setdefault(group, []).append(PiecePayload(v.read.page, piece, row))
     return plan
 
 
@@ -192,6 +194,14 @@ def clear_ranges(clears: Iterable[ClearRange], layouts: Mapping[int, Layout]) ->
 SLOT_BYTES = 128 << 20
 
 
+class DeviceMarks(NamedTuple):
+    """A load's device timing events (CUDA; None on CPU): first copy's start, last copy's end, the end."""
+
+    start: torch.cuda.Event | None
+    copied: torch.cuda.Event | None
+    end: torch.cuda.Event | None
+
+
 @dataclass
 class DeviceLoad:
     """A load enqueued on the device: complete once ``ready`` is; then ``bad`` (host) holds,
@@ -203,7 +213,7 @@ class DeviceLoad:
     bad: torch.Tensor
     #: device memory the enqueued work reads (kept alive until it completes)
     keep: list[torch.Tensor] = field(default_factory=list)
-    marks: tuple[torch.cuda.Event | None, ...] = ()
+    marks: DeviceMarks | None = None
 
     def wait(self) -> list[Verified]:
         """Block until complete (the GIL released); the pages that failed their checksum."""
@@ -213,27 +223,36 @@ class DeviceLoad:
     def seconds(self) -> tuple[float, float]:
         """(first copy's start to last copy's end, first copy's start to the end), once complete;
         zeros on CPU."""
-        start, copied, end = self.marks if len(self.marks) == 3 else (None, None, None)
-        if start is None or copied is None or end is None:
+        marks = self.marks
+        if marks is None or marks.start is None or marks.copied is None or marks.end is None:
             return 0.0, 0.0
-        return start.elapsed_time(copied) / 1e3, start.elapsed_time(end) / 1e3
+        return marks.start.elapsed_time(marks.copied) / 1e3, marks.start.elapsed_time(marks.end) / 1e3
 
 
 def _signed(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def _slices(pages: Sequence[Verified], slot_bytes: int) -> list[tuple[int, Piece, PageCodec, list[Verified]]]:
+class SlotSlice(NamedTuple):
+    """Pages of one (group, piece) of a load that pass through a device slot together."""
+
+    group: int
+    piece: Piece
+    codec: PageCodec
+    pages: list[Verified]
+
+
+def _slices(pages: Sequence[Verified], slot_bytes: int) -> list[SlotSlice]:
     """A load's pages per (group, piece), ordered by runs (pages that skip tokens last), cut
     into slices of at most ``slot_bytes`` of rows (at least one page)."""
-    out: list[tuple[int, Piece, PageCodec, list[Verified]]] = []
+    out: list[SlotSlice] = []
     for (group, piece), items in _by_piece(pages).items():
         codec = items[0].read.codec
         placed = [v for skip in (False, True)
                   for run in runs_of([v for v in items if bool(v.read.page.skip_tokens) == skip])
                   for v in run.pages]  # fmt: skip
         per = max(1, slot_bytes // row_width(codec.page_lens[piece]))
-        out.extend((group, piece, codec, placed[i : i + per]) for i in range(0, len(placed), per))
+        out.extend(SlotSlice(group, piece, codec, placed[i : i + per]) for i in range(0, len(placed), per))
     return out
 
 
@@ -256,7 +275,7 @@ def write_on_device(
     blocks once they arrived, after ``after`` (the step's mark), so copies overlap the writes.
     Then the clears."""
     slices = _slices(pages, slot_bytes)
-    need = max((len(sl) * row_width(codec.page_lens[piece]) for _, piece, codec, sl in slices), default=0)
+    need = max((len(sl.pages) * row_width(sl.codec.page_lens[sl.piece]) for sl in slices), default=0)
     slots = transfers.load_slots(need)
     order: list[Verified] = []
     flags: list[torch.Tensor] = []
@@ -265,31 +284,32 @@ def write_on_device(
     with transfers.loading(after):
         start = transfers.event(timing=True)
         copied = None
-        for s, (group, piece, codec, chunk) in enumerate(slices):
+        for s, sl in enumerate(slices):
+            codec, piece, batch = sl.codec, sl.piece, sl.pages
             plen, hlen = codec.page_lens[piece], codec.header_lens[piece]
             width, slot = row_width(plen), slots[s % 2]
             with transfers.copying(free[s % 2] or start):
-                _copy_in(slot, chunk, width, plen)
+                _copy_in(slot, batch, width, plen)
                 copied = transfers.event(timing=True)
             transfers.after(copied)
-            rows = slot[: len(chunk) * width].view(len(chunk), width)[:, :plen]
-            flags.append(_check(rows[:, hlen:], chunk, device))
-            jobs = [v.read.page for v in chunk]
+            rows = slot[: len(batch) * width].view(len(batch), width)[:, :plen]
+            flags.append(_check(rows[:, hlen:], batch, device))
+            jobs = [v.read.page for v in batch]
             whole = sum(not job.skip_tokens for job in jobs)
-            layout = layouts[group]
-            loose = range(whole, len(chunk)) if whole and codec.scatter_rows(
-                layout, piece, rows[:whole], jobs[:whole]) else range(len(chunk))  # fmt: skip
+            layout = layouts[sl.group]
+            loose = range(whole, len(batch)) if whole and codec.scatter_rows(
+                layout, piece, rows[:whole], jobs[:whole]) else range(len(batch))  # fmt: skip
             if loose:
-                codec.scatter_pages(layout, [(jobs[i], piece, rows[i, hlen:]) for i in loose])
+                codec.scatter_pages(layout, [PiecePayload(jobs[i], piece, rows[i, hlen:]) for i in loose])
             free[s % 2] = transfers.event()
-            order.extend(chunk)
+            order.extend(batch)
         clear_ranges(clears, layouts)
         bad_device = torch.cat(flags) if flags else torch.zeros(0, dtype=torch.bool, device=device)
         bad = torch.empty(bad_device.shape, dtype=torch.bool, pin_memory=transfers.is_cuda)
         bad.copy_(bad_device, non_blocking=True)
         end = transfers.event(timing=True)
         ready = transfers.loaded()
-    return DeviceLoad(ready, order, bad, [bad_device], (start, copied, end))
+    return DeviceLoad(ready, order, bad, [bad_device], DeviceMarks(start, copied, end))
 
 
 def _check(payloads: torch.Tensor, pages: Sequence[Verified], device: torch.device) -> torch.Tensor:

@@ -187,14 +187,15 @@ class OffloadWorker:
 
     # ---- reports ----------------------------------------------------------------------
     def worker_meta(self) -> OffloadWorkerMetadata | None:
-        stored, samples, settled = self.ctx.outbox.take()
+        report = self.ctx.outbox.take()
         evicted = {}
         for name, backend in self.backends.items():
             if not backend.shared_index:
                 keys = backend.take_evicted()
                 if keys:
                     evicted[name] = keys
-        meta = OffloadWorkerMetadata(stored=stored, evicted=evicted, load_samples=samples, settled=settled)
+        meta = OffloadWorkerMetadata(stored=report.stored, evicted=evicted, load_samples=report.samples,
+                                     settled=report.settled)  # fmt: skip
         return None if meta.is_empty() else meta
 
     def refresh_gauges(self) -> None:

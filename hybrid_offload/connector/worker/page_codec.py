@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import overload
+from typing import NamedTuple, overload
 
 import torch
 
@@ -28,6 +28,15 @@ from hybrid_offload.core.tp_shards import Transfer, read_plan, shards_read, shar
 from hybrid_offload.engine.kv_layout import AttentionGroupLayout, LayoutError, MambaGroupLayout, TokenIndex
 
 Layout = AttentionGroupLayout | MambaGroupLayout
+
+
+class PiecePayload(NamedTuple):
+    """One piece of a page to write into vLLM's KV cache: its page job, the piece and its payload."""
+
+    page: PageJob
+    piece: Piece
+    #: the page's bytes past its header (1-D uint8, on the host or the device)
+    payload: torch.Tensor
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -242,8 +251,8 @@ class PageCodec:
             smap.gather(payload, page.block_ids[0])
 
     def scatter_pages(self, layout: AttentionGroupLayout | MambaGroupLayout,
-                      pages: list[tuple[PageJob, Piece, torch.Tensor]]) -> None:
-        """:meth:`scatter` of many (page, piece, payload) of this group. Attention pages in a
+                      pages: Sequence[PiecePayload]) -> None:
+        """:meth:`scatter` of many pieces' payloads of this group. Attention pages in a
         layout that moves whole tokens go in one copy per layer, K/V and head run for all of
         them (their tokens' indices and payloads concatenated); others one by one."""
         if not isinstance(layout, AttentionGroupLayout) or not layout.scatters_by_token:

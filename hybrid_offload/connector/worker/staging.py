@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -35,6 +36,14 @@ from hybrid_offload.core.planner import Piece
 from hybrid_offload.engine.kv_layout import AttentionGroupLayout, MambaGroupLayout
 
 Layout = AttentionGroupLayout | MambaGroupLayout
+
+
+class StorePiece(NamedTuple):
+    """One piece of a page to store: its job, the piece and its page buffer (header not yet sealed)."""
+
+    job: StoreJob
+    piece: Piece
+    buffer: bytearray | memoryview
 
 
 def stage_reads(reads: Sequence[ShardRead], pool: MemoryPool) -> tuple[list[int], torch.Tensor | None]:
@@ -101,10 +110,10 @@ def _gather(block: torch.Tensor, places: Sequence[Place], jobs: Sequence[StoreJo
 def gather_rows(
     jobs: Sequence[StoreJob], codecs: Mapping[int, PageCodec], layouts: Mapping[int, Layout],
     pool: MemoryPool | None, transfers: DeviceTransfers | None = None,
-) -> tuple[list[tuple[StoreJob, Piece, memoryview]], list[torch.Tensor]]:  # fmt: skip
+) -> tuple[list[StorePiece], list[torch.Tensor]]:  # fmt: skip
     """Copy the pieces this rank writes of ``jobs``' pages out of vLLM's KV cache (model-runner
     thread), per (group, piece) into rows of one host block from ``pool`` (None: a new block).
-    Returns (job, piece, page buffer: a row, header not yet sealed) in job order and piece
+    Returns the pieces (page buffer: a row, header not yet sealed) in job order and piece
     order, and the blocks: give them back once no backend reads the buffers.
 
     On a device with its own memory the rows are gathered into a device block and copied to the
@@ -125,9 +134,18 @@ def gather_rows(
         for k, i in enumerate(place.jobs):
             at = place.offset + k * place.width
             buffers[(i, place.piece)] = whole[at : at + plen]
-    entries = [(job, piece, buffers[(i, piece)]) for i, job in enumerate(jobs)
+    entries = [StorePiece(job, piece, buffers[(i, piece)]) for i, job in enumerate(jobs)
                for piece in codecs[job.page.group].written]  # fmt: skip
     return entries, [host]
+
+
+class GatheredRow(NamedTuple):
+    """One row of :class:`GatheredRows`: its place, row within it, job, position among all rows."""
+
+    place: Place
+    row: int
+    job: StoreJob
+    position: int
 
 
 @dataclass
@@ -142,12 +160,12 @@ class GatheredRows:
     #: on a GPU: complete once the gather is (recorded on the compute stream)
     gathered: torch.cuda.Event | None = None
 
-    def rows(self) -> Iterator[tuple[Place, int, StoreJob, int]]:
-        """(place, row within it, job, index among all rows) of every row."""
+    def rows(self) -> Iterator[GatheredRow]:
+        """Every row, place by place."""
         n = 0
         for place in self.places:
             for k, i in enumerate(place.jobs):
-                yield place, k, self.jobs[i], n
+                yield GatheredRow(place, k, self.jobs[i], n)
                 n += 1
 
     @property
@@ -200,7 +218,7 @@ def device_sums(rows: GatheredRows, codecs: Mapping[int, PageCodec]) -> torch.Te
 
 
 def copy_rows(
-    rows: GatheredRows, entries: Sequence[tuple[Place, int, StoreJob, int]],
+    rows: GatheredRows, entries: Sequence[GatheredRow],
     dest: Sequence[tuple[torch.Tensor, int]], plens: Sequence[int],
 ) -> None:  # fmt: skip
     """Copy each row of ``rows`` (``entries``, as :meth:`GatheredRows.rows` lists them) to
@@ -210,16 +228,16 @@ def copy_rows(
     on_host = not rows.block.is_cuda
     first = 0
     while first < len(entries):  # the entries of one place are consecutive, rows in order
-        place = entries[first][0]
+        place = entries[first].place
         end = first
-        while end < len(entries) and entries[end][0] is place:
+        while end < len(entries) and entries[end].place is place:
             end += 1
         where = [(id(dest[n][0]), dest[n][1]) for n in range(first, end)]
         for run in side_by_side(where, place.width):
             n = first + run.start
             base, start = dest[n]
             span = (len(run) - 1) * place.width + plens[n]
-            at = place.offset + entries[n][1] * place.width
+            at = place.offset + entries[n].row * place.width
             if base is rows.block and start == at:
                 continue  # kept where it was gathered
             if on_host:

@@ -18,6 +18,7 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -25,12 +26,14 @@ from hybrid_offload.backends.base import BackendError, Buffer, BuffersInUseError
 from hybrid_offload.backends.retention import Retention
 from hybrid_offload.connector.metadata import CommitJob, StoreJob, TouchJob
 from hybrid_offload.connector.worker.context import WorkerContext
-from hybrid_offload.connector.worker.device import DeviceTransfers
-from hybrid_offload.connector.worker.held import HeldCopies
+from hybrid_offload.connector.worker.device import DeviceTransfers, Ready
+from hybrid_offload.connector.worker.held import HeldCopies, HeldPiece, HoldKey
 from hybrid_offload.connector.worker.load_writes import row_width
 from hybrid_offload.connector.worker.memory_pool import STORE_POOL_BYTES
 from hybrid_offload.connector.worker.staging import (
+    GatheredRow,
     GatheredRows,
+    StorePiece,
     copy_rows,
     device_sums,
     gather_on_device,
@@ -39,23 +42,52 @@ from hybrid_offload.connector.worker.staging import (
 )
 from hybrid_offload.core.checksum import fold64
 from hybrid_offload.core.page_format import seal_headers, seal_page
-from hybrid_offload.core.planner import Piece
 
 logger = logging.getLogger(__name__)
 
 _STOP = object()
 
-#: one piece's sealed-to-be page buffer, queued for the store thread
-QueuedPiece = tuple[StoreJob, Piece, bytearray | memoryview]
+class PagePut(NamedTuple):
+    """A page about to be put: its key, the tiers it goes to and its retention (None: not given)."""
+
+    key: str
+    backends: Sequence[str]
+    retention: Retention | None
+
+
+class PromotedPage(NamedTuple):
+    """A sealed page a load read and checked: its key, its bytes, the tiers to put it into, its retention."""
+
+    key: str
+    buffer: memoryview
+    backends: tuple[str, ...]
+    retention: Retention | None
 
 
 @dataclass
 class PromotedPages:
-    """Sealed pages a load read and checked, to put into faster tiers: ``pages`` are (piece key,
-    bytes, target backends, retention); ``release`` gives their memory back once put."""
+    """Sealed pages a load read and checked, to put into faster tiers; ``release`` gives their
+    memory back once put."""
 
-    pages: list[tuple[str, memoryview, tuple[str, ...], Retention | None]]
+    pages: list[PromotedPage]
     release: Callable[[], None]
+
+
+class QueuedBatch(NamedTuple):
+    """Pieces for the store thread, the blocks holding their buffers, and when copies into them are done."""
+
+    pieces: list[StorePiece]
+    #: the memory of the pieces' buffers, back to the pool once stored
+    blocks: Sequence[torch.Tensor]
+    #: complete once every copy out of the device enqueued before the batch is
+    ready: Ready
+
+
+class QueuedWork(NamedTuple):
+    """An item of the store queue: its work and the pending bytes it counts until done."""
+
+    work: GatheredRows | PromotedPages | QueuedBatch
+    nbytes: int
 
 
 class StorePipeline:
@@ -109,9 +141,10 @@ class StorePipeline:
                 page = job.page
                 entries, _ = gather_rows([job], self.ctx.codecs, self.ctx.layouts, self._hold_rows,
                                          self.ctx.transfers)  # fmt: skip
-                pieces = [(piece, buf) for _, piece, buf in entries]
+                pieces = [HeldPiece(entry.piece, entry.buffer) for entry in entries]
                 newest_only = not codec.group.is_attention  # the newest state replaces older ones
-                self._held.hold((job.req_id, page.group, page.chunk_index), pieces, newest_only=newest_only)
+                key = HoldKey(job.req_id, page.group, page.chunk_index)
+                self._held.hold(key, pieces, newest_only=newest_only)
             else:
                 queued.append(job)
                 nbytes += size
@@ -140,13 +173,13 @@ class StorePipeline:
     def promote(self, work: PromotedPages) -> None:
         """Queue ``work`` for the store thread (any thread may call it); past the pending-bytes
         budget it is dropped (``promotions_dropped``) and its memory given back at once."""
-        nbytes = sum(view.nbytes for _, view, _, _ in work.pages)
+        nbytes = sum(page.buffer.nbytes for page in work.pages)
         with self._lock:
             admitted = bool(work.pages) and self._pending_bytes + nbytes <= self._max_pending
             if admitted:
                 self._pending_bytes += nbytes
         if admitted:
-            self._store_queue.put((work, nbytes))
+            self._store_queue.put(QueuedWork(work, nbytes))
             return
         self.ctx.stats.add(promotions_dropped=len(work.pages))
         work.release()
@@ -154,30 +187,30 @@ class StorePipeline:
     def commit(self, commits: list[CommitJob]) -> None:
         """Queue held pages under the keys the scheduler knows now (a page no longer held,
         e.g. dropped for the budget, is settled as it is)."""
-        batch: list[QueuedPiece] = []
+        batch: list[StorePiece] = []
         nbytes = 0
         for commit in commits:
             if not self.ctx.codecs[commit.page.group].written:
                 continue  # a group this worker writes no piece of (another stage's layers)
-            pieces = self._held.take((commit.req_id, commit.page.group, commit.page.chunk_index))
+            pieces = self._held.take(HoldKey(commit.req_id, commit.page.group, commit.page.chunk_index))
             if pieces is None:
                 self.ctx.outbox.settle([commit.page.key])
                 continue
             job = StoreJob(commit.page, commit.backends, commit.req_id, retention=commit.retention)
-            batch.extend((job, piece, buf) for piece, buf in pieces)
-            nbytes += sum(len(buf) for _, buf in pieces)
+            batch.extend(StorePiece(job, held.piece, held.buffer) for held in pieces)
+            nbytes += sum(len(held.buffer) for held in pieces)
         self._queue(batch, nbytes)
 
-    def _queue(self, batch: list[QueuedPiece], nbytes: int, blocks: Sequence[torch.Tensor] = ()) -> None:
+    def _queue(self, batch: list[StorePiece], nbytes: int, blocks: Sequence[torch.Tensor] = ()) -> None:
         """Queue ``batch``; ``blocks`` (its buffers' memory) go back to the pool once stored. The
         store thread starts on it once every copy out of the device enqueued so far is done."""
         if batch:
-            self._queue_item((batch, blocks, self.ctx.transfers.stored()), nbytes, len(batch))
+            self._queue_item(QueuedBatch(batch, blocks, self.ctx.transfers.stored()), nbytes, len(batch))
 
-    def _queue_item(self, item: object, nbytes: int, npages: int) -> None:
+    def _queue_item(self, item: GatheredRows | QueuedBatch, nbytes: int, npages: int) -> None:
         with self._lock:
             self._pending_bytes += nbytes
-        self._store_queue.put((item, nbytes))
+        self._store_queue.put(QueuedWork(item, nbytes))
         self.ctx.stats.add(pages_copied_out=npages, bytes_copied_out=nbytes)
 
     def _store_loop(self) -> None:
@@ -194,7 +227,7 @@ class StorePipeline:
                 finally:
                     self._store_queue.task_done()
                 continue
-            work, nbytes = item
+            work, nbytes = item.work, item.nbytes
             keys: list[str] = []
             try:
                 if isinstance(work, GatheredRows):
@@ -206,11 +239,10 @@ class StorePipeline:
                     finally:
                         work.release()
                 else:
-                    batch, blocks, ready = work
-                    keys = [job.page.key for job, _, _ in batch]
-                    ready.wait()
-                    if self._store_batch(batch):
-                        for block in blocks:
+                    keys = [queued.job.page.key for queued in work.pieces]
+                    work.ready.wait()
+                    if self._store_batch(work.pieces):
+                        for block in work.blocks:
                             self.store_rows.give(block)  # put_batch copied what it keeps
             except Exception:  # the store thread must survive anything a backend does
                 logger.exception("hybrid-offload store batch failed")
@@ -235,13 +267,13 @@ class StorePipeline:
                 self.ctx.spec.fingerprint,
             )
 
-    def _store_batch(self, batch: list[QueuedPiece]) -> bool:
+    def _store_batch(self, batch: list[StorePiece]) -> bool:
         """Seal and put ``batch``; whether its buffers may be reused (False: a backend could not
         stop a transfer reading them, :class:`BuffersInUseError`: they are retired)."""
         reusable = True
         per_backend: dict[str, list[tuple[str, Buffer]]] = {}
         if batch:
-            self._check_namespace(batch[0][0].page.key)
+            self._check_namespace(batch[0].job.page.key)
         # Deepest page first: a backend's LRU then keeps a prefix more recent than the pages
         # that need it (a state needs every chunk before it), and evicts from the deep end.
         keyed = []
@@ -251,7 +283,7 @@ class StorePipeline:
             keyed.append((key, job))
             for name in job.backends:
                 per_backend.setdefault(name, []).append((key, buf))
-        self._describe([(key, job.backends, job.retention) for key, job in keyed])
+        self._describe([PagePut(key, job.backends, job.retention) for key, job in keyed])
         for name, items in per_backend.items():
             try:
                 results = self.ctx.backends[name].put_batch(items)
@@ -283,13 +315,13 @@ class StorePipeline:
         committed and the other tiers put to, deepest page first."""
         entries = list(rows.rows())
         codecs, backends = self.ctx.codecs, self.ctx.backends
-        keys = [self.ctx.planner.piece_key(job.page.key, job.page.group, place.piece)
-                for place, _, job, _ in entries]  # fmt: skip
-        plens = [codecs[place.group].page_lens[place.piece] for place, _, _, _ in entries]
-        self._check_namespace(entries[0][2].page.key)
-        jobs = [job for _, _, job, _ in entries]
-        self._describe([(key, job.backends, job.retention) for key, job in zip(keys, jobs, strict=True)])
-        home = [next((n for n in job.backends if backends[n].in_place), None) for _, _, job, _ in entries]
+        keys = [self.ctx.planner.piece_key(entry.job.page.key, entry.job.page.group, entry.place.piece)
+                for entry in entries]  # fmt: skip
+        plens = [codecs[entry.place.group].page_lens[entry.place.piece] for entry in entries]
+        self._check_namespace(entries[0].job.page.key)
+        self._describe([PagePut(key, entry.job.backends, entry.job.retention)
+                        for key, entry in zip(keys, entries, strict=True)])  # fmt: skip
+        home = [next((n for n in entry.job.backends if backends[n].in_place), None) for entry in entries]
         dest: list[tuple[torch.Tensor, int] | None] = [None] * len(entries)
         reservations: dict[str, tuple[PageReservation, list[int]]] = {}
         for name in dict.fromkeys(h for h in home if h is not None):
@@ -307,11 +339,11 @@ class StorePipeline:
         if on_device and any(d is None for d in dest):
             spill = self.store_rows.take(sum(row_width(plens[i]) for i, d in enumerate(dest) if d is None))
         at = 0
-        for i, (place, k, _, _) in enumerate(entries):
+        for i, entry in enumerate(entries):
             if dest[i] is None and spill is not None:
                 dest[i], at = (spill, at), at + row_width(plens[i])
             elif dest[i] is None:
-                dest[i] = (rows.block, place.offset + k * place.width)
+                dest[i] = (rows.block, entry.place.offset + entry.row * entry.place.width)
         placed: list[tuple[torch.Tensor, int]] = dest  # type: ignore[assignment]
         if on_device:
             with self.ctx.transfers.storing(after_compute=False):
@@ -342,11 +374,11 @@ class StorePipeline:
     def _put_promoted(self, work: PromotedPages) -> None:
         """Store thread: put promoted pages (sealed already) into their tiers, deepest first as
         the load read them, and report what each stored."""
-        self._describe([(key, backends, retention) for key, _, backends, retention in work.pages])
+        self._describe([PagePut(page.key, page.backends, page.retention) for page in work.pages])
         per_backend: dict[str, list[tuple[str, memoryview]]] = {}
-        for key, view, backends, _ in work.pages:
-            for name in backends:
-                per_backend.setdefault(name, []).append((key, view))
+        for page in work.pages:
+            for name in page.backends:
+                per_backend.setdefault(name, []).append((page.key, page.buffer))
         for name, items in per_backend.items():
             try:
                 ok = self.ctx.backends[name].put_batch(items)
@@ -355,56 +387,55 @@ class StorePipeline:
             promoted = self._record_puts(name, items, ok)
             self.ctx.stats.add(pages_promoted=promoted)
 
-    def _describe(self, pages: Sequence[tuple[str, Sequence[str], Retention | None]]) -> None:
-        """Tell each target tier what the pages about to be put are for, (key, tiers,
-        retention) each; a tier that cannot take them keeps its own order (never fails a
-        store)."""
+    def _describe(self, pages: Sequence[PagePut]) -> None:
+        """Tell each target tier what the pages about to be put are for; a tier that cannot
+        take them keeps its own order (never fails a store)."""
         per_backend: dict[str, list[tuple[str, Retention]]] = {}
-        for key, backends, retention in pages:
-            if retention is not None:
-                for name in backends:
-                    per_backend.setdefault(name, []).append((key, retention))
+        for put in pages:
+            if put.retention is not None:
+                for name in put.backends:
+                    per_backend.setdefault(name, []).append((put.key, put.retention))
         for name, hints in per_backend.items():
             try:
                 self.ctx.backends[name].describe_batch(hints)
             except BackendError as exc:
                 logger.debug("%s: retention hints not taken: %s", name, exc)
 
-    def _deepest_first(self, entries: list) -> list[int]:
+    def _deepest_first(self, entries: Sequence[GatheredRow]) -> list[int]:
         """The order pages go to a tier: the step's jobs last to first (deepest first, a chunk's
         state before its attention), each job's pieces last to first."""
         def at(i: int) -> tuple[int, int]:
-            place, k = entries[i][0], entries[i][1]
-            return -place.jobs[k], -self.ctx.codecs[place.group].written.index(place.piece)
+            place = entries[i].place
+            return -place.jobs[entries[i].row], -self.ctx.codecs[place.group].written.index(place.piece)
 
         return sorted(range(len(entries)), key=at)
 
-    def _seal(self, entries: list, views: list[memoryview], stated: list[int]) -> None:
+    def _seal(self, entries: Sequence[GatheredRow], views: list[memoryview], stated: list[int]) -> None:
         """Write the headers of ``entries``' pages (their payloads in ``views``), per (group,
         piece) at once; ``stated``: the payload checksums from the device (else computed)."""
         by_place: dict[int, list[int]] = {}
-        for i, (place, _, _, _) in enumerate(entries):
-            by_place.setdefault(id(place), []).append(i)
+        for i, entry in enumerate(entries):
+            by_place.setdefault(id(entry.place), []).append(i)
         for idx in by_place.values():
-            place = entries[idx[0]][0]
+            place = entries[idx[0]].place
             codec = self.ctx.codecs[place.group]
             hlen = codec.header_lens[place.piece]
             payloads = [views[i][hlen:] for i in idx]
-            sums = [stated[entries[i][3]] for i in idx] if stated else [fold64(p) for p in payloads]
-            pages = [entries[i][2].page for i in idx]
+            sums = [stated[entries[i].position] for i in idx] if stated else [fold64(p) for p in payloads]
+            pages = [entries[i].job.page for i in idx]
             hashes, indices = [p.chunk_hash for p in pages], [p.chunk_index for p in pages]
             template = codec.template(place.piece)
             heads = seal_headers(template, hashes, indices, sums, payloads, self.ctx.page_key)
             for i, head in zip(idx, heads, strict=True):
                 views[i][:hlen] = head.data
 
-    def _put_rows(self, entries: list, keys: list[str], views: list[memoryview], home: list[str | None],
-                  stored: dict[str, list[int]]) -> bool:  # fmt: skip
+    def _put_rows(self, entries: Sequence[GatheredRow], keys: list[str], views: list[memoryview],
+                  home: list[str | None], stored: dict[str, list[int]]) -> bool:  # fmt: skip
         """Put sealed rows to every target tier but the one they are reserved in, deepest page
         first, and report what each tier stored; whether the rows' memory may be reused."""
         per_backend: dict[str, list[int]] = {}
         for i in self._deepest_first(entries):
-            for name in entries[i][2].backends:
+            for name in entries[i].job.backends:
                 if name != home[i] or name not in stored:  # not reserved there, or that failed
                     per_backend.setdefault(name, []).append(i)
         reusable = True
@@ -417,7 +448,7 @@ class StorePipeline:
             stored.setdefault(name, []).extend(i for i, o in zip(idx, ok, strict=True) if o)
         for name, idx in stored.items():
             self.ctx.outbox.add_stored(name, [keys[i] for i in idx])
-            targeted = sum(1 for _, _, job, _ in entries if name in job.backends)
+            targeted = sum(1 for entry in entries if name in entry.job.backends)
             stored_bytes = sum(views[i].nbytes for i in idx)
             self.ctx.stats.add_backend(
                 name, stored_pages=len(idx), stored_bytes=stored_bytes, store_failures=targeted - len(idx)

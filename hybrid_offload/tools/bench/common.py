@@ -11,7 +11,7 @@ import datetime as _dt
 import json
 import os
 import platform
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +81,7 @@ def bar_plot(
     path: Path,
     title: str,
     labels: Sequence[str],
-    series: dict[str, Sequence[float]],
+    series: Mapping[str, Sequence[float]],
     ylabel: str,
 ) -> Path:
     """Grouped bar chart: one group per label, one bar per series; PNG at ``path``."""
@@ -107,7 +107,8 @@ def bar_plot(
 
 
 def line_plot(
-    path: Path, title: str, xs: Sequence[float], series: dict[str, Sequence[float]], xlabel: str, ylabel: str
+    path: Path, title: str, xs: Sequence[float], series: Mapping[str, Sequence[float]], xlabel: str,
+    ylabel: str,
 ) -> Path:
     """Line chart, one line per series; PNG at ``path``."""
     import matplotlib

@@ -293,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
     rows = e2e_report.rows(settings, raw)
     _log_summary(rows)
     summaries = e2e_report.scenario_summaries(raw)
-    payload = {
+    payload: dict[str, Any] = {
         "args": settings,
         "rows": rows,
         "ratios": e2e_report.ratios(rows),

@@ -9,12 +9,15 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hybrid_offload.backends import BackendConfig
 from hybrid_offload.testing.datapath import HybridShape, KVWorld, fill_random, kv_bytes_at
+
+if TYPE_CHECKING:
+    from hybrid_offload.connector.metadata import LoadJob, PageJob, StoreJob
 
 GB = 1e9
 #: the cpu tier of a case: a GPU worker page-locks all of it once (a 64k-token request of the
@@ -83,7 +86,7 @@ def _delta(after: dict[str, Any], before: dict[str, Any], key: str) -> float:
     return float(after.get(key, 0)) - float(before.get(key, 0))
 
 
-def _one_load(world: KVWorld, pages: list, req: str) -> tuple[float, float]:  # type: ignore[type-arg]
+def _one_load(world: KVWorld, pages: list[PageJob], req: str) -> tuple[float, float]:
     """Load ``pages`` as the model-runner thread does; (wall seconds, its CPU seconds)."""
     start = time.perf_counter()
     c0 = time.thread_time()
@@ -100,7 +103,7 @@ def _one_load(world: KVWorld, pages: list, req: str) -> tuple[float, float]:  # 
     raise TimeoutError(f"load {req} did not finish in 120 s")
 
 
-def _load_job(pages: list, req: str):  # type: ignore[no-untyped-def,type-arg]
+def _load_job(pages: list[PageJob], req: str) -> LoadJob:
     from hybrid_offload.connector.metadata import LoadJob, LoadSegment
 
     return LoadJob(req, (LoadSegment("cpu", tuple(pages)),))
@@ -181,12 +184,12 @@ def transfer_case(shape: HybridShape, layout: str, tokens: int, device: str, rep
         world.close()
 
 
-def _step_store_cpu(world: KVWorld, pages: list) -> float:  # type: ignore[type-arg]
+def _step_store_cpu(world: KVWorld, pages: list[PageJob]) -> float:
     """The model-runner thread's CPU seconds per ``wait_for_save`` of a prefill step of
     :data:`STEP_TOKENS` tokens (median over the request's steps; each step stores its chunks,
     the last one the states too)."""
     per_step = STEP_TOKENS // world.chunk
-    steps: dict[int, list] = {}  # type: ignore[type-arg]
+    steps: dict[int, list[PageJob]] = {}
     last = max(p.chunk_index for p in pages)
     for p in pages:
         steps.setdefault(min(p.chunk_index, last) // per_step, []).append(p)
@@ -199,7 +202,7 @@ def _step_store_cpu(world: KVWorld, pages: list) -> float:  # type: ignore[type-
     return statistics.median(times)
 
 
-def _store_job(page):  # type: ignore[no-untyped-def]
+def _store_job(page: PageJob) -> StoreJob:
     from hybrid_offload.connector.metadata import StoreJob
 
     return StoreJob(page, ("cpu",))
@@ -207,7 +210,7 @@ def _store_job(page):  # type: ignore[no-untyped-def]
 
 def _stored_request(
     shape: HybridShape, layout: str, tokens: int, device: str, seed: int, staging: int
-) -> tuple[KVWorld, list, list]:  # type: ignore[type-arg]
+) -> tuple[KVWorld, list[PageJob], list[PageJob]]:
     """A world whose cpu tier holds one ``tokens``-token request: (world, the request's pages to
     load into other blocks, its attention pages to store again)."""
     blocks = 2 * -(-tokens // shape.block_size()) + 3

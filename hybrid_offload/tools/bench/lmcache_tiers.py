@@ -65,6 +65,8 @@ def make_manager(tier: str, page: int, cpu_gb: float, disk_dir: str | None, redi
 
     kw: dict[str, Any] = {"chunk_size": 256, "local_cpu": True, "max_local_cpu_size": cpu_gb}
     if tier == "disk":
+        if disk_dir is None:
+            raise ValueError("LMCache's disk tier needs a directory")
         kw |= {"local_disk": disk_dir.rstrip("/") + "/", "max_local_disk_size": 4.0}
     elif tier == "redis":
         kw |= {"remote_url": redis_url, "remote_serde": "naive"}

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +62,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-sizes", default="2,10", help="tier sizes of the scaled replay, percent")
     parser.add_argument("--engine-sessions", action="store_true",
                         help="also replay with every request's session hint (kv_transfer_params)")
+
+
+def _fixed(nbytes: int) -> Callable[[], float]:
+    """A tier capacity of ``nbytes`` (bound now, not to a loop's variable)."""
+    return lambda: nbytes
 
 
 def replay(traffic: Traffic, geometry: Geometry, capacity: int, policy: str, rules: Rules,
@@ -124,8 +130,8 @@ def model_rows(traffic: Traffic, model: str, rules: Rules, sizes: list[float], p
     hierarchy = []
     for pct, promote in ((p, promote) for p in sizes if p > cpu_pct for promote in (False, True)):
         cpu, disk = int(working_set * cpu_pct / 100), int(working_set * pct / 100)
-        r = Replay(traffic, geo, cpu, rules, ResumePointPolicy(lambda cpu=cpu: cpu), hints="pages",
-                   lower=[(disk, ResumePointPolicy(lambda disk=disk: disk))], promote=promote)  # fmt: skip
+        r = Replay(traffic, geo, cpu, rules, ResumePointPolicy(_fixed(cpu)), hints="pages",
+                   lower=[(disk, ResumePointPolicy(_fixed(disk)))], promote=promote)  # fmt: skip
         r.run()
         hierarchy.append({
             "model": model, "cpu_pct": cpu_pct, "disk_pct": pct, "promote": promote,

@@ -26,6 +26,7 @@ so it shows whether loaded pages are the ones a recomputation gives).
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -53,6 +54,7 @@ def _session_args(session: str | None) -> dict[str, Any] | None:
 def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     """Build the engine, run every workload of ``spec`` through it, return the records."""
     from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
 
     from hybrid_offload.testing.session import kv_transfer_config
 
@@ -69,7 +71,8 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     reset = spec.get("reset_prefix_cache", "wave") == "wave"
     if spec.get("warmup", True):  # off where its pages would take room the traffic is measured in
         warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        llm.generate([{"prompt_token_ids": [3 + (7 * i) % 97 for i in range(200)]}], warm, use_tqdm=False)
+        prompt = TokensPrompt(prompt_token_ids=[3 + (7 * i) % 97 for i in range(200)])
+        llm.generate([prompt], warm, use_tqdm=False)
         llm.reset_prefix_cache()
 
     groups_of = (lambda wave: [[r] for r in wave]) if spec.get("sequential") else (lambda wave: [wave])
@@ -80,7 +83,8 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
                                  extra_args=_session_args(r.session))
                   for r in group]  # fmt: skip
         start = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": list(r.prompt)} for r in group], params, use_tqdm=False)
+        prompts = [TokensPrompt(prompt_token_ids=list(r.prompt)) for r in group]
+        outs = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - start
         return [(out, wall) for out in outs]
 
@@ -88,7 +92,7 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
         if reset:
             llm.reset_prefix_cache()
         results = [done for group in groups_of(wave) for done in generate(group)]
-        rows = []
+        rows: list[dict[str, Any]] = []
         for req, (out, wall) in zip(wave, results, strict=True):
             metrics = out.metrics
             ttft = getattr(metrics, "first_token_latency", 0.0) if metrics is not None else 0.0
@@ -109,7 +113,7 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
         records: list[list[dict[str, Any]]] = []
         workload = WorkloadSpec(raw["name"], raw.get("seed", 0), raw.get("size", {}))
         started = time.perf_counter()
-        run_workload(workload, lambda wave, records=records: serve(wave, records))
+        run_workload(workload, functools.partial(serve, records=records))
         result["workloads"][raw["name"]] = {"waves": records, "seconds": time.perf_counter() - started}
     result["drafts"] = _draft_counts(llm)
     llm.llm_engine.engine_core.shutdown()  # stores flushed, engine processes gone

@@ -146,8 +146,10 @@ def gather_stats(
         sets.add(slot[0], header)
     progress.close()
     set_counts = sets.counts()
-    fingerprints = {fp: {"fingerprint": fp, "model": models.get(fp), "pages": 0, "bytes": 0, "groups": []}
-                    for fp in sorted({slot[0] for slot in groups} | set(models))}  # fmt: skip
+    fingerprints: dict[str, dict[str, Any]] = {
+        fp: {"fingerprint": fp, "model": models.get(fp), "pages": 0, "bytes": 0, "groups": []}
+        for fp in sorted({slot[0] for slot in groups} | set(models))
+    }
     for (fp, group, kind), row in sorted(groups.items()):
         entry = fingerprints[fp]
         entry["pages"] += row["pages"]
