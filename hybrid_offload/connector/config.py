@@ -202,6 +202,14 @@ def _positive_int(value: Any, key: str) -> int:
     return value
 
 
+def _choice(extra: Mapping[str, Any], key: str, choices: tuple[str, ...]) -> str:
+    """``extra[key]``, one of ``choices`` (default: the first)."""
+    value = extra.get(key, choices[0])
+    if value not in choices:
+        raise ConfigError(f"{ROOT}.{key}: expected one of {list(choices)}, got {value!r}")
+    return str(value)
+
+
 def _flag(value: Any, key: str) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"{key}: expected true or false, got {value!r}")
@@ -279,9 +287,7 @@ def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
         None if extra.get(key) is None else parse_size(extra[key], f"{ROOT}.{key}")
         for key in ("max_pending_store_bytes", "max_held_bytes")
     )
-    policy = extra.get("load_policy", "weighted")
-    if policy not in LOAD_POLICIES:
-        raise ConfigError(f"{ROOT}.load_policy: expected one of {list(LOAD_POLICIES)}, got {policy!r}")
+    policy = _choice(extra, "load_policy", LOAD_POLICIES)
     forget = _seconds(extra, "adaptive_forget_s", DEFAULT_ADAPTIVE_FORGET_S, 86400, zero_ok=False)
     switch = _seconds(extra, "load_switch_interval_s", DEFAULT_LOAD_SWITCH_INTERVAL_S, 0.1,
                       " (0: leave Python's switch interval alone)")
@@ -313,9 +319,7 @@ def parse_offload_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
         )
     accept_version = _flag(extra.get("accept_weights_version", False), f"{ROOT}.accept_weights_version")
     token_ids = _flag(extra.get("kv_events_token_ids", True), f"{ROOT}.kv_events_token_ids")
-    mm_keys = extra.get("multimodal_keys", "content")
-    if mm_keys not in MULTIMODAL_KEYS:
-        raise ConfigError(f"{ROOT}.multimodal_keys: expected one of {list(MULTIMODAL_KEYS)}, got {mm_keys!r}")
+    mm_keys = _choice(extra, "multimodal_keys", MULTIMODAL_KEYS)
     try:
         secret = secret_from_options(extra, "secret", what=ROOT)
     except SecretError as exc:
