@@ -1,14 +1,20 @@
-"""Shared fixtures: tiny random-weight models built once per test session."""
+"""Shared fixtures: tiny random-weight models built once per test session; engines without the
+connector that tests compare with, run once per session for every test declaring the same
+engine (``engine_runs.reference``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from engine_runs import DECLARED, Reference
+from xdist_groups import pytest_collection_modifyitems  # noqa: F401  (--dist loadgroup's groups)
 
 from hybrid_offload.testing.models import build_model
 from hybrid_offload.testing.services import RedisServer, start_redis_server
+from hybrid_offload.testing.session import run_session_subprocess
 
 # the kit's contract suite (hybrid_offload.testing): pytest's detailed assertion messages there too
 pytest.register_assert_rewrite("hybrid_offload.testing.backend_contract")
@@ -34,6 +40,28 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> ModelFactory:
             out = tmp_path_factory.mktemp(f"model-{arch}")
             cache[key] = build_model(arch, out, layers=layers, hidden=hidden, seed=seed, **build)  # type: ignore[arg-type]
         return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def reference_run(model_dir: ModelFactory) -> Callable[[Reference], dict[str, Any]]:
+    """``reference_run(ref)``: the result (as ``run_session_subprocess`` gives it, one pass) of the
+    engine without the connector for ``ref``'s prompts. The first call for an engine runs every
+    reference declared for that engine (``engine_runs.reference``) in one engine start, once per
+    session (per xdist worker); later calls, from any module, read its result."""
+    rows: dict[Reference, list[dict[str, Any]]] = {}
+
+    def get(ref: Reference) -> dict[str, Any]:
+        if ref not in rows:
+            batch = [r for r in DECLARED if r.engine == ref.engine and r not in rows]
+            batch += [] if ref in batch else [ref]
+            prompts = [list(p) for r in batch for p in r.prompts]
+            requests = run_session_subprocess(ref.spec(model_dir(ref.arch), prompts))["passes"][0]["requests"]
+            assert len(requests) == len(prompts), "a reference run answered every prompt"
+            for r in batch:
+                rows[r], requests = requests[: len(r.prompts)], requests[len(r.prompts) :]
+        return {"passes": [{"requests": rows[ref]}]}
 
     return get
 

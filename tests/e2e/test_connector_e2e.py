@@ -9,6 +9,13 @@ worker's report of the promotion still loads from disk). Every pass must give th
 tokens. vLLM's own prefix cache is reset before every request, so hits can only come from the
 connector. Async scheduling is on in engine A and off in engine B (and the other way round for
 qwen3_next and llama).
+
+Shared engines: the baseline of an arch (:data:`BASELINES`, a reference engine of
+``engine_runs``: one engine per arch and xdist worker, shared with the other modules that
+declare the same engine, see there) serves both ``test_cpu_then_disk_after_restart[arch]``
+(expected tokens) and ``test_wrong_mamba_state_changes_output[arch]`` (tokens the zeroed state
+must change) for qwen3_next and qwen3_5, whose two tests share an ``xdist_group``; LFM2's
+negative control compares logprobs within its own run and starts no baseline.
 """
 
 from __future__ import annotations
@@ -21,11 +28,42 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_runs import CHUNK_TOKENS, hit_rate, shared_prefix_prompts, tokens
+from engine_runs import CHUNK_TOKENS, hit_rate, reference, shared_prefix_prompts, tokens
 
 from hybrid_offload.testing.session import ENGINE_ENV, run_session_subprocess
 
 pytestmark = pytest.mark.e2e
+
+#: archs whose baseline both tests use: their tests run on one xdist worker, sharing it
+SHARED_BASELINE = ("qwen3_next", "qwen3_5")
+
+
+def same_worker(arch: str, *values: Any) -> Any:
+    """A parameter set of ``arch``, grouped with the arch's other tests where they share its
+    baseline engine."""
+    marks = [pytest.mark.xdist_group(f"connector-e2e-{arch}")] if arch in SHARED_BASELINE else []
+    return pytest.param(arch, *values, marks=marks)
+
+
+def base_spec(arch: str, model_dir) -> dict[str, Any]:
+    """Prompts and sampling of every run of ``arch`` here. LFM2: a wrong short-conv state leaves
+    greedy tokens as they are (see test_short_conv_states_are_restored_bit_for_bit): its check is
+    the logprobs (float32)."""
+    prompts = shared_prefix_prompts(CHUNK_TOKENS[arch])
+    base: dict[str, Any] = {"model": str(model_dir(arch)), "prompts": prompts, "max_tokens": 12,
+                            "reset_prefix_cache": "request", "llm_kwargs": {}}  # fmt: skip
+    if arch == "lfm2":
+        base.update(logprobs=20, llm_kwargs={"dtype": "float32"})
+    return base
+
+
+#: per arch, the prompts of :func:`base_spec` without the connector (the same engine settings)
+BASELINES = {
+    arch: reference(arch, shared_prefix_prompts(CHUNK_TOKENS[arch]), max_tokens=12,
+                    **({"logprobs": 20, "dtype": "float32"} if arch == "lfm2" else {}))
+    for arch in ("qwen3_next", "qwen3_5", "falcon_h1", "llama", "lfm2")
+}  # fmt: skip
+
 
 def connector(disk: Path, with_cpu: bool, layout: str = "files") -> dict[str, Any]:
     backends: list[dict[str, Any]] = [
@@ -40,26 +78,20 @@ def connector(disk: Path, with_cpu: bool, layout: str = "files") -> dict[str, An
 @pytest.mark.parametrize(
     ("arch", "async_a", "layout"),
     [
-        ("qwen3_next", False, "segments"),
-        ("qwen3_5", True, "files"),
-        ("falcon_h1", True, "files"),
-        ("llama", False, "files"),
-        ("lfm2", True, "files"),
+        same_worker("qwen3_next", False, "segments"),
+        same_worker("qwen3_5", True, "files"),
+        same_worker("falcon_h1", True, "files"),
+        same_worker("llama", False, "files"),
+        same_worker("lfm2", True, "files"),
     ],
 )
 def test_cpu_then_disk_after_restart(
-    arch: str, async_a: bool, layout: str, model_dir, tmp_path: Path
+    arch: str, async_a: bool, layout: str, model_dir, reference_run, tmp_path: Path
 ) -> None:
-    model = model_dir(arch)
-    prompts = shared_prefix_prompts(CHUNK_TOKENS[arch])
-    base = {"model": str(model), "prompts": prompts, "max_tokens": 12, "reset_prefix_cache": "request"}
-    # LFM2: a wrong short-conv state leaves greedy tokens as they are (see test_short_conv_e2e):
-    # its check is the logprobs, bit for bit, against engine A's cold pass (the same step cuts)
-    dtype = {"dtype": "float32"} if arch == "lfm2" else {}
-    if arch == "lfm2":
-        base["logprobs"] = 20
-    baseline = run_session_subprocess({**base, "connector": None, "passes": 1, "llm_kwargs": dtype})
-    expected = tokens(baseline, 0)
+    base = base_spec(arch, model_dir)
+    # LFM2's logprobs: bit for bit those of engine A's cold pass (the same step cuts)
+    dtype = base.pop("llm_kwargs")
+    expected = tokens(reference_run(BASELINES[arch]), 0)
 
     disk = tmp_path / "disk"
     engine_a = run_session_subprocess(
@@ -120,8 +152,8 @@ main(sys.argv[1:])
 """
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "lfm2"])
-def test_wrong_mamba_state_changes_output(arch: str, model_dir, tmp_path: Path) -> None:
+@pytest.mark.parametrize("arch", [same_worker(arch) for arch in ("qwen3_next", "qwen3_5", "lfm2")])
+def test_wrong_mamba_state_changes_output(arch: str, model_dir, reference_run, tmp_path: Path) -> None:
     """Negative control: the e2e comparison is sensitive to the Mamba/GDN state we restore.
 
     A child engine loads the same pages but writes zeros instead of the recurrent state; its
@@ -130,13 +162,7 @@ def test_wrong_mamba_state_changes_output(arch: str, model_dir, tmp_path: Path) 
     there the logprobs of the loaded pass must differ from the cold pass's, which they equal bit
     for bit when the state is restored (test_cpu_then_disk_after_restart[lfm2]).
     """
-    model = model_dir(arch)
-    prompts = shared_prefix_prompts(CHUNK_TOKENS[arch])
-    base = {"model": str(model), "prompts": prompts, "max_tokens": 12, "reset_prefix_cache": "request"}
-    if arch == "lfm2":
-        base.update(logprobs=20, llm_kwargs={"dtype": "float32"})
-    baseline = run_session_subprocess({**base, "connector": None, "passes": 1})
-    spec = {**base, "connector": connector(tmp_path / "disk", True), "passes": 2}
+    spec = {**base_spec(arch, model_dir), "connector": connector(tmp_path / "disk", True), "passes": 2}
     spec_path, out_path = tmp_path / "spec.json", tmp_path / "out.json"
     spec_path.write_text(json.dumps(spec))
     subprocess.run(
@@ -151,4 +177,4 @@ def test_wrong_mamba_state_changes_output(arch: str, model_dir, tmp_path: Path) 
     if arch == "lfm2":
         assert logprobs(result, 1) != logprobs(result, 0)
     else:
-        assert tokens(result, 1) != tokens(baseline, 0)
+        assert tokens(result, 1) != tokens(reference_run(BASELINES[arch]), 0)

@@ -9,6 +9,10 @@ offline vLLM engine (CPU, tiny Falcon-H1, vLLM's prefix cache reset before every
     switched to ours by the module path: it runs and hits.
 (c) a child without HMA support fails at startup with our error naming the child.
 (d) at PP=2 our side and our own connector as a child each get every stage's layers.
+
+Shared engines: (a)'s run without the connector is a reference engine of ``engine_runs``
+(:data:`BASELINE`), the same engine as test_connector_e2e.py's falcon_h1 baseline: one start
+per xdist worker serves both.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_runs import CHUNK_TOKENS, shared_prefix_prompts, tokens, two_core_env
+from engine_runs import CHUNK_TOKENS, reference, shared_prefix_prompts, tokens, two_core_env
 
 from hybrid_offload.testing.session import CONNECTOR_MODULE, kv_transfer_config, run_session_subprocess
 
@@ -28,6 +32,8 @@ ARCH = "falcon_h1"
 TESTS_DIR = Path(__file__).resolve().parents[1]
 #: the engine process imports ``foreign_connectors`` from tests/
 ENV = {"PYTHONPATH": os.pathsep.join(p for p in (str(TESTS_DIR), os.environ.get("PYTHONPATH")) if p)}
+#: (a)'s prompts without any connector
+BASELINE = reference(ARCH, shared_prefix_prompts(CHUNK_TOKENS[ARCH]), max_tokens=12)
 
 
 def our_child(name: str, disk: Path, weight: float) -> dict[str, Any]:
@@ -65,9 +71,11 @@ def base_spec(model_dir) -> dict[str, Any]:
     }
 
 
-def test_child_with_higher_weight_loads_and_output_is_unchanged(model_dir, tmp_path: Path) -> None:
+def test_child_with_higher_weight_loads_and_output_is_unchanged(
+    model_dir, reference_run, tmp_path: Path
+) -> None:
     base = base_spec(model_dir)
-    expected = tokens(run_session_subprocess({**base, "connector": None, "passes": 1}), 0)
+    expected = tokens(reference_run(BASELINE), 0)
     record = tmp_path / "record.txt"
     extra = {
         "backends": [{"type": "cpu", "name": "cpu", "capacity_bytes": "256MiB", "load_weight": 1.0}],

@@ -23,6 +23,10 @@ is emptied before every request. Three engine lifetimes, each serving several sc
     image's pixels from that cache, in vLLM, and the model reads the first image.)
   - the conversation again, every turn served from disk past its last image, tokens as
     recomputed.
+
+The three engines run once (the module fixture :func:`runs`) for all five tests, which share an
+``xdist_group`` so that under ``pytest -n`` one worker runs them (split across workers, each
+worker would start all three engines again).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from hybrid_offload.testing.models import _WORDS
 from hybrid_offload.testing.vision_models import build_vl_model
 from hybrid_offload.testing.vision_session import run_vision_subprocess
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("multimodal")]  # one run of the engines
 
 TURNS = 3
 REPLY_TOKENS = 16

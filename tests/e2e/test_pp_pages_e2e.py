@@ -17,6 +17,14 @@ build runs the PP=2 stages and the TP=2 ranks bound to one core each (``"0|1"``;
 ``"0|1|0|1"``); PP=2 in eager
 mode needs the ``cpu_pp_eager`` patch, nemotron_h at PP=2 also ``pp_kv_layouts`` and
 ``pp_hybrid_block_size`` (test_pp_engine_e2e.py).
+
+Shared engines: the nemotron_h chain runs three engine lifetimes, not five. Engines wait at a
+pass barrier (the session's ``pass_barrier``) while others run, and go on to load what those
+wrote (the disk tier sees other processes' pages at once): the TP=2 engine writes the first
+prompts, then loads the second ones the PP=2 engine wrote (PP=2 -> TP=2); the PP=2 engine loads
+the first prompts (TP=2 -> PP=2) and writes the second, then loads the third ones the TP=1
+engine wrote (PP=1 -> PP=2); the TP=1 engine loads the second prompts (PP=2 -> TP=1) and writes
+the third. No engine's own pages serve it: the three prompt sets share no prefix.
 """
 
 from __future__ import annotations
@@ -26,12 +34,13 @@ import random
 import secrets
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from engine_runs import VOCAB, hit_rate, tokens, two_core_env
+from engine_runs import VOCAB, hit_rate, release_pass, tokens, two_core_env, wait_for_pass
 
 from hybrid_offload.core.secrets import create_secret_file
 from hybrid_offload.testing.services import start_peer
@@ -57,12 +66,17 @@ def shipped(name: str) -> dict[str, Any]:
     return yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())["kv_connector_extra_config"]
 
 
-def run(base: dict[str, Any], layout: dict[str, Any], prompts: list[list[list[int]]]) -> dict[str, Any]:
+def run(base: dict[str, Any], layout: dict[str, Any], prompts: list[list[list[int]]],
+        gate: Path | None = None) -> dict[str, Any]:  # fmt: skip
+    """One engine of ``layout`` through a pass per prompt set; with a ``gate`` (a directory), it
+    waits there after each pass until the test releases it (``engine_runs.release_pass``)."""
     env = None if layout is TP1 else two_core_env("the PP=2 stages or TP=2 ranks")
     if layout is PP2_TP2:  # four workers: two on each core
         env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join([env["VLLM_CPU_OMP_THREADS_BIND"]] * 2)}
     spec = {**base, "llm_kwargs": layout, "passes": len(prompts), "pass_prompts": prompts}
-    result = run_session_subprocess(spec, env=env, timeout=600)
+    if gate is not None:  # it waits while other engines start and run
+        spec.update(pass_barrier=str(gate), barrier_timeout_s=900)
+    result = run_session_subprocess(spec, env=env, timeout=600 if gate is None else 1800)
     assert "not shared with other engines" not in result["log"]  # scheduler and workers agree
     assert all(p["scheduler"]["failed_loads"] == 0 for p in result["passes"])  # every load landed
     return result
@@ -75,21 +89,41 @@ def test_nemotron_h_pages_load_across_pp_and_tp_layouts_through_disk(model_dir, 
     base = {"model": str(model_dir("nemotron_h")), "max_tokens": 12, "reset_prefix_cache": "request",
             "connector": connector}  # fmt: skip
     first, second, third = prompts(1), prompts(2), prompts(3)
+    tp2_gate, pp2_gate = tmp_path / "tp2-gate", tmp_path / "pp2-gate"
+    tp2_gate.mkdir()
+    pp2_gate.mkdir()
+    release_pass(pp2_gate, 0)  # the PP=2 engine goes on from its first prompts to its second
 
-    writer = run(base, TP2, [first])
-    assert hit_rate(writer, 0, "disk") == 0
-    pp2 = run(base, PP2, [first, second])  # TP=2 -> PP=2
+    with ThreadPoolExecutor(2) as pool:
+        try:
+            tp2_run = pool.submit(run, base, TP2, [first, second], tp2_gate)
+            wait_for_pass(tp2_gate, 0, tp2_run, timeout=900)  # the TP=2 engine wrote the first prompts
+            pp2_run = pool.submit(run, base, PP2, [first, second, third], pp2_gate)
+            wait_for_pass(pp2_gate, 1, pp2_run, timeout=900)  # loaded (TP=2 -> PP=2), wrote the second
+            release_pass(tp2_gate, 0)
+            tp2 = tp2_run.result()  # PP=2 -> TP=2 (a PP=2 prefill engine, a TP=2 decode engine)
+            tp1 = run(base, TP1, [second, third])  # PP=2 -> TP=1, and writes the third prompts
+            release_pass(pp2_gate, 1)
+            pp2 = pp2_run.result()  # PP=1 -> PP=2: each stage reads its layers of one-part pages
+        finally:  # a failure: let the waiting engines finish rather than wait out their barrier
+            for gate in (tp2_gate, pp2_gate):
+                for index in range(2):
+                    release_pass(gate, index)
+
+    # the TP=2 engine's first pass: the writer
+    assert hit_rate(tp2, 0, "disk") == 0
+    # the PP=2 engine's first two passes: TP=2 -> PP=2, then its own pages
     assert "PP rank 1 of 2" in pp2["log"] and "layers of 2 pipeline stages known" in pp2["log"]
     assert "stage without attention layers" in pp2["log"]  # pp_hybrid_block_size
-    assert hit_rate(pp2, 0, "disk") >= 0.95 and tokens(pp2, 0) == tokens(writer, 0)
+    assert hit_rate(pp2, 0, "disk") >= 0.95 and tokens(pp2, 0) == tokens(tp2, 0)
     assert hit_rate(pp2, 1, "disk") == 0
-    tp2 = run(base, TP2, [second])  # PP=2 -> TP=2 (a PP=2 prefill engine, a TP=2 decode engine)
-    assert hit_rate(tp2, 0, "disk") >= 0.95 and tokens(tp2, 0) == tokens(pp2, 1)
-    tp1 = run(base, TP1, [second, third])  # PP=2 -> TP=1
+    # the TP=2 engine's second pass: PP=2 -> TP=2
+    assert hit_rate(tp2, 1, "disk") >= 0.95 and tokens(tp2, 1) == tokens(pp2, 1)
+    # the TP=1 engine: PP=2 -> TP=1
     assert hit_rate(tp1, 0, "disk") >= 0.95 and tokens(tp1, 0) == tokens(pp2, 1)
     assert hit_rate(tp1, 1, "disk") == 0
-    reader = run(base, PP2, [third])  # PP=1 -> PP=2: each stage reads its layers of one-part pages
-    assert hit_rate(reader, 0, "disk") >= 0.95 and tokens(reader, 0) == tokens(tp1, 1)
+    # the PP=2 engine's third pass: PP=1 -> PP=2
+    assert hit_rate(pp2, 2, "disk") >= 0.95 and tokens(pp2, 2) == tokens(tp1, 1)
     check_with_cache_cli(["--disk", backend["path"]], {(0, 4), (0, 2), (2, 4)})
 
 

@@ -9,6 +9,10 @@ prefix from its tier and produce the greedy tokens of a run without the connecto
 The float32 Mamba2 archs go the same ways elsewhere: separate engines through the peer and disk
 at every PP x TP layout (test_pp_pages_e2e.py), loads from Redis with a run's tokens
 (tests/faults/test_shared_tier_faults_e2e.py).
+
+Shared engines: the run without the connector is a reference engine of ``engine_runs``
+(:data:`BASELINE`; qwen3_next, 12 tokens), the same engine as test_connector_e2e.py's qwen3_next
+baseline: one start per xdist worker serves both.
 """
 
 from __future__ import annotations
@@ -18,12 +22,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_runs import CHUNK_TOKENS, hit_rate, shared_prefix_prompts, tokens
+from engine_runs import CHUNK_TOKENS, hit_rate, reference, shared_prefix_prompts, tokens
 
 from hybrid_offload.testing.services import start_peer, start_redis_server
 from hybrid_offload.testing.session import run_session_subprocess
 
 pytestmark = pytest.mark.e2e
+
+ARCH = "qwen3_next"  # GDN kernels on CPU need bf16
+PROMPTS = shared_prefix_prompts(CHUNK_TOKENS[ARCH], seed=1)
+#: the prompts without the connector
+BASELINE = reference(ARCH, PROMPTS, max_tokens=12, dtype="bfloat16")
 
 
 def redis_backend(url: str, prefix: str) -> dict[str, Any]:
@@ -35,12 +44,12 @@ def peer_backend(address: str) -> dict[str, Any]:
             "insecure": True}
 
 
-def test_prefill_engine_stores_decode_engines_load_from_redis_and_peer(model_dir, tmp_path: Path) -> None:
-    arch = "qwen3_next"  # GDN kernels on CPU need bf16
-    prompts = shared_prefix_prompts(CHUNK_TOKENS[arch], seed=1)
-    base = {"model": str(model_dir(arch)), "prompts": prompts, "max_tokens": 12,
+def test_prefill_engine_stores_decode_engines_load_from_redis_and_peer(
+    model_dir, reference_run, tmp_path: Path
+) -> None:
+    base = {"model": str(model_dir(ARCH)), "prompts": PROMPTS, "max_tokens": 12,
             "reset_prefix_cache": "request", "llm_kwargs": {"dtype": "bfloat16"}}
-    expected = tokens(run_session_subprocess({**base, "connector": None}), 0)
+    expected = tokens(reference_run(BASELINE), 0)
 
     (tmp_path / "redis").mkdir()
     server = start_redis_server(tmp_path / "redis")

@@ -8,6 +8,18 @@ is then rewritten in the same directory with another model's weights (config.jso
 same tensor names, shapes and file size). A new engine on the same disk and secret must load
 nothing the old engine stored (its first wave, identical prompts, gets 0 tokens from the
 cache) and produce its own model's tokens, which differ from the old model's.
+
+Shared engines (:func:`engines`, three engine lifetimes for both tests, one after another on one
+model directory, disk and secret):
+
+* ``stored``: the model's own weights; stores the chat. The old engine of
+  :func:`test_weights_replaced_in_place_get_no_hits` and the engine that stored the same prompts
+  from the same files before :func:`test_weights_written_after_the_engine_started_share_no_pages`.
+* ``rewritten``: the weights file written again with its own bytes as each engine process
+  starts (:func:`test_weights_written_after_the_engine_started_share_no_pages`); it stores
+  nothing, so the disk is as ``stored`` left it.
+* ``replaced``: after the weights file was rewritten in place with another model's
+  (:func:`test_weights_replaced_in_place_get_no_hits`).
 """
 
 from __future__ import annotations
@@ -17,7 +29,7 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,11 +37,13 @@ from hybrid_offload.testing.models import build_model
 from hybrid_offload.tools.bench.traffic import SIZES
 from hybrid_offload.tools.bench.workload_run import run_engine_subprocess
 
-pytestmark = pytest.mark.e2e
+#: one worker runs both tests: they share the module's engines
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("weights-identity")]
 
 ARCH = "falcon_h1"
 #: two turns are enough to show pages that load (the next turn) and pages that must not
 CHAT = {**SIZES["small"]["chat"], "turns": 2, "reply": 32}
+WEIGHTS = "model.safetensors"
 
 
 def served(run: dict, wave: int) -> int:
@@ -39,44 +53,6 @@ def served(run: dict, wave: int) -> int:
 
 def outputs(run: dict, wave: int) -> list[list[int]]:
     return [r["output"] for r in run["workloads"]["chat"]["waves"][wave]]
-
-
-def test_weights_replaced_in_place_get_no_hits(model_dir, tmp_path: Path) -> None:
-    model = tmp_path / "model"
-    shutil.copytree(model_dir(ARCH), model)
-    other = build_model(ARCH, tmp_path / "other", seed=1)
-    assert (other / "config.json").read_bytes() == (model / "config.json").read_bytes()
-    secret = tmp_path / "secret"
-    secret.write_text("e2e cache secret\n")
-    secret.chmod(0o600)
-    spec = {
-        "model": str(model), "dtype": "float32", "max_model_len": 8192,
-        "workloads": [{"name": "chat", "seed": 3, "size": CHAT}],
-        "connector": {"secret_file": str(secret),
-                      "backends": [{"type": "disk", "name": "disk", "path": str(tmp_path / "disk")}]},
-    }
-    old = run_engine_subprocess(spec)
-    waves = len(old["workloads"]["chat"]["waves"])
-    assert waves >= 2 and sum(served(old, w) for w in range(1, waves)) > 0  # signed pages load
-
-    for name in ("model.safetensors",):
-        assert (model / name).stat().st_size == (other / name).stat().st_size
-        shutil.copyfile(other / name, model / name)  # rewritten in place
-    new = run_engine_subprocess(spec)
-    assert served(new, 0) == 0  # the same first prompts the old engine stored
-    assert outputs(new, 0) != outputs(old, 0)  # the weights matter: the test is not vacuous
-    assert sum(served(new, w) for w in range(1, waves)) > 0  # its own pages still serve it
-    # the CLI with the engines' secret finds every page signed under it and stored under its key
-    disk = str(tmp_path / "disk")
-    cmd = [sys.executable, "-m", "hybrid_offload", "cache", "verify", "--disk", disk]
-    report = subprocess.run([*cmd, "--secret-file", str(secret), "--json"], capture_output=True, text=True,
-                            timeout=300, check=False)  # fmt: skip
-    assert report.returncode == 0, report.stdout + report.stderr
-    assert json.loads(report.stdout)["ok"] > 0
-    (tmp_path / "other-secret").write_text("another secret\n")
-    forged = subprocess.run([*cmd, "--secret-file", str(tmp_path / "other-secret"), "--json"],
-                            capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
-    assert forged.returncode == 1 and json.loads(forged.stdout)["ok"] == 0
 
 
 #: imported by every Python process of the engine (``PYTHONPATH``): writes the file named in
@@ -104,7 +80,67 @@ if _PATH:
 """
 
 
-def test_weights_written_after_the_engine_started_share_no_pages(model_dir, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def engines(model_dir, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The module's three engine runs (module docstring), the same chat and connector each, and
+    the files they ran on (``root``: the model copy ``model``, ``other``'s weights, the
+    ``secret``, the ``disk``)."""
+    root = tmp_path_factory.mktemp("weights-identity")
+    model = root / "model"
+    shutil.copytree(model_dir(ARCH), model)
+    other = build_model(ARCH, root / "other", seed=1)
+    secret = root / "secret"
+    secret.write_text("e2e cache secret\n")
+    secret.chmod(0o600)
+    spec = {
+        "model": str(model), "dtype": "float32", "max_model_len": 8192,
+        "workloads": [{"name": "chat", "seed": 3, "size": CHAT}],
+        "connector": {"secret_file": str(secret),
+                      "backends": [{"type": "disk", "name": "disk", "path": str(root / "disk")}]},
+    }  # fmt: skip
+    stored = run_engine_subprocess(spec)
+
+    hook = root / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(REWRITE_HOOK)
+    path = os.pathsep.join(p for p in (str(hook), os.environ.get("PYTHONPATH")) if p)
+    rewritten = run_engine_subprocess(
+        spec, env={"PYTHONPATH": path, "HYBRID_OFFLOAD_TEST_REWRITE": str(model / WEIGHTS)})
+
+    sizes = ((model / WEIGHTS).stat().st_size, (other / WEIGHTS).stat().st_size)
+    shutil.copyfile(other / WEIGHTS, model / WEIGHTS)  # rewritten in place
+    replaced = run_engine_subprocess(spec)
+    return {"stored": stored, "rewritten": rewritten, "replaced": replaced, "sizes": sizes,
+            "model": model, "other": other, "secret": secret, "disk": root / "disk"}  # fmt: skip
+
+
+def test_weights_replaced_in_place_get_no_hits(engines: dict[str, Any]) -> None:
+    model, other, secret = engines["model"], engines["other"], engines["secret"]
+    assert (other / "config.json").read_bytes() == (model / "config.json").read_bytes()
+    old, new = engines["stored"], engines["replaced"]
+    waves = len(old["workloads"]["chat"]["waves"])
+    assert waves >= 2 and sum(served(old, w) for w in range(1, waves)) > 0  # signed pages load
+
+    old_size, other_size = engines["sizes"]
+    assert old_size == other_size  # the same file size: only the bytes tell the models apart
+    assert served(new, 0) == 0  # the same first prompts the old engine stored
+    assert outputs(new, 0) != outputs(old, 0)  # the weights matter: the test is not vacuous
+    assert sum(served(new, w) for w in range(1, waves)) > 0  # its own pages still serve it
+    # the CLI with the engines' secret finds every page signed under it and stored under its key
+    disk = str(engines["disk"])
+    cmd = [sys.executable, "-m", "hybrid_offload", "cache", "verify", "--disk", disk]
+    report = subprocess.run([*cmd, "--secret-file", str(secret), "--json"], capture_output=True, text=True,
+                            timeout=300, check=False)  # fmt: skip
+    assert report.returncode == 0, report.stdout + report.stderr
+    assert json.loads(report.stdout)["ok"] > 0
+    other_secret = secret.with_name("other-secret")
+    other_secret.write_text("another secret\n")
+    forged = subprocess.run([*cmd, "--secret-file", str(other_secret), "--json"],
+                            capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    assert forged.returncode == 1 and json.loads(forged.stdout)["ok"] == 0
+
+
+def test_weights_written_after_the_engine_started_share_no_pages(engines: dict[str, Any]) -> None:
     """Issue 45 N3: the connector identifies the weights after vLLM loaded them (and profiled),
     so a file written after the engine process started may hold other bytes than the engine
     runs. Here the weights file is rewritten with its own bytes as each engine process starts:
@@ -112,23 +148,10 @@ def test_weights_written_after_the_engine_started_share_no_pages(model_dir, tmp_
     engine that stored pages of the same prompts from the same files, it loads none of them
     (the former identity, the files' content, shared them), stores none, and generates the same
     tokens."""
-    model = tmp_path / "model"
-    shutil.copytree(model_dir(ARCH), model)
-    spec = {
-        "model": str(model), "dtype": "float32", "max_model_len": 8192,
-        "workloads": [{"name": "chat", "seed": 3, "size": CHAT}],
-        "connector": {"backends": [{"type": "disk", "name": "disk", "path": str(tmp_path / "disk")}]},
-    }
-    settled = run_engine_subprocess(spec)
+    settled, rewritten = engines["stored"], engines["rewritten"]
     waves = len(settled["workloads"]["chat"]["waves"])
     assert waves >= 2 and sum(served(settled, w) for w in range(1, waves)) > 0
 
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(REWRITE_HOOK)
-    path = os.pathsep.join(p for p in (str(hook), os.environ.get("PYTHONPATH")) if p)
-    rewritten = run_engine_subprocess(
-        spec, env={"PYTHONPATH": path, "HYBRID_OFFLOAD_TEST_REWRITE": str(model / "model.safetensors")})
     assert served(rewritten, 0) == 0  # the first engine stored these prompts from these files
     assert "cannot tell which bytes" in rewritten["log"]
     assert outputs(rewritten, 0) == outputs(settled, 0)  # the same weights: the miss is the binding

@@ -1,6 +1,10 @@
 """Fault matrix, configuration cell: a real engine (offline vLLM, tiny falcon_h1) starts with
 each bad connector config and must stop with one clear error naming the key; a backend that is
 unreachable at start-up is a warning, and the engine serves (recomputing) with unchanged output.
+
+Shared engines: the run without the connector that the unreachable-backends test compares with
+is a reference engine of ``engine_runs`` (:data:`BASELINE`; falcon_h1, 8 tokens), started once
+per xdist worker for every module declaring that engine (see there).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_runs import CHUNK_TOKENS, shared_prefix_prompts, tokens
+from engine_runs import CHUNK_TOKENS, reference, shared_prefix_prompts, tokens
 
 from hybrid_offload.testing.services import free_port
 from hybrid_offload.testing.session import ENGINE_ENV, run_session_subprocess
@@ -24,6 +28,9 @@ pytestmark = pytest.mark.e2e
 
 ARCH = "falcon_h1"
 ROOT = "kv_connector_extra_config"
+PROMPTS = shared_prefix_prompts(CHUNK_TOKENS[ARCH], seed=4)
+#: the prompts without the connector
+BASELINE = reference(ARCH, PROMPTS, max_tokens=8)
 
 #: Starts one engine per case in a single process (a failed start leaves nothing behind) and
 #: prints the error chain of each as JSON.
@@ -115,15 +122,16 @@ def test_bad_configs_stop_the_engine_naming_the_key(model_dir, tmp_path: Path) -
         assert chain[0].startswith("ConfigError: ") and key in chain[0], f"{name}: {chain}"
 
 
-def test_unreachable_backends_at_startup_are_a_warning_not_a_failure(model_dir, tmp_path: Path) -> None:
-    prompts = shared_prefix_prompts(CHUNK_TOKENS[ARCH], seed=4)
+def test_unreachable_backends_at_startup_are_a_warning_not_a_failure(
+    model_dir, reference_run, tmp_path: Path
+) -> None:
     base = {
         "model": str(model_dir(ARCH)),
-        "prompts": prompts,
+        "prompts": PROMPTS,
         "max_tokens": 8,
         "reset_prefix_cache": "request",
     }
-    expected = tokens(run_session_subprocess({**base, "connector": None}), 0)
+    expected = tokens(reference_run(BASELINE), 0)
     closed = free_port()  # nothing listens there
     connector = {
         "backends": [

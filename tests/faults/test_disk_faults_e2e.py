@@ -9,6 +9,10 @@ backend survives; the fault shows in the connector's counters and is logged once
 * ``kill -9`` of the engine during stores: no partial page visible; a restart rebuilds the index
   and hits
 * two engines on one disk directory and one Redis at once: no torn page, each loads the other's
+
+Shared engines: the run without the connector (:func:`expected`) is a reference engine of
+``engine_runs`` (:data:`BASELINE`; falcon_h1, 8 tokens), started once per xdist worker for every
+module declaring that engine (test_bad_config_e2e.py, test_shared_tier_faults_e2e.py).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from disk_faults import (
     temp_files,
     undecodable,
 )
-from engine_runs import hit_rate, release_pass, tokens, wait_for_pass
+from engine_runs import hit_rate, reference, release_pass, tokens, wait_for_pass
 
 from hybrid_offload.core.model_card import is_card_key
 from hybrid_offload.testing.deadlines import wait_until
@@ -49,6 +53,8 @@ from hybrid_offload.testing.session import run_session_subprocess
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("disk-faults")]
 
 PROMPTS = documents()
+#: the prompts without the connector
+BASELINE = reference(ARCH, PROMPTS, max_tokens=8)
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +63,9 @@ def model(model_dir) -> Path:
 
 
 @pytest.fixture(scope="module")
-def expected(model: Path) -> list[list[int]]:
+def expected(reference_run) -> list[list[int]]:
     """Greedy tokens of every prompt without the connector."""
-    return tokens(run_session_subprocess(spec(model, None)), 0)
+    return tokens(reference_run(BASELINE), 0)
 
 
 def spec(model: Path, connector: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:

@@ -9,6 +9,11 @@
 Every request of every pass must produce the greedy tokens of a run without the connector (a
 cache failure is never a request failure); the failure shows in the counters and is logged a
 few times per outage (each side marks the backend down once), not per page.
+
+Shared engines: the runs without the connector are reference engines of ``engine_runs``
+(:data:`BASELINES`): falcon_h1's two prompt sets (seeds 2 and 3, 8 tokens: the redis cell and
+the hung peer) run in one engine, with the other modules' references of that engine
+(test_bad_config_e2e.py, test_disk_faults_e2e.py); qwen3_next's (the peer cell) in another.
 """
 
 from __future__ import annotations
@@ -21,7 +26,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_runs import CHUNK_TOKENS, hit_rate, release_pass, shared_prefix_prompts, tokens, wait_for_pass
+from engine_runs import (
+    CHUNK_TOKENS,
+    hit_rate,
+    reference,
+    release_pass,
+    shared_prefix_prompts,
+    tokens,
+    wait_for_pass,
+)
 
 from hybrid_offload.testing.services import start_peer, start_redis_server
 from hybrid_offload.testing.session import run_session_subprocess
@@ -32,6 +45,9 @@ BACKOFF = {"retry_after_s": 0.2, "retry_after_max_s": 1.0}
 #: the nixl_peer client's own per-peer backoff, as short: by default it doubles to 30 s, so a
 #: hang that lasts long (a busy machine) would keep the peer unused for the pass after it
 PEER_BACKOFF = {"retry_backoff_s": 0.2, "max_backoff_s": 1.0}
+#: (arch, seed) -> the prompts of that seed without the connector
+BASELINES = {(arch, seed): reference(arch, shared_prefix_prompts(CHUNK_TOKENS[arch], seed=seed), max_tokens=8)
+             for arch, seed in (("falcon_h1", 2), ("qwen3_next", 2), ("falcon_h1", 3))}  # fmt: skip
 
 
 def redis_server(tmp_path: Path) -> tuple[dict[str, Any], Callable[[], None], Callable[[], None]]:
@@ -49,11 +65,13 @@ def nixl_peer(tmp_path: Path) -> tuple[dict[str, Any], Callable[[], None], Calla
 
 
 @pytest.mark.parametrize(("arch", "kind"), [("falcon_h1", "redis"), ("qwen3_next", "nixl_peer")])
-def test_server_killed_and_restarted_mid_run(arch: str, kind: str, model_dir, tmp_path: Path) -> None:
+def test_server_killed_and_restarted_mid_run(
+    arch: str, kind: str, model_dir, reference_run, tmp_path: Path
+) -> None:
     model = model_dir(arch)
     prompts = shared_prefix_prompts(CHUNK_TOKENS[arch], seed=2)
     base = {"model": str(model), "prompts": prompts, "max_tokens": 8, "reset_prefix_cache": "request"}
-    expected = tokens(run_session_subprocess({**base, "connector": None}), 0)
+    expected = tokens(reference_run(BASELINES[arch, 2]), 0)
 
     cfg, kill, start = (redis_server if kind == "redis" else nixl_peer)(tmp_path)
     barrier = tmp_path / "barrier"
@@ -92,13 +110,15 @@ def assert_logged_per_outage(result: dict[str, Any], name: str, outages: int) ->
     assert 1 <= len(down) <= 2 * outages, down
 
 
-def test_hung_peer_is_bounded_by_its_timeout_and_used_again_after(model_dir, tmp_path: Path) -> None:
+def test_hung_peer_is_bounded_by_its_timeout_and_used_again_after(
+    model_dir, reference_run, tmp_path: Path
+) -> None:
     arch = "falcon_h1"
     prompts = shared_prefix_prompts(CHUNK_TOKENS[arch], seed=3)
     base = {
         "model": str(model_dir(arch)), "prompts": prompts, "max_tokens": 8, "reset_prefix_cache": "request"
     }
-    expected = tokens(run_session_subprocess({**base, "connector": None}), 0)
+    expected = tokens(reference_run(BASELINES[arch, 3]), 0)
 
     peer = start_peer(256 << 20)
     timeout_s = 0.5
