@@ -79,7 +79,7 @@ _COMMON_BACKEND_KEYS = frozenset(
     }
 )
 LOAD_POLICIES = ("weighted", "ranged", "adaptive")
-#: how images key pages (see connector/scheduler/multimodal.py)
+#: how images key pages (see connector/scheduler/extras.py)
 MULTIMODAL_KEYS = ("content", "identifier", "off")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {

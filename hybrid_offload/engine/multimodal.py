@@ -1,4 +1,4 @@
-"""Multimodal items (images, audio, video) as vLLM's scheduler holds them.
+"""Multimodal items (images, audio, video) and prompt embeddings as vLLM's scheduler holds them.
 
 :func:`item_digest` names an item by what the model reads of it: the processed tensors vLLM's
 scheduler-side ``Request`` keeps in ``mm_features[i].data`` (for Qwen-VL: ``pixel_values`` and
@@ -6,6 +6,7 @@ scheduler-side ``Request`` keeps in ``mm_features[i].data`` (for Qwen-VL: ``pixe
 the model sees the same thing. vLLM's own ``identifier`` is not that: a client may choose it
 (``multi_modal_uuids``, the ``uuid`` of a chat content part), and where vLLM's prefix cache and
 processor cache are both off it is a per-process counter (:func:`identifiers_name_content`).
+:func:`tensor_digest` names rows of a prompt given as embeddings the same way.
 """
 
 from __future__ import annotations
@@ -48,6 +49,14 @@ def item_digest(item: Any) -> str | None:
         key = id(item)
         _DIGESTS[key] = (weakref.ref(item, lambda _ref: _DIGESTS.pop(key, None)), digest)
     return digest
+
+
+def tensor_digest(tensor: Any) -> str:
+    """Hex digest of one tensor (dtype, shape and bytes; read in place where contiguous)."""
+    h = hashlib.sha256(b"hybrid-offload tensor v1\0")
+    if not _feed_nested(h, tensor):
+        raise TypeError(f"tensor_digest: not a tensor: {type(tensor).__name__}")
+    return h.hexdigest()[: 2 * DIGEST_SIZE]
 
 
 def _feed(h: Any, data: Any) -> None:

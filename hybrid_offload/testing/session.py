@@ -14,7 +14,10 @@ Spec (JSON)::
      "warmup": true, "llm_kwargs": {...}, "pass_barrier": DIR | null}
 
 ``pass_prompts`` (optional) gives each pass its own prompts instead of ``prompts``; ``batch``
-submits a pass's prompts together instead of one at a time.
+submits a pass's prompts together instead of one at a time. A prompt ``{"embeds_of": [token
+ids], "nudge_rows": [i, ...]}`` is given to vLLM as embeddings (``prompt_embeds``; the engine
+needs ``enable_prompt_embeds``): the model's own embedding rows of those ids, rows ``i`` shifted
+by 0.05, so that they name no token.
 ``reset_prefix_cache`` empties vLLM's own prefix cache after every pass (default) or before
 every request, so that hits can only come from the connector; a list gives one mode per pass
 (e.g. ``["never", "pass", "never"]``: the second pass hits vLLM's cache, the third cannot).
@@ -36,6 +39,7 @@ without a connector.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -159,7 +163,35 @@ def _wait_at_barrier(
     return json.loads(prompts.read_text()) if prompts.exists() else None
 
 
-def _generate(llm: Any, prompts: list[list[int]], params: Any, reset: bool, batch: bool) -> list[dict]:
+def _embedding_table(model_dir: str) -> Any:
+    """The model's input embedding matrix, read from its safetensors (``*embed_tokens.weight``)."""
+    from safetensors import safe_open
+
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (a safe_open handle is not a mapping)
+                if name.endswith("embed_tokens.weight"):
+                    return f.get_tensor(name)
+    raise ValueError(f"{model_dir}: no *embed_tokens.weight tensor to embed prompts with")
+
+
+def _engine_input(prompt: Any, table: Callable[[], Any]) -> dict[str, Any]:
+    """vLLM's input for one spec prompt: token ids, or embeddings (see the module docstring)."""
+    if not isinstance(prompt, dict):
+        return {"prompt_token_ids": prompt}
+    embeds = table()[prompt["embeds_of"]].clone()
+    for row in prompt.get("nudge_rows", []):
+        embeds[row] += 0.05
+    return {"prompt_embeds": embeds}
+
+
+def _prompt_len(prompt: Any) -> int:
+    return len(prompt["embeds_of"] if isinstance(prompt, dict) else prompt)
+
+
+def _generate(
+    llm: Any, prompts: list[Any], params: Any, reset: bool, batch: bool, table: Callable[[], Any]
+) -> list[dict]:
     """One row per prompt: one request at a time, or all at once (``batch``: vLLM schedules them
     together, so a small KV cache makes it preempt)."""
     groups = [prompts] if batch else [[p] for p in prompts]
@@ -168,7 +200,7 @@ def _generate(llm: Any, prompts: list[list[int]], params: Any, reset: bool, batc
         if reset:
             llm.reset_prefix_cache()
         start = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in group], params, use_tqdm=False)
+        outs = llm.generate([_engine_input(p, table) for p in group], params, use_tqdm=False)
         wall = time.perf_counter() - start
         for prompt, out in zip(group, outs, strict=True):
             metrics = out.metrics
@@ -179,7 +211,7 @@ def _generate(llm: Any, prompts: list[list[int]], params: Any, reset: bool, batc
                     "ttft_s": ttft or wall,
                     "wall_s": wall,
                     "cached_tokens": out.num_cached_tokens or 0,
-                    "prompt_tokens": len(prompt),
+                    "prompt_tokens": _prompt_len(prompt),
                     **({"logprobs": _logprobs(out)} if params.logprobs else {}),
                 }
             )
@@ -213,13 +245,14 @@ def run_session(spec: dict[str, Any]) -> dict[str, Any]:
         llm.generate([TokensPrompt(prompt_token_ids=[3 + i % 97 for i in range(64)])], params, use_tqdm=False)
         llm.reset_prefix_cache()
     resets = spec.get("reset_prefix_cache", "pass")
+    table = functools.cache(lambda: _embedding_table(spec["model"]))
     passes = []
     given: list[list[int]] | None = None
     for index in range(spec.get("passes", 1)):
         reset = resets[index] if isinstance(resets, list) else resets
         before = _scheduler_counters()
         prompts = given or (spec.get("pass_prompts") or [spec["prompts"]] * (index + 1))[index]
-        rows = _generate(llm, prompts, params, reset == "request", spec.get("batch", False))
+        rows = _generate(llm, prompts, params, reset == "request", spec.get("batch", False), table)
         worker = _flush_workers()
         passes.append(
             {"requests": rows, "scheduler": _diff(_scheduler_counters(), before), "worker_total": worker}

@@ -1,8 +1,11 @@
-"""End to end (issue 44, images): a Qwen3.5 vision-language model's conversations with a picture
-in every turn are served from the cache, and no image ever gets another image's KV.
+"""End to end (issue 44, images): hybrid vision-language models' conversations with a picture in
+every turn are served from the cache, and no image ever gets another image's KV.
 
-A tiny ``Qwen3_5ForConditionalGeneration`` (GDN + gated attention under a vision tower, bf16:
-the CPU GDN kernel runs nothing else) runs in vLLM's default multi-process engine; every
+Each of two tiny models (:data:`ARCHS`) runs in vLLM's default multi-process engine: a
+``Qwen3_5ForConditionalGeneration`` (GDN + gated attention under a vision tower, bf16: the CPU
+GDN kernel runs nothing else) and an ``Lfm2VlForConditionalGeneration`` (short-convolution state
++ attention under a SigLIP2 tower, float32; on this CPU build only with our torchvision
+stand-in, ``hybrid_offload_lfm2_vl_without_torchvision``). Every
 request is a chat (``LLM.chat``) whose turns carry the earlier replies, with prompts of
 arbitrary lengths and images of several sizes after each turn's text. vLLM's own prefix cache
 is emptied before every request. Three engine lifetimes, each serving several scenarios:
@@ -24,9 +27,9 @@ is emptied before every request. Three engine lifetimes, each serving several sc
   - the conversation again, every turn served from disk past its last image, tokens as
     recomputed.
 
-The three engines run once (the module fixture :func:`runs`) for all five tests, which share an
-``xdist_group`` so that under ``pytest -n`` one worker runs them (split across workers, each
-worker would start all three engines again).
+The three engines run once per model (the module fixture :func:`runs`) for all five tests, which
+share an ``xdist_group`` so that under ``pytest -n`` one worker runs them (split across workers,
+each worker would start all three engines again).
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("multimodal")]  # one run
 
 TURNS = 3
 REPLY_TOKENS = 16
+#: each model's engine arguments: LFM2-VL in float32, where tokens compare without bf16's ties
+ARCHS: dict[str, dict[str, Any]] = {"qwen3_5_vl": {}, "lfm2_vl": {"dtype": "float32"}}
 
 
 def conversation(seed: int) -> list[dict[str, Any]]:
@@ -70,15 +75,16 @@ def image_span(prompt: list[int], image_token: int) -> tuple[int, int]:
     return at[0], at[-1] + 1
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    root = tmp_path_factory.mktemp("multimodal")
-    model = build_vl_model(root / "model")
+@pytest.fixture(scope="module", params=list(ARCHS))
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    arch, engine = request.param, ARCHS[request.param]
+    root = tmp_path_factory.mktemp(f"multimodal-{arch}")
+    model = build_vl_model(root / "model", arch=arch)
     image_token = json.loads((model / "config.json").read_text())["image_token_id"]
     turns = conversation(7)
     other = [{**turns[0], "images": [[999, turns[0]["images"][0][1]]]}]
     renamed = [{**turns[0], "images": [[998, turns[0]["images"][0][1], "picture-0"]]}]
-    base = {"model": str(model), "max_tokens": REPLY_TOKENS}
+    base = {"model": str(model), "max_tokens": REPLY_TOKENS, "llm_kwargs": engine}
     recompute = run_vision_subprocess({
         **base, "conversations": [{"name": "chat", "turns": turns}, {"name": "other", "turns": other}],
     })["conversations"]  # fmt: skip
@@ -91,7 +97,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     })  # fmt: skip
     restart = run_vision_subprocess({
         **base, "conversations": [{"name": "renamed", "turns": renamed}, chat],
-        "connector": {"backends": [disk]}, "llm_kwargs": {"mm_processor_cache_gb": 0},
+        "connector": {"backends": [disk]}, "llm_kwargs": {**engine, "mm_processor_cache_gb": 0},
     })  # fmt: skip
     chunk = int(re.findall(r"chunk_tokens=(\d+)", restart["log"])[0])
     return {

@@ -65,6 +65,10 @@ class FakeRequest:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
 
 def prompt(n: int, offset: int = 0) -> list[int]:
     return [1000 + offset + i for i in range(n)]

@@ -598,14 +598,37 @@ def test_an_image_keys_its_chunk_and_every_later_one(worlds) -> None:
     assert w.sched.get_num_new_matched_tokens(req, 0) == (16, True)
 
 
-@pytest.mark.parametrize(
-    "extra", [{"mm_features": [object()]}, {"prompt_embeds": object()}], ids=["unnamed-image", "embeds"]
-)
-def test_unnamed_multimodal_and_embedding_requests_are_ignored(worlds, extra: dict[str, Any]) -> None:
+def test_a_prompt_given_as_embeddings_hits_only_the_same_embeddings(worlds) -> None:
+    """vLLM holds 0 for every position of a prompt given as embeddings: its pages are keyed by
+    the embeddings, so another prompt of as many embeddings misses and the same one hits."""
+    import torch
+
+    w = worlds(make_spec(8, 8), 8)
+    zeros = [0] * 40
+    w.hold("cpu", w.chunk_keys(zeros, range(4)))  # a prompt of 40 token ids 0: not these
+    embeds = torch.randn(40, 16, generator=torch.Generator().manual_seed(0))
+    first = FakeRequest("e1", zeros, prompt_embeds=embeds)
+    assert w.sched.get_num_new_matched_tokens(first, 0) == (0, False)
+    w.sched.update_state_after_alloc(first, ([1] * 5, [2] * 5), 0)
+    for meta in run_prefill(w, first, ([1] * 5, [2] * 5), 64):
+        w.complete(meta)
+    w.sched.request_finished(first)
+    w.complete(w.sched.build_connector_meta(step()))
+    again = FakeRequest("e2", zeros, prompt_embeds=embeds.clone())
+    assert w.sched.get_num_new_matched_tokens(again, 0) == (32, True)
+    other = embeds.clone()
+    other[20] += 1  # in chunk 2 (of 8 tokens)
+    assert w.sched.get_num_new_matched_tokens(FakeRequest("e3", zeros, prompt_embeds=other), 0)[0] < 16
+    hashes = {r: w.sched._requests[r].chunk_hashes for r in ("e2", "e3")}
+    same = [a == b for a, b in zip(hashes["e2"], hashes["e3"], strict=True)]
+    assert same == [True, True, False, False, False]
+
+
+def test_unnamed_multimodal_requests_are_ignored(worlds) -> None:
     w = worlds(make_spec(8, 8), 8)
     tokens = prompt(40)
     w.hold("cpu", w.chunk_keys(tokens, range(4)))
-    req = FakeRequest("r1", tokens, **extra)
+    req = FakeRequest("r1", tokens, mm_features=[object()])
     assert w.sched.get_num_new_matched_tokens(req, 0) == (0, False)
     w.sched.update_state_after_alloc(req, ([1] * 5, [2] * 5), 0)
     meta = w.sched.build_connector_meta(

@@ -17,6 +17,7 @@ from hybrid_offload.engine import patches
 from hybrid_offload.engine.patches import (
     cpu_mamba_spec_decode,
     cpu_pp_eager,
+    lfm2_vl_without_torchvision,
     mamba2_cpu_checkpoint,
     multiconnector_hma,
     pp_hybrid_block_size,
@@ -28,8 +29,8 @@ from hybrid_offload.engine.patches import (
 #: the patches that wrap a method of vLLM's
 PATCHES = (mamba2_cpu_checkpoint, multiconnector_hma, prefill_stops, cpu_pp_eager, pp_kv_layouts,
            pp_hybrid_block_size, cpu_mamba_spec_decode)  # fmt: skip
-#: every patch (one stands in a module vLLM imports instead)
-ALL_PATCHES = (*PATCHES, qwen_vl_without_torchvision)
+#: every patch (two stand in for torchvision where vLLM's models import it, instead)
+ALL_PATCHES = (*PATCHES, qwen_vl_without_torchvision, lfm2_vl_without_torchvision)
 
 
 def target(patch: ModuleType) -> tuple[Any, str]:
@@ -215,3 +216,102 @@ def test_qwen_vl_patch_stands_aside_where_torchvision_loads(monkeypatch: pytest.
     monkeypatch.setitem(sys.modules, "torchvision", types.ModuleType("torchvision"))
     q.register()
     assert q.TORCHVISION_MODULE not in sys.modules
+
+
+@pytest.fixture
+def without_lfm2_processor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers' LFM2-VL image processor module not imported yet, and its registrations and
+    the torchvision backend's names restored after the test."""
+    import sys
+
+    from transformers import image_processing_backends as backends
+    from transformers.models.auto import image_processing_auto
+
+    monkeypatch.delitem(sys.modules, lfm2_vl_without_torchvision.PROCESSOR_MODULE, raising=False)
+    for name in ("tvF", "pil_torch_interpolation_mapping", "torch_pil_interpolation_mapping"):
+        monkeypatch.setattr(backends, name, getattr(backends, name, None), raising=False)
+    mapping = image_processing_auto.IMAGE_PROCESSOR_MAPPING
+    monkeypatch.setattr(mapping, "_extra_content", dict(mapping._extra_content))
+
+
+def test_lfm2_vl_processes_images_without_torchvision(
+    without_lfm2_processor: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 44: vLLM's LFM2-VL module imports transformers' LFM2-VL image processor, which
+    imports torchvision and has no PIL variant; where torchvision does not load, the patch
+    imports it over a plain-torch stand-in, which nobody else sees, and registers it for
+    transformers' auto class; only on a tested vLLM."""
+    import sys
+
+    import torch
+    from transformers import Lfm2VlConfig
+    from transformers.utils import is_torchvision_available
+
+    from hybrid_offload.testing.vision_models import draw_image
+
+    p = lfm2_vl_without_torchvision
+    warnings = caplog.at_level(logging.WARNING, logger=patches.logger.name)
+    with pytest.MonkeyPatch.context() as untested, warnings:
+        untested.setattr(compat, "installed_version", lambda package: "0.99.0")
+        p.register()
+    assert p.PROCESSOR_MODULE not in sys.modules
+    assert f"patch {p.ENTRY_POINT} not applied: vLLM 0.99.0" in caplog.text
+    p.register()
+    module = sys.modules[p.PROCESSOR_MODULE]
+    assert "torchvision" not in sys.modules and not is_torchvision_available()  # nobody else sees it
+    p.register()
+    assert sys.modules[p.PROCESSOR_MODULE] is module  # once
+    importlib.import_module("vllm.model_executor.models.lfm2_vl")  # imports now
+    processor = module.Lfm2VlImageProcessor(
+        do_image_splitting=False, min_image_tokens=4, max_image_tokens=64, encoder_patch_size=16,
+        downsample_factor=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
+    )  # fmt: skip
+    out = processor(images=[draw_image(1, 96)], return_tensors="pt")
+    assert out["pixel_values"].dtype == torch.float32
+    assert out["pixel_values"].abs().max() <= 1.0  # normalized from [0, 255] by mean/std 0.5
+    assert out["spatial_shapes"].tolist() == [[6, 6]]  # 96 px in 16-px patches: 9 tokens after 2x2
+    from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING
+
+    assert IMAGE_PROCESSOR_MAPPING[Lfm2VlConfig]["pil"] is module.Lfm2VlImageProcessor
+
+
+def test_lfm2_vl_patch_stands_aside_where_torchvision_loads(
+    without_lfm2_processor: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+    import types
+
+    p = lfm2_vl_without_torchvision
+    monkeypatch.setitem(sys.modules, "torchvision", types.ModuleType("torchvision"))
+    p.register()
+    assert p.PROCESSOR_MODULE not in sys.modules
+
+
+def test_the_torchvision_stand_in_resizes_pads_and_normalizes_as_torchvision_reads_its_arguments() -> None:
+    import torch
+    from PIL import Image
+
+    from hybrid_offload.testing.vision_models import draw_image
+
+    f = lfm2_vl_without_torchvision.functional()
+    image = f.pil_to_tensor(draw_image(3, 64))
+    assert image.shape == (3, 64, 64) and image.dtype == torch.uint8
+    assert f.pil_to_tensor(Image.new("L", (5, 4))).shape == (1, 4, 5)
+    flat = torch.full((2, 3, 8, 8), 200, dtype=torch.uint8)
+    for mode in f.InterpolationMode:
+        resized = f.resize(flat, [4, 6], interpolation=mode)
+        assert resized.shape == (2, 3, 4, 6) and resized.dtype == torch.uint8
+        assert bool((resized == 200).all()), mode  # a flat image stays flat under every filter
+    for size in ((48, 48), (40, 72), (160, 130)):  # LFM2-VL's filter (bilinear): PIL's within rounding
+        pil = Image.fromarray(image.permute(1, 2, 0).numpy()).resize(size[::-1], Image.BILINEAR)
+        assert (f.resize(image, list(size)).int() - f.pil_to_tensor(pil).int()).abs().max() <= 1, size
+    with pytest.raises(TypeError, match="height, width"):
+        f.resize(image, 32)
+    x = torch.arange(4.0).reshape(1, 2, 2)
+    assert f.pad(x, [1, 0], fill=-1).shape == (1, 2, 4)  # (left/right, top/bottom)
+    assert f.pad(x, [1, 2, 3, 4]).shape == (1, 8, 6)  # (left, top, right, bottom)
+    assert f.pad(x, 1, padding_mode="edge")[0, 0].tolist() == [0.0, 0.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match="symmetric"):
+        f.pad(x, 1, padding_mode="symmetric")
+    assert f.normalize(torch.ones(3, 1, 1), [0.5] * 3, [0.25] * 3).flatten().tolist() == [2.0] * 3
+    assert f.crop(x, 1, 0, 1, 2).tolist() == [[[2.0, 3.0]]]

@@ -55,19 +55,22 @@ def published_medium(backend: BackendConfig, shared: bool) -> str:
 
 @dataclass(frozen=True)
 class _Keyed:
-    """What vLLM's ``generate_block_hash_extra_keys`` reads of a request we cache (requests
-    with prompt embeddings skip the cache: none here)."""
+    """What vLLM's ``generate_block_hash_extra_keys`` reads of a request (its per-block digests
+    of prompt embeddings: the request's own cache of them)."""
 
     lora_request: Any
     cache_salt: str | None
     mm_features: tuple[Any, ...] = ()
-    prompt_embeds: None = None
+    prompt_embeds: Any = None
+    _prompt_embeds_per_block_hashes: dict[tuple[int, int], bytes] = field(default_factory=dict)
 
 
 #: what stands for a request's ``cache_salt`` in events without token ids (the salt is a secret)
 HIDDEN_SALT = "<cache_salt>"
 #: what stands for an image's identifier there (a content hash would confirm a guessed image)
 HIDDEN_MM = "<mm>"
+#: what stands for a digest of prompt embeddings there (the same reason)
+HIDDEN_EMBEDS = "<prompt_embeds>"
 
 
 def event_extra_keys(
@@ -76,15 +79,22 @@ def event_extra_keys(
     """``extra_keys`` of the block of tokens ``[start, end)`` of ``request`` as vLLM's own
     ``BlockStored`` carries them (``to_event_extra_keys``: one entry, None when it has none);
     ``salt`` False: a ``cache_salt`` is published as :data:`HIDDEN_SALT` (events without token
-    ids: a reader cannot hash the prompt anyway, and the salt would let it confirm a guess), and
-    each multimodal item's identifier as :data:`HIDDEN_MM`."""
+    ids: a reader cannot hash the prompt anyway, and the salt would let it confirm a guess),
+    each multimodal item's identifier as :data:`HIDDEN_MM` and a digest of prompt embeddings as
+    :data:`HIDDEN_EMBEDS`."""
     cache_salt = getattr(request, "cache_salt", None)
     features = tuple(getattr(request, "mm_features", None) or ())
     if not salt:
         cache_salt = cache_salt and HIDDEN_SALT
         features = tuple(replace(f, identifier=HIDDEN_MM) for f in features)
-    keyed = _Keyed(getattr(request, "lora_request", None), cache_salt, features)
+    embeds = getattr(request, "prompt_embeds", None)
+    digests = getattr(request, "_prompt_embeds_per_block_hashes", None)
+    keyed = _Keyed(getattr(request, "lora_request", None), cache_salt, features, embeds,
+                   digests if isinstance(digests, dict) else {})  # fmt: skip
     keys, _ = generate_block_hash_extra_keys(keyed, start, end, 0)  # type: ignore[arg-type]
+    if not salt and keys:
+        keys = tuple((k[0], HIDDEN_EMBEDS) if isinstance(k, tuple) and k[:1] == ("prompt_embeds",) else k
+                     for k in keys)  # fmt: skip
     return to_event_extra_keys([keys])
 
 

@@ -42,7 +42,7 @@ from hybrid_offload.connector.metadata import (
 from hybrid_offload.connector.scheduler.backend_view import BackendView
 from hybrid_offload.connector.scheduler.coverage import coverage
 from hybrid_offload.connector.scheduler.events import TierEvents, published_medium
-from hybrid_offload.connector.scheduler.multimodal import chunk_extras
+from hybrid_offload.connector.scheduler.extras import chunk_extras
 from hybrid_offload.connector.scheduler.pending import DEFAULT_PENDING_STORE_WAIT_S, PendingStores
 from hybrid_offload.connector.scheduler.policy import BackendMatch, LoadChoice, make_policy, presence_matrix
 from hybrid_offload.connector.scheduler.request_state import (
@@ -97,7 +97,7 @@ class OffloadScheduler:
     ) -> None:
         """``drafting``: the engine's speculative decoding; ``events``: vLLM publishes KV events
         (then ours join them, :mod:`.events`); ``multimodal_keys``: what names an image in keys
-        (:mod:`.multimodal`); ``timer`` times lookups (``lookup_seconds``)."""
+        (:mod:`.extras`); ``timer`` times lookups (``lookup_seconds``)."""
         self.planner = planner
         self._timer = timer
         self._accept_weights_version = accept_weights_version
@@ -130,14 +130,11 @@ class OffloadScheduler:
     def _request_state(self, request: Request) -> RequestState | None:
         """The request's state, keyed on first sight; a request keyed before a cache reset is
         keyed anew when it is looked up again (resumed), unless a load is in flight. None:
-        the request does not use the cache (prompt embeddings, a malformed scope, an image
-        that cannot be named)."""
+        the request does not use the cache (a malformed scope, an image that cannot be named)."""
         known = self._requests.get(request.request_id)
         in_flight = known is not None and known.load_phase in (LoadPhase.PENDING, LoadPhase.LOADING)
         if known is not None and (in_flight or not known.stale):
             return known
-        if getattr(request, "prompt_embeds", None) is not None:
-            return None
         if not self.planner.whole_model:
             _warn_no_cache("the other pipeline stages' layers are not known (their handshake did not arrive)")
             return None
@@ -152,7 +149,8 @@ class OffloadScheduler:
         except ScopeError as exc:
             _warn_no_cache(str(exc))
             return None
-        prompt = list(request.prompt_token_ids or [])
+        # as vLLM holds them: a position given as an embedding holds 0 (its key: ``extras``)
+        prompt = list(request.all_token_ids[: request.num_prompt_tokens])
         seed = self.planner.scope_seed(scope)
         hashes = self.planner.chain(seed, prompt, extras)
         keys = self.planner.group_keys(hashes)

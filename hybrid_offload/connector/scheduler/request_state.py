@@ -64,7 +64,7 @@ class RequestState:
     ``stored``: pages were sent to a backend since the request's chain was last touched;
     ``state_chunks``: the chunks whose state pages it sent. ``stale``: keyed before a cache
     reset (a weight update): it stores nothing more. ``extras``: per chunk index, what besides
-    its tokens keys the chunk (its images: :mod:`.multimodal`).
+    its tokens keys the chunk (its images and prompt embeddings: :mod:`.extras`).
     """
 
     request: Request

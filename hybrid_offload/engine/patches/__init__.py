@@ -16,7 +16,9 @@ versions is :mod:`hybrid_offload.compat`'s (the tested releases of everything we
 
 from __future__ import annotations
 
+import importlib
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +42,17 @@ def version_supported(entry_point: str, versions: tuple[str, ...], without: str)
         without,
     )
     return False
+
+
+def torchvision_loads() -> bool:
+    """Whether ``import torchvision`` works (on a CPU engine it does not: absent, or a CUDA build
+    beside CPU torch that raises at import; then nothing of it is left in ``sys.modules``)."""
+    try:
+        importlib.import_module("torchvision")
+    except Exception:
+        sys.modules.pop("torchvision", None)
+        return False
+    return True
 
 
 def warn_not_applied(entry_point: str, why: str, without: str) -> None:

@@ -32,21 +32,12 @@ import sys
 import types
 
 from hybrid_offload.compat import VLLM_RELEASES
-from hybrid_offload.engine.patches import logger, version_supported
+from hybrid_offload.engine.patches import logger, torchvision_loads, version_supported
 
 ENTRY_POINT = "hybrid_offload_qwen_vl_without_torchvision"
 VLLM_VERSIONS = VLLM_RELEASES
 TORCHVISION_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
 PIL_MODULE = "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"
-
-
-def _torchvision_loads() -> bool:
-    try:
-        importlib.import_module("torchvision")
-    except Exception:  # absent, or a CUDA build beside CPU torch (RuntimeError at import)
-        sys.modules.pop("torchvision", None)
-        return False
-    return True
 
 
 def pil_variant() -> types.ModuleType:
@@ -85,7 +76,7 @@ def register() -> None:
     """Install the PIL variant and the video processors where torchvision does not load
     (idempotent)."""
     current = sys.modules.get(TORCHVISION_MODULE)
-    if getattr(current, "_hybrid_offload_patch", False) or (current is None and not _torchvision_loads()):
+    if getattr(current, "_hybrid_offload_patch", False) or (current is None and not torchvision_loads()):
         pass  # ours already, or torchvision does not load: patch
     else:
         return  # imported already with torchvision working

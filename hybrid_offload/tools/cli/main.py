@@ -25,7 +25,7 @@ def cmd_make_model(args: argparse.Namespace) -> int:
     if args.arch in VL_ARCHS:
         if args.layers or args.hidden or args.mtp_layers:
             raise SystemExit(f"make-model: --layers, --hidden and --mtp-layers do not apply to {args.arch}")
-        out = build_vl_model(args.out, seed=args.seed)
+        out = build_vl_model(args.out, arch=args.arch, seed=args.seed)
     else:
         out = build_model(args.arch, args.out, layers=args.layers, hidden=args.hidden, seed=args.seed,
                           mtp_layers=args.mtp_layers)
@@ -47,7 +47,7 @@ def _add_make_model(subparsers: Subparsers) -> None:
         "--arch",
         choices=ARCHS + VL_ARCHS,
         default=DEFAULT_ARCH,
-        help=f"model architecture (default: {DEFAULT_ARCH}; qwen3_5_vl: Qwen3.5 with a vision tower)",
+        help=f"model architecture (default: {DEFAULT_ARCH}; qwen3_5_vl, lfm2_vl: with a vision tower)",
     )
     p.add_argument("--out", type=Path, required=True, help="output directory")
     p.add_argument(

@@ -1,16 +1,15 @@
 """Probe (issue 44): run the tiny LFM2-VL through ``run_vision_subprocess``.
 
-    python scripts/probes/lfm2_vl/run_probe.py MODEL_DIR [--float32] [--connector] [--standin] [--out F]
+    python scripts/probes/lfm2_vl/run_probe.py MODEL_DIR [--float32] [--connector] [--out F]
 
-``--standin`` puts ``standin/`` (a ``sitecustomize`` installing the torchvision stand-in of
-``tv_standin.py``) on the engine processes' PYTHONPATH.
+The torchvision stand-in this probe once installed through a ``sitecustomize`` is now the
+product's patch ``hybrid_offload_lfm2_vl_without_torchvision``, applied in every vLLM process.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 import time
@@ -18,7 +17,6 @@ from pathlib import Path
 
 from hybrid_offload.testing.vision_session import run_vision_subprocess
 
-HERE = Path(__file__).resolve().parent
 TURNS = [
     {
         "text": "hello data model memory cache block " * 25,
@@ -42,7 +40,6 @@ def main() -> int:
     ap.add_argument("model")
     ap.add_argument("--float32", action="store_true")
     ap.add_argument("--connector", action="store_true")
-    ap.add_argument("--standin", action="store_true")
     ap.add_argument("--out", type=Path)
     ap.add_argument(
         "--logprobs", type=int, default=None, help="record the first token's top-k logprobs"
@@ -71,14 +68,9 @@ def main() -> int:
         spec["connector"] = {
             "backends": [{"type": "cpu", "name": "cpu", "capacity_bytes": "256MiB"}]
         }
-    env = {"LFM2_PROBE_DIGEST_FIX": os.environ.get("LFM2_PROBE_DIGEST_FIX", "0")}
-    if a.standin:
-        env["PYTHONPATH"] = os.pathsep.join(
-            [str(HERE / "standin"), str(HERE), os.environ.get("PYTHONPATH", "")]
-        )
     t0 = time.monotonic()
     try:
-        result = run_vision_subprocess(spec, timeout=900, env=env)
+        result = run_vision_subprocess(spec, timeout=900)
     except RuntimeError as exc:
         print(f"FAILED after {time.monotonic() - t0:.1f}s")
         text = str(exc)

@@ -1,11 +1,18 @@
-"""Images (and other multimodal items) in page keys.
+"""What keys a chunk besides its token ids: images (and other multimodal items) and prompt
+embeddings.
 
-vLLM fills an image's placeholder run with the same token ids for every image of one size, so
-tokens alone would give one image another's KV. Chunk ``c`` of a request is keyed, besides its
-tokens, by every item whose placeholder run overlaps the chunk: ``[modality, identity, offset of
-the run from the chunk's start, run length]`` (vLLM's block hash carries ``("mm", identifier,
-offset - block start)`` per block the same way); the chain carries it into every later chunk,
-whose KV and state depend on the image too.
+Token ids alone would give one input another's KV: vLLM fills an image's placeholder run with
+the same ids for every image of one size, and a prompt given as embeddings has no ids (vLLM
+holds 0 at each of its positions). So chunk ``c`` of a request is keyed, besides its tokens, by
+:func:`chunk_extras`, as vLLM's block hash carries extra keys per block; the chain carries them
+into every later chunk, whose KV and state depend on those inputs too:
+
+* every multimodal item whose placeholder run overlaps the chunk: ``[modality, identity, offset
+  of the run from the chunk's start, run length]`` (vLLM: ``("mm", identifier, offset - block
+  start)``);
+* a prompt given as embeddings: ``["prompt_embeds", digest of the chunk's rows]``, with the
+  positions that hold token ids instead where a prompt mixes both (vLLM: ``("prompt_embeds",
+  sha256 of the block's rows)``).
 
 An item's identity, as ``multimodal_keys`` says:
 
@@ -26,25 +33,37 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 from hybrid_offload.connector.scheduler.scope import ScopeError
-from hybrid_offload.engine.multimodal import item_digest
+from hybrid_offload.engine.multimodal import item_digest, tensor_digest
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 #: first byte of a chunk's extras (a later encoding takes another)
 _TAG = b"\x01"
+#: chunk index -> the items keying it
+PerChunk = dict[int, list[list[Any]]]
 
 
 def chunk_extras(request: Request, chunk_tokens: int, mode: str = "content") -> dict[int, bytes]:
-    """Per chunk index, the bytes that key the request's multimodal items overlapping that chunk
-    (see the module docstring); empty without items. Raises :class:`ScopeError` where the request
-    cannot use the cache (``mode`` ``off``, an item that cannot be named)."""
+    """Per chunk index, the bytes that key the request's multimodal items and prompt embeddings
+    in that chunk (see the module docstring); empty without either. Raises :class:`ScopeError`
+    where the request cannot use the cache (multimodal items with ``mode`` ``off``, an item that
+    cannot be named)."""
+    per_chunk: PerChunk = defaultdict(list)
+    _multimodal(request, chunk_tokens, mode, per_chunk)
+    _prompt_embeds(request, chunk_tokens, per_chunk)
+    return {
+        c: _TAG + json.dumps(items, separators=(",", ":"), ensure_ascii=True).encode()
+        for c, items in per_chunk.items()
+    }
+
+
+def _multimodal(request: Request, chunk_tokens: int, mode: str, per_chunk: PerChunk) -> None:
     features = getattr(request, "mm_features", None) or ()
     if not features:
-        return {}
+        return
     if mode == "off":
         raise ScopeError("requests with multimodal inputs skip the cache (multimodal_keys: off)")
-    per_chunk: dict[int, list[list[Any]]] = defaultdict(list)
     for n, feature in enumerate(features):
         identity = _identity(feature, mode, n)
         position = getattr(feature, "mm_position", None)
@@ -57,10 +76,20 @@ def chunk_extras(request: Request, chunk_tokens: int, mode: str = "content") -> 
         modality = str(getattr(feature, "modality", ""))
         for c in range(start // chunk_tokens, (start + length - 1) // chunk_tokens + 1):
             per_chunk[c].append([modality, identity, start - c * chunk_tokens, length])
-    return {
-        c: _TAG + json.dumps(items, separators=(",", ":"), ensure_ascii=True).encode()
-        for c, items in per_chunk.items()
-    }
+
+
+def _prompt_embeds(request: Request, chunk_tokens: int, per_chunk: PerChunk) -> None:
+    embeds = getattr(request, "prompt_embeds", None)
+    if embeds is None:
+        return
+    rows = int(embeds.shape[0])
+    is_token = getattr(request, "prompt_is_token_ids", None)  # a prompt mixing ids and embeddings
+    for c in range(-(-rows // chunk_tokens)):
+        start, end = c * chunk_tokens, min(rows, (c + 1) * chunk_tokens)
+        item = ["prompt_embeds", tensor_digest(embeds[start:end])]
+        if is_token is not None:
+            item.append("".join("t" if t else "e" for t in is_token[start:end]))
+        per_chunk[c].append(item)
 
 
 def _identity(feature: Any, mode: str, n: int) -> str:

@@ -1,6 +1,7 @@
-"""Images in page keys (issue 44): what names an image, which chunks it keys, and what a
-router sees of it. Built on vLLM's own multimodal classes (``MultiModalFeatureSpec``,
-``PlaceholderRange``, ``MultiModalKwargsItem``) as its scheduler holds them."""
+"""Images and prompt embeddings in page keys (issue 44): what names an image or an embedded
+prompt, which chunks it keys, and what a router sees of it. Built on vLLM's own multimodal
+classes (``MultiModalFeatureSpec``, ``PlaceholderRange``, ``MultiModalKwargsItem``) and its
+``Request`` as its scheduler holds them."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event
 
 from hybrid_offload.connector.config import ConfigError, parse_offload_config
 from hybrid_offload.connector.facade import multimodal_keys
-from hybrid_offload.connector.scheduler.events import HIDDEN_MM, event_extra_keys
-from hybrid_offload.connector.scheduler.multimodal import chunk_extras
+from hybrid_offload.connector.scheduler.events import HIDDEN_EMBEDS, HIDDEN_MM, event_extra_keys
+from hybrid_offload.connector.scheduler.extras import chunk_extras
 from hybrid_offload.connector.scheduler.scope import ScopeError
 from hybrid_offload.core.planner import chain_chunk_hashes
 from hybrid_offload.engine.multimodal import item_digest
@@ -143,3 +144,47 @@ def test_identifier_mode_refused_where_vllm_numbers_images_per_process() -> None
     assert multimodal_keys(content, vllm(False, 0)) == "content"
     with pytest.raises(ConfigError, match=r"multimodal_keys: expected one of \['content', 'identifier'"):
         parse_offload_config({"backends": [{"type": "cpu"}], "multimodal_keys": "pixels"})
+
+
+def embedded(embeds: torch.Tensor, is_token: list[bool] | None = None) -> Any:
+    """vLLM's scheduler-side request for a prompt given as embeddings (or mixing token ids in)."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    ids = None if is_token is None else [7 if t else 0 for t in is_token]
+    params = SamplingParams(max_tokens=1)
+    return Request("r", ids, params, None, prompt_embeds=embeds, prompt_is_token_ids=is_token)
+
+
+def test_prompt_embeddings_key_every_chunk_by_its_own_rows() -> None:
+    rows = 3 * CHUNK + 5  # a partial last chunk
+    embeds = torch.randn(rows, 8, generator=torch.Generator().manual_seed(0)).bfloat16()
+    req = embedded(embeds)
+    assert list(req.all_token_ids) == [0] * rows  # what vLLM holds for those positions: no ids to key by
+    extras = chunk_extras(req, CHUNK)
+    assert sorted(extras) == [0, 1, 2, 3] and len(set(extras.values())) == 4
+    assert b'"prompt_embeds"' in extras[0]
+    other = embeds.clone()
+    other[CHUNK + 3, 5] += 1  # one value in chunk 1
+    changed = chunk_extras(embedded(other), CHUNK)
+    assert [changed[c] == extras[c] for c in range(4)] == [True, False, True, True]
+    assert chunk_extras(embedded(embeds.float()), CHUNK)[0] != extras[0]  # the dtype the model reads
+    tokens = [0] * rows  # through the chain: from the changed chunk on, every key differs
+    a = chain_chunk_hashes(b"seed", tokens, CHUNK, extras=extras)
+    b = chain_chunk_hashes(b"seed", tokens, CHUNK, extras=changed)
+    assert a[0] == b[0] and a[1] != b[1] and a[2] != b[2]
+
+
+def test_a_prompt_mixing_ids_and_embeddings_keys_which_positions_are_which() -> None:
+    embeds = torch.zeros(CHUNK, 8)
+    one = chunk_extras(embedded(embeds, [True] * 4 + [False] * (CHUNK - 4)), CHUNK)
+    two = chunk_extras(embedded(embeds, [True] * 5 + [False] * (CHUNK - 5)), CHUNK)
+    assert one[0] != two[0]
+
+
+def test_events_carry_vllm_prompt_embeds_keys_and_hide_them_without_token_ids() -> None:
+    req = embedded(torch.randn(2 * CHUNK, 8, generator=torch.Generator().manual_seed(1)))
+    want, _ = generate_block_hash_extra_keys(req, CHUNK, 2 * CHUNK, 0)
+    assert event_extra_keys(req, CHUNK, 2 * CHUNK) == to_event_extra_keys([want])
+    hidden = event_extra_keys(req, CHUNK, 2 * CHUNK, salt=False)
+    assert hidden is not None and HIDDEN_EMBEDS in str(hidden) and str(want[0][1]) not in str(hidden)
