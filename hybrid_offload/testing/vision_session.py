@@ -7,13 +7,15 @@ Spec (JSON)::
      "max_model_len": 8192, "logprobs": k | null, "llm_kwargs": {...},
      "conversations": [{"name": "a", "turns": [{"text": "...", "images": [[seed, size, uuid?], ...],
                                            "after": "..."}, ...],
-                        "replies": ["...", ...] | null}, ...]}
+                        "replies": ["...", ...] | null, "together": "group" | null}, ...]}
 
 Turn ``k`` of a conversation is one chat request: the earlier turns, each followed by its reply
 (``replies[k]`` where given, else the text this engine generated), then turn ``k``'s text, its
 images (drawn by :func:`~hybrid_offload.testing.vision_models.draw_image`) and the text after
-them (``after``, optional). vLLM's own prefix
-cache is emptied before every request, so every cached token came from the connector.
+them (``after``, optional). Conversations naming the same ``together`` group run side by side:
+turn ``k`` of each is submitted in one call, so vLLM schedules them concurrently; the others
+run one request at a time. vLLM's own prefix cache is emptied before every call, so every cached
+token came from the connector.
 
 Result: ``{"conversations": {name: [{"prompt": ids, "output": ids, "reply": text, "cached": n,
 "report": kv_transfer_params["hybrid_offload"] | null, "first_logprobs": {id: logprob}}]}}``
@@ -54,31 +56,52 @@ def run_vision(spec: dict[str, Any]) -> dict[str, Any]:
     )
     tokenizer = llm.get_tokenizer()
     out: dict[str, Any] = {"conversations": {}}
-    for conversation in spec["conversations"]:
-        messages: list[ChatCompletionMessageParam] = []
-        rows: list[dict[str, Any]] = []
-        given = conversation.get("replies") or []
-        for k, turn in enumerate(conversation["turns"]):
-            content: list[dict[str, Any]] = [{"type": "text", "text": turn["text"]}]
-            content += [_image_part(*image) for image in turn["images"]]
-            if turn.get("after"):
-                content.append({"type": "text", "text": turn["after"]})
-            messages.append({"role": "user", "content": content})
+    for unit in _units(spec["conversations"]):
+        messages: dict[str, list[ChatCompletionMessageParam]] = {c["name"]: [] for c in unit}
+        rows: dict[str, list[dict[str, Any]]] = {c["name"]: [] for c in unit}
+        for k in range(max(len(c["turns"]) for c in unit)):
+            active = [c for c in unit if k < len(c["turns"])]
+            for conversation in active:
+                turn = conversation["turns"][k]
+                content: list[dict[str, Any]] = [{"type": "text", "text": turn["text"]}]
+                content += [_image_part(*image) for image in turn["images"]]
+                if turn.get("after"):
+                    content.append({"type": "text", "text": turn["after"]})
+                messages[conversation["name"]].append({"role": "user", "content": content})
             llm.reset_prefix_cache()
-            result = llm.chat(messages, params, use_tqdm=False)[0]
-            reply = given[k] if k < len(given) else tokenizer.decode(result.outputs[0].token_ids)
-            messages.append({"role": "assistant", "content": reply})
-            rows.append({
-                "prompt": list(result.prompt_token_ids or []),
-                "output": list(result.outputs[0].token_ids),
-                "reply": reply,
-                "cached": result.num_cached_tokens or 0,
-                "report": (result.kv_transfer_params or {}).get("hybrid_offload"),
-                **({"first_logprobs": _first_logprobs(result)} if params.logprobs else {}),
-            })  # fmt: skip
-        out["conversations"][conversation["name"]] = rows
+            results = llm.chat([messages[c["name"]] for c in active], params, use_tqdm=False)
+            for conversation, result in zip(active, results, strict=True):
+                given = conversation.get("replies") or []
+                reply = given[k] if k < len(given) else tokenizer.decode(result.outputs[0].token_ids)
+                messages[conversation["name"]].append({"role": "assistant", "content": reply})
+                rows[conversation["name"]].append({
+                    "prompt": list(result.prompt_token_ids or []),
+                    "output": list(result.outputs[0].token_ids),
+                    "reply": reply,
+                    "cached": result.num_cached_tokens or 0,
+                    "report": (result.kv_transfer_params or {}).get("hybrid_offload"),
+                    **({"first_logprobs": _first_logprobs(result)} if params.logprobs else {}),
+                })  # fmt: skip
+        out["conversations"].update(rows)
     llm.llm_engine.engine_core.shutdown()  # stores flushed, engine processes gone
     return out
+
+
+def _units(conversations: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The conversations in spec order, those of one ``together`` group as one unit (where the
+    group first appears)."""
+    units: list[list[dict[str, Any]]] = []
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for conversation in conversations:
+        group = conversation.get("together")
+        if group is None:
+            units.append([conversation])
+        elif group in groups:
+            groups[group].append(conversation)
+        else:
+            groups[group] = [conversation]
+            units.append(groups[group])
+    return units
 
 
 def _image_part(seed: int, size: int, uuid: str | None = None) -> dict[str, Any]:

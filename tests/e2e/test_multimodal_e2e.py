@@ -8,16 +8,19 @@ GDN kernel runs nothing else) and an ``Lfm2VlForConditionalGeneration`` (short-c
 stand-in, ``hybrid_offload_lfm2_vl_without_torchvision``). Every
 request is a chat (``LLM.chat``) whose turns carry the earlier replies, with prompts of
 arbitrary lengths and images of several sizes after each turn's text. vLLM's own prefix cache
-is emptied before every request. Three engine lifetimes, each serving several scenarios:
+is emptied before every call. Three engine lifetimes, each serving several scenarios:
 
 * **recompute**: no connector; the reference tokens, and the replies the others carry.
-* **cache** (cpu + disk tiers):
+* **cache** (cpu + disk tiers), each scenario after the one before:
   - the conversation: each turn resumes after the previous turn's last image (served >= 90 %
     of what it repeats of the previous turn in whole chunks, and reaching past that image: the
     text after each image is longer than a chunk, so the chunk the image ends in is whole),
     tokens as recomputed;
   - the first turn's text with another image: nothing is served from the image's chunk on,
     not even reported as reusable;
+  - two more conversations side by side (each turn of both submitted at once, so vLLM
+    schedules them together): each turn resumes after its own conversation's last image, tokens
+    as recomputed (the recompute engine ran them side by side too);
 * **restart** (the disk tier alone, a new process, vLLM's processor cache off):
   - first, the first turn's text with another image that the client names with the first
     image's ``uuid``: vLLM's identifier is that name, so keys made of identifiers would serve
@@ -27,7 +30,7 @@ is emptied before every request. Three engine lifetimes, each serving several sc
   - the conversation again, every turn served from disk past its last image, tokens as
     recomputed.
 
-The three engines run once per model (the module fixture :func:`runs`) for all five tests, which
+The three engines run once per model (the module fixture :func:`runs`) for all six tests, which
 share an ``xdist_group`` so that under ``pytest -n`` one worker runs them (split across workers,
 each worker would start all three engines again).
 """
@@ -53,16 +56,16 @@ REPLY_TOKENS = 16
 ARCHS: dict[str, dict[str, Any]] = {"qwen3_5_vl": {}, "lfm2_vl": {"dtype": "float32"}}
 
 
-def conversation(seed: int) -> list[dict[str, Any]]:
-    """Turns of arbitrary lengths, each with one image of its own (a client ``uuid`` names it)
-    between two texts."""
+def conversation(seed: int, images: int = 100, name: str = "picture") -> list[dict[str, Any]]:
+    """Turns of arbitrary lengths, each with one image of its own (image ``images + k``, a client
+    ``uuid`` ``name-k`` names it) between two texts."""
     rng = random.Random(seed)
 
     def words(low: int, high: int) -> str:
         return " ".join(rng.choice(_WORDS) for _ in range(rng.randint(low, high)))
 
     return [
-        {"text": words(300, 900), "images": [[100 + k, rng.choice([64, 96, 160, 256]), f"picture-{k}"]],
+        {"text": words(300, 900), "images": [[images + k, rng.choice([64, 96, 160, 256]), f"{name}-{k}"]],
          "after": words(150, 400)}
         for k in range(TURNS)
     ]  # fmt: skip
@@ -85,14 +88,20 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     other = [{**turns[0], "images": [[999, turns[0]["images"][0][1]]]}]
     renamed = [{**turns[0], "images": [[998, turns[0]["images"][0][1], "picture-0"]]}]
     base = {"model": str(model), "max_tokens": REPLY_TOKENS, "llm_kwargs": engine}
+    pair = {name: conversation(seed, images, name) for name, seed, images in (("a", 8, 200), ("b", 9, 300))}
     recompute = run_vision_subprocess({
-        **base, "conversations": [{"name": "chat", "turns": turns}, {"name": "other", "turns": other}],
+        **base, "conversations": [
+            {"name": "chat", "turns": turns}, {"name": "other", "turns": other},
+            *({"name": name, "turns": t, "together": "pair"} for name, t in pair.items()),
+        ],
     })["conversations"]  # fmt: skip
     replies = [row["reply"] for row in recompute["chat"]]
     chat = {"name": "chat", "turns": turns, "replies": replies}
+    together = [{"name": n, "turns": t, "together": "pair", "replies": [r["reply"] for r in recompute[n]]}
+                for n, t in pair.items()]  # fmt: skip
     disk = {"type": "disk", "name": "disk", "path": str(root / "disk"), "capacity_bytes": "2GiB"}
     cache = run_vision_subprocess({
-        **base, "conversations": [chat, {"name": "other", "turns": other}],
+        **base, "conversations": [chat, {"name": "other", "turns": other}, *together],
         "connector": {"backends": [{"type": "cpu", "name": "cpu", "capacity_bytes": "256MiB"}, disk]},
     })  # fmt: skip
     restart = run_vision_subprocess({
@@ -128,6 +137,22 @@ def test_each_turn_resumes_after_the_last_image(runs: dict[str, Any]) -> None:
         assert served(rows[k]) >= 0.9 * whole, f"turn {k}: {report}, {whole} tokens repeated"
         assert served(rows[k]) >= image_end, f"turn {k} resumed before turn {k - 1}'s image: {report}"
         assert rows[k]["cached"] >= served(rows[k])
+
+
+def test_concurrent_conversations_each_resume_after_their_own_images(runs: dict[str, Any]) -> None:
+    """Two conversations whose turns vLLM schedules together: each turn is served past the
+    previous turn's image of its own conversation, with the tokens of the recompute engine (which
+    ran them together too)."""
+    chunk = runs["chunk"]
+    for name in ("a", "b"):
+        rows = runs["cache"][name]
+        assert served(rows[0]) == 0, name  # nothing of the other conversation: its text differs
+        for k in range(1, TURNS):
+            before = rows[k - 1]
+            _, image_end = image_span(before["prompt"], runs["image_token"])
+            whole = shared_prefix(rows[k]["prompt"], before["prompt"] + before["output"]) // chunk * chunk
+            assert served(rows[k]) >= max(image_end, 0.9 * whole), (name, k, rows[k]["report"], whole)
+        assert [r["output"] for r in rows] == [r["output"] for r in runs["recompute"][name]], name
 
 
 def test_tokens_equal_recompute(runs: dict[str, Any]) -> None:
