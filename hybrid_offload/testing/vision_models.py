@@ -73,17 +73,23 @@ def build_vl_model(out_dir: Path, *, arch: str = "qwen3_5_vl", seed: int = 0) ->
     return builders[arch](out_dir, seed)
 
 
+def _tokenizer_and_text(arch: str, image_tokens: tuple[str, ...], template: str) -> tuple[Any, Any]:
+    """The byte-level tokenizer with ``image_tokens``, the chat tokens and ``template``; the
+    text model's config (:func:`make_config` of ``arch``) with a vocabulary that holds it."""
+    tokenizer = build_tokenizer(2048)
+    tokenizer.add_special_tokens({"additional_special_tokens": [*image_tokens, *CHAT_TOKENS]})
+    tokenizer.chat_template = template
+    text = make_config(arch, init_std=TEXT_INIT_STD)
+    text.vocab_size = 64 * -(-len(tokenizer) // 64)
+    return tokenizer, text
+
+
 def _build_qwen3_5_vl(out_dir: Path, seed: int) -> Path:
     import torch
     from transformers import PreTrainedConfig, Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    tokenizer = build_tokenizer(2048)
-    tokenizer.add_special_tokens({"additional_special_tokens": [*VISION_TOKENS, *CHAT_TOKENS]})
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer, text = _tokenizer_and_text("qwen3_5", VISION_TOKENS, CHAT_TEMPLATE)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
-
-    text = make_config("qwen3_5", init_std=TEXT_INIT_STD)
-    text.vocab_size = 64 * -(-len(tokenizer) // 64)
     text_config = text.to_dict()
     text_config.pop("architectures", None)
     vision = {
@@ -148,11 +154,7 @@ def _build_lfm2_vl(out_dir: Path, seed: int) -> Path:
     from transformers import Lfm2VlConfig, Lfm2VlForConditionalGeneration
 
     template = chat_template("<image>")
-    tokenizer = build_tokenizer(2048)
-    tokenizer.add_special_tokens({"additional_special_tokens": [*LFM2_IMAGE_TOKENS, *CHAT_TOKENS]})
-    tokenizer.chat_template = template
-    text = make_config("lfm2", init_std=TEXT_INIT_STD)
-    text.vocab_size = 64 * -(-len(tokenizer) // 64)
+    tokenizer, text = _tokenizer_and_text("lfm2", LFM2_IMAGE_TOKENS, template)
     text.architectures = ["Lfm2ForCausalLM"]
     vision = {
         "model_type": "siglip2_vision_model", "hidden_size": 128, "intermediate_size": 256,
