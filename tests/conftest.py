@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from engine_runs import DECLARED, Reference
+from xdist_cores import one_core_set_per_worker
 from xdist_groups import pytest_collection_modifyitems  # noqa: F401  (--dist loadgroup's groups)
 
 from hybrid_offload.testing.models import build_model
@@ -20,6 +21,8 @@ from hybrid_offload.testing.session import run_session_subprocess
 pytest.register_assert_rewrite("hybrid_offload.testing.backend_contract")
 
 ModelFactory = Callable[..., Path]
+
+one_core_set_per_worker()  # engines of two xdist workers must not share cores; before torch loads
 
 
 @pytest.fixture(scope="session")
