@@ -4,15 +4,18 @@ engine (``engine_runs.reference``)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from engine_runs import DECLARED, Reference
+from warm_start import WarmInterpreter
 from xdist_cores import one_core_set_per_worker
 from xdist_groups import pytest_collection_modifyitems  # noqa: F401  (--dist loadgroup's groups)
 
+from hybrid_offload.testing import session
 from hybrid_offload.testing.models import build_model
 from hybrid_offload.testing.services import RedisServer, start_redis_server
 from hybrid_offload.testing.session import run_session_subprocess
@@ -23,6 +26,11 @@ pytest.register_assert_rewrite("hybrid_offload.testing.backend_contract")
 ModelFactory = Callable[..., Path]
 
 one_core_set_per_worker()  # engines of two xdist workers must not share cores; before torch loads
+#: processes the tests start skip the last garbage collection at exit (tests/exit_without_gc)
+EXIT_WITHOUT_GC = str(Path(__file__).parent / "exit_without_gc")
+if EXIT_WITHOUT_GC not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [EXIT_WITHOUT_GC, os.environ.get("PYTHONPATH")]))
+session.launch = WarmInterpreter().launch  # engine runs fork from an interpreter with vLLM imported
 
 
 @pytest.fixture(scope="session")

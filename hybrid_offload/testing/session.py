@@ -268,28 +268,37 @@ def run_session(spec: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+#: how :func:`run_module_subprocess` runs ``python ARGS``: ``launch(args, env, timeout)`` -> (exit
+#: code, output), raising ``subprocess.TimeoutExpired`` past ``timeout`` seconds
+Launch = Callable[[list[str], dict[str, str], float], tuple[int, str]]
+
+
+def fresh_interpreter(args: list[str], env: dict[str, str], timeout: float) -> tuple[int, str]:
+    """A new Python interpreter (:data:`launch`'s default)."""
+    proc = subprocess.run([sys.executable, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=timeout, check=False)  # fmt: skip
+    return proc.returncode, proc.stdout
+
+
+#: the :data:`Launch` in use; a test suite may swap in one that forks an interpreter with vLLM
+#: already imported (the repository's tests/warm_start.py)
+launch: Launch = fresh_interpreter
+
+
 def run_module_subprocess(
     module: str, spec: dict[str, Any], *, timeout: float, env: dict[str, str], what: str
 ) -> dict[str, Any]:
-    """Run ``python -m module spec.json out.json`` in a fresh process with ``env`` over this
-    one's; its JSON result plus ``log`` (its output). RuntimeError with the log's tail naming
-    ``what`` when it fails or writes nothing."""
+    """Run ``python -m module spec.json out.json`` in a fresh process (:data:`launch`) with ``env``
+    over this one's; its JSON result plus ``log`` (its output). RuntimeError with the log's tail
+    naming ``what`` when it fails or writes nothing."""
     with tempfile.TemporaryDirectory(prefix="hybrid-offload-run-") as tmp:
         spec_path, out_path = Path(tmp, "spec.json"), Path(tmp, "out.json")
         spec_path.write_text(json.dumps(spec))
-        proc = subprocess.run(
-            [sys.executable, "-m", module, str(spec_path), str(out_path)],
-            env={**os.environ, **env},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
-        if proc.returncode != 0 or not out_path.exists():
-            raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{proc.stdout[-6000:]}")
+        code, output = launch(["-m", module, str(spec_path), str(out_path)], {**os.environ, **env}, timeout)
+        if code != 0 or not out_path.exists():
+            raise RuntimeError(f"{what} failed (exit {code}):\n{output[-6000:]}")
         result = json.loads(out_path.read_text())
-        result["log"] = proc.stdout
+        result["log"] = output
         return result
 
 

@@ -195,13 +195,16 @@ def _vllm_config(arch: Arch, folder: Path) -> Any:
     hf = arch.config()
     hf.dtype = "bfloat16"
     hf.save_pretrained(folder)
-    return VllmConfig(
-        model_config=ModelConfig(model=str(folder), skip_tokenizer_init=True, dtype="bfloat16",
-                                 max_model_len=4096),
-        cache_config=CacheConfig(enable_prefix_caching=True, mamba_cache_mode="align"),
-        scheduler_config=SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=16, max_model_len=4096,
-                                         is_encoder_decoder=False),
-    )  # fmt: skip
+    # vLLM's CPU platform turns prefix caching off for an MLA model where the CPU lacks AMX (its
+    # reference MLA kernel); a GPU engine keeps it: built as on an AMX CPU
+    with mock.patch.object(torch.cpu, "_is_amx_tile_supported", return_value=True):
+        return VllmConfig(
+            model_config=ModelConfig(model=str(folder), skip_tokenizer_init=True, dtype="bfloat16",
+                                     max_model_len=4096),
+            cache_config=CacheConfig(enable_prefix_caching=True, mamba_cache_mode="align"),
+            scheduler_config=SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=16, max_model_len=4096,
+                                             is_encoder_decoder=False),
+        )  # fmt: skip
 
 
 def _gpu_engine_kv_cache(arch: Arch, base: Any, tp: int) -> Built:

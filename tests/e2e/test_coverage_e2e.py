@@ -3,7 +3,8 @@
 vLLM's default multi-process engine (scheduler in its EngineCore process, the connector's
 worker side in a worker process) runs a multi-turn chat whose turns carry the generated
 replies (two conversations at once) and prompts of random lengths (1k-6k tokens, up to beyond
-``max_num_batched_tokens``) asked twice: with async scheduling on (falcon_h1), off (zamba2) and
+``max_num_batched_tokens``) asked twice: with async scheduling on (falcon_h1), off and vLLM's
+prefix caching off too (zamba2: Mamba cache mode ``none``, the connector's own stops) and
 pipeline parallel (nemotron_h at PP=2, its stages each storing and loading their layers, against
 a PP=1 engine's tokens); LFM2 and LFM2-MoE (short-conv state) are checked by logprobs, see
 :func:`test_short_conv_states_are_restored_bit_for_bit`. vLLM's own prefix cache is reset
@@ -51,11 +52,14 @@ PP2 = {"pipeline_parallel_size": 2, "distributed_executor_backend": "mp"}
 
 
 @pytest.mark.parametrize(("arch", "engine"),
-                         [("falcon_h1", "async"), ("nemotron_h", "pp2"), ("zamba2", "sync")])
+                         [("falcon_h1", "async"), ("nemotron_h", "pp2"), ("zamba2", "sync-no-pc")])
 def test_float32_traffic_is_served_with_identical_tokens(arch: str, engine: str, model_dir) -> None:
     spec = {"model": str(model_dir(arch)), "dtype": "float32", "max_model_len": 8192, "workloads": TRAFFIC}
     base = run_engine_subprocess({**spec, "connector": None})
-    llm_kwargs, env = {"async_scheduling": engine == "async"}, None
+    llm_kwargs: dict[str, Any] = {"async_scheduling": engine == "async"}
+    env = None
+    if engine == "sync-no-pc":  # vLLM's prefix caching off
+        llm_kwargs["enable_prefix_caching"] = False
     if engine == "pp2":
         llm_kwargs, env = PP2, two_core_env("the PP=2 stages")
     ours = run_engine_subprocess({**spec, "connector": connector(), "llm_kwargs": llm_kwargs}, env=env)

@@ -8,18 +8,18 @@ so that its output repeats itself often enough for the n-gram drafter: drafts ar
 accepted and rejected (checked), which is what the store rules must get right.
 
 Engines: a baseline without connector and without drafting (reference tokens and first-token
-logprobs); a drafting engine with a cpu + disk cache; a new drafting engine on the same disk
-(a restart); and an engine with the cache and prefix caching off but no drafting. Every
+logprobs); a drafting engine with a cpu + disk cache; and a new drafting engine on the same disk
+(a restart: an engine without drafting would not find these pages, whose Mamba group differs in
+``num_speculative_blocks``). The cache with prefix caching off but no drafting is
+test_coverage_e2e.py's zamba2 engine. Every
 request that loads pages must give the baseline's first-token logprobs (within 1e-3; correct
 pages give ~1e-6 in float32, pages with a rejected draft's KV gave 0.03-0.08) and every engine
 the baseline's greedy tokens (vLLM's CPU drafting is exact with the ``cpu_mamba_spec_decode``
 patch); each engine serves >= 95 % of the reusable prefix (what earlier requests' prompts and
 replies share with a request, floored to the 128-token chunk).
 
-Engines per test: the n-gram test's four (baseline, drafting, restart, no drafting) each run
-both workloads, whose every result it checks; the MTP test's baseline runs only the random
-prompts (the one workload whose logprobs it compares: in bf16 the chat's tokens are not), its
-drafting engine both.
+Engines per test: the n-gram test's three (baseline, drafting, restart) each run both
+workloads, whose every result it checks; the MTP test's one drafting engine both.
 """
 
 from __future__ import annotations
@@ -41,8 +41,6 @@ pytestmark = pytest.mark.e2e
 
 CHUNK = 128
 TRAFFIC = [{"name": name, "seed": 7, "size": SIZES["small"][name]} for name in ("chat", "random")]
-#: the prompts of random lengths asked twice (its own seed: the same prompts without the chat)
-RANDOM = [w for w in TRAFFIC if w["name"] == "random"]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
 MTP = {"method": "qwen3_next_mtp", "num_speculative_tokens": 2}
 NO_PREFIX_CACHING = {"enable_prefix_caching": False}
@@ -93,22 +91,20 @@ def test_drafting_engines_store_accepted_tokens_only_and_keep_hits(model_dir, tm
     check(base, ours)
     restart = run_engine_subprocess({**spec, "connector": {"backends": [disk]}, "llm_kwargs": drafting})
     check(base, restart, earlier=ours)
-    plain = run_engine_subprocess({**spec, "connector": {"backends": [cpu]}, "llm_kwargs": NO_PREFIX_CACHING})
-    check(base, plain)
 
 
 def test_mtp_drafting_engine_keeps_hits(model_dir) -> None:
     """Qwen3-Next with an MTP drafter (``qwen3_next_mtp``, 2 draft tokens; its random MTP layer
-    gets almost every draft rejected). Its CPU kernels need bf16, where vLLM's first-token
-    logprobs of a prompt move by ~0.03 between a computed and a loaded prefix even without
-    drafting (measured: 0.0305 on these prompts), and near-tied greedy tokens flip: the
-    check is the hits, and the logprobs of the prompts asked twice against that floor. That
-    pages hold accepted tokens' KV only is shown in float32 by the n-gram test above."""
+    gets almost every draft rejected). Its CPU kernels need bf16, where an engine's numbers
+    depend on its kernels: with drafting on, vLLM's first-token logprobs of these prompts differ
+    from an engine without drafting by up to 0.22 on a CPU without AMX (0.065, 0.127, 0.216,
+    measured without any connector), and a computed and a loaded prefix by ~0.03 on an AMX CPU
+    (0.0305; 0 on the CPU without AMX). So the check is the hits, and that every prompt asked
+    again, served from the cache, gives its first ask's first-token logprobs (computed by the
+    same engine) within that floor. That pages hold accepted tokens' KV only is shown in
+    float32 by the n-gram test above."""
     model = str(model_dir("qwen3_next", mtp_layers=1))
     spec = {"model": model, "dtype": "bfloat16", "max_model_len": 8192, "workloads": TRAFFIC, "logprobs": 5}
-    # only the prompts whose logprobs are compared below
-    base = run_engine_subprocess({**spec, "workloads": RANDOM, "connector": None,
-                                  "llm_kwargs": NO_PREFIX_CACHING})
     mtp = {**NO_PREFIX_CACHING, "speculative_config": MTP}
     cpu = {"type": "cpu", "name": "cpu", "capacity_bytes": "2GiB"}
     ours = run_engine_subprocess({**spec, "connector": {"backends": [cpu]}, "llm_kwargs": mtp})
@@ -117,8 +113,12 @@ def test_mtp_drafting_engine_keeps_hits(model_dir) -> None:
     for name, workload in ours["workloads"].items():
         cov = coverage(workload["waves"], CHUNK)
         assert cov["ratio"] >= 0.95, (name, cov["served"], cov["reusable"], cov["per_request"])
-    gaps = first_logprob_gap(base["workloads"]["random"]["waves"], ours["workloads"]["random"]["waves"])
-    assert gaps and max(gaps) < 0.05, gaps
+    rows = {r["label"]: r for wave in ours["workloads"]["random"]["waves"] for r in wave}
+    again = [label for label in rows if label.endswith(".again")]
+    assert again and all(rows[label]["cached"] > 0 for label in again)
+    first = [[rows[label.replace(".again", ".first")]] for label in again]
+    gaps = first_logprob_gap(first, [[rows[label]] for label in again])
+    assert len(gaps) == len(again) and max(gaps) < 0.05, gaps
 
 
 def test_vllms_schedulers_with_drafts_get_only_right_pages_copied(model_dir, tmp_path: Path) -> None:
