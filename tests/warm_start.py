@@ -14,10 +14,10 @@ no process of the run's process group is left, as ``subprocess.run`` returns onc
 holding the run's output has closed it (an engine's workers may still be writing their stores
 when the run's own process has ended).
 
-A run whose environment differs from the warm interpreter's in anything but ``VLLM_*``
-variables (vLLM reads those when an engine starts; torch's OpenMP, Hugging Face's offline mode
-and ``PYTHONPATH`` are read at import), or any run while the warm interpreter is not up, gets a
-fresh interpreter instead (:func:`hybrid_offload.testing.session.fresh_interpreter`).
+A run whose environment differs from the warm interpreter's in a variable read at import
+(:data:`READ_AT_IMPORT`: torch's OpenMP, Hugging Face's offline mode, ``PYTHONPATH``), or any
+run while the warm interpreter is not up, gets a fresh interpreter instead
+(:func:`hybrid_offload.testing.session.fresh_interpreter`).
 """
 
 from __future__ import annotations
@@ -42,10 +42,11 @@ from typing import IO, Any
 PRELOAD = ("vllm", "vllm.entrypoints.llm", "hybrid_offload.testing.session",
            "hybrid_offload.tools.bench.workload_run", "hybrid_offload.testing.vision_session")  # fmt: skip
 PR_SET_CHILD_SUBREAPER = 36
-#: the variables vLLM reads when an engine starts, not at import; except its logging's
-READ_AT_START = "VLLM_"
-READ_AT_IMPORT = ("VLLM_CONFIGURE_LOGGING", "VLLM_LOGGING_LEVEL", "VLLM_LOGGING_CONFIG_PATH",
-                  "VLLM_LOGGING_PREFIX")  # fmt: skip
+#: variables read when a module is imported or a library loaded, by what the warm interpreter
+#: imports: OpenMP's and the math libraries' threads, Hugging Face's offline mode, Python's own,
+#: vLLM's logging. A run whose environment differs in one of them starts fresh.
+READ_AT_IMPORT = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_",
+                  "TOKENIZERS_", "PYTHON", "VLLM_CONFIGURE_LOGGING", "VLLM_LOGGING_")  # fmt: skip
 
 
 def warm_env() -> dict[str, str]:
@@ -53,18 +54,24 @@ def warm_env() -> dict[str, str]:
     besides ``VLLM_*`` (offline Hugging Face, no tokenizer threads)."""
     from hybrid_offload.testing.session import ENGINE_ENV
 
-    return {**os.environ, **{k: v for k, v in ENGINE_ENV.items() if not k.startswith(READ_AT_START)}}
+    return {**os.environ, **{k: v for k, v in ENGINE_ENV.items() if not k.startswith("VLLM_")}}
 
 
-def forkable(env: dict[str, str], warm: dict[str, str], imported: dict[str, str] | None = None) -> bool:
-    """Whether a run with ``env`` may fork from an interpreter started with ``warm``, whose
-    environment was ``imported`` once it had imported (imports set variables of their own, as
-    they did in this process). pytest's ``PYTEST_CURRENT_TEST`` names the test running, and
-    nothing reads it."""
-    imported = warm if imported is None else imported
-    differing = {k for k in env.keys() | warm.keys() if env.get(k) not in (warm.get(k), imported.get(k))}
-    return all(k.startswith(READ_AT_START) and k not in READ_AT_IMPORT
-               for k in differing - {"PYTEST_CURRENT_TEST"})  # fmt: skip
+Env = dict[str, str]
+
+
+def blocking_fork(env: Env, warm: Env) -> set[str]:
+    """The variables that keep a run with ``env`` from forking from an interpreter started with
+    ``warm``: those :data:`READ_AT_IMPORT` whose values differ. (Others may: ``VLLM_*`` settings
+    are read when an engine starts, and what imports or vLLM's CPU platform write into this
+    process's environment, the run's own process writes again.)"""
+    differing = {k for k in env.keys() | warm.keys() if env.get(k) != warm.get(k)}
+    return {k for k in differing if k.startswith(READ_AT_IMPORT)}
+
+
+def forkable(env: Env, warm: Env) -> bool:
+    """Whether nothing keeps a run with ``env`` from forking (:func:`blocking_fork`)."""
+    return not blocking_fork(env, warm)
 
 
 class WarmInterpreter:
@@ -73,8 +80,6 @@ class WarmInterpreter:
     def __init__(self, env: dict[str, str] | None = None, preload: tuple[str, ...] = PRELOAD) -> None:
         self.env = warm_env() if env is None else env
         self.preload = preload
-        #: the warm interpreter's environment once it imported :attr:`preload`
-        self.imported_env = self.env
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[str] | None = None
         self._dir = tempfile.TemporaryDirectory(prefix="hybrid-offload-warm-")
@@ -89,10 +94,7 @@ class WarmInterpreter:
                 self._proc = subprocess.Popen(argv, env=self.env, stdin=pipe, stdout=pipe, stderr=log,
                                               text=True)  # fmt: skip
             assert self._proc.stdout is not None
-            ready = self._proc.stdout.readline()
-            if ready.startswith("ready "):
-                self.imported_env = json.loads(ready.removeprefix("ready "))
-            else:
+            if self._proc.stdout.readline().strip() != "ready":
                 self._proc.kill()
         return self._proc if self._proc.poll() is None else None
 
@@ -124,7 +126,7 @@ class WarmInterpreter:
         pid = None
         with self._lock:
             warm = args[:1] == ["-m"] and self.start() is not None
-            if warm and forkable(env, self.env, self.imported_env):
+            if warm and forkable(env, self.env):
                 self._runs += 1
                 base = Path(self._dir.name, f"run-{self._runs}")
                 request = {"module": args[1], "args": args[2:], "env": env, "cwd": os.getcwd(),
@@ -219,7 +221,7 @@ def serve(preload: list[str], requests: IO[str], replies: IO[str]) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     statuses: dict[int, str] = {}
     early: dict[int, int] = {}
-    replies.write(f"ready {json.dumps(dict(os.environ))}\n")
+    replies.write("ready\n")
     replies.flush()
     while True:
         try:
