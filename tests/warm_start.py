@@ -33,10 +33,11 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import traceback
 from pathlib import Path
 from typing import IO, Any
+
+from hybrid_offload.testing.deadlines import wait_until
 
 #: imported once by the warm interpreter: what the engine-running modules import
 PRELOAD = ("vllm", "vllm.entrypoints.llm", "hybrid_offload.testing.session",
@@ -134,12 +135,13 @@ class WarmInterpreter:
                 pid = self._fork(request)
         if pid is None:  # not a module, an environment the warm interpreter cannot give, or it is down
             return fresh_interpreter(args, env, timeout)
-        status, deadline = Path(request["status"]), time.monotonic() + timeout
-        while not (status.exists() and _group_gone(pid)):  # as subprocess.run: until its output closes
-            if time.monotonic() > deadline:
-                os.killpg(pid, signal.SIGKILL)
-                raise subprocess.TimeoutExpired(["python", *args], timeout)
-            time.sleep(0.2)
+        status = Path(request["status"])
+        try:  # as subprocess.run: until every holder of its output is gone
+            wait_until(lambda: status.exists() and _group_gone(pid), f"run {pid} ended", timeout_s=timeout,
+                       poll_s=0.2)  # fmt: skip
+        except AssertionError:
+            os.killpg(pid, signal.SIGKILL)
+            raise subprocess.TimeoutExpired(["python", *args], timeout) from None
         return int(status.read_text()), Path(request["output"]).read_text(errors="replace")
 
 
@@ -186,9 +188,10 @@ def _run_child(request: dict[str, Any]) -> None:
         os._exit(code)
 
 
-def _reap(statuses: dict[int, str], early: dict[int, int]) -> None:
-    """Write the exit code of every ended child to its status file (``early``: children that
-    ended before their pid was registered)."""
+def _reap(statuses: dict[int, str]) -> None:
+    """Write the exit code of every ended run to its status file; drop what a run left behind
+    (reaped here as their subreaper). Only the request loop reaps, so a run's pid is registered
+    before it can be reaped."""
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -196,15 +199,10 @@ def _reap(statuses: dict[int, str], early: dict[int, int]) -> None:
             return
         if pid == 0:
             return
-        early[pid] = os.waitstatus_to_exitcode(status)
-        _write_status(statuses, early, pid)
-
-
-def _write_status(statuses: dict[int, str], early: dict[int, int], pid: int) -> None:
-    if pid in statuses and pid in early:
-        path = statuses.pop(pid)
-        Path(f"{path}.tmp").write_text(str(early.pop(pid)))
-        os.replace(f"{path}.tmp", path)
+        path = statuses.pop(pid, None)
+        if path is not None:
+            Path(f"{path}.tmp").write_text(str(os.waitstatus_to_exitcode(status)))
+            os.replace(f"{path}.tmp", path)
 
 
 def serve(preload: list[str], requests: IO[str], replies: IO[str]) -> None:
@@ -220,7 +218,6 @@ def serve(preload: list[str], requests: IO[str], replies: IO[str]) -> None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     statuses: dict[int, str] = {}
-    early: dict[int, int] = {}
     replies.write("ready\n")
     replies.flush()
     while True:
@@ -230,7 +227,7 @@ def serve(preload: list[str], requests: IO[str], replies: IO[str]) -> None:
             continue
         if wake_r in ready:
             os.read(wake_r, 4096)
-            _reap(statuses, early)
+            _reap(statuses)
         if requests in ready:
             line = requests.readline()
             if not line:
@@ -242,7 +239,6 @@ def serve(preload: list[str], requests: IO[str], replies: IO[str]) -> None:
             statuses[pid] = request["status"]
             replies.write(f"{pid}\n")
             replies.flush()
-            _write_status(statuses, early, pid)
 
 
 if __name__ == "__main__":
