@@ -162,7 +162,10 @@ def _run_child(request: dict[str, Any]) -> None:
     """In the forked child: become ``python -m module args`` with the request's environment."""
     code = 1
     try:
-        os.setsid()  # the test's timeout kills the run's process group: the engine's processes too
+        # a process group of its own: the test's timeout kills the engine's processes too. Not a
+        # session of its own: under the kernel's autogroup scheduling each session shares the CPU
+        # as one, so runs would get the CPU differently from fresh ones, which stay in the test's.
+        os.setpgid(0, 0)
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         out = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -78,8 +78,14 @@ def run(base: dict[str, Any], layout: dict[str, Any], prompts: list[list[list[in
         spec.update(pass_barrier=str(gate), barrier_timeout_s=900)
     result = run_session_subprocess(spec, env=env, timeout=600 if gate is None else 1800)
     assert "not shared with other engines" not in result["log"]  # scheduler and workers agree
-    assert all(p["scheduler"]["failed_loads"] == 0 for p in result["passes"])  # every load landed
+    failed = [p["scheduler"]["failed_loads"] for p in result["passes"]]
+    assert not any(failed), f"failed loads per pass {failed}:\n{warnings(result['log'])}"  # every load landed
     return result
+
+
+def warnings(log: str) -> str:
+    """The log's warnings and errors (why a load failed or a store was dropped), last 40."""
+    return "\n".join([line for line in log.splitlines() if "WARNING" in line or "ERROR" in line][-40:])
 
 
 def test_nemotron_h_pages_load_across_pp_and_tp_layouts_through_disk(model_dir, tmp_path: Path) -> None:
@@ -142,15 +148,15 @@ def test_falcon_h1_pages_written_at_pp2_tp2_load_at_tp2_through_a_peer(model_dir
         # the PP=2 engine's pages and model card, as the cache CLI describes them
         target = ["--peer", peer.address, "--peer-token-file", str(peer.token_path),
                   "--secret-file", connector["secret_file"]]  # fmt: skip
-        model = check_with_cache_cli(target, {(0, 1), (1, 2)})
+        model = check_with_cache_cli(target, {(0, 1), (1, 2)}, warnings(writer["log"]))
         assert model["model"] == str(model_dir("falcon_h1")), model
         reader = run(base, TP2, [prompts(4)])  # PP=2 -> TP=2: each rank reads both stages' parts
         assert hit_rate(reader, 0, "peer") >= 0.95 and tokens(reader, 0) == tokens(writer, 0)
 
 
-def check_with_cache_cli(target: list[str], parts: set[tuple[int, int]]) -> dict[str, Any]:
+def check_with_cache_cli(target: list[str], parts: set[tuple[int, int]], writers: str = "") -> dict[str, Any]:
     """Every page verifies, and every page set the cache holds is complete in some layout;
-    ``cache stats``' entry of the one model."""
+    ``cache stats``' entry of the one model. ``writers``: their warnings, shown on a failure."""
     verify = subprocess.run([sys.executable, "-m", "hybrid_offload", "cache", "verify", *target],
                             capture_output=True, text=True, timeout=300)  # fmt: skip
     assert verify.returncode == 0, verify.stdout + verify.stderr
@@ -158,6 +164,6 @@ def check_with_cache_cli(target: list[str], parts: set[tuple[int, int]]) -> dict
                            capture_output=True, text=True, timeout=300, check=True)  # fmt: skip
     (model,) = json.loads(stats.stdout)["fingerprints"]
     for group in model["groups"]:
-        assert group["sets_complete"] > 0 and group["sets_incomplete"] == 0, group
+        assert group["sets_complete"] > 0 and group["sets_incomplete"] == 0, f"{group}\n{writers}"
     assert {tuple(p) for g in model["groups"] for p in g["parts"]} == parts
     return model

@@ -15,7 +15,8 @@ from hybrid_offload.testing.deadlines import wait_until
 
 CHILD = """
 import os, subprocess, sys, time
-print("parent", os.getppid(), "var", os.environ.get("VLLM_PROBE"), "args", sys.argv[1:], "main", __name__)
+print("parent", os.getppid(), "var", os.environ.get("VLLM_PROBE"), "args", sys.argv[1:], "main", __name__,
+      "group_leader", os.getpgid(0) == os.getpid(), "session", os.getsid(0))
 if sys.argv[1] == "sleep":  # and a process of its own (an engine's EngineCore, say)
     grandchild = subprocess.Popen(["sleep", "120"])
     open(sys.argv[2], "w").write(f"{os.getpid()} {grandchild.pid}")
@@ -37,9 +38,12 @@ def warm(tmp_path: Path):
 
 
 def test_a_forked_run_gets_its_environment_arguments_output_and_exit_code(warm: WarmInterpreter) -> None:
+    """In a process group of its own (killed as one), in the test's session as a fresh run is
+    (under autogroup scheduling a session shares the CPU as one)."""
     code, out = warm.launch(["-m", "probe_child", "3"], {**warm.env, "VLLM_PROBE": "x"}, timeout=60)
     assert code == 3
-    assert out.split() == ["parent", str(warm.pid), "var", "x", "args", "['3']", "main", "__main__"]
+    assert out.split() == ["parent", str(warm.pid), "var", "x", "args", "['3']", "main", "__main__",
+                           "group_leader", "True", "session", str(os.getsid(0))]  # fmt: skip
 
 
 def test_a_run_ends_when_the_processes_it_left_behind_end(warm: WarmInterpreter, tmp_path: Path) -> None:
