@@ -78,6 +78,10 @@ CONNECTOR_COUNTERS = {
         "store_batch_errors",
         "Store batches that failed with an unexpected error, a bug (logged with its traceback).",
     ),
+    "lookup_errors": (
+        "lookup_errors",
+        "Lookups that failed with an unexpected error, a bug (logged with its traceback; a miss).",
+    ),
     "served_tokens": ("served_tokens", "Tokens loaded for admitted requests (beyond vLLM's own hit)."),
     "loads_written": ("loads_written", "Loads written into vLLM's KV cache (see load_phase_seconds)."),
     "copy_out_seconds": (

@@ -119,6 +119,8 @@ class SchedulerCounters:
     #: new requests included (vLLM may ask about a waiting request more than once)
     lookup_calls: int = 0
     lookup_seconds: float = 0.0
+    #: lookups that failed with an unexpected error, a bug (logged; the request recomputes)
+    lookup_errors: int = 0
     backends: dict[str, BackendCounters] = field(default_factory=dict)
 
     def backend(self, name: str) -> BackendCounters:
@@ -516,6 +518,7 @@ def summarize(data: Mapping[str, Any]) -> dict[str, int | float]:
         "failed_loads",
         "stores_dropped",
         "store_batch_errors",
+        "lookup_errors",
     ):
         if key in data.get("counters", {}):
             out[key] = data["counters"][key]

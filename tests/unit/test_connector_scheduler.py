@@ -831,6 +831,40 @@ def test_unavailable_shared_backend_is_skipped_while_down_then_used_again(worlds
     assert not view.health.is_down and view.health.recoveries == 1
 
 
+def test_a_lookup_that_raises_unexpectedly_is_a_miss_not_the_engines_end(worlds, tmp_path: Path,
+                                                                          caplog) -> None:  # fmt: skip
+    """A backend raising what no backend should (a bug, not a BackendError) in a lookup: a miss
+    with no load planned, logged and counted (``lookup_errors``); vLLM's scheduler would
+    otherwise end EngineCore. The next lookup finds the pages."""
+    w = worlds(make_spec(8, 8), 8, backends=(tier(flaky_disk(tmp_path / "r")),))
+    tokens = prompt(28)
+    w.hold("redis", w.chunk_keys(tokens, range(3)))
+    w.faulty("redis").fail("contains_batch", error=RuntimeError("a bug in a backend"))
+    req = FakeRequest("r1", tokens)
+    assert w.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert "lookup of r1 failed" in caplog.text and "a bug in a backend" in caplog.text
+    assert w.sched.stats.snapshot()["lookup_errors"] == 1
+    assert w.sched.load_score("r1") == 0.0
+    assert w.sched.get_num_new_matched_tokens(FakeRequest("r2", tokens), 0) == (24, True)  # it passed
+    w.sched.update_state_after_alloc(req, ([1, 2, 3, 4], [5, 6, 7, 8]), 0)
+    meta = w.sched.build_connector_meta(step(new=[new_req("r1", ([1, 2, 3, 4], [5, 6, 7, 8]), 0)],
+                                             scheduled={"r1": 28}))  # fmt: skip
+    assert not meta.loads and meta.stores  # r1 recomputes and stores
+
+
+def test_a_lookup_that_fails_after_choosing_a_load_plans_none(worlds, monkeypatch) -> None:
+    w = worlds(make_spec(8, 8), 8)
+    tokens = prompt(28)
+    w.hold("cpu", w.chunk_keys(tokens, range(3)))
+
+    def broken(*args: Any) -> None:
+        raise KeyError("a bug of ours")
+
+    monkeypatch.setattr(w.sched, "_plan_checkpoints", broken)  # runs once the load is chosen
+    assert w.sched.get_num_new_matched_tokens(FakeRequest("r1", tokens), 0) == (0, False)
+    assert w.sched.load_score("r1") == 0.0 and w.sched.stats.snapshot()["lookup_errors"] == 1
+
+
 def test_lookups_are_counted_and_timed(worlds) -> None:
     ticks = iter([10.0, 10.25, 20.0, 20.5])  # each lookup reads the timer twice
     w = worlds(make_spec(8, 8), 8, timer=lambda: next(ticks))

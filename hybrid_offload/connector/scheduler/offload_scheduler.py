@@ -168,10 +168,19 @@ class OffloadScheduler:
         """Tokens loadable beyond ``num_computed_tokens`` as the load policy chooses; loads are
         async. None (vLLM asks again next step) while pages of this prefix are being stored. A
         resumed (preempted) request is looked up over its prompt and output so far. Timed
-        (``lookups`` / ``lookup_seconds``: keying the request included)."""
+        (``lookups`` / ``lookup_seconds``: keying the request included). An unexpected error (a
+        bug, ours or a backend's: not a :class:`BackendError`) is a miss, logged and counted
+        (``lookup_errors``): it must not end the engine."""
         started = self._timer()
         try:
             return self._matched_tokens(request, num_computed_tokens)
+        except Exception:
+            logger.exception("hybrid-offload: lookup of %s failed; a miss", request.request_id)
+            self.stats.add(lookup_errors=1)
+            state = self._requests.get(request.request_id)
+            if state is not None:  # whatever the failed lookup planned, no load
+                state.choice, state.load_end, state.coverage = None, state.load_start, None
+            return 0, False
         finally:
             elapsed = self._timer() - started
             self.stats.add(lookup_calls=1, lookup_seconds=elapsed)
