@@ -8,10 +8,12 @@ Two ways to get one:
 
       {"type": "hybrid_offload.testing.faulty:FaultyBackend", "name": "flaky",
        "capacity_bytes": "1GiB", "inner": {"type": "disk", "path": "/tmp/cache"},
-       "fail": ["put_batch"], "delay_s": {"get_into": 0.5}, "in_place": false}
+       "fail": ["put_batch"], "fail_with": "unavailable", "delay_s": {"get_into": 0.5},
+       "in_place": false}
 
   ``inner`` is the wrapped backend's ``type`` and options (it gets this entry's ``name`` and
-  ``capacity_bytes``); ``fail``: calls that fail from the start (until :meth:`~FaultyBackend.heal`);
+  ``capacity_bytes``); ``fail``: calls that fail from the start (until :meth:`~FaultyBackend.heal`),
+  with ``fail_with`` (:data:`FAIL_WITH`: the medium gone, or a bug: what no backend should raise);
   ``delay_s``: seconds each call of an op waits first; ``in_place: false``: callers copy even
   from a backend that lends in place (loads go through staging, as from a disk or a server).
   :func:`faulty_config` builds such a config from the inner one; :func:`faulty_in` finds the
@@ -51,7 +53,13 @@ FAULTY = f"{__name__}:FaultyBackend"
 READS = ("get_into", "get_batch", "lease_batch")
 _FLAGS = ("shared_index", "hit_source", "touch_refreshes", "in_place")
 #: the options of a configured :class:`FaultyBackend` and their defaults
-OPTION_DEFAULTS: dict[str, Any] = {"inner": None, "fail": [], "delay_s": {}, "in_place": None}
+OPTION_DEFAULTS: dict[str, Any] = {"inner": None, "fail": [], "fail_with": "unavailable", "delay_s": {},
+                                   "in_place": None}  # fmt: skip
+#: ``fail_with`` -> what a configured failing call raises
+FAIL_WITH: dict[str, Callable[[str], Exception]] = {
+    "unavailable": lambda op: BackendUnavailableError(f"injected {op} failure"),
+    "bug": lambda op: RuntimeError(f"injected bug in {op}"),  # not a BackendError: a broken backend
+}
 
 
 class FaultyBackend(BackendWrapper):
@@ -79,8 +87,8 @@ class FaultyBackend(BackendWrapper):
         self._delays: dict[str, float] = dict(options["delay_s"])
         #: data calls that reached this wrapper, per method name
         self.calls: dict[str, int] = {}
-        if options["fail"]:
-            self.fail(*options["fail"], times=None)
+        for op in options["fail"]:
+            self.fail(op, times=None, error=FAIL_WITH[options["fail_with"]](op))
         if options["in_place"] is False:
             self.in_place = False
 
@@ -105,6 +113,10 @@ class FaultyBackend(BackendWrapper):
         if isinstance(out["fail"], str) or not isinstance(out["fail"], Iterable):
             raise BackendConfigError(f"faulty: 'fail' must be a list of calls, got {out['fail']!r}")
         out["fail"] = [_checked_op(op, "fail") for op in out["fail"]]
+        fail_with = out["fail_with"]
+        if not isinstance(fail_with, str) or fail_with not in FAIL_WITH:
+            choices = ", ".join(FAIL_WITH)
+            raise BackendConfigError(f"faulty: 'fail_with' must be one of {choices}, got {fail_with!r}")
         delays = out["delay_s"]
         if not isinstance(delays, Mapping) or not all(
             isinstance(s, int | float) and not isinstance(s, bool) and s >= 0 for s in delays.values()
@@ -202,11 +214,12 @@ def faulty_config(
     inner: BackendConfig,
     *,
     fail: Iterable[str] = (),
+    fail_with: str = "unavailable",
     delay_s: Mapping[str, float] | None = None,
     in_place: bool | None = None,
 ) -> BackendConfig:
     """The config of a :class:`FaultyBackend` around ``inner`` (same name and capacity)."""
-    options = {"inner": {"type": inner.type, **inner.options}, "fail": list(fail),
+    options = {"inner": {"type": inner.type, **inner.options}, "fail": list(fail), "fail_with": fail_with,
                "delay_s": dict(delay_s or {}), "in_place": in_place}  # fmt: skip
     return BackendConfig(FAULTY, inner.name, inner.capacity_bytes, options=options)
 

@@ -1,8 +1,9 @@
 """Fault matrix, configuration cell: a real engine (offline vLLM, tiny falcon_h1) starts with
 each bad connector config and must stop with one clear error naming the key; a backend that is
-unreachable at start-up is a warning, and the engine serves (recomputing) with unchanged output.
+unreachable at start-up is a warning, and the engine serves (recomputing) with unchanged output;
+a backend that raises a bug in lookups costs hits, never the engine.
 
-Shared engines: the run without the connector that the unreachable-backends test compares with
+Shared engines: the run without the connector that the last two tests compare with
 is a reference engine of ``engine_runs`` (:data:`BASELINE`; falcon_h1, 8 tokens), started once
 per xdist worker for every module declaring that engine (see there).
 """
@@ -21,6 +22,7 @@ from typing import Any
 import pytest
 from engine_runs import CHUNK_TOKENS, reference, shared_prefix_prompts, tokens
 
+from hybrid_offload.testing.faulty import FAULTY
 from hybrid_offload.testing.services import free_port
 from hybrid_offload.testing.session import ENGINE_ENV, run_session_subprocess
 
@@ -149,3 +151,21 @@ def test_unreachable_backends_at_startup_are_a_warning_not_a_failure(
         "peer",
     }
     assert result["passes"][0]["scheduler"]["backends"]["disk"]["loaded_tokens"] > 0  # the rest works
+
+
+def test_a_backend_raising_what_no_backend_should_in_lookups_costs_hits_not_the_engine(
+    model_dir, reference_run, tmp_path: Path
+) -> None:
+    """vLLM's default engine (EngineCore in its own process): a tier whose every lookup raises a
+    bug (``RuntimeError``, not a BackendError). Every request is a miss and completes with the
+    tokens of a run without the connector, twice over; the traceback is logged once, not per
+    request (before the guard, the first lookup ended EngineCore)."""
+    broken = {"type": FAULTY, "name": "broken", "inner": {"type": "disk", "path": str(tmp_path / "disk")},
+              "fail": ["contains_batch"], "fail_with": "bug"}  # fmt: skip
+    spec = {"model": str(model_dir(ARCH)), "prompts": PROMPTS, "max_tokens": 8, "passes": 2,
+            "reset_prefix_cache": "request", "connector": {"backends": [broken]}}  # fmt: skip
+    result = run_session_subprocess(spec, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    expected = tokens(reference_run(BASELINE), 0)
+    assert tokens(result, 0) == expected and tokens(result, 1) == expected
+    failed = [line for line in result["log"].splitlines() if "lookup of" in line and "failed; a miss" in line]
+    assert len(failed) == 1 and "RuntimeError: injected bug in contains_batch" in result["log"], failed

@@ -115,6 +115,11 @@ def test_configured_by_type_around_any_backend(tmp_path: Path) -> None:
     for opened in (backend, other):
         opened.close()
 
+    with create_backend(faulty_config(cpu("broken"), fail=["contains_batch"], fail_with="bug")) as broken:
+        with pytest.raises(RuntimeError, match="injected bug in contains_batch"):  # not a BackendError
+            broken.contains_batch([KEY])
+        assert broken.put_batch([(KEY, b"x")]) == [True]
+
     disk = faulty_config(BackendConfig("disk", "d", 1 << 20, options={"path": str(tmp_path / "d")}))
     with create_backend(disk) as backend:
         assert backend.put_batch([(KEY, b"page")]) == [True]
@@ -149,6 +154,8 @@ def test_the_class_serving_a_config_tells_the_inner_types_flags() -> None:
         ({"inner": {"type": "cpu", "colour": "red"}}, "'inner': .*unknown key"),
         ({"inner": {"type": "cpu"}, "fail": ["scan"]}, "fail: unknown call 'scan'"),
         ({"inner": {"type": "cpu"}, "fail": "put_batch"}, "'fail' must be a list"),
+        ({"inner": {"type": "cpu"}, "fail_with": "typo"}, "'fail_with' must be one of unavailable, bug"),
+        ({"inner": {"type": "cpu"}, "fail_with": ["bug"]}, "'fail_with' must be one of"),
         ({"inner": {"type": "cpu"}, "delay_s": {"get_into": -1}}, "'delay_s' must map"),
         ({"inner": {"type": "cpu"}, "in_place": True}, "'in_place' can only be false"),
     ],

@@ -100,6 +100,7 @@ class OffloadScheduler:
         (:mod:`.extras`); ``timer`` times lookups (``lookup_seconds``)."""
         self.planner = planner
         self._timer = timer
+        self._lookup_error_logged = False
         self._accept_weights_version = accept_weights_version
         self._multimodal_keys = multimodal_keys
         self.stats = Locked(SchedulerCounters())
@@ -169,13 +170,17 @@ class OffloadScheduler:
         async. None (vLLM asks again next step) while pages of this prefix are being stored. A
         resumed (preempted) request is looked up over its prompt and output so far. Timed
         (``lookups`` / ``lookup_seconds``: keying the request included). An unexpected error (a
-        bug, ours or a backend's: not a :class:`BackendError`) is a miss, logged and counted
-        (``lookup_errors``): it must not end the engine."""
+        bug, ours or a backend's: not a :class:`BackendError`) is a miss, counted
+        (``lookup_errors``) and logged with its traceback (the first; later ones at debug level,
+        so a broken backend does not flood the log): it must not end the engine."""
         started = self._timer()
         try:
             return self._matched_tokens(request, num_computed_tokens)
         except Exception:
-            logger.exception("hybrid-offload: lookup of %s failed; a miss", request.request_id)
+            log = logger.debug if self._lookup_error_logged else logger.error
+            self._lookup_error_logged = True
+            log("hybrid-offload: lookup of %s failed; a miss (later ones are logged at debug level)",
+                request.request_id, exc_info=True)  # fmt: skip
             self.stats.add(lookup_errors=1)
             state = self._requests.get(request.request_id)
             if state is not None:  # whatever the failed lookup planned, no load
