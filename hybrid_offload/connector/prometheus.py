@@ -80,7 +80,7 @@ CONNECTOR_COUNTERS = {
     ),
     "lookup_errors": (
         "lookup_errors",
-        "Lookups that failed with an unexpected error, a bug (logged with its traceback; a miss).",
+        "Lookups that failed with an unexpected error, a bug (a miss; the first logged with its traceback).",
     ),
     "served_tokens": ("served_tokens", "Tokens loaded for admitted requests (beyond vLLM's own hit)."),
     "loads_written": ("loads_written", "Loads written into vLLM's KV cache (see load_phase_seconds)."),

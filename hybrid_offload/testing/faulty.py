@@ -151,7 +151,7 @@ class FaultyBackend(BackendWrapper):
             _checked_op(op, "fail", ValueError)
         with self._lock:
             for op in ops or DATA_CALLS:
-                self._failures[op] = (times, error or BackendUnavailableError(f"injected {op} failure"))
+                self._failures[op] = (times, error or FAIL_WITH["unavailable"](op))
 
     def corrupt_reads(self, *, times: int = 1) -> None:
         """The next ``times`` reads (:data:`READS`) flip one byte in the middle of every page
